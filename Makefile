@@ -1,0 +1,29 @@
+# Two commands on a fresh machine:  `make repro` (main job)  and  `make test` (test suite).
+# Each creates ./.venv and installs everything it needs. On a machine without an NVIDIA GPU, torch comes as the
+# CPU build (pinned, so pip never pulls a multi-GB CUDA wheel); with `nvidia-smi` present, the normal CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install test repro train bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test,workbench]"
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q
+
+repro: install
+	$(BIN)/lean train --out outputs/train
+
+bench: install
+	$(BIN)/lean bench schedules --out outputs/bench
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,82 @@
+"""GRPO group-relative advantages (float64 throughout).
+
+Samples of the same prompt form a group. The advantage of sample ``n`` in group ``g`` is
+``A_n = (r_n − mean_g) / (std + eps)`` with the population std of the group (or of all rewards with ``global_std``),
+as in FlowGRPO. In distributed training the rewards are gathered from all ranks first (groups may span ranks), the
+advantages computed on the full batch, and each rank keeps its own block, :func:`local_slice`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(r float64, inverse [N] mapping each sample to its group 0..G−1, group sizes [G], group means [G])."""
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        shapes = f"{list(rewards.shape)} and {list(group_ids.shape)}"
+        raise ValueError(f"rewards/group_ids: need matching 1-D shapes, got {shapes}")
+    r = rewards.to(torch.float64)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    count = torch.bincount(inverse).to(torch.float64)
+    mean = torch.zeros_like(count).index_add_(0, inverse, r) / count
+    return r, inverse, count, mean
+
+
+def _population_std(r: Tensor, inverse: Tensor, count: Tensor, mean: Tensor) -> Tensor:
+    """Per-group ``sqrt(mean((r − mean_g)²))`` [G]."""
+    return (torch.zeros_like(count).index_add_(0, inverse, (r - mean[inverse]) ** 2) / count).sqrt()
+
+
+def _constant(r: Tensor, inverse: Tensor, count: Tensor) -> Tensor:
+    """BoolTensor [G]: the group's rewards are all equal (max == min, immune to rounding in the mean)."""
+    hi = torch.full_like(count, -torch.inf).scatter_reduce_(0, inverse, r, "amax")
+    lo = torch.full_like(count, torch.inf).scatter_reduce_(0, inverse, r, "amin")
+    return hi == lo
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    global_std: bool = False,
+    clip: float | None = None,
+    eps: float = 1e-4,
+) -> Tensor:
+    """``A_n = clamp((r_n − mean_{g(n)}) / (std + eps), −clip, clip)`` as float64 [N].
+
+    ``std`` is the population std (``unbiased=False``) of the sample's group, or of all N rewards with ``global_std``.
+    Groups may differ in size and be interleaved in any order. A group whose rewards are all equal gets exactly 0
+    (not a rounding residue of its mean divided by ``eps``).
+    """
+    r, inverse, count, mean = _groups(rewards, group_ids)
+    centered = r - mean[inverse]
+    std = r.std(unbiased=False).expand_as(r) if global_std else _population_std(r, inverse, count, mean)[inverse]
+    advantages = torch.where(_constant(r, inverse, count)[inverse], 0.0, centered / (std + eps))
+    return advantages if clip is None else advantages.clamp(-clip, clip)
+
+
+def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]:
+    """For logging: ``group_ids`` [G] (sorted unique ids), per-group ``mean``, population ``std`` and ``size`` [G],
+    and ``zero_std_fraction``, the share of groups whose rewards are all equal (they carry no GRPO signal)."""
+    r, inverse, count, mean = _groups(rewards, group_ids)
+    constant = _constant(r, inverse, count)
+    return {
+        "group_ids": torch.unique(group_ids),
+        "mean": mean,
+        "std": torch.where(constant, 0.0, _population_std(r, inverse, count, mean)),
+        "size": count,
+        "zero_std_fraction": float(constant.double().mean()),
+    }
+
+
+def local_slice(n_total: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s contiguous block of a batch of ``n_total`` gathered in rank order from ``world_size`` equal
+    shares: ``slice(rank·n, (rank+1)·n)`` with ``n = n_total / world_size``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
+    if n_total % world_size:
+        raise ValueError(f"n_total={n_total}: not divisible by world_size={world_size}")
+    n = n_total // world_size
+    return slice(rank * n, (rank + 1) * n)

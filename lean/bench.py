@@ -1,0 +1,102 @@
+"""``lean bench schedules``: Recompute vs Retain vs Reweight on one config, measured in one process, interleaved.
+
+Every round runs the three schedules one after another (A B C A B C ...) from the same saved weights and optimizer
+state, so they do identical work on identical trajectories; the first ``warmup`` rounds are discarded and medians are
+taken over ``repeats`` rounds. Peak memory is the per-iteration high-water mark (``lean.metrics.PeakMemory``). FLOPs
+come from one extra, untimed iteration per schedule under ``FlopCounterMode``.
+
+    speedup        = median T_iter(recompute) / median T_iter(schedule)
+    speedup_bound  = (rollout + recompute_forward + backward) / (rollout + backward), all from Recompute's phases in
+                     this run: the speedup if removing the recompute forward were free and nothing else changed
+    MFU            = FLOPs the algorithm needs (rollout, reference and decode forwards + backwards; no recompute)
+                     / (T_iter x peak FLOP/s)
+    HFU            = FLOPs executed / (T_iter x peak FLOP/s)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lean.config import RunConfig
+from lean.metrics import median, peak_flops
+from lean.train import Trainer, count_iteration_flops, needed_flops
+
+SCHEDULE_ORDER = ("recompute", "retain", "reweight")
+PHASES = ("time_iteration_s", "time_rollout_s", "time_update_s", "time_backward_s", "time_recompute_forward_s",
+          "time_reward_s", "time_advantage_s")
+
+
+def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, warmup: int = 1,
+                    trainer: Trainer | None = None) -> dict:
+    trainer = trainer or Trainer(cfg)
+    state = trainer.trainable_state()
+    rows: dict[str, list[dict]] = {s: [] for s in SCHEDULE_ORDER}
+    for r in tqdm(range(warmup + repeats), desc="bench rounds", disable=not trainer.is_main):
+        for s in SCHEDULE_ORDER:
+            trainer.load_trainable_state(state)
+            row = trainer.iteration(0, s)
+            if r >= warmup:
+                rows[s].append(row)
+    peak, peak_source = peak_flops(trainer.device, getattr(torch, cfg.model.dtype))
+
+    result: dict = {"config": {"family": cfg.model.family, "size": cfg.model.size, "dtype": cfg.model.dtype,
+                               "num_steps": cfg.sample.num_steps, "cfg": cfg.sample.cfg, "beta": cfg.train.beta,
+                               "samples_per_process": len(trainer.global_samples(0)) // trainer.world,
+                               "world_size": trainer.world, "repeats": repeats, "warmup": warmup},
+                    "peak_flops": peak, "peak_flops_source": peak_source}
+    for s in SCHEDULE_ORDER:
+        trainer.load_trainable_state(state)
+        flops = count_iteration_flops(trainer, s)
+        entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}
+        t = entry["time_iteration_s"]
+        entry.update({
+            "peak_memory_mb": median(row["peak_memory_mb"] for row in rows[s]),
+            "peak_memory_delta_mb": median(row["peak_memory_delta_mb"] for row in rows[s]),
+            "flops_per_iteration": sum(flops.values()),
+            "flops_needed_per_iteration": needed_flops(flops),
+            "flops_by_region": flops,
+            "mfu": needed_flops(flops) / (t * peak),
+            "hfu": sum(flops.values()) / (t * peak),
+            "time_iteration_all_s": [row["time_iteration_s"] for row in rows[s]],
+        })
+        if "reweight_buffer_mb" in rows[s][0]:
+            entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
+        result[s] = entry
+    trainer.load_trainable_state(state)
+
+    rc = result["recompute"]
+    bound = ((rc["time_rollout_s"] + rc["time_recompute_forward_s"] + rc["time_backward_s"])
+             / (rc["time_rollout_s"] + rc["time_backward_s"]))
+    for s in ("retain", "reweight"):
+        result[s]["speedup"] = rc["time_iteration_s"] / result[s]["time_iteration_s"]
+        result[s]["speedup_bound"] = bound
+        result[s]["speedup_vs_bound"] = result[s]["speedup"] / bound
+
+    if trainer.is_main:
+        print(format_table(result))
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "schedules.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    lines = [f"lean bench schedules: {c['family']}/{c['size']} {c['dtype']}, {c['num_steps']} steps, cfg={c['cfg']}, "
+             f"beta={c['beta']}, {c['samples_per_process']} samples/process x {c['world_size']} process(es), "
+             f"median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_flops_source']})",
+             f"{'schedule':10} {'iter s':>8} {'rollout s':>10} {'update s':>9} {'peak MiB':>9} {'GFLOP':>8} "
+             f"{'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}"]
+    for s in SCHEDULE_ORDER:
+        e = result[s]
+        extra = (f"{e['speedup']:8.3f} {e['speedup_bound']:6.3f} {e['speedup_vs_bound']:9.3f}"
+                 if "speedup" in e else f"{'1.000':>8} {'':6} {'':9}")
+        lines.append(f"{s:10} {e['time_iteration_s']:8.3f} {e['time_rollout_s']:10.3f} {e['time_update_s']:9.3f} "
+                     f"{e['peak_memory_mb']:9.1f} {e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} "
+                     f"{e['hfu']:6.3f} {extra}")
+    return "\n".join(lines)
+

@@ -1,0 +1,99 @@
+"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch.
+
+Configuration errors print one line and exit with status 2, before any model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lean.config import ConfigError
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", default=None, help="YAML file with model/sample/reward/train sections "
+                   "(default: ./params.yaml if it exists)")
+    p.add_argument("--preset", default=None, help="named recipe from lean/presets, applied on top of --params")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, e.g. --set model.family=wan (repeatable)")
+    p.add_argument("--out", default=None, help="output folder")
+
+
+def _config(args):
+    import os
+
+    from lean.config import load_config
+
+    params = args.params if args.params is not None else ("params.yaml" if os.path.exists("params.yaml") else None)
+    return load_config(params, args.overrides, preset=args.preset)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lean", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="GRPO training with the configured schedule")
+    _add_run_options(p)
+
+    p = sub.add_parser("plan", help="predicted peak memory and time per iteration of each schedule")
+    _add_run_options(p)
+
+    p = sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient diffs")
+    _add_run_options(p)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("schedules", help="recompute vs retain vs reweight, interleaved")
+    _add_run_options(b)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--warmup", type=int, default=1)
+    bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash", add_help=False)
+
+    p = sub.add_parser("launch", help="run a lean command on N processes through Accelerate (gloo on CPU)")
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="-- <lean command and its options>")
+
+    # `lean bench overlap ...` owns its own option parsing (it re-launches itself on every rank).
+    if argv[:2] == ["bench", "overlap"]:
+        from lean.overlap.bench import cli_main
+
+        return cli_main(argv[2:])
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "launch":
+            from lean.launch import launch
+
+            rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+            if not rest:
+                parser.error("launch: give the lean command to run after --")
+            if args.num_processes < 1:
+                raise ConfigError("--num-processes", args.num_processes, "must be >= 1")
+            return launch(args.num_processes, rest)
+        cfg = _config(args)
+        if args.command == "train":
+            from lean.train import train
+
+            train(cfg, out=args.out)
+        elif args.command == "plan":
+            from lean.plan import main as plan_main
+
+            plan_main(cfg, out=args.out)
+        elif args.command == "equivalence":
+            from lean.equivalence import main as equivalence_main
+
+            equivalence_main(cfg, out=args.out)
+        elif args.command == "bench" and args.bench == "schedules":
+            from lean.bench import bench_schedules
+
+            bench_schedules(cfg, out=args.out, repeats=args.repeats, warmup=args.warmup)
+    except ConfigError as e:
+        print(f"lean: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The GRPO loss of one trained step, shared by every schedule.
+
+For sample b at trained step j, with r = exp(log p_theta(x_{j+1} | x_j) - log p_old), advantage A and clip range c:
+
+    policy_loss = max(-A r, -A clip(r, 1 - c, 1 + c))                       (PPO clipped surrogate)
+    kl          = mean_over_dims(||mu_theta - mu_ref||^2) / (2 std^2)        (FlowGRPO's KL between the two Gaussians)
+    loss_bj     = policy_loss + beta * kl
+
+The objective of one optimizer step over N samples (across all processes) and K trained steps per sample is
+L = 1/(N K) sum_b sum_{j in T_b} loss_bj. On-policy, r = 1 and its gradient is A * grad log p: that is what lets
+Retain and Reweight skip the recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def clipped_surrogate(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample PPO loss and ratio. All inputs [B]."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
+def kl_penalty(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample KL between N(mean, std^2) and N(ref_mean, std^2), averaged over the non-batch dimensions."""
+    dims = tuple(range(1, mean.ndim))
+    sq = ((mean - ref_mean) ** 2).mean(dim=dims)
+    return sq / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
+
+
+@dataclass
+class StepLoss:
+    policy: torch.Tensor  # [B] clipped surrogate
+    kl: torch.Tensor | None  # [B] or None when beta == 0
+    ratio: torch.Tensor  # [B], detached
+
+    def total(self, beta: float) -> torch.Tensor:
+        return self.policy if self.kl is None else self.policy + beta * self.kl
+
+
+def step_loss(log_prob, old_log_prob, advantages, clip_range: float, *, mean=None, ref_mean=None, std=None) -> StepLoss:
+    """The per-sample loss terms of one trained step; ``ref_mean=None`` means no KL term."""
+    policy, ratio = clipped_surrogate(log_prob, old_log_prob, advantages.to(log_prob.dtype), clip_range)
+    kl = kl_penalty(mean, ref_mean, std).to(policy.dtype) if ref_mean is not None else None
+    return StepLoss(policy, kl, ratio.detach())
+
+
+def loss_stats(losses: list[StepLoss], beta: float) -> dict[str, float]:
+    """Means over all (sample, step) terms, for logging."""
+    if not losses:
+        return {}
+    pol = torch.cat([loss.policy.detach() for loss in losses])
+    ratio = torch.cat([loss.ratio for loss in losses])
+    out = {"policy_loss": pol.mean().item(), "ratio_mean": ratio.mean().item(),
+           "ratio_max_dev": (ratio - 1).abs().max().item()}
+    if losses[0].kl is not None:
+        out["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean().item()
+    return out

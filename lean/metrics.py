@@ -1,0 +1,221 @@
+"""Measurement shared by training, benchmarks and the overlap ops: phase timers, peak memory, FLOPs, peak FLOP/s.
+
+Peak memory
+    CUDA: the caching allocator's ``max_memory_allocated`` since the last reset (tensor bytes).
+    CPU: the kernel's resident-set high-water mark ``VmHWM`` of this process, reset at the start of the measured region
+    by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). It is a real process measurement, so it includes the
+    interpreter, the libraries and the weights; ``PeakMemory.delta_mb`` subtracts the resident size at the reset to get
+    what the region itself added. Where ``clear_refs`` is not writable we fall back to ``ru_maxrss`` (never reset).
+
+FLOPs
+    ``torch.utils.flop_counter.FlopCounterMode`` around a region; forward and backward regions are counted separately
+    by the caller (``FlopTally``) so that MFU can count only the FLOPs an algorithm needs.
+
+Peak FLOP/s
+    CPU: measured by a calibration matmul (best of a few timed repetitions). GPU: the vendor's dense tensor-core figure
+    from ``GPU_PEAK_TFLOPS`` (datasheet numbers, no sparsity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import resource
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+# Dense (non-sparse) peak TFLOP/s from the NVIDIA datasheets (SXM parts). fp32 = plain FP32 (no TF32).
+GPU_PEAK_TFLOPS = {
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "float64": 67.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "float64": 67.0},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5},
+}
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Wall-clock seconds accumulated per named phase: ``with timer("rollout"): ...``."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.seconds[phase] += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+# ---------------------------------------------------------------- memory
+
+_STATUS = "/proc/self/status"
+
+
+def _read_status_kb(key: str) -> int | None:
+    try:
+        with open(_STATUS) as f:
+            m = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def rss_mb() -> float:
+    kb = _read_status_kb("VmRSS")
+    return kb / 1024 if kb is not None else float("nan")
+
+
+def _reset_cpu_peak() -> bool:
+    # Give freed heap pages back to the kernel first, or a previous region's high tide would count as resident.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory of a region, in MiB: ``with PeakMemory(device) as pm: ...; pm.peak_mb, pm.delta_mb``."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.peak_mb = float("nan")
+        self.start_mb = float("nan")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
+        else:
+            self._resettable = _reset_cpu_peak()
+            self.start_mb = rss_mb()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            kb = _read_status_kb("VmHWM") if self._resettable else None
+            if kb is None:  # ru_maxrss is in kB on Linux
+                kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.peak_mb = kb / 1024
+        return False
+
+    @property
+    def delta_mb(self) -> float:
+        return self.peak_mb - self.start_mb
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+class FlopTally:
+    """FLOPs per named region of one measured stretch of work.
+
+    One ``FlopCounterMode`` runs for the whole ``measuring()`` block; ``region(name)`` attributes the FLOPs counted
+    while it is the innermost open region to ``name`` (regions nest: a backward inside the rollout counts as
+    ``backward``, not twice). Outside ``measuring()`` a region costs one ``if``.
+    """
+
+    def __init__(self):
+        self.flops: dict[str, int] = defaultdict(int)
+        self._mode = None
+        self._stack: list[str] = []
+        self._seen = 0
+
+    @contextlib.contextmanager
+    def measuring(self):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as mode:
+            self._mode, self._seen = mode, 0
+            try:
+                with self.region("other"):
+                    yield self
+            finally:
+                self._mode = None
+
+    def _attribute(self) -> None:
+        total = self._mode.get_total_flops()
+        if self._stack:
+            self.flops[self._stack[-1]] += total - self._seen
+        self._seen = total
+
+    @contextlib.contextmanager
+    def region(self, name: str):
+        if self._mode is None:
+            yield
+            return
+        self._attribute()
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._attribute()
+            self._stack.pop()
+
+    def total(self, *regions: str) -> int:
+        return sum(self.flops.get(r, 0) for r in regions) if regions else sum(self.flops.values())
+
+
+# ---------------------------------------------------------------- peak FLOP/s
+
+
+def calibrate_cpu_peak_flops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul on this CPU with torch's current thread count."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool, caches
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def gpu_peak_flops(dtype: torch.dtype, device_name: str | None = None) -> float:
+    """Datasheet dense peak of the current CUDA device for ``dtype``; raises if the device is not in the table."""
+    name = device_name or torch.cuda.get_device_name()
+    for key, table in GPU_PEAK_TFLOPS.items():
+        if key in name.upper():
+            return table[str(dtype).removeprefix("torch.")] * 1e12
+    raise KeyError(f"no peak FLOP/s for GPU {name!r}; known: {', '.join(GPU_PEAK_TFLOPS)}")
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for the device the work runs on."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return gpu_peak_flops(dtype), f"table:{torch.cuda.get_device_name()}"
+    cal_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return calibrate_cpu_peak_flops(dtype=cal_dtype), f"calibration:matmul-1024-{cal_dtype}"
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,237 @@
+"""The trainable policy: a diffusers flow-matching transformer + LoRA (peft) + frozen VAE and text encoders.
+
+Flow matching convention: x_t = (1 - sigma) x_0 + sigma noise, and the network predicts the velocity
+v = noise - x_0. Classifier-free guidance combines an unconditional (empty prompt) and a conditional prediction:
+v = v_u + s (v_c - v_u). The reference policy of the KL term is the same network with the adapter switched off.
+
+Everything family-specific (latent layout, timestep scale, text conditioning, VAE normalisation) sits behind the
+:class:`Family` interface implemented in ``lean/models/<family>.py``; this module does not know which family it runs.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+from torch import Tensor
+
+from lean.models.text import PromptEmbeds
+
+LORA_FILE = "lora.safetensors"
+
+
+class Family(Protocol):
+    """What differs between model families, for one resolution / frame count."""
+
+    noise_shape: tuple[int, ...]  # per-sample Gaussian draw, in the VAE latent layout
+    latent_shape: tuple[int, ...]  # per-sample x as the transformer takes it
+
+    def noise_to_latents(self, noise: Tensor) -> Tensor: ...
+
+    def encode_text(self, encoders, tokenizers, prompts: list[str], max_length: int,
+                    device: torch.device) -> PromptEmbeds: ...
+
+    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds,
+                guidance_embed: float | None) -> Tensor: ...
+
+    def decode(self, vae, x: Tensor) -> Tensor: ...
+
+
+def _keep_fp32_modules(model: torch.nn.Module) -> None:
+    """Half precision keeps the modules a diffusers class lists in ``_keep_in_fp32_modules`` (Wan: RoPE tables,
+    time embedding, modulation tables, norms) in float32, as its ``from_pretrained`` does."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, module in model.named_modules():
+        if any(k in name for k in keep):
+            module.float()
+
+
+class Policy(torch.nn.Module):
+    """Velocity field v_theta(x, sigma, prompt) with CFG, its reference (adapter off), and frozen text/VAE parts.
+
+    ``transformer`` is the peft-wrapped transformer (LoRA), or the bare one under full fine-tuning; then
+    ``reference_transformer`` is a frozen copy of the initial weights (the only case that needs a second copy).
+    Every part is cast to ``dtype`` on ``device`` here, which are then fixed for the policy's life.
+    """
+
+    def __init__(self, family: str, arch: Family, transformer: torch.nn.Module, vae: torch.nn.Module,
+                 text_encoders: dict[str, torch.nn.Module], tokenizers: dict, text_max_length: int,
+                 pipeline_class: str, device: torch.device, dtype: torch.dtype,
+                 reference_transformer: torch.nn.Module | None = None):
+        super().__init__()
+        self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
+        self.transformer, self.vae = transformer, vae
+        self.text_encoders = torch.nn.ModuleDict(text_encoders)
+        self.tokenizers, self.text_max_length = tokenizers, text_max_length
+        self.reference_transformer = reference_transformer
+        self._prompt_cache: dict[str, PromptEmbeds] = {}
+        self._use_reference = False
+        self.device, self.dtype = torch.device(device), dtype
+        self.to(device=device, dtype=dtype).eval()
+        if dtype in (torch.float16, torch.bfloat16):
+            for model in (transformer, reference_transformer):
+                if model is not None:
+                    _keep_fp32_modules(model)
+
+    @property
+    def full_finetune(self) -> bool:
+        return self.reference_transformer is not None
+
+    def train(self, mode: bool = True) -> Policy:
+        """Only the transformer changes mode; the frozen VAE and text encoders stay in eval (no dropout)."""
+        super().train(mode)
+        self.vae.eval()
+        self.text_encoders.eval()
+        return self
+
+    # ------------------------------------------------------------------ conditioning and latents
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Embeddings ``[B, L, D]`` (+ pooled ``[B, P]``), computed once per prompt string under no_grad.
+
+        Each new prompt is encoded alone, so its embedding never depends on which prompts it was batched with.
+        """
+        for prompt in dict.fromkeys(prompts):
+            if prompt not in self._prompt_cache:
+                with torch.no_grad():
+                    emb = self.arch.encode_text(self.text_encoders, self.tokenizers, [prompt], self.text_max_length,
+                                                self.device)
+                self._prompt_cache[prompt] = emb.to(dtype=self.dtype)
+        return PromptEmbeds.cat([self._prompt_cache[p] for p in prompts])
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample shape of x in the layout :meth:`velocity` takes."""
+        return tuple(self.arch.latent_shape)
+
+    def init_latents(self, generators: list[torch.Generator]) -> Tensor:
+        """x_1 ~ N(0, I): sample b is a float32 draw from ``generators[b]`` (CPU), so it never depends on batching
+        or on the dtype / device of the run."""
+        noise = torch.stack([torch.randn(self.arch.noise_shape, generator=g) for g in generators])
+        return self.arch.noise_to_latents(noise).to(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ velocity
+
+    def _net(self) -> torch.nn.Module:
+        return self.reference_transformer if self._use_reference else self.transformer
+
+    def _forward(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
+        return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
+
+    def velocity(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, *, cfg: bool, guidance_scale: float,
+                 uncond_grad: bool = False, guidance_embed: float | None = None) -> Tensor:
+        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
+
+        ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant (FlowGRPO).
+        The two halves run as one ``[uncond, cond]`` batch, except when autograd is recording and v_u is
+        detached: then v_u runs as its own no-grad forward, which keeps half the batch out of the graph (no saved
+        activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding.
+        """
+        sigma = torch.as_tensor(sigma, device=x.device, dtype=x.dtype).expand(x.shape[0])
+        if not cfg:
+            return self._forward(x, sigma, emb, guidance_embed)
+        uncond = self.encode_prompts([""]).expand(x.shape[0])
+        if torch.is_grad_enabled() and not uncond_grad:
+            with torch.no_grad():
+                v_u = self._forward(x, sigma, uncond, guidance_embed)
+            v_c = self._forward(x, sigma, emb, guidance_embed)
+        else:
+            v = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([uncond, emb]),
+                              guidance_embed)
+            v_u, v_c = v.chunk(2)
+        return v_u + guidance_scale * (v_c - v_u)
+
+    forward = velocity
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Inside the block the policy is the reference model: the adapter disabled (or the initial weights)."""
+        if not self.full_finetune:
+            with self.transformer.disable_adapter():
+                yield
+            return
+        self._use_reference = True
+        try:
+            yield
+        finally:
+            self._use_reference = False
+
+    @torch.no_grad()
+    def decode(self, x: Tensor) -> Tensor:
+        """Images ``[B, 3, H, W]`` (video: ``[B, 3, F, H, W]``), float32 in [0, 1]."""
+        return (self.arch.decode(self.vae, x) / 2 + 0.5).clamp(0, 1).float()
+
+    # ------------------------------------------------------------------ trainable state
+
+    def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of what the optimizer updates: LoRA factors, or the whole transformer.
+        Names are module paths, identical in every process."""
+        return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def perturb_lora_(self, std: float, generator: torch.Generator) -> None:
+        """theta += std * N(0, I) on the trainable parameters (float32 CPU draws), e.g. to make a zero-initialised
+        LoRA B non-trivial so the policy and its reference differ."""
+        for _, p in self.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=generator).to(p) * std)
+
+    def lora_state_dict(self) -> dict[str, Tensor]:
+        """A copy of the trainable parameters, keyed as :meth:`trainable_parameters`."""
+        return {n: p.detach().clone() for n, p in self.trainable_parameters()}
+
+    @torch.no_grad()
+    def load_lora_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Copy ``state`` into the trainable parameters; keys and shapes must match exactly."""
+        params = dict(self.trainable_parameters())
+        if set(state) != set(params):
+            missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+            raise KeyError(f"LoRA state mismatch: missing {missing[:3]}..., unexpected {extra[:3]}...")
+        for n, p in params.items():
+            p.copy_(state[n])
+
+    def save_lora(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in self.lora_state_dict().items()}, str(path),
+                  metadata={"family": self.family})
+
+    def load_lora(self, path: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        self.load_lora_state_dict(load_file(str(path), device=str(self.device)))
+
+    # ------------------------------------------------------------------ diffusers pipeline folder
+
+    def base_transformer_state_dict(self) -> dict[str, Tensor]:
+        """The transformer's own weights, LoRA layers stripped (peft keeps the base Linear as ``base_layer``)."""
+        if self.full_finetune:
+            return self.transformer.state_dict()
+        state = self.transformer.get_base_model().state_dict()
+        return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+    def save_pretrained(self, folder: str | Path, adapter: bool = True) -> None:
+        """Write a diffusers pipeline folder: ``model_index.json``, ``transformer/`` (base weights, adapter excluded),
+        ``vae/``, the text encoders and tokenizers; plus, if ``adapter``, the LoRA as ``lora.safetensors``.
+        :func:`lean.models.build_policy` with ``pretrained=folder`` restores this policy exactly."""
+        from diffusers import __version__ as diffusers_version
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        base = self.transformer if self.full_finetune else self.transformer.get_base_model()
+        base.save_config(folder / "transformer")
+        save_file({k: v.contiguous() for k, v in self.base_transformer_state_dict().items()},
+                  str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+        self.vae.save_pretrained(folder / "vae")
+        index = {"_class_name": self.pipeline_class, "_diffusers_version": diffusers_version,
+                 "transformer": ["diffusers", type(base).__name__], "vae": ["diffusers", type(self.vae).__name__]}
+        for name, encoder in self.text_encoders.items():
+            encoder.save_pretrained(folder / name)
+            index[name] = ["transformers", type(encoder).__name__]
+        for name, tokenizer in self.tokenizers.items():
+            tokenizer.save_pretrained(folder / name)
+            index[name] = ["transformers", "PreTrainedTokenizerFast"]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if adapter and not self.full_finetune:
+            self.save_lora(folder / LORA_FILE)

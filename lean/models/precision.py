@@ -1,0 +1,54 @@
+"""Keep float64 models in float64.
+
+diffusers upcasts some operations "to float32" for half-precision stability: ``RMSNorm`` computes its variance in
+float32, ``FP32LayerNorm`` and Wan's blocks call ``.float()`` on the residual stream. For a float64 model these are
+*downcasts*: the forward loses precision and, worse, the backward rounds every cotangent that passes through them to
+float32, so two mathematically equal gradient computations (Retain's and Reweight's, say) differ at 1e-8 instead of
+1e-16. ``float64_scope()`` makes those casts leave float64 tensors alone while a float64 model runs; it changes
+nothing for other dtypes and nothing outside the scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_original_float = torch.Tensor.float
+
+
+def _float_keeping_float64(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return self if self.dtype == torch.float64 else _original_float(self, *args, **kwargs)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers' RMSNorm computed in the input's dtype (float64 here)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
+    if self.weight is not None:
+        hidden_states = hidden_states * self.weight.to(hidden_states.dtype)
+        if getattr(self, "bias", None) is not None:
+            hidden_states = hidden_states + self.bias.to(hidden_states.dtype)
+    return hidden_states
+
+
+def keep_rms_norm_dtype(model: torch.nn.Module) -> None:
+    """Give every diffusers ``RMSNorm`` of a float64 model a dtype-preserving forward (instance-level)."""
+    from diffusers.models.normalization import RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = _rms_norm_forward.__get__(module)
+
+
+@contextlib.contextmanager
+def float64_scope(active: bool = True):
+    """While active, ``tensor.float()`` returns float64 tensors unchanged."""
+    if not active:
+        yield
+        return
+    torch.Tensor.float = _float_keeping_float64
+    try:
+        yield
+    finally:
+        torch.Tensor.float = _original_float

@@ -1,0 +1,90 @@
+"""The four GEMM + communication operations, forward math only (autograd lives in ``autograd.py``).
+
+Layout: sequence first, ``(rows, *batch, features)`` as in Megatron, so that a sequence shard is a contiguous block of
+dimension 0. P is the group's world size, r this rank, ``x_j`` rank j's input, ``s`` the rows per rank.
+
+    all_gather_matmul      y   = [x_0; ..; x_{P-1}] @ w                          (P*s, *B, n)   TP+SP entry
+    matmul_reduce_scatter  y_r = rows r*s..(r+1)*s of  sum_j x_j @ w_j              (s, *B, n)   TP+SP exit
+    matmul_all_to_all      y_r = [x_0 @ W_r; ..; x_{P-1} @ W_r]                     (P*s, *B, c) Ulysses QKV
+    all_to_all_matmul      y_r = sum_j o_j[rows of r] @ W_j                         (s, *B, d)   Ulysses output
+
+Their gradients are each other: d(all_gather_matmul)/dx is a matmul_reduce_scatter by w^T and vice versa, and
+d(matmul_all_to_all)/dx is an all_to_all_matmul by W^T and vice versa. Every op follows ``ov.method`` (see ``p2p.py``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lean.overlap.p2p import Overlap, all_gather_apply, all_to_all_apply, divisible_rows, reduce_scatter_apply
+
+
+def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(all_gather(x_shard) @ w, all_gather(x_shard) if keep_input else None)``; x_shard ``(s, *B, k)``, w ``(k, n)``."""
+    world = ov.world
+    y = x_shard.new_empty((world, *x_shard.shape[:-1], w.shape[-1]))
+    x_full = x_shard.new_empty((world, *x_shard.shape)) if keep_input else None
+
+    def consume(peers: slice, rows: slice, block: Tensor) -> None:
+        y[peers, rows] = block @ w
+        if x_full is not None:
+            x_full[peers, rows] = block
+
+    all_gather_apply(x_shard, consume, ov)
+    return y.flatten(0, 1), None if x_full is None else x_full.flatten(0, 1)
+
+
+def matmul_reduce_scatter(x: Tensor, w: Tensor, ov: Overlap) -> Tensor:
+    """This rank's row shard of ``sum over ranks of x @ w``; x ``(P*s, *B, k)``, w ``(k, n)`` -> ``(s, *B, n)``."""
+    world = ov.world
+    chunks = x.reshape(world, divisible_rows(x, world, "matmul_reduce_scatter"), *x.shape[1:])
+    return reduce_scatter_apply(lambda peers, rows: chunks[peers, rows] @ w, chunks.shape[1], ov)
+
+
+def _check_blocks(w_blocks: Tensor, world: int, op: str) -> None:
+    if w_blocks.dim() != 3 or w_blocks.shape[0] != world:
+        raise ValueError(f"{op}: weight blocks must have shape (world size {world}, in, out), got {tuple(w_blocks.shape)}")
+
+
+def matmul_all_to_all(x_shard: Tensor, w_blocks: Tensor, ov: Overlap) -> Tensor:
+    """Rank j's ``x_j @ w_blocks[r]`` for every j, stacked: x_shard ``(s, *B, d)``, w_blocks ``(P, d, c)`` -> ``(P*s, *B, c)``.
+
+    Each rank multiplies its sequence shard by every rank's column block and sends block j to rank j, so that rank r
+    ends with the full sequence of its own feature block (Ulysses: heads).
+    """
+    world = ov.world
+    _check_blocks(w_blocks, world, "matmul_all_to_all")
+    s, batch, d = x_shard.shape[0], x_shard.shape[1:-1], x_shard.shape[-1]
+    y = x_shard.new_empty((world, s, *batch, w_blocks.shape[-1]))
+
+    def produce(peers: slice, rows: slice) -> Tensor:  # (n_peers, rows, *B, c)
+        block = x_shard[rows].reshape(-1, d) @ w_blocks[peers]  # broadcast over peers: one batched GEMM
+        return block.view(block.shape[0], -1, *batch, block.shape[-1])
+
+    def consume(peers: slice, rows: slice, block: Tensor) -> None:
+        y[peers, rows] = block
+
+    all_to_all_apply(produce, consume, s, ov)
+    return y.flatten(0, 1)
+
+
+def all_to_all_matmul(o: Tensor, w_blocks: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``sum_j o_j[rows of r] @ w_blocks[j]``: o ``(P*s, *B, c)``, w_blocks ``(P, c, d)`` -> ``(s, *B, d)``.
+
+    Also returns (if ``keep_input``) the received blocks ``(P, s, *B, c)``: rank j's features of this rank's rows.
+    """
+    world = ov.world
+    _check_blocks(w_blocks, world, "all_to_all_matmul")
+    chunks = o.reshape(world, divisible_rows(o, world, "all_to_all_matmul"), *o.shape[1:])
+    s, batch, c = chunks.shape[1], chunks.shape[2:-1], chunks.shape[-1]
+    y = o.new_zeros((s, *batch, w_blocks.shape[-1]))
+    received = o.new_empty(chunks.shape) if keep_input else None
+
+    def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block (n_peers, rows, *B, c)
+        lhs = block.movedim(0, -2).reshape(-1, block.shape[0] * c)  # contract over (peer, c) in one GEMM
+        y[rows] += (lhs @ w_blocks[peers].reshape(-1, w_blocks.shape[-1])).view(y[rows].shape)
+        if received is not None:
+            received[peers, rows] = block
+
+    all_to_all_apply(lambda peers, rows: chunks[peers, rows], consume, s, ov)
+    return y, received

@@ -1,0 +1,232 @@
+"""The three communication patterns behind every overlap op, each run by one of three methods.
+
+A pattern moves a tensor that is cut into P chunks, one per rank of the group, each chunk ``rows`` rows long
+(dimension 0). The op's computation enters as callbacks on *blocks*: a block ``(peers, rows)`` holds the chunks of the
+group ranks in the slice ``peers`` (leading dimension), restricted to the slice ``rows`` (second dimension).
+
+    all_gather_apply(chunk, consume)        consume(j, :, chunk_j) for every rank j      (gather, then compute)
+    reduce_scatter_apply(produce)           returns sum over ranks q of produce_q(me, :)  (compute, then reduce)
+    all_to_all_apply(produce, consume)      consume(j, :, produce_j(me, :)) for every j   (compute, swap, compute)
+
+Methods (what runs while the GEMMs run):
+    collective  one collective on the whole tensor and one callback on the whole block: nothing overlaps.
+    sliced      the rows are cut into ``slices`` slices; the collective of slice i is in flight while slice i+-1
+                computes. The first gather (or the last reduce-scatter / all-to-all) has nothing left to hide behind:
+                that exposed slice is the tail.
+    flash       one P2P step (``batch_isend_irecv``) per peer chunk. All-gather is a ring that consumes the local chunk
+                first while the first transfer flies (optionally both ways round the ring: half the steps);
+                reduce-scatter is a ring whose partial sums are accumulated while they travel and whose last step
+                computes the local chunk, so no transfer and no reduction kernel is left after the last GEMM;
+                all-to-all sends to each destination as soon as its block is computed and computes the local block
+                last. Every transfer except those the last GEMM covers overlaps a GEMM.
+
+Every wait has a timeout (gloo: ``Work.wait(timeout)``; NCCL: the process group's timeout and watchdog, because a
+timed wait there would block the host and stop it queueing the next GEMM), so a lost peer raises :class:`PeerLost`
+instead of hanging. On NCCL the transfers run on NCCL's own streams and ``Work.wait`` only orders the compute stream
+after them, so the same code overlaps on GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Method = Literal["collective", "sliced", "flash"]
+METHODS: tuple[str, ...] = get_args(Method)
+DEFAULT_TIMEOUT_S = 60.0
+
+Produce = Callable[[slice, slice], Tensor]  # (peers, rows) -> block of shape (n_peers, n_rows, ...)
+Consume = Callable[[slice, slice, Tensor], None]  # (peers, rows, block); must copy what it keeps of block
+
+# torch >= 2.10 renamed the tensor collectives; keep working on older releases.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PeerLost(RuntimeError):
+    """A transfer did not complete within the timeout (a peer died, hung or took another code path)."""
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How an op communicates: the method, the group and the method's knobs.
+
+    ``slices``: number of slices for ``sliced`` (default: the world size, the same granularity as ``flash``).
+    ``bidirectional``: ``flash`` all-gather sends round the ring both ways (ceil((P-1)/2) steps instead of P-1).
+    ``timeout``: seconds any single wait may take before :class:`PeerLost` is raised.
+    """
+
+    method: Method = "flash"
+    group: dist.ProcessGroup | None = None
+    slices: int | None = None
+    bidirectional: bool = False
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown overlap method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.slices is not None and self.slices < 1:
+            raise ValueError(f"slices must be >= 1, got {self.slices}")
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def peer(self, j: int) -> int:
+        """Global rank of group rank ``j`` (taken modulo the world size)."""
+        j %= self.world
+        return j if self.group is None else dist.get_global_rank(self.group, j)
+
+
+def as_overlap(method: Method | Overlap, group: dist.ProcessGroup | None = None, slices: int | None = None,
+               bidirectional: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> Overlap:
+    """``method`` itself if it is an :class:`Overlap`, else one built from the arguments."""
+    return method if isinstance(method, Overlap) else Overlap(method, group, slices, bidirectional, timeout)
+
+
+def divisible_rows(x: Tensor, world: int, op: str) -> int:
+    """Rows per rank of ``x`` split over dimension 0; refuses shapes that do not split evenly."""
+    if x.shape[0] % world:
+        raise ValueError(f"{op}: dimension 0 of the input with shape {tuple(x.shape)} is {x.shape[0]}, "
+                         f"not divisible by the world size {world}")
+    return x.shape[0] // world
+
+
+def row_slices(rows: int, slices: int) -> list[slice]:
+    """``slices`` contiguous, nearly equal slices covering ``range(rows)`` (never empty ones)."""
+    n = max(1, min(slices, rows))
+    bounds = [rows * i // n for i in range(n + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def wait(works: Sequence[dist.Work], ov: Overlap, what: str) -> None:
+    timed = dist.get_backend(ov.group) != "nccl"
+    try:
+        for work in works:
+            work.wait(timedelta(seconds=ov.timeout)) if timed else work.wait()
+    except RuntimeError as e:
+        raise PeerLost(f"rank {dist.get_rank()}: {what} did not complete within {ov.timeout:g}s: {e}") from e
+
+
+def exchange(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], ov: Overlap) -> list[dist.Work]:
+    """Posts the sends and receives (tensor, group rank) as one ``batch_isend_irecv``; returns the works."""
+    ops = [dist.P2POp(dist.isend, t, ov.peer(j), ov.group) for t, j in sends]
+    ops += [dist.P2POp(dist.irecv, t, ov.peer(j), ov.group) for t, j in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def _one(j: int, world: int) -> slice:
+    j %= world
+    return slice(j, j + 1)
+
+
+_ALL = slice(None)
+
+
+def all_gather_apply(chunk: Tensor, consume: Consume, ov: Overlap) -> None:
+    """Calls ``consume`` on every rank's ``chunk`` (as blocks), the all-gather overlapped with the calls."""
+    world, me, chunk = ov.world, ov.rank, chunk.contiguous()
+    if ov.method == "collective":
+        out = chunk.new_empty((world * chunk.shape[0], *chunk.shape[1:]))  # gloo wants the concatenated form
+        wait([_all_gather(out, chunk, group=ov.group, async_op=True)], ov, "all-gather")
+        consume(_ALL, _ALL, out.view(world, *chunk.shape))
+        return
+    if ov.method == "sliced":  # every slice's gather is queued at once; slice i computes while i+1.. fly
+        pending = []
+        for rows in row_slices(chunk.shape[0], ov.slices or world):
+            out = chunk.new_empty((world * (rows.stop - rows.start), *chunk.shape[1:]))
+            pending.append((rows, out, _all_gather(out, chunk[rows], group=ov.group, async_op=True)))
+        for rows, out, work in pending:
+            wait([work], ov, "sliced all-gather")
+            consume(_ALL, rows, out.view(world, -1, *chunk.shape[1:]))
+        return
+    # flash ring: chunks of ranks me-1, me-2, .. arrive from the left; with `bidirectional` the second half of them
+    # (me+1, me+2, ..) arrives from the right instead. Step t consumes what step t-1 received while step t's transfers fly.
+    from_left = world // 2 if ov.bidirectional else world - 1
+    from_right = world - 1 - from_left
+    left = right = chunk.unsqueeze(0)
+    ready = [(me, left)]
+    for t in range(1, from_left + 1):
+        sends, recvs, arriving = [(left, me + 1)], [], []
+        left = torch.empty_like(left)
+        recvs.append((left, me - 1))
+        arriving.append((me - t, left))
+        if t <= from_right:
+            sends.append((right, me - 1))
+            right = torch.empty_like(right)
+            recvs.append((right, me + 1))
+            arriving.append((me + t, right))
+        works = exchange(sends, recvs, ov)
+        for j, block in ready:
+            consume(_one(j, world), _ALL, block)
+        wait(works, ov, f"all-gather ring step {t}")
+        ready = arriving
+    for j, block in ready:
+        consume(_one(j, world), _ALL, block)
+
+
+def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap) -> Tensor:
+    """Sum over ranks of ``produce(me, :)``, shape ``(rows, ...)``, the reduce-scatter overlapped with ``produce``."""
+    world, me = ov.world, ov.rank
+    if ov.method == "collective":
+        full = produce(_ALL, _ALL).contiguous()
+        out = full.new_empty(full.shape[1:])
+        wait([_reduce_scatter(out, full.flatten(0, 1), group=ov.group, async_op=True)], ov, "reduce-scatter")
+        return out
+    if ov.method == "sliced":  # slice i reduces while slice i+1 computes; the last slice's reduction is exposed
+        outs, works = [], []
+        for part in row_slices(rows, ov.slices or world):
+            full = produce(_ALL, part).contiguous()
+            outs.append(full.new_empty(full.shape[1:]))
+            works.append(_reduce_scatter(outs[-1], full.flatten(0, 1), group=ov.group, async_op=True))
+        wait(works, ov, "sliced reduce-scatter")
+        return torch.cat(outs)
+    # flash ring: the partial sum of chunk c starts at rank c+1 and travels right, each rank adding its own partial;
+    # step t computes the partial of chunk me-1-t while step t-1's sum is in flight, and the last step is chunk `me`.
+    works, received = [], None
+    for t in range(world):
+        partial = produce(_one(me - 1 - t, world), _ALL)
+        if t > 0:
+            wait(works, ov, f"reduce-scatter ring step {t}")
+            partial = partial + received
+        if t < world - 1:
+            sent, received = partial.contiguous(), torch.empty_like(partial)
+            works = exchange([(sent, me + 1)], [(received, me - 1)], ov)
+    return partial[0]
+
+
+def all_to_all_apply(produce: Produce, consume: Consume, rows: int, ov: Overlap) -> None:
+    """``consume(j, :, block)`` with the block rank j produced for this rank, for every j: an all-to-all between."""
+    world, me = ov.world, ov.rank
+    if ov.method == "collective":
+        send = produce(_ALL, _ALL).contiguous()
+        recv = torch.empty_like(send)
+        wait([dist.all_to_all_single(recv, send, group=ov.group, async_op=True)], ov, "all-to-all")
+        consume(_ALL, _ALL, recv)
+        return
+    pending = []  # (peers, rows, received block, works), consumed in posting order
+    if ov.method == "sliced":
+        for part in row_slices(rows, ov.slices or world):
+            send = produce(_ALL, part).contiguous()
+            recv = torch.empty_like(send)
+            pending.append((_ALL, part, recv, [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]))
+    else:  # flash: step k sends to me+k what was just computed for it, receives from me-k; the local block goes last
+        for k in range(1, world):
+            send = produce(_one(me + k, world), _ALL).contiguous()
+            recv = torch.empty_like(send)
+            works = exchange([(send, me + k)], [(recv, me - k)], ov)
+            pending.append((_one(me - k, world), _ALL, recv, works))
+        consume(_one(me, world), _ALL, produce(_one(me, world), _ALL))
+    for peers, part, recv, works in pending:
+        wait(works, ov, f"all-to-all from {peers}")
+        consume(peers, part, recv)

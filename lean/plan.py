@@ -1,0 +1,165 @@
+"""Predict each schedule's peak memory and time per iteration from one probed step, and choose for ``auto``.
+
+The probe runs the first trained step of a real local batch three ways and measures:
+  * ``activation_mb``: bytes autograd saves for the backward of one tracked step at the rollout batch (counted with
+    ``saved_tensors_hooks``, each storage once), and ``activation_one_mb`` at one trajectory;
+  * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes.
+
+With n steps, K trained per sample, B local samples, P trainable parameters (bytes), base = resident memory now:
+
+    Recompute  mem = base + activation(train batch)             time = n f + K (f + fb)        (+ K f_ref if beta > 0)
+    Retain     mem = base + K activation(B)                      time = (n - K) f + K fb
+    Reweight   mem = base + activation(1) + (B + 1) P             time = (n - K) f + K B fb_1  (+ K B bwd_1 if beta > 0)
+
+``auto`` takes Retain when its predicted peak fits ``train.memory_budget_mb`` (default: the device's memory), else
+Reweight, and logs both figures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lean.metrics import median, rss_mb
+from lean.rollout import policy_step
+from lean.sde import plan_steps
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def device_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()
+
+
+def probe(trainer) -> dict:
+    """Measure one step of the configured policy at the local rollout batch and at one trajectory."""
+    cfg = trainer.cfg
+    samples = trainer.global_samples(0)
+    batch = min(len(samples) // trainer.world, cfg.train.rollout_batch_size)
+    prompts = [cfg.train.prompts[p] for _, p, _ in samples[:batch]]
+    emb = trainer.policy.encode_prompts(prompts)
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    x = trainer.policy.init_latents(gens)
+    index = torch.zeros(batch, dtype=torch.long)
+
+    def step(rows: slice, grad: bool):
+        def run():
+            with torch.set_grad_enabled(grad):
+                out = policy_step(trainer.policy, x[rows], index[rows], emb.index(torch.arange(batch)[rows]),
+                                  cfg.sample, trainer.sigmas, generators=gens[rows])
+            if grad:
+                out[1].sum().backward()
+        return run
+
+    full, one = slice(0, batch), slice(0, 1)
+    result = {
+        "batch": batch,
+        "activation_mb": _saved_bytes(lambda: policy_step(trainer.policy, x, index, emb, cfg.sample, trainer.sigmas,
+                                                          generators=gens)) / 2**20,
+        "activation_one_mb": _saved_bytes(lambda: policy_step(trainer.policy, x[one], index[one],
+                                                              emb.index(torch.arange(1)), cfg.sample,
+                                                              trainer.sigmas, generators=gens[one])) / 2**20,
+        "t_forward": _timed(step(full, False)),
+        "t_forward_backward": _timed(step(full, True)),
+        "t_forward_backward_one": _timed(step(one, True)),
+        "param_mb": sum(p.numel() * p.element_size() for p in trainer.params) / 2**20,
+        "base_mb": rss_mb() if trainer.device.type == "cpu" else torch.cuda.memory_allocated() / 2**20,
+    }
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+def predict(trainer, measured: dict) -> dict:
+    cfg = trainer.cfg
+    n = cfg.sample.num_steps
+    local = len(trainer.global_samples(0)) // trainer.world
+    plan = plan_steps(n, 1, timestep_fraction=cfg.sample.timestep_fraction, selection=cfg.sample.timestep_selection,
+                      sde_window=cfg.sample.sde_window, sde_window_max_start=cfg.sample.sde_window_max_start,
+                      window_generator=torch.Generator().manual_seed(0),
+                      sample_generators=[torch.Generator().manual_seed(0)])
+    k = int(plan.trained[0].sum())
+    rounds = -(-local // measured["batch"])  # rollout micro-batches per step
+    f, fb, fb1 = measured["t_forward"] * rounds, measured["t_forward_backward"] * rounds, measured[
+        "t_forward_backward_one"]
+    ref = k * f if cfg.train.beta else 0.0
+    base, act, act1 = measured["base_mb"], measured["activation_mb"] * rounds, measured["activation_one_mb"]
+    train_rows = min(cfg.train.train_batch_size, local)
+    buffers = (local + (1 if cfg.train.beta else 0)) * measured["param_mb"]
+    return {
+        "steps_trained": k,
+        "recompute": {"peak_memory_mb": base + act * train_rows / max(measured["batch"] * rounds, 1),
+                      "time_iteration_s": n * f + k * fb + ref},
+        "retain": {"peak_memory_mb": base + k * act, "time_iteration_s": (n - k) * f + k * fb + ref},
+        "reweight": {"peak_memory_mb": base + act1 + buffers,
+                     "time_iteration_s": (n - k) * f + k * local * fb1 * (2 if cfg.train.beta else 1) + ref},
+    }
+
+
+def choose_schedule(trainer) -> tuple[str, dict]:
+    """For ``train.schedule: auto``: Retain if its predicted peak fits the budget, else Reweight."""
+    measured = probe(trainer)
+    prediction = predict(trainer, measured)
+    budget = trainer.cfg.train.memory_budget_mb or device_memory_mb(trainer.device)
+    retain_mb = prediction["retain"]["peak_memory_mb"]
+    choice = "retain" if retain_mb <= budget else "reweight"
+    decision = {"choice": choice, "budget_mb": budget, "retain_predicted_peak_mb": retain_mb,
+                "reweight_predicted_peak_mb": prediction["reweight"]["peak_memory_mb"]}
+    if trainer.is_main:
+        print(f"lean auto: Retain needs ~{retain_mb:.0f} MiB of a {budget:.0f} MiB budget -> {choice}", flush=True)
+    return choice, decision
+
+
+def main(cfg, out: str | None = None) -> dict:
+    """``lean plan``: print the predicted peak memory and time per iteration of each schedule."""
+    from lean.train import Trainer
+
+    trainer = Trainer(cfg)
+    measured = probe(trainer)
+    prediction = predict(trainer, measured)
+    budget = cfg.train.memory_budget_mb or device_memory_mb(trainer.device)
+    report = {"probe": measured, "prediction": prediction, "budget_mb": budget,
+              "auto_choice": "retain" if prediction["retain"]["peak_memory_mb"] <= budget else "reweight"}
+    if trainer.is_main:
+        print(f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.sample.num_steps} steps, "
+              f"{prediction['steps_trained']} trained, one step saves {measured['activation_mb']:.1f} MiB "
+              f"of activations at batch {measured['batch']}")
+        print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
+        for s in ("recompute", "retain", "reweight"):
+            p = prediction[s]
+            print(f"{s:10} {p['peak_memory_mb']:16.1f} {p['time_iteration_s']:17.3f}")
+        print(f"budget {budget:.0f} MiB -> auto takes {report['auto_choice']}")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))
+    return report

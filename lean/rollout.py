@@ -1,0 +1,120 @@
+"""The one rollout loop, and the one policy step that rollout, update and reference all share.
+
+A trajectory starts from x_0 ~ N(0, I) at sigma_0 = 1 and takes ``num_steps`` steps down the sigma schedule. Steps that
+the :class:`~lean.sde.StepPlan` marks stochastic use the SDE (``sde_step_with_logprob``); the others are deterministic
+Euler (ODE) steps. Which steps run with gradient tracking, and in which micro-batches, is the schedule's choice; what it
+does with each step is its ``on_step`` hook. Recompute runs the whole loop under ``no_grad``; Retain and Reweight track
+gradients on the trained steps. The loop itself is the same for all three, so their trajectories are the same.
+
+Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, prompt, sample index). Its initial
+noise, its step plan and every SDE noise draw come from it in a fixed order, so a trajectory never depends on the batch
+it was rolled out in, the micro-batching, or the number of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from lean.config import SampleConfig
+from lean.sde import StepPlan, ode_step, sde_step_with_logprob
+
+
+def sample_generator(seed: int, iteration: int, prompt_index: int, sample_index: int) -> torch.Generator:
+    """The random stream of one sample: a CPU generator seeded from a hash of its four keys."""
+    state = np.random.SeedSequence([seed, iteration, prompt_index, sample_index]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+def iteration_generator(seed: int, iteration: int, purpose: int = 0) -> torch.Generator:
+    """A stream shared by all processes for one iteration (prompt choice, SDE window)."""
+    state = np.random.SeedSequence([seed, iteration, 2**31 + purpose]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+@dataclass
+class StepOutput:
+    """One SDE step of a micro-batch of trajectories, as ``on_step`` sees it."""
+
+    index: int  # step i
+    rows: torch.Tensor  # which trajectories of the local batch (LongTensor)
+    sample: torch.Tensor  # x_i, detached
+    next_sample: torch.Tensor  # x_{i+1}, detached
+    log_prob: torch.Tensor  # [b]; carries a graph when the step was tracked
+    mean: torch.Tensor  # mean of p(x_{i+1} | x_i); carries a graph when tracked
+    std: torch.Tensor  # std of the Gaussian transition
+
+
+def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig) -> torch.Tensor:
+    return policy.velocity(x, sigma, emb, cfg=cfg.cfg, guidance_scale=cfg.guidance_scale,
+                           uncond_grad=cfg.uncond_grad, guidance_embed=cfg.guidance_embed)
+
+
+def policy_step(policy, x: torch.Tensor, index: torch.Tensor, emb, cfg: SampleConfig, sigmas: torch.Tensor, *,
+                next_sample: torch.Tensor | None = None, generators=None):
+    """v = policy(x, sigma_i), then one SDE step: sample x_{i+1} (or score the given one).
+
+    ``index`` is a LongTensor [b] (per-sample step). Returns ``(x_{i+1}, log_prob, mean, std)``.
+    """
+    sigma = sigmas[index].to(x.dtype)
+    v = velocity(policy, x, sigma, emb, cfg)
+    return sde_step_with_logprob(v, x, sigmas, index, kind=cfg.sde_kind, noise_level=cfg.noise_level,
+                                 prev_sample=next_sample, generator=generators)
+
+
+@torch.no_grad()
+def reference_mean(policy, x, index, emb, cfg: SampleConfig, sigmas, next_sample) -> torch.Tensor:
+    """Mean of the reference policy's transition (adapter disabled) at the same x_i, for the KL term."""
+    with policy.reference():
+        return policy_step(policy, x, index, emb, cfg, sigmas, next_sample=next_sample)[2]
+
+
+def rollout(
+    policy,
+    emb,
+    generators: list[torch.Generator],
+    plan: StepPlan,
+    cfg: SampleConfig,
+    sigmas: torch.Tensor,
+    *,
+    on_step: Callable[[StepOutput], None] | None = None,
+    track_grad: Callable[[int], bool] = lambda i: False,
+    micro_batch: int | None = None,
+    grad_micro_batch: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Roll out ``len(generators)`` trajectories; return the final latents x_T.
+
+    Steps run in micro-batches of ``micro_batch`` trajectories (all at once when None). ``track_grad(i)`` says
+    whether step i runs with autograd on; tracked steps use ``grad_micro_batch`` when given, and ``on_step`` may
+    backpropagate or keep the graph.
+    The next step always starts from a detached x_{i+1}: as in the recomputed loss, every step's input is a constant.
+    """
+    x = policy.init_latents(generators)
+    batch = x.shape[0]
+    all_rows = torch.arange(batch)
+    for i in range(cfg.num_steps):
+        index = torch.full((batch,), i, dtype=torch.long)
+        tracked = bool(plan.stochastic[i]) and track_grad(i)
+        size = (grad_micro_batch if tracked and grad_micro_batch else micro_batch) or batch
+        x_next = torch.empty_like(x)
+        for rows in all_rows.split(size):
+            if not plan.stochastic[i]:
+                with torch.no_grad():
+                    v = velocity(policy, x[rows], sigmas[index[rows]].to(x.dtype), emb.index(rows), cfg)
+                    x_next[rows] = ode_step(v, x[rows], sigmas, i)
+            else:
+                with torch.set_grad_enabled(tracked):
+                    nxt, log_prob, mean, std = policy_step(
+                        policy, x[rows], index[rows], emb.index(rows), cfg, sigmas,
+                        generators=[generators[r] for r in rows.tolist()])
+                x_next[rows] = nxt.detach()
+                if on_step is not None:
+                    on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))
+        x = x_next
+        if progress is not None:
+            progress(i)
+    return x

@@ -1,0 +1,107 @@
+"""LeanGRPO-Reweight: backpropagate each trained step during the rollout with a provisional advantage, correct later.
+
+Why it is exact. On-policy the ratio is 1, so the gradient of trained step j of trajectory b is
+
+    g_bj = 1/(N K) [ -A_b dlog p_bj + beta dKL_bj ]          (dKL: gradient of the KL term; no A in it)
+
+which is linear in the unknown advantage A_b. During the rollout, the step is backpropagated at once with a provisional
+advantage Â_b != 0 (we use Â_b = 1), its graph freed, and the two parts kept apart:
+
+    P_b += 1/(N K) (-Â_b dlog p_bj)      one buffer per trajectory (trajectories must never share one before correction)
+    Q   += 1/(N K) beta dKL_bj           one buffer for all (its weight does not depend on A)
+
+When the group is complete and the true (normalised, clipped) advantages are known:
+
+    grad = sum_b (A_b / Â_b) P_b + Q
+
+which equals Recompute's gradient term by term; A_b = 0 and clipped advantages need no special case. Only then are the
+gradients synchronised across processes (sync is delayed: ``optimizer_step`` all-reduces once).
+
+Layout. A plain batched backward would sum the gradients of every trajectory in the micro-batch into one buffer.
+When every trainable parameter lives in an ``nn.Linear`` (LoRA, or full fine-tuning of linear layers only), the
+backward stays batched and ``per_sample.PerSampleGrads`` splits each layer's weight gradient by row (= trajectory);
+otherwise the tracked steps run one trajectory per micro-batch. The buffers hold (local trajectories + 1) copies of
+the trainable parameters: small with LoRA; their size is reported as ``reweight_buffer_mb``. With the KL term on, each
+step takes a second backward (the two parts need separate vector-Jacobian products); with beta = 0 there is exactly
+one backward per trained step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lean.loss import StepLoss, loss_stats, step_loss
+from lean.rollout import StepOutput
+from lean.schedules.base import OptimizerStep, Schedule, flat_grad, set_grads, trainable
+from lean.schedules.per_sample import PerSampleGrads, linear_owners
+
+PROVISIONAL_ADVANTAGE = 1.0
+
+
+class Reweight(Schedule):
+    name = "reweight"
+
+    def __init__(self, ctx, iteration: int = 0):
+        super().__init__(ctx)
+        self.params = trainable(ctx.policy)
+        n = sum(p.numel() for p in self.params)
+        dtype = self.params[0].dtype
+        self.policy_buffers = torch.zeros(ctx.batch, n, dtype=dtype, device=self.params[0].device)
+        self.kl_buffer = torch.zeros(n, dtype=dtype, device=self.params[0].device) if ctx.beta else None
+        self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64)
+        self.kept_stats: list[tuple[torch.Tensor, StepLoss]] = []  # (rows, detached loss terms) for logging
+        self.per_sample = None
+        if linear_owners(ctx.policy, self.params) is not None:
+            self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers)
+        else:
+            self.grad_micro_batch = 1  # one trajectory per tracked forward: its gradient is its own
+
+    @property
+    def buffer_mb(self) -> float:
+        buffers = [self.policy_buffers] + ([self.kl_buffer] if self.kl_buffer is not None else [])
+        return sum(b.numel() * b.element_size() for b in buffers) / 2**20
+
+    def on_step(self, step: StepOutput) -> None:
+        if not step.log_prob.requires_grad:
+            return
+        ctx = self.ctx
+        ref = ctx.reference_mean(step)
+        loss = step_loss(step.log_prob, step.log_prob.detach(), self.provisional[step.rows], ctx.cfg.train.clip_range,
+                         mean=step.mean, ref_mean=ref, std=step.std)
+        weights = ctx.term_weights(step.rows, step.index, ctx.batch)
+        if not weights.any():
+            return  # DanceGRPO-style selection: another trajectory trains this step, this one does not
+        with ctx.region("backward"):
+            self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)
+            if ref is not None:
+                grads = torch.autograd.grad((weights * ctx.beta * loss.kl).sum(), self.params, allow_unused=True)
+                self.kl_buffer += flat_grad(self.params, grads)
+        kl = None if loss.kl is None else loss.kl.detach()
+        self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
+
+    def _policy_backward(self, loss: torch.Tensor, rows: torch.Tensor, retain_graph: bool) -> None:
+        """Add each trajectory's gradient of ``loss`` to its own buffer."""
+        if self.per_sample is None:
+            (b,) = rows.tolist()
+            grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
+            self.policy_buffers[b] += flat_grad(self.params, grads)
+            return
+        self.per_sample.trajectories, self.per_sample.accumulating = rows, True
+        try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
+            torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self.per_sample.accumulating = False
+
+    def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
+        if self.per_sample is not None:
+            self.per_sample.close()
+        scale = (advantages.to(torch.float64) / self.provisional).to(self.policy_buffers.dtype)
+        grad = scale @ self.policy_buffers
+        if self.kl_buffer is not None:
+            grad = grad + self.kl_buffer
+        set_grads(self.params, grad)
+        # On-policy the surrogate's value is -A r with r = 1; log it with the true advantages.
+        logged = [StepLoss(-advantages[rows].to(loss.ratio.dtype) * loss.ratio, loss.kl, loss.ratio)
+                  for rows, loss in self.kept_stats]
+        stats = {**loss_stats(logged, self.ctx.beta), "reweight_buffer_mb": self.buffer_mb}
+        return {**stats, **optimizer_step()}

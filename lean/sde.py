@@ -1,0 +1,242 @@
+"""Stochastic sampling steps with exact Gaussian log-probabilities, the ODE step, and step planning.
+
+A flow-matching model predicts a velocity ``v = model_output`` at noise level ``σ`` (``x_σ = (1−σ)·x0 + σ·x1``,
+``x1`` pure noise). Sampling walks the descending schedule ``sigmas[0] > ... > sigmas[N] = 0``. Step ``i`` goes from
+``σ = sigmas[i]`` to ``σ' = sigmas[i+1]``. An SDE step is a Gaussian transition ``x' ~ N(mean_θ(x), std²·I)``;
+GRPO trains on ``log p(x' | x)`` of the steps it sampled. Three SDEs are offered (``SDE_KINDS``):
+
+* ``flow_grpo`` — FlowGRPO's reverse SDE with ``σ_t = noise_level·sqrt(σ/(1−σ))``.
+* ``cps``       — coefficients-preserving sampling: re-noise the predicted ``x0`` at level ``σ'``.
+* ``dance``     — DanceGRPO's SDE with constant ``σ_t = noise_level``.
+
+All steps compute in float32 (float64 when the sample is float64), hand back ``x'`` and the mean in the sample's
+dtype, and the log-prob in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SDE_KINDS = ("flow_grpo", "cps", "dance")
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _sigma_pair(sigmas: Tensor, index: int | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(σ, σ') at ``index`` as tensors of shape [B, 1, ..., 1] (broadcastable to ``x``) in ``dtype``."""
+    sigmas = sigmas.to(device=x.device, dtype=dtype)
+    if isinstance(index, int) or index.device.type == "cpu":  # checking a device tensor would sync every step
+        idx = torch.as_tensor(index)
+        if idx.min() < 0 or idx.max() >= len(sigmas) - 1:
+            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
+    index = torch.as_tensor(index, device=x.device, dtype=torch.long).expand(x.shape[0])
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return sigmas[index].view(shape), sigmas[index + 1].view(shape)
+
+
+def _noise(x: Tensor, generator: Generators, dtype: torch.dtype) -> Tensor:
+    """Standard normal noise shaped like ``x``, drawn on each generator's device (CPU by default) then moved to
+    ``x.device``. A list of generators draws sample ``b`` from ``generator[b]`` alone, so batching cannot change it."""
+    if isinstance(generator, Sequence):
+        if len(generator) != x.shape[0]:
+            raise ValueError(f"generator: got {len(generator)} generators for a batch of {x.shape[0]}")
+        eps = torch.cat([torch.randn((1, *x.shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator])
+    else:
+        device = generator.device if generator is not None else torch.device("cpu")
+        eps = torch.randn(x.shape, generator=generator, device=device, dtype=dtype)
+    return eps.to(x.device)
+
+
+def sde_step_with_logprob(
+    model_output: Tensor,
+    sample: Tensor,
+    sigmas: Tensor,
+    index: int | Tensor,
+    *,
+    kind: str,
+    noise_level: float,
+    prev_sample: Tensor | None = None,
+    generator: Generators = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One stochastic step ``x -> x'`` from ``σ = sigmas[index]`` to ``σ' = sigmas[index+1]`` with its log-prob.
+
+    With ``x = sample``, ``v = model_output``, ``ε ~ N(0, I)``, ``η = noise_level``:
+
+    * ``flow_grpo``: ``dt = σ'−σ``; ``s = η·sqrt(σ/(1−σ̃))`` with ``σ̃ = sigmas[1]`` when ``σ == 1`` (else ``σ``);
+      ``mean = x·(1 + s²/(2σ)·dt) + v·(1 + s²(1−σ)/(2σ))·dt``; ``std = s·sqrt(−dt)``;
+      ``log p = −(x'−mean)²/(2std²) − log std − log sqrt(2π)``.
+    * ``cps``: ``std = σ'·sin(ηπ/2)``; ``x̂0 = x − σv``; ``x̂1 = x + (1−σ)v``;
+      ``mean = (1−σ')·x̂0 + sqrt(σ'² − std²)·x̂1``; ``log p = −(x'−mean)²`` (constants and scale dropped, as in
+      FlowGRPO; only ratios/differences of it are used). At the last step ``σ' = 0`` so ``std = 0``, ``x' = mean``.
+    * ``dance``: ``dσ = σ'−σ``; ``x̂0 = x − σv``; ``score = −(x − (1−σ)x̂0)/σ²``;
+      ``mean = x + dσ·v − ½η²·score·dσ``; ``std = η·sqrt(σ−σ')``; Gaussian ``log p`` as for ``flow_grpo``.
+
+    In every case ``x' = mean + std·ε``. ``log p`` is averaged over all non-batch dimensions.
+
+    Args:
+        model_output, sample: ``v`` and ``x``, same shape [B, ...] and dtype.
+        sigmas: the 1-D schedule (descending, last entry 0), e.g. :func:`sigma_schedule`.
+        index: step index, an int or a LongTensor [B] (per-sample steps).
+        kind: one of ``SDE_KINDS``. noise_level: ``η > 0``.
+        prev_sample: score this ``x'`` instead of sampling one (it is detached; gradients reach ``model_output``
+            through the mean only).
+        generator: a ``torch.Generator`` or one per sample (see :func:`_noise`); ignored when ``prev_sample`` is given.
+
+    Returns:
+        ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` and ``mean`` in the sample's dtype (``x'``
+        detached when given); ``log_prob`` [B] in float32 (float64 for float64 input); ``std_dev_t`` the standard
+        deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for flow_grpo, ``std`` above otherwise), shape
+        [B, 1, ..., 1] in the compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps.
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"kind={kind!r}: must be one of {', '.join(SDE_KINDS)}")
+    if not noise_level > 0:
+        raise ValueError(f"noise_level={noise_level!r}: must be > 0")
+    dtype = _compute_dtype(sample)
+    x, v = sample.to(dtype), model_output.to(dtype)
+    sigma, sigma_next = _sigma_pair(sigmas, index, x, dtype)
+
+    if kind == "flow_grpo":
+        dt = sigma_next - sigma
+        sigma_max = sigmas[1].to(device=x.device, dtype=dtype)
+        # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
+        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = s * torch.sqrt(-dt)
+    elif kind == "cps":
+        std = sigma_next * math.sin(noise_level * math.pi / 2)
+        x0, x1 = x - sigma * v, x + (1 - sigma) * v
+        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
+    else:
+        d_sigma = sigma_next - sigma
+        x0 = x - sigma * v
+        score = -(x - x0 * (1 - sigma)) / sigma**2
+        mean = x + d_sigma * v + (-0.5 * noise_level**2 * score) * d_sigma
+        std = noise_level * torch.sqrt(sigma - sigma_next)
+
+    if prev_sample is None:
+        prev_sample = (mean + std * _noise(x, generator, dtype)).detach().to(sample.dtype)
+    else:
+        prev_sample = prev_sample.detach()
+    # Score x' as stored (in the sample's dtype), so sampling and later re-scoring give the same log-prob.
+    sq_err = (prev_sample.to(dtype) - mean) ** 2
+    if kind == "cps":
+        log_prob = -sq_err
+    else:
+        log_prob = -sq_err / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return prev_sample, log_prob, mean.to(sample.dtype), std
+
+
+def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | Tensor) -> Tensor:
+    """Deterministic Euler step ``x' = x + (σ' − σ)·v``, computed in float32 (float64 for float64 samples) and
+    returned in the sample's dtype."""
+    dtype = _compute_dtype(sample)
+    sigma, sigma_next = _sigma_pair(sigmas, index, sample, dtype)
+    return (sample.to(dtype) + (sigma_next - sigma) * model_output.to(dtype)).to(sample.dtype)
+
+
+def sigma_schedule(num_steps: int, shift: float) -> Tensor:
+    """The sampling schedule of diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after
+    ``set_timesteps(num_steps)``: its ``.sigmas`` (float32 values, returned as float64), length ``num_steps + 1``,
+    descending, ``sigmas[0] = 1`` exactly and ``sigmas[-1] = 0``. The interior points are
+    ``shift·s/(1 + (shift−1)·s)`` of a linspace ``s`` from 1 to the scheduler's ``sigma_min`` (which diffusers itself
+    has already shifted once, e.g. 0.00893 for shift 3, 1000 train steps). Kept as-is for parity with FlowGRPO."""
+    from diffusers import FlowMatchEulerDiscreteScheduler  # local: heavy import, only needed here
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which sampling steps are stochastic and which each sample trains on.
+
+    ``stochastic``: BoolTensor [num_steps]; SDE steps (the others are ODE steps, neither stored nor trained).
+    ``trained``: BoolTensor [B, num_steps]; ``trained[b, i]`` -> sample ``b``'s step ``i`` enters the loss. Always a
+    subset of ``stochastic`` and never the last step.
+    ``window_start``: first step of the FlowGRPO-Fast SDE window, ``None`` without a window.
+    """
+
+    stochastic: Tensor
+    trained: Tensor
+    window_start: int | None = None
+
+    @property
+    def grad_steps(self) -> Tensor:
+        """BoolTensor [num_steps]: steps that at least one sample trains on (where a rollout needs a graph)."""
+        return self.trained.any(dim=0)
+
+
+def num_trained_steps(num_steps: int, timestep_fraction: float) -> int:
+    """``K = clip(floor(num_steps·timestep_fraction), 1, num_steps−1)`` trained steps; the last step never is
+    (10 x 0.99 -> 9).
+    A 1e-9 slack absorbs binary rounding of decimal fractions (100 x 0.29 = 28.999999999999996 -> 29, not 28)."""
+    return max(1, min(math.floor(num_steps * timestep_fraction + 1e-9), num_steps - 1))
+
+
+def plan_steps(
+    num_steps: int,
+    batch_size: int,
+    *,
+    timestep_fraction: float = 1.0,
+    selection: str = "first",
+    sde_window: int = 0,
+    sde_window_max_start: int | None = None,
+    window_generator: torch.Generator | None = None,
+    sample_generators: Sequence[torch.Generator] | None = None,
+) -> StepPlan:
+    """Plan the stochastic and trained steps of one rollout.
+
+    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps are
+    trained per sample:
+
+    * ``selection="first"`` (FlowGRPO): steps ``0..K−1`` for every sample.
+    * ``selection="random"`` (DanceGRPO): the first ``K`` entries of ``randperm(num_steps−1)`` drawn from
+      ``sample_generators[b]`` for sample ``b`` (the global RNG when ``None``).
+
+    With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
+    ``[0, sde_window_max_start]`` with ``window_generator`` (global RNG when ``None``); steps ``s..s+w−1`` are
+    stochastic and trained for every sample, all others are ODE steps. ``timestep_fraction`` and ``selection`` are
+    ignored then. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first
+    half of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy
+    ``s + w ≤ num_steps − 1`` so the last step is never in the window.
+    """
+    if num_steps < 2:
+        raise ValueError(f"num_steps={num_steps}: need >= 2 (the last step is never trained)")
+    if selection not in ("first", "random"):
+        raise ValueError(f"selection={selection!r}: must be 'first' or 'random'")
+    trained = torch.zeros(batch_size, num_steps, dtype=torch.bool)
+    if sde_window > 0:
+        if sde_window > num_steps - 1:
+            raise ValueError(f"sde_window={sde_window}: must be <= num_steps - 1 = {num_steps - 1}")
+        max_start = max(0, num_steps // 2 - sde_window) if sde_window_max_start is None else sde_window_max_start
+        if not 0 <= max_start <= num_steps - 1 - sde_window:
+            raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {num_steps - 1 - sde_window}]")
+        start = int(torch.randint(0, max_start + 1, (1,), generator=window_generator))
+        stochastic = torch.zeros(num_steps, dtype=torch.bool)
+        stochastic[start : start + sde_window] = True
+        trained[:] = stochastic
+        return StepPlan(stochastic=stochastic, trained=trained, window_start=start)
+
+    k = num_trained_steps(num_steps, timestep_fraction)
+    if selection == "first":
+        trained[:, :k] = True
+    else:
+        if sample_generators is not None and len(sample_generators) != batch_size:
+            raise ValueError(f"sample_generators: got {len(sample_generators)} for batch_size={batch_size}")
+        for b in range(batch_size):
+            g = sample_generators[b] if sample_generators is not None else None
+            trained[b, torch.randperm(num_steps - 1, generator=g)[:k]] = True
+    return StepPlan(stochastic=torch.ones(num_steps, dtype=torch.bool), trained=trained)

@@ -1,0 +1,87 @@
+"""Bad input gets one line naming the key; good input becomes a typed config."""
+
+import subprocess
+import sys
+
+import pytest
+
+from lean.config import ConfigError, RunConfig, load_config, validate
+
+BAD = [
+    ("sample.sde_kind=euler", "sample.sde_kind"),
+    ("sample.noise_level=0", "sample.noise_level"),
+    ("sample.noise_level=-0.5", "sample.noise_level"),
+    ("train.group_size=1", "train.group_size"),
+    ("sample.num_steps=0", "sample.num_steps"),
+    ("sample.timestep_fraction=1.5", "sample.timestep_fraction"),
+    ("sample.timestep_fraction=0", "sample.timestep_fraction"),
+    ("sample.sde_window=20", "sample.sde_window"),
+    ("train.clip_range=0", "train.clip_range"),
+    ("train.lr=fast", "train.lr"),
+    ("model.family=sdxl", "model.family"),
+    ("model.dtype=float8", "model.dtype"),
+    ("model.resolution=30", "model.resolution"),
+    ("model.family=wan ; model.num_frames=4", "model.num_frames"),
+    ("train.schedle=retain", "train.schedle"),
+    ("train.schedule=retain2", "train.schedule"),
+    ("reward.weights={aesthetic: 1.0}", "reward.weights.aesthetic"),
+    ("model.pretrained=/nonexistent", "model.pretrained"),
+    ("trian.lr=1", "trian"),
+    ("train.iterations=2.5", "train.iterations"),
+    ("sample.cfg=maybe", "sample.cfg"),
+    ("sample.guidance_embed=3.5", "sample.guidance_embed"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD)
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override.split(" ; "))
+    msg = str(err.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_did_you_mean():
+    with pytest.raises(ConfigError, match="did you mean 'schedule'"):
+        load_config(None, ["train.schedle=retain"])
+
+
+def test_off_policy_lean_schedule_names_the_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.schedule=retain", "train.optimizer_steps_per_iteration=2"])
+    assert "train.optimizer_steps_per_iteration" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.schedule=reweight", "train.num_inner_epochs=2"])
+    assert "train.num_inner_epochs" in str(err.value)
+    load_config(None, ["train.schedule=recompute", "train.num_inner_epochs=2",
+                       "train.optimizer_steps_per_iteration=2"])
+
+
+def test_world_size_must_divide_the_batch():
+    cfg = load_config(None, ["train.prompts_per_iteration=3", "train.group_size=3"])
+    with pytest.raises(ConfigError, match="train.prompts_per_iteration"):
+        validate(cfg, world_size=2)
+    validate(cfg, world_size=3)
+
+
+def test_typed_sections_and_overrides():
+    cfg = load_config(None, ["model.family=wan", "train.lr=3e-4", "sample.cfg=false"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.model.family == "wan" and cfg.train.lr == 3e-4 and cfg.sample.cfg is False
+
+
+def test_params_file_and_unknown_section(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("model:\n  family: wan\nprepare:\n  anything: 1\n")  # other (DVC) sections are ignored
+    assert load_config(p).model.family == "wan"
+    p.write_text("model:\n  famly: wan\n")
+    with pytest.raises(ConfigError, match="model.famly"):
+        load_config(p)
+
+
+def test_cli_prints_one_line_and_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "lean.cli", "train", "--set", "sample.sde_kind=euler"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sample.sde_kind" in lines[0] and "Traceback" not in proc.stderr
