@@ -42,7 +42,7 @@ DEFAULT_PROMPTS = [
 @dataclass
 class ModelConfig:
     family: str = "flux"  # flux | wan | sd3
-    size: str = "tiny"  # tiny | small (architectures in lean/models/<family>.py)
+    size: str = "tiny"  # tiny | small | medium (GPU bench) | full (published); see lean/models/<family>.py
     pretrained: str | None = None  # local diffusers folder, loaded with from_pretrained
     resolution: int = 32  # image side in pixels
     num_frames: int = 5  # video frames (wan only); Wan's VAE wants 4k+1
@@ -304,7 +304,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 
     m, s, r, t = cfg.model, cfg.sample, cfg.reward, cfg.train
     _choice("model.family", m.family, ("flux", "wan", "sd3"))
-    _choice("model.size", m.size, ("tiny", "small", "full"))
+    _choice("model.size", m.size, ("tiny", "small", "medium", "full"))
+    if m.size == "medium" and m.family != "flux":
+        raise ConfigError("model.size", m.size, "medium (the GPU benchmark size) exists for model.family=flux only")
     _choice("model.dtype", m.dtype, ("float32", "float64", "bfloat16", "float16"))
     _positive("model.resolution", m.resolution)
     if m.resolution % 16:

@@ -69,11 +69,7 @@ def test_cfg_batch_equals_two_forwards(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_uncond_grad(family):
-    """v = v_u + s (v_c - v_u): a detached v_u leaves d(s v_c); uncond_grad=True gives d((1-s) v_u + s v_c).
-
-    The references scale before the backward, as the guided loss does: the upstream models round some float64
-    activations through float32 (RoPE, Wan's norms), which makes "scale the gradient afterwards" differ at 1e-7.
-    """
+    """v = v_u + s (v_c - v_u): a detached v_u leaves d(s v_c); uncond_grad=True gives d((1-s) v_u + s v_c)."""
     policy = perturbed(family, dtype="float64")
     x, sigma, emb = inputs(policy)
     uncond = policy.encode_prompts([""] * B)

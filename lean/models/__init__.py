@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from lean.config import ModelConfig
+from lean.models.precision import keep_rms_norm_dtype
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.text import PromptEmbeds, train_tokenizer
 
@@ -153,6 +154,8 @@ def build_policy(model_cfg: ModelConfig, prompts: list[str], device: torch.devic
                     spec.PIPELINE, device, dtype, reference_transformer=reference)
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)
+    if dtype == torch.float64:
+        keep_rms_norm_dtype(policy)
     return policy
 
 

@@ -25,7 +25,8 @@ COMPONENTS = {
 }
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 
-_ATTN = r"(single_)?transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+_ATTN = (r"(single_)?transformer_blocks\.\d+\.attn\."
+         r"(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)")
 # The single-stream blocks fuse the MLP into proj_mlp (in) and proj_out (attention + MLP out).
 _FFN = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)|single_transformer_blocks\.\d+\.(proj_mlp|proj_out)"
 
@@ -55,6 +56,14 @@ SIZES = {
         vae=_vae((16, 32, 32, 32), 1, 8),  # 8x like the real one: 256 px -> 32x32 latent -> 256 tokens
         text_encoder=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
         text_encoder_2=dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, **_T5),
+    ),
+    "medium": dict(  # GPU benchmarks: FLUX's block structure at 1/2 width, 4 + 8 blocks (~0.5B); 512 px -> 1024 tokens
+        transformer=dict(in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
+                         num_attention_heads=12, joint_attention_dim=512, pooled_projection_dim=256,
+                         guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        vae=_vae((16, 32, 32, 32), 1, 8),
+        text_encoder=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
+        text_encoder_2=dict(d_model=512, d_kv=64, num_heads=8, d_ff=1024, num_layers=2, **_T5),
     ),
     "full": dict(  # FLUX.1-dev as published: 11.9B transformer, CLIP ViT-L/14 text tower, T5 v1.1 XXL encoder
         transformer=dict(in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,

@@ -18,6 +18,7 @@ from typing import Iterator, Protocol
 import torch
 from torch import Tensor
 
+from lean.models.precision import float64_scope
 from lean.models.text import PromptEmbeds
 
 LORA_FILE = "lora.safetensors"
@@ -118,7 +119,8 @@ class Policy(torch.nn.Module):
         return self.reference_transformer if self._use_reference else self.transformer
 
     def _forward(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
-        return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
+        with float64_scope(self.dtype == torch.float64):
+            return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
 
     def velocity(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, *, cfg: bool, guidance_scale: float,
                  uncond_grad: bool = False, guidance_embed: float | None = None) -> Tensor:

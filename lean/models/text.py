@@ -75,4 +75,5 @@ class PromptEmbeds:
         return PromptEmbeds(torch.cat([e.tokens for e in items]), pooled)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
-        return PromptEmbeds(self.tokens.to(device, dtype), None if self.pooled is None else self.pooled.to(device, dtype))
+        pooled = None if self.pooled is None else self.pooled.to(device, dtype)
+        return PromptEmbeds(self.tokens.to(device, dtype), pooled)

@@ -43,15 +43,15 @@ SIZES = {
     "small": dict(
         transformer=dict(num_attention_heads=4, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=256,
                          num_layers=4, **_DIT),
-        vae=dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
-                 scale_factor_spatial=8, scale_factor_temporal=4),
+        vae=dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                 temperal_downsample=[False, True, True], scale_factor_spatial=8, scale_factor_temporal=4),
         text_encoder=dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, **_UMT5),
     ),
     "full": dict(  # Wan2.1-T2V-1.3B as published: 1.42B transformer, Wan-VAE, UMT5-XXL encoder
         transformer=dict(num_attention_heads=12, attention_head_dim=128, text_dim=4096, freq_dim=256, ffn_dim=8960,
                          num_layers=30, **_DIT),
-        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
-                 scale_factor_spatial=8, scale_factor_temporal=4),
+        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], scale_factor_spatial=8, scale_factor_temporal=4),
         text_encoder=dict(d_model=4096, d_kv=64, num_heads=64, d_ff=10240, num_layers=24, **_UMT5),
     ),
 }

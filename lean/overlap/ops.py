@@ -19,6 +19,11 @@ from torch import Tensor
 from lean.overlap.p2p import Overlap, all_gather_apply, all_to_all_apply, divisible_rows, reduce_scatter_apply
 
 
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w`` over the last dimension as one 2-D GEMM (a strided N-D view would take a slow batched path)."""
+    return (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[-1])
+
+
 def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(all_gather(x_shard) @ w, all_gather(x_shard) if keep_input else None)``; x_shard ``(s, *B, k)``, w ``(k, n)``."""
     world = ov.world
@@ -26,7 +31,7 @@ def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool 
     x_full = x_shard.new_empty((world, *x_shard.shape)) if keep_input else None
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:
-        y[peers, rows] = block @ w
+        y[peers, rows] = matmul(block, w)
         if x_full is not None:
             x_full[peers, rows] = block
 
@@ -38,7 +43,7 @@ def matmul_reduce_scatter(x: Tensor, w: Tensor, ov: Overlap) -> Tensor:
     """This rank's row shard of ``sum over ranks of x @ w``; x ``(P*s, *B, k)``, w ``(k, n)`` -> ``(s, *B, n)``."""
     world = ov.world
     chunks = x.reshape(world, divisible_rows(x, world, "matmul_reduce_scatter"), *x.shape[1:])
-    return reduce_scatter_apply(lambda peers, rows: chunks[peers, rows] @ w, chunks.shape[1], ov)
+    return reduce_scatter_apply(lambda peers, rows: matmul(chunks[peers, rows], w), chunks.shape[1], ov)
 
 
 def _check_blocks(w_blocks: Tensor, world: int, op: str) -> None:
