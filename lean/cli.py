@@ -6,6 +6,7 @@ Configuration errors print one line and exit with status 2, before any model is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lean.config import ConfigError
@@ -21,8 +22,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    import os
-
     from lean.config import load_config
 
     params = args.params if args.params is not None else ("params.yaml" if os.path.exists("params.yaml") else None)
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("train", help="GRPO training with the configured schedule")
     _add_run_options(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
 
     p = sub.add_parser("plan", help="predicted peak memory and time per iteration of each schedule")
     _add_run_options(p)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from lean.train import train
 
-            train(cfg, out=args.out)
+            train(cfg, out=args.out, resume=args.resume)
         elif args.command == "plan":
             from lean.plan import main as plan_main
 
@@ -92,7 +92,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"lean: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # lean.train.NonFiniteError with train.on_nonfinite=abort
+        print(f"lean: rank {os.environ.get('RANK', '0')}: stopped: {e}", file=sys.stderr)
+        return 3
+    except Exception as e:
+        if not _distributed_failure(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"lean: rank {os.environ.get('RANK', '0')}: a collective failed ({first}); a peer process died or "
+              f"stalled past train.dist_timeout_s", file=sys.stderr)
+        return 4
     return 0
+
+
+def _distributed_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(k in text for k in ("gloo", "nccl", "connection", "timed out"))
 
 
 if __name__ == "__main__":

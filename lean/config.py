@@ -103,6 +103,9 @@ class TrainConfig:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     out: str = "outputs/train"
     dist_timeout_s: float = 60.0  # every process-group operation fails after this instead of hanging
+    save_every: int = 0  # checkpoint every N iterations into <out>/checkpoints (0: off)
+    keep_checkpoints: int = 2
+    on_nonfinite: str = "abort"  # abort | skip: what a non-finite reward, log-prob, loss or gradient does
 
 
 @dataclass
@@ -369,6 +372,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     for key in ("lr", "clip_range", "adv_clip_max", "max_grad_norm", "adam_eps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.dist_timeout_s", t.dist_timeout_s)
+    _positive("train.save_every", t.save_every, strict=False)
+    _positive("train.keep_checkpoints", t.keep_checkpoints)
+    _choice("train.on_nonfinite", t.on_nonfinite, ("abort", "skip"))
     for key in ("weight_decay", "beta"):
         _positive(f"train.{key}", getattr(t, key), strict=False)
     for key in ("adam_beta1", "adam_beta2", "ema_decay"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from lean.advantage import group_advantages, local_slice
-from lean.config import RunConfig, validate
+from lean.config import ConfigError, RunConfig, validate
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, median
 from lean.rewards import compute_rewards
 from lean.rollout import iteration_generator, rollout, sample_generator
@@ -33,6 +35,10 @@ def make_accelerator(timeout_s: float = 60.0):
 
     cpu = not torch.cuda.is_available()
     return Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite reward, log-prob, loss or gradient; the message names the tensor and the iteration."""
 
 
 class Trainer:
@@ -53,6 +59,7 @@ class Trainer:
                                            weight_decay=t.weight_decay)
         self.ema = [p.detach().clone() for p in self.params] if t.ema else None
         self.optimizer_steps = 0
+        self.current_iteration = 0
         self.sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift).to(self.device)
         self.grad_probe: Callable[[list[torch.nn.Parameter]], None] | None = None
 
@@ -85,7 +92,9 @@ class Trainer:
             p.grad = None
         set_grads(self.params, grads)
         if not torch.isfinite(grads).all():
-            raise FloatingPointError("non-finite gradient after synchronisation")
+            names = [n for (n, p) in self.policy.trainable_parameters() if not torch.isfinite(p.grad).all()]
+            raise NonFiniteError(f"non-finite gradient of {names[0]} (and {len(names) - 1} more tensors) "
+                                 f"at iteration {self.current_iteration}")
         if self.grad_probe is not None:
             self.grad_probe(self.params)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
@@ -104,6 +113,7 @@ class Trainer:
     def iteration(self, iteration: int, schedule: str, *, tally: FlopTally | None = None,
                   progress: Callable[[int], None] | None = None) -> dict:
         cfg, t = self.cfg, self.cfg.train
+        self.current_iteration = iteration
         tally = tally or FlopTally()
         timer = PhaseTimer(self.device)
         samples = self.global_samples(iteration)
@@ -121,8 +131,13 @@ class Trainer:
             ctx = IterationContext(self.policy, cfg, self.sigmas, emb, plan, tally, timer)
             sched = SCHEDULES[schedule](ctx, iteration=iteration)
 
+            def on_step(step):
+                if not torch.isfinite(step.log_prob).all():
+                    raise NonFiniteError(f"non-finite log_prob at step {step.index} of iteration {iteration}")
+                sched.on_step(step)
+
             with timer("rollout"), tally.region("rollout_forward"):
-                final = rollout(self.policy, emb, generators, plan, cfg.sample, self.sigmas, on_step=sched.on_step,
+                final = rollout(self.policy, emb, generators, plan, cfg.sample, self.sigmas, on_step=on_step,
                                 track_grad=sched.track_grad, micro_batch=t.rollout_batch_size,
                                 grad_micro_batch=sched.grad_micro_batch,
                                 progress=progress)
@@ -132,13 +147,18 @@ class Trainer:
                 rewards, parts = compute_rewards(cfg.reward.weights, images, prompts)
             with timer("advantage"):
                 all_rewards = self.gather(rewards.to(self.device, torch.float64))
+                self.last_latents, self.last_rewards = final, all_rewards
                 groups = torch.tensor([g for g, _, _ in samples], device=all_rewards.device)
                 advantages = group_advantages(all_rewards, groups, global_std=t.global_std, clip=t.adv_clip_max)
                 local_adv = advantages[local_slice(len(samples), self.rank, self.world)].cpu()
             if not torch.isfinite(all_rewards).all():
-                raise FloatingPointError(f"non-finite reward at iteration {iteration}")
+                bad = torch.nonzero(~torch.isfinite(all_rewards)).flatten().tolist()
+                raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {iteration}")
             with timer("update"):
                 stats = sched.finish(local_adv, self.optimizer_step)
+            for key in ("policy_loss", "kl"):
+                if key in stats and not math.isfinite(stats[key]):
+                    raise NonFiniteError(f"non-finite {key} at iteration {iteration}")
 
         out = {
             "iteration": iteration,
@@ -151,7 +171,6 @@ class Trainer:
             "peak_memory_delta_mb": memory.delta_mb,
             **stats,
         }
-        self.last_latents, self.last_rewards = final, all_rewards
         return out
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,13 +207,21 @@ def _clone(tree):
 
 
 def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
-    """``auto`` -> retain or reweight from the memory budget (see ``lean.plan``); other names pass through."""
-    name = trainer.cfg.train.schedule
-    if name != "auto":
-        return name, {}
+    """``auto`` -> retain or reweight from the memory budget (see ``lean.plan``). An explicit ``retain`` with a
+    ``train.memory_budget_mb`` is refused up front when its predicted peak exceeds the budget."""
     from lean.plan import choose_schedule
 
-    return choose_schedule(trainer)
+    t = trainer.cfg.train
+    if t.schedule == "auto":
+        return choose_schedule(trainer)
+    if t.schedule == "retain" and t.memory_budget_mb is not None:
+        choice, decision = choose_schedule(trainer)
+        if choice != "retain":
+            raise ConfigError("train.memory_budget_mb", t.memory_budget_mb,
+                              f"Retain is predicted to peak at {decision['retain_predicted_peak_mb']:.0f} MiB; "
+                              "raise the budget, or use train.schedule=reweight or auto")
+        return "retain", decision
+    return t.schedule, {}
 
 
 def count_iteration_flops(trainer: Trainer, schedule: str, iteration: int = 0) -> dict[str, int]:
@@ -215,26 +242,53 @@ def needed_flops(flops: dict[str, int]) -> int:
     return sum(v for k, v in flops.items() if k != "recompute_forward")
 
 
-def train(cfg: RunConfig, out: str | None = None) -> list[dict]:
-    """``lean train``: run cfg.train.iterations iterations, write metrics.json, metrics.csv and the LoRA weights."""
+def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[dict]:
+    """``lean train``: run cfg.train.iterations iterations; write metrics, LoRA weights and checkpoints under ``out``.
+
+    ``resume`` continues from the newest complete checkpoint in ``out/checkpoints`` (bit-identical to a run that was
+    never interrupted: every iteration's trajectories are a function of (seed, iteration) alone).
+    """
     from tqdm.auto import tqdm
 
+    from lean import checkpoint
+
+    t = cfg.train
     trainer = Trainer(cfg)
-    out_dir = Path(out or cfg.train.out)
+    out_dir = Path(out or t.out)
     schedule, decision = resolve_schedule(trainer)
+    history, start = [], 0
+    if resume and (state := checkpoint.latest(out_dir / "checkpoints")) is not None:
+        trainer.load_trainable_state(state["trainer"])
+        history, start = state["history"], state["iteration"] + 1
     if trainer.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"lean train: {trainer.world} process(es) on {trainer.device}, schedule={schedule}, "
-              f"{cfg.model.family}/{cfg.model.size} {cfg.model.dtype}", flush=True)
-    flops = count_iteration_flops(trainer, schedule)
-    history = []
-    bar = tqdm(range(cfg.train.iterations), desc=f"train[{schedule}]", disable=not trainer.is_main)
+              f"{cfg.model.family}/{cfg.model.size} {cfg.model.dtype}"
+              + (f", resuming at iteration {start}" if start else ""), flush=True)
+    bar = tqdm(range(start, t.iterations), desc=f"train[{schedule}]", initial=start, total=t.iterations,
+               disable=not trainer.is_main)
     for it in bar:
         steps = tqdm(total=cfg.sample.num_steps, desc="rollout", leave=False, disable=not trainer.is_main)
-        row = trainer.iteration(it, schedule, progress=lambda i: steps.update(1))
+        before = trainer.trainable_state() if t.on_nonfinite == "skip" else None
+        try:
+            row = trainer.iteration(it, schedule, progress=lambda i: steps.update(1))
+        except NonFiniteError as err:
+            if before is None:
+                raise
+            trainer.load_trainable_state(before)  # the step never happened
+            trainer.optimizer.zero_grad(set_to_none=True)
+            warnings.warn(f"skipping iteration {it}: {err}")
+            row = {"iteration": it, "schedule": schedule, "skipped": 1, "reward_mean": float("nan")}
         steps.close()
         history.append(row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.4f}", t=f"{row['time_iteration_s']:.2f}s")
+        bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
+        if t.save_every and (it + 1) % t.save_every == 0 and trainer.is_main:
+            checkpoint.save(out_dir / "checkpoints", it, {"trainer": trainer.trainable_state(), "history": history},
+                            keep=t.keep_checkpoints)
+    try:  # FLOPs of one more (untimed, undone) iteration; a measurement must not fail the run
+        flops = count_iteration_flops(trainer, schedule, iteration=t.iterations - 1)
+    except NonFiniteError:
+        flops = {}
     latents = trainer.gather(trainer.last_latents.contiguous())  # the last iteration's trajectories, all ranks
     if trainer.is_main:
         write_outputs(out_dir, cfg, history, flops, schedule, decision, trainer)
@@ -258,8 +312,10 @@ def write_outputs(out_dir: Path, cfg: RunConfig, history: list[dict], flops: dic
         "flops_per_iteration": sum(flops.values()),
         "flops_needed_per_iteration": needed_flops(flops),
         "flops_by_region": flops,
-        **{k: median([row[k] for row in history]) for k in keys if k.startswith("time_")},
-        "peak_memory_mb": max(row["peak_memory_mb"] for row in history),
+        "skipped_iterations": [row["iteration"] for row in history if row.get("skipped")],
+        **{k: median([row[k] for row in history if k in row]) for k in keys if k.startswith("time_")},
+        "peak_memory_mb": max((row["peak_memory_mb"] for row in history if "peak_memory_mb" in row),
+                              default=float("nan")),
         **({"auto": decision} if decision else {}),
     }
     (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2))

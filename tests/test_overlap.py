@@ -22,11 +22,11 @@ from lean.launch import free_port
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 VARIANTS = {  # name -> Overlap options
-    "collective": dict(method="collective"),
-    "sliced": dict(method="sliced"),
-    "sliced/2": dict(method="sliced", slices=2),
-    "flash": dict(method="flash"),
-    "flash/bidirectional": dict(method="flash", bidirectional=True),
+    "collective": {"method": "collective"},
+    "sliced": {"method": "sliced"},
+    "sliced/2": {"method": "sliced", "slices": 2},
+    "flash": {"method": "flash"},
+    "flash/bidirectional": {"method": "flash", "bidirectional": True},
 }
 
 
@@ -51,8 +51,8 @@ def _op_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator):
     from lean.overlap.dp import DataParallelLinear
 
     s, b, k, n = 5, 2, 6, 4
-    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
-    coll = lambda x: _collective(x, world)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)
+    coll = lambda x: _collective(x, world)
 
     X, W = randn(world * s, b, k), randn(k, world * n)
     yield ("all_gather_matmul", ag.AllGatherMatmul, [_rows(X, r, world), _rows(W, r, world, 1)], lambda x, w: x @ w,
@@ -128,29 +128,37 @@ def _check_ops(world: int, r: int) -> dict[str, float]:
     return errors
 
 
+def _block_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """name -> (full params, full forward, distributed module from an Overlap, this rank's part of each full param)."""
+    from lean.overlap import SequenceParallelMLP, ShardedLinear, UlyssesAttention, attention, mlp
+
+    d, f, heads = 4 * world, 4 * world, 2 * world
+    W1, W2 = torch.randn(d, f, generator=g, dtype=dtype) / 3, torch.randn(f, d, generator=g, dtype=dtype) / 3
+    Wqkv = torch.randn(d, 3 * heads * 2, generator=g, dtype=dtype) / 3
+    Wo = torch.randn(heads * 2, d, generator=g, dtype=dtype) / 3
+    return {
+        "tp+sp mlp": ([W1, W2], mlp, lambda ov: SequenceParallelMLP.from_full(W1, W2, ov),
+                      lambda p: [_rows(p[0], r, world, 1), _rows(p[1], r, world)]),
+        "ulysses attention": ([Wqkv, Wo], lambda x, a, c: attention(x, a, c, heads),
+                              lambda ov: UlyssesAttention(Wqkv.clone(), Wo.clone(), heads, ov), lambda p: p),
+        "data-parallel mlp": ([W1, W2], mlp,
+                              lambda ov: _DataParallelMLP(ShardedLinear.from_full(W1, ov), ShardedLinear.from_full(W2, ov)),
+                              lambda p: [_rows(p[0], r, world), _rows(p[1], r, world)]),
+    }
+
+
 def _check_blocks(world: int, r: int) -> dict[str, float]:
     """The TP+SP MLP, the Ulysses attention and a data-parallel MLP against the single-process math, for every method;
     in float64 through three SGD steps, so they also train identically (in float32 the two trajectories drift apart by
     rounding faster than the 1e-5 bound allows after a few steps, whatever the method, so float32 checks one step)."""
-    from lean.overlap import Overlap, SequenceParallelMLP, ShardedLinear, UlyssesAttention, attention, mlp
+    from lean.overlap import Overlap
 
     errors = {}
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(99)
-        randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
-        s, b, d, f, heads = 3, 2, 4 * world, 4 * world, 2 * world
-        X, T = randn(world * s, b, d), randn(world * s, b, d)
-        W1, W2, Wqkv, Wo = randn(d, f) / 3, randn(f, d) / 3, randn(d, 3 * heads * 2) / 3, randn(heads * 2, d) / 3
-        blocks = {  # name -> (full params, full forward, distributed module, this rank's part of each full param)
-            "tp+sp mlp": ([W1, W2], mlp, lambda ov: SequenceParallelMLP.from_full(W1, W2, ov),
-                          lambda p: [_rows(p[0], r, world, 1), _rows(p[1], r, world)]),
-            "ulysses attention": ([Wqkv, Wo], lambda x, a, c: attention(x, a, c, heads),
-                                  lambda ov: UlyssesAttention(Wqkv.clone(), Wo.clone(), heads, ov), lambda p: p),
-            "data-parallel mlp": ([W1, W2], mlp, lambda ov: _DataParallelMLP(ShardedLinear.from_full(W1, ov),
-                                                                             ShardedLinear.from_full(W2, ov)),
-                                  lambda p: [_rows(p[0], r, world), _rows(p[1], r, world)]),
-        }
-        for name, (params, full_fn, make, part) in blocks.items():
+        X, T = torch.randn(world * 3, 2, 4 * world, generator=g, dtype=dtype), torch.randn(world * 3, 2, 4 * world,
+                                                                                          generator=g, dtype=dtype)
+        for name, (params, full_fn, make, part) in _block_problems(world, r, dtype, g).items():
             for variant, options in VARIANTS.items():
                 ref = [p.clone().requires_grad_() for p in params]
                 module = make(Overlap(**options, timeout=20))

@@ -26,7 +26,7 @@ def test_options_are_validated():
 
 def test_flash_vs_sliced_verdict_uses_the_noise():
     def row(method, latency, iqr):
-        return dict(op="op", shape="s", method=method, latency_ms=latency, latency_iqr_ms=iqr)
+        return {"op": "op", "shape": "s", "method": method, "latency_ms": latency, "latency_iqr_ms": iqr}
 
     verdicts = [bench.flash_vs_sliced([row("sliced", 10.0, 0.5), row("flash", f, 0.5)])[0]["verdict"]
                 for f in (8.0, 10.3, 11.0)]
@@ -65,7 +65,7 @@ def test_bench_runs_on_two_gloo_processes(tmp_path):
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run([sys.executable, "-m", "lean.cli", "bench", "overlap", "--nproc", "2", "--quick",
                            "--ops", "mlp.fc1,mlp.fc2", "--repeats", "2", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=220)
+                          env=env, capture_output=True, text=True, timeout=220, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hidden" in proc.stdout and "timeline model vs measured latency" in proc.stdout
     summary = json.loads((tmp_path / "overlap.json").read_text())

@@ -7,8 +7,21 @@ from dataclasses import replace
 import pytest
 
 from lean.overlap.sim import (
-    COMM, COMPUTE, H100_SXM, H200, OpSpec, Profile, Span, Task, draw_gantt, exposed_intervals, layer_ops, predict,
-    projection, schedule, simulate,
+    COMM,
+    COMPUTE,
+    H100_SXM,
+    H200,
+    OpSpec,
+    Profile,
+    Span,
+    Task,
+    draw_gantt,
+    exposed_intervals,
+    layer_ops,
+    predict,
+    projection,
+    schedule,
+    simulate,
 )
 
 # A chunk's GEMM (4 rows) takes 1 s, a chunk's transfer `transfer_s` s: no latency, no per-call cost, free memory.

@@ -33,6 +33,7 @@ __all__ = ["FAMILIES", "Policy", "PromptEmbeds", "build_policy", "count_paramete
 FAMILIES = {
     "flux": ("lean.models.flux", "Flux"),
     "wan": ("lean.models.wan", "Wan"),
+    "sd3": ("lean.models.sd3", "SD3"),
 }
 INIT_SEED = 20240601  # every process draws the same random weights
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,7 +50,7 @@ def count_parameters(family: str, size: str) -> int:
     from accelerate import init_empty_weights
 
     spec = family_module(family)
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=True):  # buffers too: SD3.5's 384x384 position table takes 20 s on CPU
         model = spec.COMPONENTS["transformer"][0](**spec.SIZES[size]["transformer"])
     return sum(p.numel() for p in model.parameters())
 

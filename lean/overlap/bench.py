@@ -1,12 +1,13 @@
 """``lean bench overlap``: every overlap op x method x shape, measured on N processes, next to the timeline model.
 
     lean bench overlap [--nproc 2] [--out DIR] [--shapes a,b | --quick] [--ops a,b] [--repeats 7] [--warmup 2]
-                       [--methods collective,sliced,flash,flash-bidir] [--timeout 120] [--dtype float32]
+                       [--methods collective,sliced,flash,flash-bidir] [--block-ms 25] [--timeout 120] [--dtype ..]
 
 Outside a distributed launch it re-launches itself on N processes through ``lean.launch`` (gloo ranks on CPU, one NCCL
 rank per GPU). For every op and shape each rank times, round-robin so that drift on a shared machine hits all alike:
 the op with each method, the method's communication alone (the same schedule with no GEMMs) and the whole local GEMM
-alone. A sample is the slowest rank's time after a barrier; tables report the median over the repeats.
+alone. A sample is the slowest rank's time, after a barrier, for back-to-back calls lasting about ``--block-ms``,
+divided by the number of calls; tables report the median over the repeats and its interquartile range.
 
     exposed communication = latency - compute-only
     hidden fraction       = 1 - exposed / communication-only   (1: all hidden; < 0: worse than not overlapping at all)
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,6 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--methods", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--block-ms", type=float, default=25.0,
+                   help="each sample times back-to-back calls lasting about this long (at least one call)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take before a rank gives up")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float64 ...")
     args = p.parse_args(argv)
@@ -141,9 +145,11 @@ def _overlap(variant: str, timeout: float) -> Overlap:
         Overlap(variant, timeout=timeout)
 
 
-def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, repeats: int,
-                     device: torch.device) -> dict[str, list[float]]:
-    """Seconds per repeat of each variant (the slowest rank's), variants interleaved within each repeat."""
+def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device,
+                     calls: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one sample per repeat: the slowest rank's time for ``calls`` back-to-back
+    calls (which evens out the scheduler's time slices and the barrier's skew) divided by ``calls``. The variants
+    take turns within each repeat."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     distributed = dist.is_initialized()
     for i in range(warmup + repeats):
@@ -152,10 +158,11 @@ def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, rep
                 dist.barrier()
             synchronize(device)
             start = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             synchronize(device)
             if i >= warmup:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append((time.perf_counter() - start) / calls)
     if distributed:
         table = torch.tensor([samples[name] for name in variants], dtype=torch.float64, device=device)
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
@@ -179,15 +186,19 @@ def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
     return best[0], f"calibration:matmul-{best[1]}-{str(dtype).removeprefix('torch.')}-best-of-256/512/1024"
 
 
-def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repeats: int = 7) -> tuple[float, float]:
-    """(alpha s, beta bytes/s) of one ring step (send right, receive left), fitted from a small and a large message."""
-    sizes, times = (1024, 2 ** 21), []
-    for n in sizes:
-        send, recv = torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
+def _ring_step(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, stamps: list[float] | None = None) -> None:
+    """One flash ring step (send right, receive left); appends its completion time to ``stamps`` if given."""
+    wait(exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov), ov, "calibration")
+    if stamps is not None:
+        stamps.append(time.perf_counter())
 
-        def step():
-            wait(exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov), ov, "calibration")
-        times.append(median(time_round_robin({"x": step}, 2, repeats, device)["x"]))
+
+def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repeats: int = 7) -> tuple[float, float]:
+    """(alpha s, beta bytes/s) of one ring step, fitted through a small and a large message."""
+    sizes = (1024, 2 ** 21)
+    buffers = {n: (torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)) for n in sizes}
+    samples = time_round_robin({n: partial(_ring_step, *buffers[n], ov) for n in sizes}, 2, repeats, device)
+    times = [median(samples[n]) for n in sizes]
     nbytes = [n * torch.finfo(dtype).bits // 8 for n in sizes]
     beta = (nbytes[1] - nbytes[0]) / max(times[1] - times[0], 1e-9)
     return max(times[0] - nbytes[0] / beta, 0.0), beta
@@ -195,10 +206,11 @@ def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repea
 
 def calibrate_memory(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """(bytes/s of a large copy, seconds of a tiny matmul call): the roofline's memory side and per-call cost."""
-    big = torch.ones(2 ** 24 if device.type == "cpu" else 2 ** 28, dtype=dtype, device=device)
-    a = torch.ones(8, 8, dtype=dtype, device=device)
-    t = time_round_robin({"copy": big.clone, "call": lambda: a @ a}, 2, 5, device)
-    return 2 * big.numel() * big.element_size() / median(t["copy"]), median(t["call"])
+    src = torch.ones(2 ** 24 if device.type == "cpu" else 2 ** 28, dtype=dtype, device=device)
+    dst, a = torch.empty_like(src), torch.ones(8, 8, dtype=dtype, device=device)
+    copy = median(time_round_robin({"copy": partial(dst.copy_, src)}, 2, 5, device)["copy"])
+    call = median(time_round_robin({"call": partial(torch.mm, a, a)}, 2, 5, device, calls=200)["call"])
+    return 2 * src.numel() * src.element_size() / copy, call
 
 
 def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
@@ -207,31 +219,31 @@ def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) 
     Fluid model: while both run, compute goes at 1/(1+kc) and the transfer at 1/(1+km). With G, C the times alone and
     G', C' together (the GEMM loop outlasting the transfer): C' = C (1+km) and G' - G = C' kc / (1+kc).
     """
-    n = 2 ** 21
-    send, recv = torch.ones(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    send, recv = torch.ones(2 ** 21, dtype=dtype), torch.empty(2 ** 21, dtype=dtype)
     a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
+    variants = {"comm": partial(_ring_step, send, recv, ov), "gemm": partial(torch.mm, a, b)}
+    alone = time_round_robin(variants, 2, 5, device)
+    comm = median(alone["comm"])
+    loops = max(1, round(3 * comm / median(alone["gemm"])))
 
-    def transfer():
-        wait(exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov), ov, "calibration")
-
-    alone = time_round_robin({"comm": transfer, "gemm": lambda: a @ b}, 2, 5, device)
-    comm, gemm = median(alone["comm"]), median(alone["gemm"])
-    loops = max(1, round(3 * comm / gemm))
-    gemm_loop = median(time_round_robin({"g": lambda: [a @ b for _ in range(loops)]}, 1, 3, device)["g"])
-    together_comm, together_gemm = [], []
-    for _ in range(3):
-        dist.barrier()
-        start, done = time.perf_counter(), []
-        works = exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov)
-        waiter = threading.Thread(target=lambda: (wait(works, ov, "calibration"), done.append(time.perf_counter())))
-        waiter.start()
+    def gemm_loop() -> None:
         for _ in range(loops):
-            a @ b
+            torch.mm(a, b)
+
+    gemm = median(time_round_robin({"loop": gemm_loop}, 1, 3, device)["loop"])
+    together_comm, together_gemm = [], []
+    for _ in range(5):
+        dist.barrier()
+        stamps: list[float] = []
+        start = time.perf_counter()
+        transfer = threading.Thread(target=_ring_step, args=(send, recv, ov, stamps))
+        transfer.start()  # the wait runs on this thread with the GIL released, the transfer on gloo's
+        gemm_loop()
         together_gemm.append(time.perf_counter() - start)
-        waiter.join()
-        together_comm.append(done[0] - start)
+        transfer.join()
+        together_comm.append(stamps[0] - start)
     comm_t, gemm_t = median(together_comm), median(together_gemm)
-    x = min(max((gemm_t - gemm_loop) / comm_t, 0.0), 0.9)
+    x = min(max((gemm_t - gemm) / comm_t, 0.0), 0.9)
     return x / (1 - x), max(comm_t / comm - 1, 0.0)
 
 
@@ -303,23 +315,24 @@ def sweep(args, names: list[str], shapes: dict[str, Shape], world: int, device: 
             if spec.name.split()[0] not in wanted_ops:
                 continue
             run_op, comm_only, compute_only = _case(spec, shape, dtype, device)
+            once = median(time_round_robin({"compute": compute_only}, 1, 1, device)["compute"])
+            calls = min(max(round(args.block_ms / 1e3 / once), 1), 32)
             variants: dict[str, Callable[[], object]] = {"compute": compute_only}
             for v in _variants_for(spec, wanted_methods) if world > 1 else []:
-                ov = _overlap(v, args.timeout)
-                variants[v] = lambda ov=ov: run_op(ov)
-                variants[f"{v}:comm"] = lambda ov=ov: comm_only(ov)
-            samples = time_round_robin(variants, warmup, repeats, device)
+                variants[v] = partial(run_op, _overlap(v, args.timeout))
+                variants[f"{v}:comm"] = partial(comm_only, _overlap(v, args.timeout))
+            samples = time_round_robin(variants, warmup, repeats, device, calls)
             compute = median(samples.pop("compute"))
-            compute_rows.append(dict(op=spec.name, shape=shape_name, flops=spec.flops, compute_ms=compute * 1e3,
-                                     gflops=spec.flops / compute / 1e9, mfu=spec.flops / compute / peak))
+            compute_rows.append({"op": spec.name, "shape": shape_name, "flops": spec.flops, "compute_ms": compute * 1e3,
+                                 "gflops": spec.flops / compute / 1e9, "mfu": spec.flops / compute / peak})
             for v in (k for k in samples if not k.endswith(":comm")):
                 latency, comm = median(samples[v]), median(samples[f"{v}:comm"])
                 q1, q3 = _quartiles(samples[v])
-                results.append(dict(op=spec.name, shape=shape_name, method=v, latency_ms=latency * 1e3,
-                                    latency_iqr_ms=(q3 - q1) * 1e3, compute_ms=compute * 1e3, comm_ms=comm * 1e3,
-                                    exposed_ms=(latency - compute) * 1e3,
-                                    hidden_fraction=1 - (latency - compute) / comm,
-                                    gflops=spec.flops / latency / 1e9, mfu=spec.flops / latency / peak))
+                results.append({"op": spec.name, "shape": shape_name, "method": v, "latency_ms": latency * 1e3,
+                                "latency_iqr_ms": (q3 - q1) * 1e3, "compute_ms": compute * 1e3,
+                                "comm_ms": comm * 1e3, "exposed_ms": (latency - compute) * 1e3,
+                                "hidden_fraction": 1 - (latency - compute) / comm,
+                                "gflops": spec.flops / latency / 1e9, "mfu": spec.flops / latency / peak})
     return results, compute_rows
 
 
@@ -391,10 +404,10 @@ def model_cases(results: list[dict], compute_rows: list[dict], world: int, eleme
         method = "flash" if r["method"] == "flash-bidir" else r["method"]
         pr = sim.predict(specs[r["op"], r["shape"]], method, replace(profile, flops=flops[r["op"], r["shape"]]),
                          bidirectional=r["method"] == "flash-bidir")
-        cases.append(dict(op=r["op"], shape=r["shape"], method=r["method"], measured_ms=r["latency_ms"],
-                          predicted_ms=pr.latency * 1e3, error=pr.latency * 1e3 / r["latency_ms"] - 1,
-                          measured_exposed_ms=r["exposed_ms"], predicted_exposed_ms=pr.exposed * 1e3,
-                          measured_comm_ms=r["comm_ms"], predicted_comm_ms=pr.comm_only * 1e3))
+        cases.append({"op": r["op"], "shape": r["shape"], "method": r["method"], "measured_ms": r["latency_ms"],
+                      "predicted_ms": pr.latency * 1e3, "error": pr.latency * 1e3 / r["latency_ms"] - 1,
+                      "measured_exposed_ms": r["exposed_ms"], "predicted_exposed_ms": pr.exposed * 1e3,
+                      "measured_comm_ms": r["comm_ms"], "predicted_comm_ms": pr.comm_only * 1e3})
     return cases
 
 
@@ -408,8 +421,8 @@ def flash_vs_sliced(results: list[dict]) -> list[dict]:
             continue
         gap, noise = f["latency_ms"] - s["latency_ms"], max(f["latency_iqr_ms"], s["latency_iqr_ms"])
         verdict = "faster" if gap < -noise else "slower" if gap > noise else "within noise"
-        rows.append(dict(op=op, shape=shape, flash_ms=f["latency_ms"], sliced_ms=s["latency_ms"], gap_ms=gap,
-                         noise_ms=noise, verdict=verdict))
+        rows.append({"op": op, "shape": shape, "flash_ms": f["latency_ms"], "sliced_ms": s["latency_ms"],
+                     "gap_ms": gap, "noise_ms": noise, "verdict": verdict})
     return rows
 
 
@@ -420,27 +433,29 @@ def report(args, world: int, device: torch.device, dtype: torch.dtype, calibrati
     shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
     element_bytes = torch.finfo(dtype).bits // 8
     profile = measured_profile(calibration, compute_rows, device)
-    summary = dict(world=world, backend=dist.get_backend() if dist.is_initialized() else "none", device=str(device),
-                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   dtype=str(dtype).removeprefix("torch."), threads_per_rank=torch.get_num_threads(),
-                   cpu_count=os.cpu_count(), load_average=os.getloadavg(), torch=torch.__version__,
-                   repeats=3 if args.quick else args.repeats, warmup=1 if args.quick else args.warmup,
-                   quick=args.quick, shapes={n: asdict(shapes[n]) for n in names}, calibration=calibration,
-                   compute_only=compute_rows, results=results, flash_vs_sliced=flash_vs_sliced(results),
-                   not_measured=[] if world > 1 else [
-                       "latency, communication-only time, exposed communication and hidden fraction of every method "
-                       "(need >= 2 ranks)", "link alpha/beta (the model uses the datasheet NVLink figures)"])
+    not_measured = [] if world > 1 else [
+        "latency, communication-only time, exposed communication and hidden fraction of every method (need >= 2 ranks)",
+        "link alpha/beta (the model uses the datasheet NVLink figures)"]
+    summary = {"world": world, "backend": dist.get_backend() if dist.is_initialized() else "none",
+               "device": str(device),
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "dtype": str(dtype).removeprefix("torch."), "threads_per_rank": torch.get_num_threads(),
+               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__,
+               "repeats": 3 if args.quick else args.repeats, "warmup": 1 if args.quick else args.warmup,
+               "quick": args.quick, "shapes": {n: asdict(shapes[n]) for n in names}, "calibration": calibration,
+               "compute_only": compute_rows, "results": results, "flash_vs_sliced": flash_vs_sliced(results),
+               "not_measured": not_measured}
     cases = model_cases(results, compute_rows, world, element_bytes, shapes, profile, calibration)
     errors = [abs(c["error"]) for c in cases]
-    summary["model"] = dict(profile=asdict(profile), cases=cases,
-                            mean_abs_error=sum(errors) / len(errors) if errors else None,
-                            max_abs_error=max(errors) if errors else None)
+    summary["model"] = {"profile": asdict(profile), "cases": cases,
+                        "mean_abs_error": sum(errors) / len(errors) if errors else None,
+                        "max_abs_error": max(errors) if errors else None}
     (out / "overlap.json").write_text(json.dumps(summary, indent=1))
 
     projection = sim.projection(sim.GPU_PROFILES)
-    (out / "projection.json").write_text(json.dumps(dict(
-        shapes="Llama-70B-like layer (d 8192, SwiGLU ffn 2x28672, 64 q / 8 kv heads x 128), bf16, degree 8",
-        profiles={k: asdict(p) for k, p in sim.GPU_PROFILES.items()}, rows=projection), indent=1))
+    (out / "projection.json").write_text(json.dumps({
+        "shapes": "Llama-70B-like layer (d 8192, SwiGLU ffn 2x28672, 64 q / 8 kv heads x 128), bf16, degree 8",
+        "profiles": {k: asdict(p) for k, p in sim.GPU_PROFILES.items()}, "rows": projection}, indent=1))
     llama = {spec.name.split()[0]: spec for spec in sim.layer_ops(8, 1, 4096, element_bytes=2, **sim.LLAMA70B)}
     draw_methods(sim.H100_SXM, [llama["mlp.fc1"], llama["mlp.fc2"]], out / "gantt.png",
                  "H100-SXM model, Llama-70B-like MLP, TP=8, 4096 tokens (red: exposed communication)")
@@ -483,7 +498,7 @@ def print_tables(summary: dict, projection: list[dict]) -> None:
               f"  {row['verdict']}")
     for line in summary["not_measured"]:
         print(f"not measured: {line}")
-    print(f"\nProjection (timeline model), Llama-70B-like layer, degree 8: latency / exposed communication, ms")
+    print("\nProjection (timeline model), Llama-70B-like layer, degree 8: latency / exposed communication, ms")
     cols = [(p, m) for p in sim.GPU_PROFILES for m in METHODS]
     print(f"{'op':36s} {'tokens':>6s} " + " ".join(f"{p[:8] + ' ' + m:>18s}" for p, m in cols))
     by = {(r["op"], r["tokens"], r["profile"], r["method"]): r for r in projection}

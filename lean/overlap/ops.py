@@ -14,6 +14,7 @@ d(matmul_all_to_all)/dx is an all_to_all_matmul by W^T and vice versa. Every op 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lean.overlap.p2p import Overlap, all_gather_apply, all_to_all_apply, divisible_rows, reduce_scatter_apply
@@ -24,6 +25,14 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return (x.reshape(-1, x.shape[-1]) @ w).view(*x.shape[:-1], w.shape[-1])
 
 
+def matmul_into(out: Tensor, x: Tensor, w: Tensor) -> None:
+    """``out[...] = x @ w``, written in place by the GEMM when ``out`` is contiguous (no temporary, no copy)."""
+    if out.is_contiguous():
+        torch.mm(x.reshape(-1, x.shape[-1]), w, out=out.view(-1, w.shape[-1]))
+    else:
+        out.copy_(matmul(x, w))
+
+
 def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(all_gather(x_shard) @ w, all_gather(x_shard) if keep_input else None)``; x_shard ``(s, *B, k)``, w ``(k, n)``."""
     world = ov.world
@@ -31,7 +40,7 @@ def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool 
     x_full = x_shard.new_empty((world, *x_shard.shape)) if keep_input else None
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:
-        y[peers, rows] = matmul(block, w)
+        matmul_into(y[peers, rows], block, w)
         if x_full is not None:
             x_full[peers, rows] = block
 

@@ -28,6 +28,7 @@ after them, so the same code overlaps on GPU.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,16 +107,23 @@ def row_slices(rows: int, slices: int) -> list[slice]:
     """``slices`` contiguous, nearly equal slices covering ``range(rows)`` (never empty ones)."""
     n = max(1, min(slices, rows))
     bounds = [rows * i // n for i in range(n + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def wait(works: Sequence[dist.Work], ov: Overlap, what: str) -> None:
-    timed = dist.get_backend(ov.group) != "nccl"
+    """Waits for ``works``; a transfer that fails or outlasts ``ov.timeout`` raises :class:`PeerLost` naming ``what``.
+
+    On NCCL the wait only orders the current stream after the transfer; the process group's timeout applies there.
+    """
+    timeout = None if dist.get_backend(ov.group) == "nccl" else timedelta(seconds=ov.timeout)
     try:
         for work in works:
-            work.wait(timedelta(seconds=ov.timeout)) if timed else work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
     except RuntimeError as e:
-        raise PeerLost(f"rank {dist.get_rank()}: {what} did not complete within {ov.timeout:g}s: {e}") from e
+        raise PeerLost(f"rank {dist.get_rank()}: {what} did not complete (timeout {ov.timeout:g}s): {e}") from e
 
 
 def exchange(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], ov: Overlap) -> list[dist.Work]:

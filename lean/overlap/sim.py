@@ -269,7 +269,7 @@ def layer_ops(world: int, batch: int, seq: int, d: int, ffn: int, qkv_out: int |
     tokens, rows = batch * seq, batch * seq // world
     qkv_out = qkv_out or 3 * d
     e = element_bytes
-    spec = lambda name, pattern, chunk, full, nbytes, side: OpSpec(  # noqa: E731
+    spec = lambda name, pattern, chunk, full, nbytes, side: OpSpec(
         prefix + name, pattern, world, chunk, full, nbytes, side, e)
     return [
         spec("mlp.fc1 all_gather_matmul", "all_gather", (rows, d, ffn // world), (tokens, d, ffn // world),
@@ -285,7 +285,8 @@ def layer_ops(world: int, batch: int, seq: int, d: int, ffn: int, qkv_out: int |
     ]
 
 
-LLAMA70B = dict(d=8192, ffn=2 * 28672, qkv_out=(64 + 2 * 8) * 128)  # SwiGLU fc1 = gate + up; GQA: 64 q, 8 kv heads
+# Llama-70B-like layer: SwiGLU fc1 = gate + up (2 x 28672); GQA attention with 64 query and 8 key/value heads of 128
+LLAMA70B = {"d": 8192, "ffn": 2 * 28672, "qkv_out": (64 + 2 * 8) * 128}
 
 
 def projection(profiles: dict[str, Profile], world: int = 8, token_counts=(4096, 16384),
@@ -297,10 +298,10 @@ def projection(profiles: dict[str, Profile], world: int = 8, token_counts=(4096,
             for pname, prof in profiles.items():
                 for method in methods:
                     pr = predict(op, method, prof)
-                    rows.append(dict(op=op.name, tokens=tokens, world=world, profile=pname, method=method,
-                                     latency_ms=pr.latency * 1e3, compute_ms=pr.compute_only * 1e3,
-                                     comm_ms=pr.comm_only * 1e3, exposed_ms=pr.exposed * 1e3,
-                                     hidden_fraction=pr.hidden_fraction))
+                    rows.append({"op": op.name, "tokens": tokens, "world": world, "profile": pname, "method": method,
+                                 "latency_ms": pr.latency * 1e3, "compute_ms": pr.compute_only * 1e3,
+                                 "comm_ms": pr.comm_only * 1e3, "exposed_ms": pr.exposed * 1e3,
+                                 "hidden_fraction": pr.hidden_fraction})
     return rows
 
 

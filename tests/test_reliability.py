@@ -1,0 +1,141 @@
+"""Crash-safe resume, numerical guards, dead ranks, memory refusal."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny
+from lean import checkpoint
+from lean.config import ConfigError
+from lean.rewards import REWARDS, register
+from lean.train import NonFiniteError, Trainer, resolve_schedule, train
+
+RUN = ["--set", "train.prompts_per_iteration=2", "--set", "train.group_size=2", "--set", "sample.num_steps=6",
+       "--set", "train.iterations=4", "--set", "train.save_every=1", "--set", "train.rollout_batch_size=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    cmd = [sys.executable, "-m", "lean.cli", "train", *RUN]
+    subprocess.run([*cmd, "--out", str(full)], check=True, capture_output=True, timeout=300)
+
+    proc = subprocess.Popen([*cmd, "--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = killed / "checkpoints"
+    deadline = time.time() + 200
+    while not (ckpts / "iter-000001.sha256").exists():  # iterations 0 and 1 are saved: kill inside iteration 2
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (killed / "lora.safetensors").exists()
+
+    subprocess.run([*cmd, "--out", str(killed), "--resume"], check=True, capture_output=True, timeout=300)
+    a, b = load_file(full / "lora.safetensors"), load_file(killed / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_corrupted_checkpoint_is_skipped(tmp_path):
+    folder = tmp_path / "ckpt"
+    checkpoint.save(folder, 0, {"w": torch.ones(3)}, keep=3)
+    checkpoint.save(folder, 1, {"w": torch.full((3,), 2.0)}, keep=3)
+    data = bytearray((folder / "iter-000001.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / "iter-000001.pt").write_bytes(bytes(data))
+    (folder / "iter-000002.pt").write_bytes(b"partial")  # no digest: an interrupted write
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        state = checkpoint.latest(folder)
+    assert state["iteration"] == 0 and torch.equal(state["w"], torch.ones(3))
+
+
+def test_checkpoints_keep_the_last_k_and_refuse_nan(tmp_path):
+    for i in range(4):
+        checkpoint.save(tmp_path, i, {"w": torch.ones(1)}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["iter-000002.pt", "iter-000003.pt"]
+    with pytest.raises(FloatingPointError, match="state.w"):
+        checkpoint.save(tmp_path, 9, {"w": torch.tensor([float("nan")])}, keep=2)
+
+
+@pytest.fixture
+def nan_reward():
+    @register("test_nan")
+    def _nan(images, prompts):
+        r = torch.zeros(images.shape[0], dtype=torch.float64)
+        r[0] = float("nan")
+        return r
+
+    yield "test_nan"
+    REWARDS.pop("test_nan")
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_reward_aborts_naming_tensor_and_iteration(nan_reward, tmp_path):
+    with pytest.raises(NonFiniteError, match=r"reward .* iteration 0"):
+        train(tiny(f"reward.weights={{{nan_reward}: 1.0}}"), out=str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_skip_leaves_the_weights_untouched(nan_reward, tmp_path):
+    cfg = tiny(f"reward.weights={{{nan_reward}: 1.0}}", "train.on_nonfinite=skip", "train.iterations=2")
+    with pytest.warns(UserWarning, match="skipping iteration"):
+        history = train(cfg, out=str(tmp_path))
+    assert all(row.get("skipped") == 1 for row in history)
+    fresh = Trainer(cfg).policy.lora_state_dict()
+    saved = load_file(tmp_path / "lora.safetensors")
+    assert all(torch.equal(fresh[k], saved[k]) for k in fresh)
+
+
+@pytest.mark.timeout(120)
+def test_retain_over_budget_is_refused_with_the_figure():
+    trainer = Trainer(tiny("train.schedule=retain", "train.memory_budget_mb=1"))
+    with pytest.raises(ConfigError, match=r"train.memory_budget_mb.*predicted to peak at \d+ MiB"):
+        resolve_schedule(trainer)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [k for kid in kids for k in _children(kid)]
+
+
+def _rank_of(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
+    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "2", "--", "train", "--set", "train.iterations=50",
+           "--set", "train.dist_timeout_s=20", "--set", "train.prompts_per_iteration=2", "--set",
+           "train.group_size=2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = ""
+    while "rollout" not in seen:  # rank 0's rollout progress bar: the job is mid-rollout
+        line = proc.stdout.readline()
+        assert line, seen[-2000:]
+        seen += line
+    ranks = {_rank_of(p): p for p in _children(proc.pid)}
+    assert "1" in ranks, ranks
+    os.kill(ranks["1"], signal.SIGKILL)
+    start = time.time()
+    rest, _ = proc.communicate(timeout=60)
+    assert time.time() - start < 60 and proc.returncode != 0
+    assert "rank" in (seen + rest) and ("1" in rest)
+    leftover = [p for p in ranks.values() if Path(f"/proc/{p}").exists()
+                and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert not leftover
