@@ -2,12 +2,16 @@
 
 Every round runs the three schedules one after another (A B C A B C ...) from the same saved weights and optimizer
 state, so they do identical work on identical trajectories; the first ``warmup`` rounds are discarded and medians are
-taken over ``repeats`` rounds. Peak memory is the per-iteration high-water mark (``lean.metrics.PeakMemory``). FLOPs
-come from one extra, untimed iteration per schedule under ``FlopCounterMode``.
+taken over ``repeats`` rounds. Peak memory comes from one extra, untimed iteration per schedule
+(``lean.metrics.PeakMemory``: trimmed heap, reset high-water mark), FLOPs from another under ``FlopCounterMode``: both
+measurements disturb timing, so neither runs inside the timed rounds. On CPU the heap keeps freed pages during the
+timed rounds (``keep_freed_memory``), as the CUDA caching allocator does on GPU.
 
     speedup        = median T_iter(recompute) / median T_iter(schedule)
-    speedup_bound  = (rollout + recompute_forward + backward) / (rollout + backward), all from Recompute's phases in
-                     this run: the speedup if removing the recompute forward were free and nothing else changed
+    speedup_bound  = (rollout + recompute_forward + backward) / (rollout + backward), from Recompute's phases in this
+                     run, where "rollout" is the whole rollout phase of GRPO (sampling, decode, rewards, advantages,
+                     and the optimizer step: everything that is neither the recompute forward nor the backward), i.e.
+                     T_iter / (T_iter - recompute_forward): the speedup if removing the recompute forward were free
     MFU            = FLOPs the algorithm needs (rollout, reference and decode forwards + backwards; no recompute)
                      / (T_iter x peak FLOP/s)
     HFU            = FLOPs executed / (T_iter x peak FLOP/s)
@@ -22,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lean.config import RunConfig
-from lean.metrics import median, peak_flops
+from lean.metrics import keep_freed_memory, median, peak_flops
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
 SCHEDULE_ORDER = ("recompute", "retain", "reweight")
@@ -34,13 +38,19 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
                     trainer: Trainer | None = None) -> dict:
     trainer = trainer or Trainer(cfg)
     state = trainer.trainable_state()
+    if trainer.device.type == "cpu":
+        keep_freed_memory()
     rows: dict[str, list[dict]] = {s: [] for s in SCHEDULE_ORDER}
     for r in tqdm(range(warmup + repeats), desc="bench rounds", disable=not trainer.is_main):
         for s in SCHEDULE_ORDER:
             trainer.load_trainable_state(state)
-            row = trainer.iteration(0, s)
+            row = trainer.iteration(0, s, measure_memory=False)
             if r >= warmup:
                 rows[s].append(row)
+    memory = {}  # one untimed iteration per schedule, each from a trimmed heap
+    for s in SCHEDULE_ORDER:
+        trainer.load_trainable_state(state)
+        memory[s] = trainer.iteration(0, s)
     peak, peak_source = peak_flops(trainer.device, getattr(torch, cfg.model.dtype))
 
     result: dict = {"config": {"family": cfg.model.family, "size": cfg.model.size, "dtype": cfg.model.dtype,
@@ -54,8 +64,8 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
         entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}
         t = entry["time_iteration_s"]
         entry.update({
-            "peak_memory_mb": median(row["peak_memory_mb"] for row in rows[s]),
-            "peak_memory_delta_mb": median(row["peak_memory_delta_mb"] for row in rows[s]),
+            "peak_memory_mb": memory[s]["peak_memory_mb"],
+            "peak_memory_delta_mb": memory[s]["peak_memory_delta_mb"],
             "flops_per_iteration": sum(flops.values()),
             "flops_needed_per_iteration": needed_flops(flops),
             "flops_by_region": flops,
@@ -69,8 +79,7 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
     trainer.load_trainable_state(state)
 
     rc = result["recompute"]
-    bound = ((rc["time_rollout_s"] + rc["time_recompute_forward_s"] + rc["time_backward_s"])
-             / (rc["time_rollout_s"] + rc["time_backward_s"]))
+    bound = rc["time_iteration_s"] / (rc["time_iteration_s"] - rc["time_recompute_forward_s"])
     for s in ("retain", "reweight"):
         result[s]["speedup"] = rc["time_iteration_s"] / result[s]["time_iteration_s"]
         result[s]["speedup_bound"] = bound

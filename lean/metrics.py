@@ -80,6 +80,23 @@ def rss_mb() -> float:
     return kb / 1024 if kb is not None else float("nan")
 
 
+def keep_freed_memory() -> bool:
+    """CPU benchmarks: let glibc keep freed memory mapped and serve every allocation from its heap.
+
+    By default large blocks are mmap'ed and handed back on free, so a step that keeps its activations alive (Retain)
+    pays fresh page faults on every allocation while a no-grad step reuses warm pages: an allocator artefact, not a
+    property of the schedule (the CUDA caching allocator has no such cost). ``PeakMemory`` still trims explicitly.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def _reset_cpu_peak() -> bool:
     # Give freed heap pages back to the kernel first, or a previous region's high tide would count as resident.
     try:
@@ -99,12 +116,15 @@ def _reset_cpu_peak() -> bool:
 class PeakMemory:
     """Peak memory of a region, in MiB: ``with PeakMemory(device) as pm: ...; pm.peak_mb, pm.delta_mb``."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True):
         self.device = torch.device(device)
+        self.enabled = enabled  # disabled: no trim, no reset, peak stays nan (timed benchmark rounds)
         self.peak_mb = float("nan")
         self.start_mb = float("nan")
 
     def __enter__(self):
+        if not self.enabled:
+            return self
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -115,6 +135,8 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
+        if not self.enabled:
+            return False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20

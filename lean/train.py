@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from lean import tracking
 from lean.advantage import group_advantages, local_slice
 from lean.config import ConfigError, RunConfig, validate
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, median
@@ -111,7 +112,7 @@ class Trainer:
     # ------------------------------------------------------------ one iteration
 
     def iteration(self, iteration: int, schedule: str, *, tally: FlopTally | None = None,
-                  progress: Callable[[int], None] | None = None) -> dict:
+                  progress: Callable[[int], None] | None = None, measure_memory: bool = True) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self.current_iteration = iteration
         tally = tally or FlopTally()
@@ -121,7 +122,7 @@ class Trainer:
         prompts = [t.prompts[p] for _, p, _ in mine]
         generators = [sample_generator(t.seed, iteration, p, k) for _, p, k in mine]
 
-        with PeakMemory(self.device) as memory, timer("iteration"):
+        with PeakMemory(self.device, enabled=measure_memory) as memory, timer("iteration"):
             plan = plan_steps(cfg.sample.num_steps, len(mine), timestep_fraction=cfg.sample.timestep_fraction,
                               selection=cfg.sample.timestep_selection, sde_window=cfg.sample.sde_window,
                               sde_window_max_start=cfg.sample.sde_window_max_start,
@@ -265,6 +266,9 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
         print(f"lean train: {trainer.world} process(es) on {trainer.device}, schedule={schedule}, "
               f"{cfg.model.family}/{cfg.model.size} {cfg.model.dtype}"
               + (f", resuming at iteration {start}" if start else ""), flush=True)
+    # --- MLflow (lean.tracking): one run per train() call, rank 0 only; a no-op unless tracking is on ---
+    run = tracking.start_run(f"train[{schedule}]", schedule=schedule, params=cfg.to_dict()) if trainer.is_main \
+        else tracking.Run()
     bar = tqdm(range(start, t.iterations), desc=f"train[{schedule}]", initial=start, total=t.iterations,
                disable=not trainer.is_main)
     for it in bar:
@@ -281,6 +285,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
             row = {"iteration": it, "schedule": schedule, "skipped": 1, "reward_mean": float("nan")}
         steps.close()
         history.append(row)
+        run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
         bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
         if t.save_every and (it + 1) % t.save_every == 0 and trainer.is_main:
             checkpoint.save(out_dir / "checkpoints", it, {"trainer": trainer.trainable_state(), "history": history},
@@ -293,6 +298,12 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
     if trainer.is_main:
         write_outputs(out_dir, cfg, history, flops, schedule, decision, trainer)
         save_file({"latents": latents.cpu(), "rewards": trainer.last_rewards.cpu()}, out_dir / "rollout.safetensors")
+        # --- MLflow: the run's summary numbers and its metrics files, then close it ---
+        summary = json.loads((out_dir / "metrics.json").read_text())
+        run.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.log_artifact(out_dir / "metrics.csv")
+        run.log_artifact(out_dir / "metrics.json")
+    run.finish()
     trainer.accelerator.wait_for_everyone()
     return history
 

@@ -26,7 +26,8 @@ def test_options_are_validated():
 
 def test_flash_vs_sliced_verdict_uses_the_noise():
     def row(method, latency, iqr):
-        return {"op": "op", "shape": "s", "method": method, "latency_ms": latency, "latency_iqr_ms": iqr}
+        return {"op": "op", "shape": "s", "method": method, "latency_ms": latency, "latency_iqr_ms": iqr,
+                "latency_min_ms": latency - iqr}
 
     verdicts = [bench.flash_vs_sliced([row("sliced", 10.0, 0.5), row("flash", f, 0.5)])[0]["verdict"]
                 for f in (8.0, 10.3, 11.0)]

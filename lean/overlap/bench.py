@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -37,9 +35,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lean.metrics import calibrate_cpu_peak_flops, median, peak_flops, synchronize
+from lean.metrics import keep_freed_memory, median, peak_flops
 from lean.overlap import ops, sim
-from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, exchange, reduce_scatter_apply, wait
+from lean.overlap.measure import calibrate, case_flops, cpu_peak_flops, measured_profile, time_round_robin
+from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,12 @@ def cli_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------- cases
 
 
-def _case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.device):
-    """(op(ov), communication alone(ov), the whole local GEMM alone) for one op of ``sim.layer_ops``."""
+Case = tuple[Callable[[Overlap], object], Callable[[Overlap], object], Callable[[], object]]
+
+
+def _case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.device) -> Case:
+    """(the op, its communication alone, the whole local GEMM alone) for one op of ``sim.layer_ops``; the first two
+    take the :class:`Overlap` to run with. Communication alone is the same pattern with no GEMM around it."""
     P, b, seq, d, ffn = spec.world, shape.batch, shape.seq, shape.d, shape.ffn
     s = seq // P
 
@@ -145,126 +148,9 @@ def _overlap(variant: str, timeout: float) -> Overlap:
         Overlap(variant, timeout=timeout)
 
 
-def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device,
-                     calls: int = 1) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one sample per repeat: the slowest rank's time for ``calls`` back-to-back
-    calls (which evens out the scheduler's time slices and the barrier's skew) divided by ``calls``. The variants
-    take turns within each repeat."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    distributed = dist.is_initialized()
-    for i in range(warmup + repeats):
-        for name, fn in variants.items():
-            if distributed:
-                dist.barrier()
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            synchronize(device)
-            if i >= warmup:
-                samples[name].append((time.perf_counter() - start) / calls)
-    if distributed:
-        table = torch.tensor([samples[name] for name in variants], dtype=torch.float64, device=device)
-        dist.all_reduce(table, op=dist.ReduceOp.MAX)
-        samples = dict(zip(variants, table.tolist()))
-    return samples
-
-
 def _quartiles(values: list[float]) -> tuple[float, float]:
     v = sorted(values)
     return v[len(v) // 4], v[(3 * len(v)) // 4]
-
-
-# ---------------------------------------------------------------- calibration
-
-
-def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
-    """Best FLOP/s of the calibration matmul over sizes that fit the caches to a different degree (a single 1024^3
-    matmul underrates a small-cache CPU, and the sweep's smaller GEMMs would then exceed 100% MFU)."""
-    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    best = max((calibrate_cpu_peak_flops(n, dtype, repeats=10), n) for n in (256, 512, 1024))
-    return best[0], f"calibration:matmul-{best[1]}-{str(dtype).removeprefix('torch.')}-best-of-256/512/1024"
-
-
-def _ring_step(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, stamps: list[float] | None = None) -> None:
-    """One flash ring step (send right, receive left); appends its completion time to ``stamps`` if given."""
-    wait(exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov), ov, "calibration")
-    if stamps is not None:
-        stamps.append(time.perf_counter())
-
-
-def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repeats: int = 7) -> tuple[float, float]:
-    """(alpha s, beta bytes/s) of one ring step, fitted through a small and a large message."""
-    sizes = (1024, 2 ** 21)
-    buffers = {n: (torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)) for n in sizes}
-    samples = time_round_robin({n: partial(_ring_step, *buffers[n], ov) for n in sizes}, 2, repeats, device)
-    times = [median(samples[n]) for n in sizes]
-    nbytes = [n * torch.finfo(dtype).bits // 8 for n in sizes]
-    beta = (nbytes[1] - nbytes[0]) / max(times[1] - times[0], 1e-9)
-    return max(times[0] - nbytes[0] / beta, 0.0), beta
-
-
-def calibrate_memory(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(bytes/s of a large copy, seconds of a tiny matmul call): the roofline's memory side and per-call cost."""
-    src = torch.ones(2 ** 24 if device.type == "cpu" else 2 ** 28, dtype=dtype, device=device)
-    dst, a = torch.empty_like(src), torch.ones(8, 8, dtype=dtype, device=device)
-    copy = median(time_round_robin({"copy": partial(dst.copy_, src)}, 2, 5, device)["copy"])
-    call = median(time_round_robin({"call": partial(torch.mm, a, a)}, 2, 5, device, calls=200)["call"])
-    return 2 * src.numel() * src.element_size() / copy, call
-
-
-def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(compute_slowdown, comm_slowdown) on a CPU: a GEMM loop while a ring step runs, against each alone.
-
-    Fluid model: while both run, compute goes at 1/(1+kc) and the transfer at 1/(1+km). With G, C the times alone and
-    G', C' together (the GEMM loop outlasting the transfer): C' = C (1+km) and G' - G = C' kc / (1+kc).
-    """
-    send, recv = torch.ones(2 ** 21, dtype=dtype), torch.empty(2 ** 21, dtype=dtype)
-    a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
-    variants = {"comm": partial(_ring_step, send, recv, ov), "gemm": partial(torch.mm, a, b)}
-    alone = time_round_robin(variants, 2, 5, device)
-    comm = median(alone["comm"])
-    loops = max(1, round(3 * comm / median(alone["gemm"])))
-
-    def gemm_loop() -> None:
-        for _ in range(loops):
-            torch.mm(a, b)
-
-    gemm = median(time_round_robin({"loop": gemm_loop}, 1, 3, device)["loop"])
-    together_comm, together_gemm = [], []
-    for _ in range(5):
-        dist.barrier()
-        stamps: list[float] = []
-        start = time.perf_counter()
-        transfer = threading.Thread(target=_ring_step, args=(send, recv, ov, stamps))
-        transfer.start()  # the wait runs on this thread with the GIL released, the transfer on gloo's
-        gemm_loop()
-        together_gemm.append(time.perf_counter() - start)
-        transfer.join()
-        together_comm.append(stamps[0] - start)
-    comm_t, gemm_t = median(together_comm), median(together_gemm)
-    x = min(max((gemm_t - gemm) / comm_t, 0.0), 0.9)
-    return x / (1 - x), max(comm_t / comm - 1, 0.0)
-
-
-def loopback_overlap(device: torch.device, dtype: torch.dtype) -> dict:
-    """One GPU, no peer: a device-to-device copy on a side stream while a GEMM runs, against each alone (seconds)."""
-    src = torch.ones(2 ** 28, dtype=dtype, device=device)
-    dst, a = torch.empty_like(src), torch.randn(8192, 8192, dtype=dtype, device=device)
-    side = torch.cuda.Stream(device)
-
-    def copy():
-        with torch.cuda.stream(side):
-            dst.copy_(src)
-
-    def both():
-        copy()
-        a @ a
-        torch.cuda.current_stream(device).wait_stream(side)
-
-    t = time_round_robin({"copy": lambda: (copy(), torch.cuda.current_stream(device).wait_stream(side)),
-                          "gemm": lambda: a @ a, "both": both}, 2, 5, device)
-    return {name: median(v) for name, v in t.items()}
 
 
 # ---------------------------------------------------------------- run
@@ -283,6 +169,7 @@ def _setup(args) -> tuple[int, int, torch.device, torch.dtype]:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        keep_freed_memory()  # every op allocates its outputs: no fresh page faults on each call
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout),
                                 device_id=device if cuda else None)
@@ -322,32 +209,29 @@ def sweep(args, names: list[str], shapes: dict[str, Shape], world: int, device: 
                 variants[v] = partial(run_op, _overlap(v, args.timeout))
                 variants[f"{v}:comm"] = partial(comm_only, _overlap(v, args.timeout))
             samples = time_round_robin(variants, warmup, repeats, device, calls)
-            compute = median(samples.pop("compute"))
-            compute_rows.append({"op": spec.name, "shape": shape_name, "flops": spec.flops, "compute_ms": compute * 1e3,
-                                 "gflops": spec.flops / compute / 1e9, "mfu": spec.flops / compute / peak})
+            compute = samples.pop("compute")
+            compute_rows.append({"op": spec.name, "shape": shape_name, "flops": spec.flops, "calls_per_sample": calls,
+                                 "compute_ms": median(compute) * 1e3, "compute_min_ms": min(compute) * 1e3,
+                                 "gflops": spec.flops / median(compute) / 1e9, "mfu": spec.flops / median(compute) / peak})
             for v in (k for k in samples if not k.endswith(":comm")):
-                latency, comm = median(samples[v]), median(samples[f"{v}:comm"])
-                q1, q3 = _quartiles(samples[v])
-                results.append({"op": spec.name, "shape": shape_name, "method": v, "latency_ms": latency * 1e3,
-                                "latency_iqr_ms": (q3 - q1) * 1e3, "compute_ms": compute * 1e3,
-                                "comm_ms": comm * 1e3, "exposed_ms": (latency - compute) * 1e3,
-                                "hidden_fraction": 1 - (latency - compute) / comm,
-                                "gflops": spec.flops / latency / 1e9, "mfu": spec.flops / latency / peak})
+                results.append({"op": spec.name, "shape": shape_name, "method": v,
+                                **overlap_stats(samples[v], compute, samples[f"{v}:comm"], spec.flops, peak)})
     return results, compute_rows
 
 
-def calibrate(world: int, device: torch.device, dtype: torch.dtype, timeout: float) -> dict:
-    """The figures the timeline model needs from this machine (see the calibrate_* functions)."""
+def overlap_stats(latency: list[float], compute: list[float], comm: list[float], flops: float, peak: float) -> dict:
+    """The reported figures of one case, from the medians and (``_min``) from the fastest repeats, in ms.
+
+    The fastest repeat is the one least disturbed by other processes: on a shared machine it is the better estimate of
+    the machine itself, the median the better one of what a user sees."""
     out = {}
-    out["mem_bw"], out["launch"] = calibrate_memory(device, dtype)
-    if world > 1:
-        ov = Overlap("flash", timeout=timeout)
-        out["alpha"], out["beta"] = calibrate_links(ov, device, dtype)
-        if device.type == "cpu":
-            out["compute_slowdown"], out["comm_slowdown"] = calibrate_contention(ov, device, dtype)
-    elif device.type == "cuda":
-        out["loopback_s"] = loopback_overlap(device, dtype)
-    return out
+    for suffix, stat in (("", median), ("_min", min)):
+        t, c, m = stat(latency), stat(compute), stat(comm)
+        out |= {f"latency{suffix}_ms": t * 1e3, f"compute{suffix}_ms": c * 1e3, f"comm{suffix}_ms": m * 1e3,
+                f"exposed{suffix}_ms": (t - c) * 1e3, f"hidden_fraction{suffix}": 1 - (t - c) / m}
+    q1, q3 = _quartiles(latency)
+    return out | {"latency_iqr_ms": (q3 - q1) * 1e3, "gflops": flops / median(latency) / 1e9,
+                  "mfu": flops / median(latency) / peak}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,39 +260,37 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- report
 
 
-def measured_profile(calibration: dict, compute_rows: list[dict], device: torch.device) -> sim.Profile:
-    """The model's profile for this machine: links, memory, call cost and contention as calibrated; GEMM FLOP/s the
-    median rate of the compute-only runs (``model_cases`` refits it per case). On one GPU the links are not measured
-    and, as on any GPU, the contention comes from the H100 datasheet profile."""
-    base = sim.H100_SXM if device.type == "cuda" else sim.Profile("cpu", 1, 1, 0, 1, 0)
-    return replace(base, name=f"measured {device.type}", flops=median(_case_flops(r, calibration) for r in compute_rows),
-                   mem_bw=calibration["mem_bw"], launch=calibration["launch"], source="calibrated on this machine",
-                   **{k: calibration[k] for k in ("alpha", "beta", "compute_slowdown", "comm_slowdown")
-                      if k in calibration})
-
-
-def _case_flops(compute_row: dict, calibration: dict) -> float:
-    """The GEMM FLOP/s that makes the roofline reproduce this case's measured compute-only time."""
-    return compute_row["flops"] / max(compute_row["compute_ms"] / 1e3 - calibration["launch"], 1e-9)
-
-
 def model_cases(results: list[dict], compute_rows: list[dict], world: int, element_bytes: int,
-                shapes: dict[str, Shape], profile: sim.Profile, calibration: dict) -> list[dict]:
-    """The model's prediction for every measured case. GEMM efficiency differs between shapes (caches), so each case
-    uses the FLOP/s of its own compute-only run; links, memory, contention and the schedule are what is predicted."""
+                shapes: dict[str, Shape], calibration: dict, device: torch.device) -> list[dict]:
+    """The model's prediction for every measured case, twice: calibrated on the fastest repeats and compared with
+    the fastest repeat (the machine without outside load), and calibrated on and compared with the medians.
+
+    GEMM efficiency differs between shapes (caches), so each case uses the FLOP/s of its own compute-only run: links,
+    memory, contention and the schedule are what is predicted."""
     specs = {(spec.name, name): spec for name in {r["shape"] for r in results}
              for spec in sim.layer_ops(world, **asdict(shapes[name]), element_bytes=element_bytes)}
-    flops = {(r["op"], r["shape"]): _case_flops(r, calibration) for r in compute_rows}
-    cases = []
-    for r in results:
-        method = "flash" if r["method"] == "flash-bidir" else r["method"]
-        pr = sim.predict(specs[r["op"], r["shape"]], method, replace(profile, flops=flops[r["op"], r["shape"]]),
-                         bidirectional=r["method"] == "flash-bidir")
-        cases.append({"op": r["op"], "shape": r["shape"], "method": r["method"], "measured_ms": r["latency_ms"],
-                      "predicted_ms": pr.latency * 1e3, "error": pr.latency * 1e3 / r["latency_ms"] - 1,
-                      "measured_exposed_ms": r["exposed_ms"], "predicted_exposed_ms": pr.exposed * 1e3,
-                      "measured_comm_ms": r["comm_ms"], "predicted_comm_ms": pr.comm_only * 1e3})
+    cases = [{"op": r["op"], "shape": r["shape"], "method": r["method"]} for r in results]
+    for suffix, measured in (("", "_min"), ("_median", "")):
+        profile = measured_profile(calibration, compute_rows, device, suffix)
+        flops = {(r["op"], r["shape"]): case_flops(r, profile.launch, suffix) for r in compute_rows}
+        for case, r in zip(cases, results):
+            pr = sim.predict(specs[r["op"], r["shape"]], "flash" if r["method"] == "flash-bidir" else r["method"],
+                             replace(profile, flops=flops[r["op"], r["shape"]]),
+                             bidirectional=r["method"] == "flash-bidir")
+            key = "fastest" if suffix == "" else "median"
+            case |= {f"predicted_{key}_ms": pr.latency * 1e3, f"measured_{key}_ms": r[f"latency{measured}_ms"],
+                     f"error_{key}": pr.latency * 1e3 / r[f"latency{measured}_ms"] - 1,
+                     f"predicted_exposed_{key}_ms": pr.exposed * 1e3,
+                     f"measured_exposed_{key}_ms": r[f"exposed{measured}_ms"],
+                     f"predicted_comm_{key}_ms": pr.comm_only * 1e3, f"measured_comm_{key}_ms": r[f"comm{measured}_ms"]}
     return cases
+
+
+def _error_summary(cases: list[dict], key: str) -> dict:
+    errors = [abs(c[f"error_{key}"]) for c in cases]
+    return {f"mean_abs_error_{key}": sum(errors) / len(errors) if errors else None,
+            f"max_abs_error_{key}": max(errors) if errors else None,
+            f"within_15pct_{key}": sum(e <= 0.15 for e in errors)}
 
 
 def flash_vs_sliced(results: list[dict]) -> list[dict]:
@@ -422,7 +304,8 @@ def flash_vs_sliced(results: list[dict]) -> list[dict]:
         gap, noise = f["latency_ms"] - s["latency_ms"], max(f["latency_iqr_ms"], s["latency_iqr_ms"])
         verdict = "faster" if gap < -noise else "slower" if gap > noise else "within noise"
         rows.append({"op": op, "shape": shape, "flash_ms": f["latency_ms"], "sliced_ms": s["latency_ms"],
-                     "gap_ms": gap, "noise_ms": noise, "verdict": verdict})
+                     "gap_ms": gap, "noise_ms": noise, "verdict": verdict,
+                     "flash_min_ms": f["latency_min_ms"], "sliced_min_ms": s["latency_min_ms"]})
     return rows
 
 
@@ -432,7 +315,6 @@ def report(args, world: int, device: torch.device, dtype: torch.dtype, calibrati
     out.mkdir(parents=True, exist_ok=True)
     shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
     element_bytes = torch.finfo(dtype).bits // 8
-    profile = measured_profile(calibration, compute_rows, device)
     not_measured = [] if world > 1 else [
         "latency, communication-only time, exposed communication and hidden fraction of every method (need >= 2 ranks)",
         "link alpha/beta (the model uses the datasheet NVLink figures)"]
@@ -445,25 +327,22 @@ def report(args, world: int, device: torch.device, dtype: torch.dtype, calibrati
                "quick": args.quick, "shapes": {n: asdict(shapes[n]) for n in names}, "calibration": calibration,
                "compute_only": compute_rows, "results": results, "flash_vs_sliced": flash_vs_sliced(results),
                "not_measured": not_measured}
-    cases = model_cases(results, compute_rows, world, element_bytes, shapes, profile, calibration)
-    errors = [abs(c["error"]) for c in cases]
-    summary["model"] = {"profile": asdict(profile), "cases": cases,
-                        "mean_abs_error": sum(errors) / len(errors) if errors else None,
-                        "max_abs_error": max(errors) if errors else None}
+    cases = model_cases(results, compute_rows, world, element_bytes, shapes, calibration, device) if results else []
+    profile = measured_profile(calibration, compute_rows, device)
+    summary["model"] = {"profile": asdict(profile),
+                        "profile_median": asdict(measured_profile(calibration, compute_rows, device, "_median")),
+                        "cases": cases, **_error_summary(cases, "fastest"), **_error_summary(cases, "median")}
     (out / "overlap.json").write_text(json.dumps(summary, indent=1))
 
     projection = sim.projection(sim.GPU_PROFILES)
     (out / "projection.json").write_text(json.dumps({
         "shapes": "Llama-70B-like layer (d 8192, SwiGLU ffn 2x28672, 64 q / 8 kv heads x 128), bf16, degree 8",
         "profiles": {k: asdict(p) for k, p in sim.GPU_PROFILES.items()}, "rows": projection}, indent=1))
-    llama = {spec.name.split()[0]: spec for spec in sim.layer_ops(8, 1, 4096, element_bytes=2, **sim.LLAMA70B)}
-    draw_methods(sim.H100_SXM, [llama["mlp.fc1"], llama["mlp.fc2"]], out / "gantt.png",
-                 "H100-SXM model, Llama-70B-like MLP, TP=8, 4096 tokens (red: exposed communication)")
+    draw_methods(sim.H100_SXM, sim.layer_ops(8, 1, 4096, element_bytes=2, **sim.LLAMA70B), out / "gantt.png",
+                 "H100-SXM model, Llama-70B-like layer, degree 8, 4096 tokens")
     if world > 1 and results:
-        first = {spec.name.split()[0]: spec
-                 for spec in sim.layer_ops(world, **asdict(shapes[names[0]]), element_bytes=element_bytes)}
-        draw_methods(profile, [first["mlp.fc1"], first["mlp.fc2"]], out / "gantt_measured.png",
-                     f"{profile.name} profile, {names[0]}, world {world} (red: exposed communication)")
+        draw_methods(profile, sim.layer_ops(world, **asdict(shapes[names[0]]), element_bytes=element_bytes),
+                     out / "gantt_measured.png", f"{profile.name} profile, {names[0]}, world {world}")
     print_tables(summary, projection)
     print(f"lean bench overlap: wrote {out}/overlap.json, projection.json, gantt*.png", flush=True)
 
@@ -476,26 +355,34 @@ def draw_methods(profile: sim.Profile, specs: list[sim.OpSpec], path: Path, titl
 
 def print_tables(summary: dict, projection: list[dict]) -> None:
     print(f"\nFlashOverlap on {summary['world']} x {summary['device_name']} ({summary['backend']}, "
-          f"{summary['dtype']}, {summary['threads_per_rank']} threads/rank); medians of {summary['repeats']} repeats; "
-          f"load average {summary['load_average'][0]:.1f} on {summary['cpu_count']} cores")
-    model = {(c["op"], c["shape"], c["method"]): c for c in summary["model"]["cases"]}
-    header = (f"{'op':36s} {'shape':16s} {'method':11s} {'latency':>8s} {'iqr':>6s} {'compute':>8s} {'comm':>7s} "
-              f"{'exposed':>8s} {'hidden':>7s} {'GFLOP/s':>8s} {'MFU':>6s} {'model':>8s} {'err':>6s}")
+          f"{summary['dtype']}, {summary['threads_per_rank']} threads/rank), {summary['repeats']} repeats, "
+          f"load average {summary['load_average'][0]:.1f} on {summary['cpu_count']} cores. Times in ms: median (min); "
+          f"hidden = 1 - exposed / comm-only; model: calibrated on medians (on minima)")
+    predicted = {(c["op"], c["shape"], c["method"]): c for c in summary["model"]["cases"]}
+    header = (f"{'op':34s} {'shape':15s} {'method':11s} {'latency':>15s} {'iqr':>5s} {'compute':>14s} "
+              f"{'comm-only':>13s} {'exposed':>13s} {'hidden':>13s} {'GFLOP/s':>7s} {'MFU':>5s} {'model':>14s} "
+              f"{'error':>13s}")
     print(header + "\n" + "-" * len(header))
     for r in summary["results"]:
-        m = model[r["op"], r["shape"], r["method"]]
-        print(f"{r['op']:36s} {r['shape']:16s} {r['method']:11s} {r['latency_ms']:8.2f} {r['latency_iqr_ms']:6.2f} "
-              f"{r['compute_ms']:8.2f} {r['comm_ms']:7.2f} {r['exposed_ms']:8.2f} {r['hidden_fraction']:7.2f} "
-              f"{r['gflops']:8.1f} {r['mfu']:6.1%} {m['predicted_ms']:8.2f} {m['error']:+6.0%}")
+        m = predicted[r["op"], r["shape"], r["method"]]
+        print(f"{r['op']:34s} {r['shape']:15s} {r['method']:11s} {r['latency_ms']:7.2f} ({r['latency_min_ms']:5.2f}) "
+              f"{r['latency_iqr_ms']:5.2f} {r['compute_ms']:6.2f} ({r['compute_min_ms']:5.2f}) "
+              f"{r['comm_ms']:5.2f} ({r['comm_min_ms']:5.2f}) {r['exposed_ms']:5.2f} ({r['exposed_min_ms']:5.2f}) "
+              f"{r['hidden_fraction']:5.2f} ({r['hidden_fraction_min']:5.2f}) {r['gflops']:7.1f} {r['mfu']:5.0%} "
+              f"{m['predicted_median_ms']:6.2f} ({m['predicted_fastest_ms']:5.2f}) "
+              f"{m['error_median']:+5.0%} ({m['error_fastest']:+5.0%})")
     for r in summary["compute_only"] if not summary["results"] else []:
         print(f"{r['op']:36s} {r['shape']:16s} compute-only {r['compute_ms']:8.2f} ms {r['gflops']:8.1f} GFLOP/s "
               f"MFU {r['mfu']:6.1%}")
-    if summary["model"]["mean_abs_error"] is not None:
-        print(f"timeline model vs measured latency: mean |error| {summary['model']['mean_abs_error']:.1%}, "
-              f"max {summary['model']['max_abs_error']:.1%}")
+    model = summary["model"]
+    for key in ("median", "fastest") if model["cases"] else ():
+        print(f"timeline model vs measured latency ({key} repeats): mean |error| {model[f'mean_abs_error_{key}']:.1%}, "
+              f"max {model[f'max_abs_error_{key}']:.1%}, {model[f'within_15pct_{key}']}/{len(model['cases'])} "
+              f"cases within 15%")
     for row in summary["flash_vs_sliced"]:
-        print(f"flash vs sliced  {row['op']:36s} {row['shape']:16s} {row['flash_ms']:8.2f} vs {row['sliced_ms']:8.2f} ms"
-              f"  {row['verdict']}")
+        print(f"flash vs sliced  {row['op']:34s} {row['shape']:15s} median {row['flash_ms']:6.2f} vs "
+              f"{row['sliced_ms']:6.2f} ms: {row['verdict']:12s} (min {row['flash_min_ms']:6.2f} vs "
+              f"{row['sliced_min_ms']:6.2f})")
     for line in summary["not_measured"]:
         print(f"not measured: {line}")
     print("\nProjection (timeline model), Llama-70B-like layer, degree 8: latency / exposed communication, ms")

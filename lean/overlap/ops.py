@@ -75,10 +75,7 @@ def matmul_all_to_all(x_shard: Tensor, w_blocks: Tensor, ov: Overlap) -> Tensor:
         block = x_shard[rows].reshape(-1, d) @ w_blocks[peers]  # broadcast over peers: one batched GEMM
         return block.view(block.shape[0], -1, *batch, block.shape[-1])
 
-    def consume(peers: slice, rows: slice, block: Tensor) -> None:
-        y[peers, rows] = block
-
-    all_to_all_apply(produce, consume, s, ov)
+    all_to_all_apply(produce, None, s, ov, into=lambda peers, rows: y[peers, rows])
     return y.flatten(0, 1)
 
 
@@ -96,9 +93,8 @@ def all_to_all_matmul(o: Tensor, w_blocks: Tensor, ov: Overlap, keep_input: bool
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block (n_peers, rows, *B, c)
         lhs = block.movedim(0, -2).reshape(-1, block.shape[0] * c)  # contract over (peer, c) in one GEMM
-        y[rows] += (lhs @ w_blocks[peers].reshape(-1, w_blocks.shape[-1])).view(y[rows].shape)
-        if received is not None:
-            received[peers, rows] = block
+        y[rows].view(lhs.shape[0], -1).addmm_(lhs, w_blocks[peers].reshape(-1, w_blocks.shape[-1]))
 
-    all_to_all_apply(lambda peers, rows: chunks[peers, rows], consume, s, ov)
+    keep = None if received is None else lambda peers, rows: received[peers, rows]
+    all_to_all_apply(lambda peers, rows: chunks[peers, rows], consume, s, ov, into=keep)
     return y, received

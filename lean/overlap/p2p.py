@@ -7,18 +7,19 @@ group ranks in the slice ``peers`` (leading dimension), restricted to the slice 
     all_gather_apply(chunk, consume)        consume(j, :, chunk_j) for every rank j      (gather, then compute)
     reduce_scatter_apply(produce)           returns sum over ranks q of produce_q(me, :)  (compute, then reduce)
     all_to_all_apply(produce, consume)      consume(j, :, produce_j(me, :)) for every j   (compute, swap, compute)
+                                            (or just keep the blocks, received in place: ``into``)
 
 Methods (what runs while the GEMMs run):
     collective  one collective on the whole tensor and one callback on the whole block: nothing overlaps.
     sliced      the rows are cut into ``slices`` slices; the collective of slice i is in flight while slice i+-1
                 computes. The first gather (or the last reduce-scatter / all-to-all) has nothing left to hide behind:
                 that exposed slice is the tail.
-    flash       one P2P step (``batch_isend_irecv``) per peer chunk. All-gather is a ring that consumes the local chunk
-                first while the first transfer flies (optionally both ways round the ring: half the steps);
-                reduce-scatter is a ring whose partial sums are accumulated while they travel and whose last step
-                computes the local chunk, so no transfer and no reduction kernel is left after the last GEMM;
-                all-to-all sends to each destination as soon as its block is computed and computes the local block
-                last. Every transfer except those the last GEMM covers overlaps a GEMM.
+    flash       one P2P step (``batch_isend_irecv``) per peer chunk, each in flight while a chunk GEMM runs.
+                All-gather: a ring that consumes the local chunk first while the first transfer flies (optionally
+                both ways round the ring: half the steps). Reduce-scatter: a ring whose partial sums are accumulated
+                while they travel and whose last step computes the local chunk, so after the last GEMM only its own
+                accumulate remains, no transfer and no separate reduction. All-to-all: each block is sent as soon as
+                it is computed, the local block is computed last (and, on the receiving side, consumed first).
 
 Every wait has a timeout (gloo: ``Work.wait(timeout)``; NCCL: the process group's timeout and watchdog, because a
 timed wait there would block the host and stop it queueing the next GEMM), so a lost peer raises :class:`PeerLost`
@@ -45,7 +46,7 @@ DEFAULT_TIMEOUT_S = 60.0
 Produce = Callable[[slice, slice], Tensor]  # (peers, rows) -> block of shape (n_peers, n_rows, ...)
 Consume = Callable[[slice, slice, Tensor], None]  # (peers, rows, block); must copy what it keeps of block
 
-# torch >= 2.10 renamed the tensor collectives; keep working on older releases.
+# Recent torch names the tensor collectives *_single (the *_into_tensor / *_tensor names warn); older ones lack them.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -213,28 +214,39 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap) -> Tensor:
     return partial[0]
 
 
-def all_to_all_apply(produce: Produce, consume: Consume, rows: int, ov: Overlap) -> None:
-    """``consume(j, :, block)`` with the block rank j produced for this rank, for every j: an all-to-all between."""
+def all_to_all_apply(produce: Produce, consume: Consume | None, rows: int, ov: Overlap,
+                     into: Callable[[slice, slice], Tensor] | None = None) -> None:
+    """Rank j's block for this rank, ``produce_j(me, :)``, for every j: kept in ``into(j, rows)`` if given (received
+    straight into it where it is contiguous, copied there otherwise) and passed to ``consume`` if given."""
     world, me = ov.world, ov.rank
-    if ov.method == "collective":
-        send = produce(_ALL, _ALL).contiguous()
-        recv = torch.empty_like(send)
-        wait([dist.all_to_all_single(recv, send, group=ov.group, async_op=True)], ov, "all-to-all")
-        consume(_ALL, _ALL, recv)
-        return
-    pending = []  # (peers, rows, received block, works), consumed in posting order
-    if ov.method == "sliced":
-        for part in row_slices(rows, ov.slices or world):
+
+    def landing(peers: slice, part: slice, like: Tensor) -> tuple[Tensor, bool]:
+        """(where the block is received, whether that is already its place in ``into``)."""
+        target = into(peers, part) if into is not None else None
+        if target is not None and target.is_contiguous():
+            return target, True
+        return torch.empty_like(like), False
+
+    def arrived(peers: slice, part: slice, block: Tensor, in_place: bool) -> None:
+        if into is not None and not in_place:
+            into(peers, part).copy_(block)
+        if consume is not None:
+            consume(peers, part, block)
+
+    pending = []  # (peers, rows, received block, already in place, works), consumed in posting order
+    if ov.method in ("collective", "sliced"):
+        for part in row_slices(rows, ov.slices or world) if ov.method == "sliced" else [_ALL]:
             send = produce(_ALL, part).contiguous()
-            recv = torch.empty_like(send)
-            pending.append((_ALL, part, recv, [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]))
+            recv, in_place = landing(_ALL, part, send)
+            works = [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]
+            pending.append((_ALL, part, recv, in_place, works))
     else:  # flash: step k sends to me+k what was just computed for it, receives from me-k; the local block goes last
         for k in range(1, world):
             send = produce(_one(me + k, world), _ALL).contiguous()
-            recv = torch.empty_like(send)
+            recv, in_place = landing(_one(me - k, world), _ALL, send)
             works = exchange([(send, me + k)], [(recv, me - k)], ov)
-            pending.append((_one(me - k, world), _ALL, recv, works))
-        consume(_one(me, world), _ALL, produce(_one(me, world), _ALL))
-    for peers, part, recv, works in pending:
+            pending.append((_one(me - k, world), _ALL, recv, in_place, works))
+        arrived(_one(me, world), _ALL, produce(_one(me, world), _ALL), False)
+    for peers, part, recv, in_place, works in pending:
         wait(works, ov, f"all-to-all from {peers}")
-        consume(peers, part, recv)
+        arrived(peers, part, recv, in_place)

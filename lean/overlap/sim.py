@@ -171,11 +171,8 @@ def schedule(op: OpSpec, method: str, p: Profile, slices: int | None = None, bid
         gemm("gemm", M, K, N)
         return tasks
     if method == "collective":
-        if produce_side:
-            g = gemm("gemm", M, K, N)
-            c = collective(op.pattern, chunk, [g])
-            if op.pattern == "all_to_all":
-                memory("place", world * chunk, 2, [c])
+        if produce_side:  # an all-to-all receives straight into the output: nothing to place
+            collective(op.pattern, chunk, [gemm("gemm", M, K, N)])
         else:
             c = collective(op.pattern, chunk, [])
             gemm("gemm", M, K, N, [c])
@@ -189,7 +186,7 @@ def schedule(op: OpSpec, method: str, p: Profile, slices: int | None = None, bid
         for i, c in enumerate(pending):
             if not produce_side:
                 gemm(f"gemm {i}", M // n_slices, K, N, [c])
-            elif op.pattern == "all_to_all":
+            elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
         if op.pattern == "reduce_scatter":
             memory("concatenate", chunk, 2, pending)
@@ -225,9 +222,7 @@ def schedule(op: OpSpec, method: str, p: Profile, slices: int | None = None, bid
         else:
             gemm("local", m, k, n)
         for step, x in enumerate(arrivals, 1):
-            if produce_side:
-                memory(f"place -{step}", chunk, 2, [x])
-            else:
+            if not produce_side:  # produce side: the blocks arrive in place
                 gemm(f"from -{step}", m, k, n, [x])
     return tasks
 
@@ -309,7 +304,9 @@ def projection(profiles: dict[str, Profile], world: int = 8, token_counts=(4096,
 
 
 def draw_gantt(panels: list[tuple[str, Prediction]], path: str, columns: int = 3, title: str = "") -> None:
-    """Compute and communication lanes of each prediction, side by side; red: exposed communication (the tail)."""
+    """Compute and communication lanes of each prediction, side by side. Red: communication while compute idles (the
+    tail); each title gives the latency and the exposed communication (latency - compute-only, which also counts
+    compute slowed down by concurrent transfers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -330,12 +327,13 @@ def draw_gantt(panels: list[tuple[str, Prediction]], path: str, columns: int = 3
             ax.axvspan(a * scale, b * scale, color="red", alpha=0.25, lw=0)
         ax.set_yticks([0, 1], ["comm", "compute"])
         ax.set_xlim(0, pr.latency * scale * 1.02)
-        ax.set_title(f"{label}\n{pr.latency * 1e3:.3g} ms, exposed {max(pr.exposed, 0) * 1e3:.3g} ms", fontsize=8)
+        ax.set_title(f"{label}\n{pr.latency * 1e3:.3g} ms, exposed {pr.exposed * 1e3:.3g} ms", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("ms", fontsize=7)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=c, label=k) for k, c in colors.items()] + [Patch(color="red", alpha=0.25, label="exposed")]
+    handles = [Patch(color=c, label=k) for k, c in colors.items()]
+    handles.append(Patch(color="red", alpha=0.25, label="communication while compute idles"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
