@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from lean.config import RunConfig
 from lean.metrics import keep_freed_memory, median, peak_flops
+from lean.plan import predict, probe
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
 SCHEDULE_ORDER = ("recompute", "retain", "reweight")
@@ -51,6 +52,8 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
     for s in SCHEDULE_ORDER:
         trainer.load_trainable_state(state)
         memory[s] = trainer.iteration(0, s)
+    measured_step = probe(trainer)  # what `lean plan` predicts, from the same process
+    prediction = predict(trainer, measured_step)
     peak, peak_source = peak_flops(trainer.device, getattr(torch, cfg.model.dtype))
 
     result: dict = {"config": {"family": cfg.model.family, "size": cfg.model.size, "dtype": cfg.model.dtype,
@@ -66,6 +69,10 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
         entry.update({
             "peak_memory_mb": memory[s]["peak_memory_mb"],
             "peak_memory_delta_mb": memory[s]["peak_memory_delta_mb"],
+            "plan_peak_memory_mb": prediction[s]["peak_memory_mb"],
+            "plan_peak_memory_delta_mb": prediction[s]["peak_memory_mb"] - measured_step["base_mb"],
+            "plan_peak_memory_error": prediction[s]["peak_memory_mb"] / memory[s]["peak_memory_mb"] - 1,
+            "plan_time_iteration_s": prediction[s]["time_iteration_s"],
             "flops_per_iteration": sum(flops.values()),
             "flops_needed_per_iteration": needed_flops(flops),
             "flops_by_region": flops,
@@ -98,14 +105,14 @@ def format_table(result: dict) -> str:
     lines = [f"lean bench schedules: {c['family']}/{c['size']} {c['dtype']}, {c['num_steps']} steps, cfg={c['cfg']}, "
              f"beta={c['beta']}, {c['samples_per_process']} samples/process x {c['world_size']} process(es), "
              f"median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_flops_source']})",
-             f"{'schedule':10} {'iter s':>8} {'rollout s':>10} {'update s':>9} {'peak MiB':>9} {'GFLOP':>8} "
-             f"{'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}"]
+             f"{'schedule':10} {'iter s':>8} {'rollout s':>10} {'update s':>9} {'peak MiB':>9} {'plan MiB':>9} "
+             f"{'GFLOP':>8} {'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}"]
     for s in SCHEDULE_ORDER:
         e = result[s]
         extra = (f"{e['speedup']:8.3f} {e['speedup_bound']:6.3f} {e['speedup_vs_bound']:9.3f}"
                  if "speedup" in e else f"{'1.000':>8} {'':6} {'':9}")
         lines.append(f"{s:10} {e['time_iteration_s']:8.3f} {e['time_rollout_s']:10.3f} {e['time_update_s']:9.3f} "
-                     f"{e['peak_memory_mb']:9.1f} {e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} "
-                     f"{e['hfu']:6.3f} {extra}")
+                     f"{e['peak_memory_mb']:9.1f} {e['plan_peak_memory_mb']:9.1f} "
+                     f"{e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} {e['hfu']:6.3f} {extra}")
     return "\n".join(lines)
 

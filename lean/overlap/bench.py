@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from lean.metrics import keep_freed_memory, median, peak_flops
 from lean.overlap import ops, sim
-from lean.overlap.measure import calibrate, case_flops, cpu_peak_flops, measured_profile, time_round_robin
+from lean.overlap.measure import calibrate, case_flops, measured_profile, time_round_robin
 from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
 
 
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lean bench overlap: {e}", file=sys.stderr)
         return 2
     try:
-        peak, peak_source = cpu_peak_flops(dtype) if device.type == "cpu" else peak_flops(device, dtype)
+        peak, peak_source = peak_flops(device, dtype)
     except KeyError as e:  # a GPU missing from the datasheet table: no MFU
         peak, peak_source = float("nan"), str(e)
     torch.manual_seed(rank)

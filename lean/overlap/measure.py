@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from lean.metrics import calibrate_cpu_peak_flops, median, synchronize
+from lean.metrics import median, synchronize
 from lean.overlap import sim
 from lean.overlap.p2p import Overlap, exchange, wait
 
@@ -45,14 +45,6 @@ def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, rep
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
         samples = dict(zip(variants, table.tolist()))
     return samples
-
-
-def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
-    """Best FLOP/s of the calibration matmul over sizes that fit the caches to a different degree (a single 1024^3
-    matmul underrates a small-cache CPU, and the sweep's smaller GEMMs would then exceed 100% MFU)."""
-    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    best = max((calibrate_cpu_peak_flops(n, dtype, repeats=10), n) for n in (256, 512, 1024))
-    return best[0], f"calibration:matmul-{best[1]}-{str(dtype).removeprefix('torch.')}-best-of-256/512/1024"
 
 
 def _ring_step(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, stamps: list[float] | None = None) -> None:
