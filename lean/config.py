@@ -58,12 +58,13 @@ class ModelConfig:
 class SampleConfig:
     num_steps: int = 10
     shift: float = 3.0  # FlowMatchEulerDiscreteScheduler shift
-    sde_kind: str = "flow_grpo"  # flow_grpo | cps | dance
+    sigma_grid: str = "euler"  # euler (SD3Pipeline) | uniform (FluxPipeline, DanceGRPO) | unipc (WanPipeline)
+    sde_kind: str = "flow_grpo"  # flow_grpo | flow_grpo_linear (FlowGRPO's Wan) | cps | dance
     noise_level: float = 0.7
     cfg: bool = True  # true classifier-free guidance: one [uncond, cond] batch
     guidance_scale: float = 4.5
     guidance_embed: float | None = None  # FLUX-style distilled guidance instead of CFG
-    uncond_grad: bool = False  # FlowGRPO detaches the unconditional branch
+    uncond_grad: bool = False  # true: differentiate the unconditional CFG branch too (FlowGRPO's training does)
     timestep_fraction: float = 0.99  # share of steps trained; last step never trained
     timestep_selection: str = "first"  # first (FlowGRPO) | random (DanceGRPO, per sample)
     sde_window: int = 0  # FlowGRPO-Fast: >0 -> only a window of this many steps is stochastic
@@ -303,7 +304,7 @@ def _positive(key: str, value: float, strict: bool = True) -> None:
 
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Raise :class:`ConfigError` on the first bad value. ``world_size`` checks divisibility."""
-    from lean.sde import SDE_KINDS  # local: keep config importable without torch at parse time
+    from lean.sde import SDE_KINDS, SIGMA_GRIDS  # local: keep config importable without torch at parse time
 
     m, s, r, t = cfg.model, cfg.sample, cfg.reward, cfg.train
     _choice("model.family", m.family, ("flux", "wan", "sd3"))
@@ -330,7 +331,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if s.num_steps < 2:
         raise ConfigError("sample.num_steps", s.num_steps, "must be >= 2 (the last step is never trained)")
     _positive("sample.shift", s.shift)
+    _choice("sample.sigma_grid", s.sigma_grid, SIGMA_GRIDS)
     _choice("sample.sde_kind", s.sde_kind, SDE_KINDS)
+    if s.sde_kind == "flow_grpo" and s.sigma_grid == "unipc":
+        raise ConfigError("sample.sigma_grid", s.sigma_grid, "starts at 1 - 1e-6, where flow_grpo's noise scale "
+                          "sqrt(sigma/(1-sigma)) is ~1000: use sample.sde_kind=flow_grpo_linear (FlowGRPO's Wan SDE)")
     _positive("sample.noise_level", s.noise_level)
     if s.sde_kind == "cps" and s.noise_level > 1:
         raise ConfigError("sample.noise_level", s.noise_level, "cps needs noise_level in (0, 1]")

@@ -12,7 +12,10 @@ With n steps, K trained per sample, B local samples, P trainable parameters (byt
     Reweight   mem = base + activation(1) + (B + 1) P             time = (n - K) f + K B fb_1  (+ K B bwd_1 if beta > 0)
 
 ``auto`` takes Retain when its predicted peak fits ``train.memory_budget_mb`` (default: the device's memory), else
-Reweight, and logs both figures.
+Reweight, and logs both figures. Retain and Reweight run the on-policy variant of an off-policy recipe (one optimizer
+step per rollout); the report says so. The published sizes are not built on a CPU: ``lean plan`` then reports the
+transformer's parameters and the memory its weights, trainable parameters and AdamW moments take, counted on the meta
+device (:func:`published_size`).
 """
 
 from __future__ import annotations
@@ -140,10 +143,47 @@ def choose_schedule(trainer) -> tuple[str, dict]:
     return choice, decision
 
 
+def published_size(cfg) -> dict:
+    """The configured transformer with its adapter, built on the meta device (no memory, no initialisation): its
+    parameters, the MiB its weights take at ``model.dtype``, the trainable parameters P (LoRA factors, or all under
+    full fine-tuning) and the MiB of their state: values, gradients and AdamW's two moments (torch keeps them in the
+    parameter's dtype), 4 P. Reweight adds (B + 1) P of buffers."""
+    from accelerate import init_empty_weights
+    from peft import LoraConfig, get_peft_model
+
+    from lean.models import DTYPES, family_module
+
+    m = cfg.model
+    spec = family_module(m.family)
+    with init_empty_weights(include_buffers=True):
+        model = spec.COMPONENTS["transformer"][0](**spec.SIZES[m.size]["transformer"])
+    total = sum(p.numel() for p in model.parameters())
+    if not m.full_finetune:
+        model.requires_grad_(False)
+        model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha,
+                                                 target_modules=spec.lora_targets(m.lora_ffn)))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    size = DTYPES[m.dtype].itemsize
+    return {"transformer_parameters": total, "weight_mb": total * size / 2**20, "trainable_parameters": trainable,
+            "trainable_state_mb": 4 * trainable * size / 2**20}
+
+
 def main(cfg, out: str | None = None) -> dict:
-    """``lean plan``: print the predicted peak memory and time per iteration of each schedule."""
+    """``lean plan``: print the predicted peak memory and time per iteration of each schedule (on a CPU, for a
+    published size: the meta-device counts of :func:`published_size` instead)."""
     from lean.train import Trainer
 
+    if cfg.model.size == "full" and not torch.cuda.is_available():
+        report = {"published_size": published_size(cfg)}
+        r = report["published_size"]
+        print(f"lean plan: {cfg.model.family}/full is not built on a CPU; on the meta device its transformer has "
+              f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "
+              f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
+              f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))
+        return report
     trainer = Trainer(cfg)
     measured = probe(trainer)
     prediction = predict(trainer, measured)
@@ -159,6 +199,13 @@ def main(cfg, out: str | None = None) -> dict:
             p = prediction[s]
             print(f"{s:10} {p['peak_memory_mb']:16.1f} {p['time_iteration_s']:17.3f}")
         print(f"budget {budget:.0f} MiB -> auto takes {report['auto_choice']}")
+        t = cfg.train
+        changes = [f"train.{k}=1" for k in ("optimizer_steps_per_iteration", "num_inner_epochs") if getattr(t, k) != 1]
+        if changes:
+            saved = prediction["recompute"]["time_iteration_s"] - prediction["retain"]["time_iteration_s"]
+            print(f"off-policy recipe ({t.optimizer_steps_per_iteration * t.num_inner_epochs} optimizer steps per "
+                  f"rollout): the retain/reweight rows are its on-policy variant, set {' and '.join(changes)}: one "
+                  f"step per rollout instead, and Retain saves {saved:.3f} s per iteration over Recompute")
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))

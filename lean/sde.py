@@ -1,13 +1,15 @@
 """Stochastic sampling steps with exact Gaussian log-probabilities, the ODE step, and step planning.
 
 A flow-matching model predicts a velocity ``v = model_output`` at noise level ``σ`` (``x_σ = (1−σ)·x0 + σ·x1``,
-``x1`` pure noise). Sampling walks the descending schedule ``sigmas[0] > ... > sigmas[N] = 0``. Step ``i`` goes from
-``σ = sigmas[i]`` to ``σ' = sigmas[i+1]``. An SDE step is a Gaussian transition ``x' ~ N(mean_θ(x), std²·I)``;
-GRPO trains on ``log p(x' | x)`` of the steps it sampled. Three SDEs are offered (``SDE_KINDS``):
+``x1`` pure noise). Sampling walks the descending schedule ``sigmas[0] > ... > sigmas[N] = 0`` (``SIGMA_GRIDS``: the
+grid each published pipeline uses). Step ``i`` goes from ``σ = sigmas[i]`` to ``σ' = sigmas[i+1]``. An SDE step is a
+Gaussian transition ``x' ~ N(mean_θ(x), std²·I)``; GRPO trains on ``log p(x' | x)`` of the steps it sampled. Four SDEs
+are offered (``SDE_KINDS``):
 
-* ``flow_grpo`` — FlowGRPO's reverse SDE with ``σ_t = noise_level·sqrt(σ/(1−σ))``.
-* ``cps``       — coefficients-preserving sampling: re-noise the predicted ``x0`` at level ``σ'``.
-* ``dance``     — DanceGRPO's SDE with constant ``σ_t = noise_level``.
+* ``flow_grpo``        — FlowGRPO's reverse SDE with ``σ_t = noise_level·sqrt(σ/(1−σ))``.
+* ``flow_grpo_linear`` — the same SDE with ``σ_t`` linear in ``σ`` (FlowGRPO's Wan2.1 script).
+* ``cps``              — coefficients-preserving sampling: re-noise the predicted ``x0`` at level ``σ'``.
+* ``dance``            — DanceGRPO's SDE with constant ``σ_t = noise_level``.
 
 All steps compute in float32 (float64 when the sample is float64), hand back ``x'`` and the mean in the sample's
 dtype, and the log-prob in the compute dtype.
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("flow_grpo", "cps", "dance")
+SDE_KINDS = ("flow_grpo", "flow_grpo_linear", "cps", "dance")
+SIGMA_GRIDS = ("euler", "uniform", "unipc")
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -75,6 +78,8 @@ def sde_step_with_logprob(
     * ``flow_grpo``: ``dt = σ'−σ``; ``s = η·sqrt(σ/(1−σ̃))`` with ``σ̃ = sigmas[1]`` when ``σ == 1`` (else ``σ``);
       ``mean = x·(1 + s²/(2σ)·dt) + v·(1 + s²(1−σ)/(2σ))·dt``; ``std = s·sqrt(−dt)``;
       ``log p = −(x'−mean)²/(2std²) − log std − log sqrt(2π)``.
+    * ``flow_grpo_linear``: as ``flow_grpo`` with ``s = η·(σ_N + (σ_1 − σ_N)·σ)``, ``σ_1 = sigmas[1]``,
+      ``σ_N = sigmas[−1]`` (η = 1 is FlowGRPO's Wan2.1 SDE, where ``σ_N = 0``).
     * ``cps``: ``std = σ'·sin(ηπ/2)``; ``x̂0 = x − σv``; ``x̂1 = x + (1−σ)v``;
       ``mean = (1−σ')·x̂0 + sqrt(σ'² − std²)·x̂1``; ``log p = −(x'−mean)²`` (constants and scale dropped, as in
       FlowGRPO; only ratios/differences of it are used). At the last step ``σ' = 0`` so ``std = 0``, ``x' = mean``.
@@ -95,7 +100,7 @@ def sde_step_with_logprob(
     Returns:
         ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` and ``mean`` in the sample's dtype (``x'``
         detached when given); ``log_prob`` [B] in float32 (float64 for float64 input); ``std_dev_t`` the standard
-        deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for flow_grpo, ``std`` above otherwise), shape
+        deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for the flow_grpo kinds, ``std`` otherwise), shape
         [B, 1, ..., 1] in the compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps.
     """
     if kind not in SDE_KINDS:
@@ -106,11 +111,15 @@ def sde_step_with_logprob(
     x, v = sample.to(dtype), model_output.to(dtype)
     sigma, sigma_next = _sigma_pair(sigmas, index, x, dtype)
 
-    if kind == "flow_grpo":
+    if kind in ("flow_grpo", "flow_grpo_linear"):
         dt = sigma_next - sigma
         sigma_max = sigmas[1].to(device=x.device, dtype=dtype)
-        # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
-        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        if kind == "flow_grpo":
+            # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
+            s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        else:
+            sigma_min = sigmas[-1].to(device=x.device, dtype=dtype)
+            s = (sigma_min + (sigma_max - sigma_min) * sigma) * noise_level
         mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
         std = s * torch.sqrt(-dt)
     elif kind == "cps":
@@ -146,14 +155,31 @@ def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | 
     return (sample.to(dtype) + (sigma_next - sigma) * model_output.to(dtype)).to(sample.dtype)
 
 
-def sigma_schedule(num_steps: int, shift: float) -> Tensor:
-    """The sampling schedule of diffusers' ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after
-    ``set_timesteps(num_steps)``: its ``.sigmas`` (float32 values, returned as float64), length ``num_steps + 1``,
-    descending, ``sigmas[0] = 1`` exactly and ``sigmas[-1] = 0``. The interior points are
-    ``shift·s/(1 + (shift−1)·s)`` of a linspace ``s`` from 1 to the scheduler's ``sigma_min`` (which diffusers itself
-    has already shifted once, e.g. 0.00893 for shift 3, 1000 train steps). Kept as-is for parity with FlowGRPO."""
-    from diffusers import FlowMatchEulerDiscreteScheduler  # local: heavy import, only needed here
+def sigma_schedule(num_steps: int, shift: float, grid: str = "euler") -> Tensor:
+    """The ``num_steps + 1`` descending sampling sigmas (last entry 0) of a published pipeline, as float64 (from the
+    float32 values diffusers computes). With ``f(s) = shift·s/(1 + (shift−1)·s)`` and ``n = num_steps``:
 
+    * ``euler`` (``StableDiffusion3Pipeline``, FlowGRPO's SD3 runs): ``FlowMatchEulerDiscreteScheduler(shift)
+      .set_timesteps(n).sigmas``: ``f`` of a linspace from 1 to the scheduler's ``sigma_min`` (which diffusers has
+      already shifted once, e.g. 0.00893 for shift 3), then 0. ``sigmas[0] = 1``.
+    * ``uniform`` (``FluxPipeline``, i.e. FlowGRPO's FLUX runs, and DanceGRPO): ``f(linspace(1, 0, n + 1))`` in
+      float32 (FluxPipeline passes ``linspace(1, 1/n, n)`` and appends 0: the same points). FLUX's
+      resolution-dependent ``mu`` is ``shift = e^mu``.
+    * ``unipc`` (``WanPipeline``, FlowGRPO's Wan runs): ``UniPCMultistepScheduler(use_flow_sigmas, flow_shift=shift)
+      .set_timesteps(n).sigmas`` (diffusers 0.42: ``f(linspace(1, 1/1000, n + 1)[:n])`` with ``f(1)`` nudged to
+      ``1 − 1e-6``, then 0).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler  # local: heavy import
+
+    if grid not in SIGMA_GRIDS:
+        raise ValueError(f"grid={grid!r}: must be one of {', '.join(SIGMA_GRIDS)}")
+    if grid == "uniform":
+        s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        return (shift * s / (1 + (shift - 1) * s)).to(torch.float64)
+    if grid == "unipc":
+        scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=shift, prediction_type="flow_prediction")
+        scheduler.set_timesteps(num_steps)
+        return scheduler.sigmas.to(torch.float64)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(num_steps)
     return scheduler.sigmas.to(torch.float64)

@@ -61,7 +61,7 @@ class Trainer:
         self.ema = [p.detach().clone() for p in self.params] if t.ema else None
         self.optimizer_steps = 0
         self.current_iteration = 0
-        self.sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift).to(self.device)
+        self.sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(self.device)
         self.grad_probe: Callable[[list[torch.nn.Parameter]], None] | None = None
 
     @property

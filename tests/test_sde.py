@@ -18,6 +18,11 @@ def hand_mean_std(kind: str, x: float, v: float, s: float, s_next: float, eta: f
         scale = math.sqrt(s / (1 - (sigma1 if s == 1 else s))) * eta
         mean = x * (1 + scale**2 / (2 * s) * dt) + v * (1 + scale**2 * (1 - s) / (2 * s)) * dt
         return mean, scale * math.sqrt(-dt)
+    if kind == "flow_grpo_linear":  # these schedules end at 0, so s = η·σ_1·σ
+        dt = s_next - s
+        scale = eta * sigma1 * s
+        mean = x * (1 + scale**2 / (2 * s) * dt) + v * (1 + scale**2 * (1 - s) / (2 * s)) * dt
+        return mean, scale * math.sqrt(-dt)
     if kind == "cps":
         std = s_next * math.sin(eta * math.pi / 2)
         x0, x1 = x - s * v, x + (1 - s) * v
@@ -112,6 +117,9 @@ def test_gradient_through_mean_only(kind):
     s, s_next = sigmas[index].item(), sigmas[index + 1].item()
     if kind == "flow_grpo":
         scale2 = eta**2 * s / (1 - s)
+        dmean_dv = (1 + scale2 * (1 - s) / (2 * s)) * (s_next - s)
+    elif kind == "flow_grpo_linear":
+        scale2 = (eta * sigmas[1].item() * s) ** 2
         dmean_dv = (1 + scale2 * (1 - s) / (2 * s)) * (s_next - s)
     elif kind == "cps":
         std_c = s_next * math.sin(eta * math.pi / 2)

@@ -126,7 +126,7 @@ class Policy(torch.nn.Module):
                  uncond_grad: bool = False, guidance_embed: float | None = None) -> Tensor:
         """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
 
-        ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant (FlowGRPO).
+        ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
         The two halves run as one ``[uncond, cond]`` batch, except when autograd is recording and v_u is
         detached: then v_u runs as its own no-grad forward, which keeps half the batch out of the graph (no saved
         activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding.

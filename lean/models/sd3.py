@@ -50,11 +50,12 @@ def _vae(channels: tuple[int, ...], layers_per_block: int, groups: int) -> dict:
 
 def _mmdit(layers: int, heads: int, head_dim: int, text_dim: int, pooled_dim: int, dual: int, max_patches: int) -> dict:
     """SD3.5's transformer layout: the caption projection has the model width; the first ``dual`` blocks also carry
-    the image-only second attention; qk RMS-norm everywhere; positions up to ``max_patches`` per side."""
+    the image-only second attention; qk RMS-norm everywhere; positions up to ``max_patches`` per side, their sin-cos
+    table scaled for SD3.5's default 128 x 128 latent (``sample_size``)."""
     return dict(patch_size=2, in_channels=16, out_channels=16, num_layers=layers, attention_head_dim=head_dim,
                 num_attention_heads=heads, joint_attention_dim=text_dim, caption_projection_dim=heads * head_dim,
                 pooled_projection_dim=pooled_dim, pos_embed_max_size=max_patches, qk_norm="rms_norm",
-                dual_attention_layers=tuple(range(dual)), sample_size=max_patches)
+                dual_attention_layers=tuple(range(dual)), sample_size=128)
 
 
 _T5 = dict(feed_forward_proj="gated-gelu", dropout_rate=0.0)

@@ -1,0 +1,160 @@
+"""The published-recipe presets: cited values, the off-policy recipes under Recompute, the lean schedules exact on
+their on-policy variants, the CLI and `lean plan` at the published sizes. Every run is at ``model.size=tiny`` with a
+CPU-sized batch, keeping each preset's step count, SDE, guidance, LoRA and optimizer settings."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from lean.config import ConfigError, PRESET_DIR, list_presets, load_config
+
+PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan"]
+# The README's CPU run of a preset: tiny model, 2 prompts x 4, 64 px, 16 T5 tokens, 1 iteration.
+QUICK = ["model.size=tiny", "model.resolution=64", "model.text_max_length=16", "train.prompts_per_iteration=2",
+         "train.group_size=4", "train.iterations=1"]
+
+
+def tiny_preset(name: str, *overrides: str):
+    """``name`` at tiny size on a CPU batch: 2 prompts x 2 samples (x 3 for DanceGRPO's 3 optimizer steps), 32 px,
+    8 T5 tokens, 5 video frames, float32 (bfloat16 matmuls are slow on CPUs); the preset's steps, SDE, guidance,
+    LoRA and optimizer settings stay."""
+    group = 3 if name == "dancegrpo-flux" else 2
+    small = ["model.size=tiny", "model.dtype=float32", "model.resolution=32", "model.text_max_length=8",
+             "model.num_frames=5",
+             "train.prompts_per_iteration=2", f"train.group_size={group}", "train.rollout_batch_size=8",
+             "train.train_batch_size=8"]
+    return load_config(None, [*small, *overrides], preset=name)
+
+
+def on_policy(name: str, *overrides: str):
+    return tiny_preset(name, "train.optimizer_steps_per_iteration=1", *overrides)
+
+
+def test_presets_ship_with_a_source_for_every_value():
+    assert set(PRESETS) <= set(list_presets())
+    for name in PRESETS:
+        lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
+        values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
+        assert len(values) >= 40, name
+        uncited = [ln for ln in values if "#" not in ln and not ln.strip().startswith("sde_window_max_start: null")]
+        assert not uncited, (name, uncited)
+
+
+PUBLISHED = {  # the recipes as the issue and the cited scripts state them
+    "flowgrpo-sd3": {"model.family": "sd3", "sample.num_steps": 10, "sample.sde_kind": "flow_grpo",
+                     "sample.noise_level": 0.7, "sample.timestep_fraction": 0.99, "sample.guidance_scale": 4.5,
+                     "sample.cfg": True, "model.lora_rank": 32, "model.lora_alpha": 64, "model.lora_ffn": False,
+                     "train.lr": 3e-4, "train.clip_range": 1e-4, "train.adv_clip_max": 5.0, "train.beta": 0.04,
+                     "train.ema_decay": 0.9, "train.ema_every": 8, "train.max_grad_norm": 1.0,
+                     "model.resolution": 512, "train.group_size": 24},
+    "flowgrpo-flux": {"model.family": "flux", "sample.num_steps": 6, "sample.noise_level": 0.9,
+                      "sample.guidance_embed": 3.5, "sample.cfg": False, "model.lora_rank": 64,
+                      "model.lora_alpha": 128, "model.lora_ffn": True, "train.beta": 0.0, "model.dtype": "bfloat16"},
+    "flowgrpo-fast": {"sample.sde_kind": "cps", "sample.noise_level": 0.8, "sample.sde_window": 3,
+                      "sample.sde_window_max_start": 2, "sample.num_steps": 10},
+    "dancegrpo-flux": {"sample.num_steps": 16, "sample.shift": 3.0, "sample.sde_kind": "dance",
+                       "sample.noise_level": 0.3, "sample.timestep_fraction": 0.6,
+                       "sample.timestep_selection": "random", "train.beta": 0.0, "sample.cfg": False,
+                       "sample.guidance_embed": 3.5, "model.lora_rank": 128, "model.lora_alpha": 256,
+                       "model.lora_ffn": False, "train.lr": 3e-4, "train.clip_range": 1e-4, "train.group_size": 12},
+    "flowgrpo-wan": {"model.family": "wan", "sample.num_steps": 20, "sample.sde_kind": "flow_grpo_linear",
+                     "sample.guidance_scale": 4.5, "model.lora_rank": 32, "train.lr": 1e-4, "train.clip_range": 1e-3,
+                     "train.beta": 0.004, "train.group_size": 4},
+}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_published_values(name):
+    cfg = load_config(None, [], preset=name).to_dict()
+    for key, value in PUBLISHED[name].items():
+        section, field = key.split(".")
+        assert cfg[section][field] == value, key
+
+
+def test_flux_shift_is_the_pipelines_mu_at_512px():
+    """FluxPipeline shifts by e^mu, mu linear in the image token count between FLUX.1-dev's scheduler settings
+    (256 tokens -> 0.5, 4096 -> 1.15): 512 px = 32 x 32 patches = 1024 tokens -> mu = 0.5 + 0.65 x 768/3840 = 0.63."""
+    assert load_config(None, [], preset="flowgrpo-flux").sample.shift == pytest.approx(math.exp(0.63), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("schedule", ["retain", "reweight"])
+def test_lean_schedules_name_the_on_policy_change(name, schedule):
+    steps = load_config(None, [], preset=name).train.optimizer_steps_per_iteration
+    assert steps > 1  # every published recipe takes several optimizer steps per rollout
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"train.schedule={schedule}"], preset=name)
+    assert f"train.optimizer_steps_per_iteration={steps} (set 1)" in str(err.value)
+    load_config(None, [f"train.schedule={schedule}", "train.optimizer_steps_per_iteration=1"], preset=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", PRESETS)
+def test_recompute_runs_the_off_policy_recipe(name):
+    """Two iterations as published: S optimizer steps per rollout, all but the first off-policy. In float64 an
+    on-policy ratio is 1 to rounding (< 1e-15); here the later chunks are scored by a policy that has already moved."""
+    from lean.train import Trainer
+
+    cfg = tiny_preset(name, "model.dtype=float64")
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    rows = [trainer.iteration(it, "recompute") for it in range(2)]
+    assert trainer.optimizer_steps == 2 * cfg.train.optimizer_steps_per_iteration
+    assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["policy_loss"]) for r in rows)
+    assert all(r["ratio_max_dev"] > 1e-8 for r in rows)
+    assert any(not torch.equal(p, s) for p, s in zip(trainer.params, start))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_trainer_uses_the_preset_sigma_grid(name):
+    from lean.sde import sigma_schedule
+    from lean.train import Trainer
+
+    s = tiny_preset(name).sample
+    trainer = Trainer(tiny_preset(name))
+    expected = sigma_schedule(s.num_steps, s.shift, s.sigma_grid)
+    assert torch.equal(trainer.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", PRESETS)
+def test_retain_and_reweight_are_exact_on_the_on_policy_variant(name):
+    """float64: Retain's and Reweight's gradients equal Recompute's on the preset's own SDE, grid, guidance, CFG
+    gradient path and step selection."""
+    from lean.equivalence import passes, run_equivalence
+
+    report = run_equivalence(on_policy(name, "model.dtype=float64"))
+    assert passes(report), {s: report[s]["max_rel_grad_diff"] for s in ("retain", "reweight")}
+
+
+@pytest.mark.timeout(180)
+def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
+    from lean.cli import main
+
+    args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
+    assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
+    assert main([*args, "--set", "train.schedule=retain", "--out", str(tmp_path / "refused")]) == 2
+    assert "train.optimizer_steps_per_iteration=2 (set 1)" in capsys.readouterr().err
+    assert main([*args, "--set", "train.schedule=retain", "--set", "train.optimizer_steps_per_iteration=1",
+                 "--out", str(tmp_path / "retain")]) == 0
+    for run in ("recompute", "retain"):
+        metrics = json.loads((tmp_path / run / "metrics.json").read_text())
+        assert metrics["schedule"] == run and math.isfinite(metrics["final_reward_mean"])
+        assert json.loads((tmp_path / run / "config.json").read_text())["model"]["family"] == "sd3"
+
+
+@pytest.mark.parametrize("name,published", [("flowgrpo-sd3", 2.243e9), ("flowgrpo-flux", 11.9e9),
+                                            ("flowgrpo-wan", 1.42e9)])
+def test_plan_reports_the_published_size_without_building_it(name, published, tmp_path):
+    from lean.plan import main
+
+    cfg = load_config(None, [], preset=name)
+    report = main(cfg, out=str(tmp_path))["published_size"]
+    assert report["transformer_parameters"] == pytest.approx(published, rel=0.01)
+    itemsize = 4 if cfg.model.dtype == "float32" else 2
+    assert report["weight_mb"] == pytest.approx(report["transformer_parameters"] * itemsize / 2**20)
+    assert 0 < report["trainable_parameters"] < 0.03 * report["transformer_parameters"]  # LoRA
+    assert json.loads((tmp_path / "plan.json").read_text())["published_size"] == report
