@@ -19,8 +19,10 @@ install: $(BIN)/.installed
 test: install
 	$(BIN)/python -m pytest -q
 
+# The workbench (dvc.yaml): prepare -> rollout -> advantage -> update x3 -> equivalence, train x3, bench, overlap,
+# report; the stages call `python`, so the venv goes first on PATH. A second `make repro` reruns nothing.
 repro: install
-	$(BIN)/lean train --out outputs/train
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
 bench: install
 	$(BIN)/lean bench schedules --out outputs/bench

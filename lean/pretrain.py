@@ -4,16 +4,19 @@ that roughly follows its prompts (a random network gives reward curves that mean
 Two phases, both on the synthetic images, all weights trained (no LoRA):
 
 1. Autoencoder. The family's VAE, randomly initialised, learns to reconstruct the images (pixels in [-1, 1]):
-       L_vae = ||D(z) - x||^2 + kl_weight KL(q(z|x) || N(0, I)),   z ~ q(z|x)
-   Then the latent normalisation the pipeline applies (FLUX: scalar shift/scale; Wan: per-channel mean/std) is set to
-   the statistics of the encoded data set, so normalised latents have zero mean and unit variance, like the noise.
+       L_vae = ||D(mu(x)) - x||^2 + kl_weight KL(q(z|x) || N(0, I))
+   (decoding the posterior mean: a sampled z makes the tiny decoder learn several times slower)
+   Then the latent normalisation the pipeline applies (FLUX, SD3: scalar shift/scale; Wan: per-channel mean/std) is
+   set to the statistics of the encoded data set, so normalised latents have zero mean and unit variance, like the
+   noise.
 2. Rectified flow. On normalised latents x0, with noise eps ~ N(0, I) and sigma drawn from the sampler's shifted
    schedule (sigma = s u / (1 + (s - 1) u), u ~ U(0, 1)):
        x_sigma = (1 - sigma) x0 + sigma eps,     L_fm = ||v_theta(x_sigma, sigma, c) - (eps - x0)||^2
    The caption c is replaced by the empty prompt with probability ``caption_dropout``, which teaches the unconditional
    velocity that classifier-free guidance subtracts.
 
-The text encoders stay as initialised (random but distinct per word); the tokenizer is trained on every caption of
+The text encoders are trained with the transformer in phase 2 (frozen random encoders make the tiny model learn the
+caption -> image map several times slower; GRPO freezes them again). The tokenizer is trained on every caption of
 the task (``lean.data.vocabulary``), so every prompt built from its words reads without unknown tokens.
 The result is written with ``Policy.save_pretrained`` and loads with ``model.pretrained: <folder>``.
 """
@@ -36,13 +39,13 @@ from lean.data import make_dataset, vocabulary
 
 @dataclass
 class PretrainConfig:
-    images: int = 2048  # training images (scenes drawn with replacement)
+    images: int = 1024  # training images (scenes drawn with replacement)
     vae_steps: int = 300
-    vae_lr: float = 2e-3
+    vae_lr: float = 3e-3
     kl_weight: float = 1e-4
-    steps: int = 1500  # flow-matching steps
-    batch_size: int = 64
-    lr: float = 1e-3
+    steps: int = 500  # flow-matching steps
+    batch_size: int = 32
+    lr: float = 3e-3
     caption_dropout: float = 0.1
     shift: float = 3.0  # sigma sampling, as the sampler's schedule
     seed: int = 0
@@ -60,6 +63,7 @@ Log = Callable[[str, dict, int], None]  # (phase, metrics, step)
 
 
 def _cosine_lr(optimizer: torch.optim.Optimizer, base: float, step: int, total: int, warmup: int = 20) -> None:
+    """lr = base * min(1, (step + 1) / warmup) * (1 + cos(pi step / total)) / 2: a short warm-up, then cosine to 0."""
     lr = base * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -75,7 +79,7 @@ def train_autoencoder(vae: torch.nn.Module, pixels: Tensor, cfg: PretrainConfig,
         _cosine_lr(optimizer, cfg.vae_lr, step, cfg.vae_steps)
         x = pixels[torch.randint(len(pixels), (cfg.batch_size,), generator=gen)]
         posterior = vae.encode(x).latent_dist
-        recon = vae.decode(posterior.sample(generator=gen)).sample
+        recon = vae.decode(posterior.mode()).sample
         mse = (recon - x).pow(2).mean()
         loss = mse + cfg.kl_weight * posterior.kl().mean() / x[0].numel()
         optimizer.zero_grad(set_to_none=True)
@@ -94,19 +98,27 @@ def encode_latents(vae: torch.nn.Module, pixels: Tensor, batch_size: int = 256) 
     return torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(batch_size)])
 
 
-def calibrate_latents(vae: torch.nn.Module, z: Tensor) -> None:
-    """Set the VAE config's latent normalisation to the statistics of ``z`` (what the pipelines' decode inverts)."""
-    if hasattr(vae.config, "latents_mean"):  # Wan: z = (z_vae - mean_c) / std_c per channel
+def _scalar_normalisation(policy) -> bool:
+    """FLUX and SD3 normalise latents with a scalar shift and scale; Wan per channel with a mean and a std."""
+    return hasattr(policy.arch, "scaling")
+
+
+def calibrate_latents(policy, z: Tensor, resolution: int, num_frames: int) -> None:
+    """Set the VAE config's latent normalisation to the statistics of ``z`` (what the family's decode inverts), and
+    rebuild the policy's family geometry, which reads it."""
+    vae = policy.vae
+    if _scalar_normalisation(policy):  # z = (z_vae - shift) * scale
+        vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1 / z.std().item())
+    else:  # z = (z_vae - mean_c) / std_c per channel
         dims = [d for d in range(z.ndim) if d != 1]
         vae.register_to_config(latents_mean=z.mean(dims).tolist(), latents_std=z.std(dims).tolist())
-    else:  # FLUX: z = (z_vae - shift) * scale
-        vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1 / z.std().item())
+    policy.arch = type(policy.arch)(policy.transformer.config, vae.config, resolution, num_frames)
 
 
 def normalise_latents(policy, z: Tensor) -> Tensor:
     """VAE latents -> the policy's latent layout (the inverse of its family's decode transform)."""
     arch = policy.arch
-    if hasattr(arch, "scaling"):  # FLUX: normalise, then pack 2x2 patches into tokens
+    if _scalar_normalisation(policy):
         return arch.noise_to_latents((z - arch.shift) * arch.scaling)
     return arch.noise_to_latents((z - arch.mean.to(z)) / arch.std.to(z))
 
@@ -117,21 +129,24 @@ def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> Tensor:
     return (shift * u / (1 + (shift - 1) * u)).float()
 
 
-def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig, log: Log | None = None) -> list[float]:
-    """Phase 2: rectified-flow regression of the transformer (all its weights); returns the loss per step."""
+def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig,
+               log: Log | None = None) -> list[float]:
+    """Phase 2: rectified-flow regression of the transformer and the text encoders (all their weights); returns the
+    loss per step. The prompt embeddings are computed with gradients here, not from the policy's no-grad cache."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    params = [p for p in policy.transformer.parameters()]
+    params = [*policy.transformer.parameters(), *policy.text_encoders.parameters()]
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    policy.encode_prompts(sorted(set(captions)) + [""])  # fill the embedding cache once
     policy.transformer.train()
     losses = []
     for step in range(cfg.steps):
         _cosine_lr(optimizer, cfg.lr, step, cfg.steps)
         idx = torch.randint(len(latents), (cfg.batch_size,), generator=gen)
         drop = torch.rand(cfg.batch_size, generator=gen) < cfg.caption_dropout
-        emb = policy.encode_prompts(["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist())])
+        prompts = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist())]
+        emb = policy.arch.encode_text(policy.text_encoders, policy.tokenizers, prompts, policy.text_max_length,
+                                      policy.device)
         x0 = latents[idx]
         noise = torch.randn(x0.shape, generator=gen)
         sigma = sample_sigmas(cfg.batch_size, cfg.shift, gen)
@@ -145,6 +160,8 @@ def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig
         losses.append(loss.item())
         if log is not None:
             log("flow", {"flow_loss": loss.item()}, step)
+    for p in params:
+        p.requires_grad_(False)
     policy.transformer.eval()
     return losses
 
@@ -164,7 +181,7 @@ def sample_reward(policy, prompts: list[str], sample_cfg: SampleConfig, reward_w
                       window_generator=torch.Generator().manual_seed(seed), sample_generators=gens)
     names = [prompts[i] for i, _ in pairs]
     final = rollout(policy, policy.encode_prompts(names), gens, plan, sample_cfg,
-                    sigma_schedule(sample_cfg.num_steps, sample_cfg.shift))
+                    sigma_schedule(sample_cfg.num_steps, sample_cfg.shift, sample_cfg.sigma_grid))
     total, _ = compute_rewards(reward_weights, policy.decode(final), names)
     return total.mean().item()
 
@@ -172,10 +189,10 @@ def sample_reward(policy, prompts: list[str], sample_cfg: SampleConfig, reward_w
 def pretrain(model_cfg: ModelConfig, cfg: PretrainConfig, out: str | Path, *, eval_prompts: list[str] | None = None,
              sample_cfg: SampleConfig | None = None, reward_weights: dict[str, float] | None = None,
              log: Log | None = None) -> dict:
-    """Both phases; write the pipeline folder to ``out`` and return a summary (losses, times, base reward).
-
-    The model is built and saved in float32 with full fine-tuning, whatever ``model_cfg`` says about dtype and LoRA:
-    those are the GRPO run's choices, made when the folder is loaded.
+    """Both phases; write the pipeline folder to ``out`` and return a summary (losses, times, base reward) with the
+    loss curves. The model is built and saved in float32 with all weights trainable, whatever ``model_cfg`` says
+    about dtype and LoRA: those are the GRPO run's choices, made when the folder is loaded. With ``eval_prompts`` the
+    saved folder is loaded back and sampled, which also checks that it round-trips.
     """
     from lean.models import build_policy
 
@@ -189,30 +206,23 @@ def pretrain(model_cfg: ModelConfig, cfg: PretrainConfig, out: str | Path, *, ev
     start = time.perf_counter()
     vae_losses = train_autoencoder(policy.vae, pixels, cfg, log)
     z = encode_latents(policy.vae, pixels)
-    calibrate_latents(policy.vae, z)
-    policy.arch = type(policy.arch)(policy.transformer.config, policy.vae.config, model_cfg.resolution,
-                                    model_cfg.num_frames)  # re-read the normalisation just calibrated
+    calibrate_latents(policy, z, model_cfg.resolution, model_cfg.num_frames)
     vae_seconds = time.perf_counter() - start
-
     start = time.perf_counter()
-    reward_before = None
-    if eval_prompts:
-        reward_before = sample_reward(policy, eval_prompts, sample_cfg or SampleConfig(), reward_weights or {})
     flow_losses = train_flow(policy, normalise_latents(policy, z), captions, cfg, log)
     flow_seconds = time.perf_counter() - start
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out, adapter=False)
-    summary = {
-        "vae_mse_final": sum(vae_losses[-20:]) / len(vae_losses[-20:]),
-        "flow_loss_first": sum(flow_losses[:20]) / len(flow_losses[:20]),
-        "flow_loss_final": sum(flow_losses[-20:]) / len(flow_losses[-20:]),
-        "vae_seconds": vae_seconds,
-        "flow_seconds": flow_seconds,
-    }
+
+    def tail(values: list[float], n: int = 20) -> float:
+        return sum(values[-n:]) / len(values[-n:])
+
+    summary = {"vae_mse_final": tail(vae_losses), "flow_loss_first": sum(flow_losses[:20]) / len(flow_losses[:20]),
+               "flow_loss_final": tail(flow_losses), "vae_seconds": vae_seconds, "flow_seconds": flow_seconds}
     if eval_prompts:
-        summary["reward_random_transformer"] = reward_before
-        summary["reward_pretrained"] = sample_reward(policy, eval_prompts, sample_cfg or SampleConfig(),
-                                                     reward_weights or {})
+        loaded = build_policy(dataclasses.replace(base_cfg, pretrained=str(out)), eval_prompts)
+        summary["reward_pretrained"] = sample_reward(loaded, eval_prompts, sample_cfg or SampleConfig(),
+                                                     reward_weights or {"color_match": 1.0})
     return {"summary": summary, "vae_mse": vae_losses, "flow_loss": flow_losses}

@@ -1,0 +1,33 @@
+"""Stage ``train@<schedule>``: a GRPO run of ``rl`` iterations from the pretrained base (``lean.train.train``, which
+logs every iteration to MLflow when tracking is on).
+
+    python -m pipelines.train --schedule retain --pretrained outputs/prepare/base [--params params.yaml]
+        [--out outputs/train/retain]
+
+Writes OUT/metrics.json, OUT/metrics.csv (one row per iteration: the reward curve), OUT/lora.safetensors,
+OUT/rollout.safetensors and OUT/config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lean import workbench
+from lean.train import train
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedule", required=True, choices=("recompute", "retain", "reweight", "auto"))
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--pretrained", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    workbench.begin_stage(args.params)
+    cfg = workbench.stage_config(args.params, "rl", pretrained=args.pretrained, schedule=args.schedule)
+    history = train(cfg, out=args.out or f"outputs/train/{args.schedule}")
+    print(f"train[{args.schedule}]: reward " + " ".join(f"{row['reward_mean']:.4f}" for row in history))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The workbench: the synthetic task agrees with the rewards, pretraining writes a loadable base, the method stages
+reproduce one iteration and certify the three updates, and a smoke `dvc repro` of the whole pipeline (tiny params, in
+a temporary copy of the repository) logs its runs to an `mlflow server` checked through the REST API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lean import data, workbench
+from lean.config import DEFAULT_PROMPTS, ModelConfig, load_config
+from lean.rewards import compute_rewards
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STAGES = ("prepare", "rollout", "advantage", "update@recompute", "update@retain", "update@reweight", "equivalence",
+          "train@recompute", "train@retain", "train@reweight", "bench_schedules", "overlap", "report")
+
+
+# ---------------------------------------------------------------- the synthetic task
+
+
+def test_scenes_and_captions():
+    scenes = data.all_scenes()
+    assert len(scenes) == 840 and len({s.caption for s in scenes}) == 840
+    assert data.Scene("red", "circle", "left", "blue").caption == "a red circle on the left on a blue background"
+    assert set(DEFAULT_PROMPTS) <= {s.caption for s in scenes}  # GRPO's default prompts are in the data set
+
+
+def test_rendered_scenes_score_high_on_the_rewards():
+    scenes = [data.Scene(c, s, "center", b) for c, b in (("red", "white"), ("blue", "yellow")) for s in data.SHAPES]
+    images = torch.stack([data.render(s, 32) for s in scenes])
+    total, _ = compute_rewards({"color_match": 1.0}, images, [s.caption for s in scenes])
+    assert (total > 0.7).all()  # a triangle fills half of the central box the reward looks at
+    assert total[1] == total[4] == 1.0  # squares fill it exactly
+    left = data.Scene("green", "square", "left", "black")
+    right = data.Scene("green", "square", "right", "black")
+    images = torch.stack([data.render(left, 32), data.render(right, 32)])
+    total, _ = compute_rewards({"position_match": 1.0}, images, [left.caption, left.caption])
+    assert total[0] > 0.2 and total[1] == -total[0]  # the mirrored image is penalised for a prompt saying "left"
+
+
+def test_dataset_is_seeded_and_shaped():
+    a, captions = data.make_dataset(6, 32, seed=3)
+    b, _ = data.make_dataset(6, 32, seed=3)
+    assert torch.equal(a, b) and a.shape == (6, 3, 32, 32) and len(captions) == 6
+    video, _ = data.make_dataset(2, 32, seed=0, frames=5)
+    assert video.shape == (2, 3, 5, 32, 32) and torch.equal(video[:, :, 0], video[:, :, 4])
+
+
+@pytest.mark.timeout(120)
+def test_pretrain_writes_a_loadable_calibrated_base(tmp_path):
+    from lean.models import build_policy
+    from lean.pretrain import PretrainConfig, encode_latents, normalise_latents, pretrain
+
+    cfg = PretrainConfig(images=32, vae_steps=3, steps=4, batch_size=8)
+    result = pretrain(ModelConfig(), cfg, tmp_path / "base", eval_prompts=DEFAULT_PROMPTS[:2])
+    assert len(result["vae_mse"]) == 3 and len(result["flow_loss"]) == 4
+    assert 0 <= result["summary"]["reward_pretrained"] <= 1
+    policy = build_policy(ModelConfig(pretrained=str(tmp_path / "base")), DEFAULT_PROMPTS)  # LoRA on top of it
+    images, _ = data.make_dataset(32, 32, seed=cfg.seed)
+    x = normalise_latents(policy, encode_latents(policy.vae, images * 2 - 1))
+    assert abs(x.mean().item()) < 1e-3 and x.std().item() == pytest.approx(1.0, abs=1e-3)  # calibrated on these
+    ids = policy.tokenizers["tokenizer_2"](data.vocabulary()[-1]).input_ids
+    assert policy.tokenizers["tokenizer_2"].unk_token_id not in ids  # the tokenizer reads the task's words
+
+
+# ---------------------------------------------------------------- stage configuration
+
+
+def test_stage_config_layers(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "train": {"lr": 1e-4, "iterations": 3},
+        "reward": {"weights": {"color_match": 1.0}},
+        "rl": {"run": {"train": {"iterations": 7, "prompts": ["a red circle on a white background"]},
+                       "reward": {"weights": {"position_match": 1.0}}}},
+        "other_stage": {"anything": 1}}))
+    cfg = workbench.stage_config(params, "rl", schedule="reweight")
+    assert cfg.train.iterations == 7 and cfg.train.lr == 1e-4 and cfg.train.schedule == "reweight"
+    assert cfg.train.prompts == ["a red circle on a white background"]
+    assert cfg.reward.weights == {"position_match": 1.0}  # a mapping value replaces, never merges
+    assert workbench.stage_config(params).train.iterations == 3
+    with pytest.raises(ValueError, match="must be one of"):
+        workbench.stage_overrides({"bench": {"repeats": 1}})
+
+
+# ---------------------------------------------------------------- one iteration taken apart
+
+
+@pytest.mark.timeout(180)
+def test_method_stages_reproduce_and_certify():
+    cfg = load_config(None, ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4"])
+    trajectory, summary, steps = workbench.run_rollout(cfg, perturb_std=0.02)
+    assert [row["trained"] for row in steps] == [1, 1, 1, 0]  # the last step is never trained
+    assert all(row["activation_mb"] > 0 for row in steps[:3]) and steps[3]["activation_mb"] == 0
+    assert {f"x.{i}" for i in range(3)} <= set(trajectory) and "x.3" not in trajectory
+    advantages, stats, rows = workbench.run_advantage(cfg, trajectory)
+    assert len(rows) == 4 and abs(stats["advantage_mean"]) < 1e-9
+
+    updates = {}
+    for schedule in ("recompute", "retain", "reweight"):
+        updates[schedule], info = workbench.run_update(cfg, schedule, trajectory, advantages["advantages"], 0.02)
+        if schedule != "recompute":
+            assert info["reproduces_trajectory"] and info["log_prob_max_abs_diff"] <= 1e-6
+    report = workbench.compare_updates(updates, cfg.model.dtype)
+    assert report["passes"] and report["max_rel_grad_diff_retain"] <= 1e-5
+
+    bad = dict(updates["retain"])
+    name = next(k for k in bad if k.startswith("grad."))
+    bad[name] = bad[name] * 1.01  # a wrong gradient must fail the certificate
+    assert not workbench.compare_updates({**updates, "retain": bad}, cfg.model.dtype)["passes"]
+
+
+def test_overlap_metrics_are_medians_per_method():
+    rows = [{"method": "flash", "hidden_fraction": h, "latency_ms": 2.0} for h in (0.2, 0.6, 0.9)]
+    rows += [{"method": "flash-bidir", "hidden_fraction": 0.5, "latency_ms": 1.0}]
+    out = workbench.overlap_metrics({"results": rows, "model": {"mean_abs_error": 0.1}})
+    assert out == {"overlap_hidden_fraction_flash": 0.6, "overlap_latency_ms_flash": 2.0,
+                   "overlap_hidden_fraction_flash_bidir": 0.5, "overlap_latency_ms_flash_bidir": 1.0,
+                   "overlap_model_mean_abs_error": 0.1}
+
+
+# ---------------------------------------------------------------- the pipeline, end to end
+
+TINY = {
+    "prepare": {"images": 64, "vae_steps": 4, "steps": 4, "batch_size": 8},
+    "method": {"run": {"sample": {"num_steps": 4},
+                       "train": {"prompts_per_iteration": 2, "group_size": 2, "rollout_batch_size": 4,
+                                 "train_batch_size": 4}}},
+    "rl": {"run": {"sample": {"num_steps": 4},
+                   "train": {"iterations": 2, "prompts_per_iteration": 2, "group_size": 2, "rollout_batch_size": 4,
+                             "train_batch_size": 4}}},
+    "bench": {"repeats": 1, "warmup": 0,
+              "run": {"sample": {"num_steps": 4},
+                      "train": {"prompts_per_iteration": 1, "group_size": 2, "rollout_batch_size": 2,
+                                "train_batch_size": 2}}},
+    "overlap": {"nproc": 2, "args": ["--quick", "--ops", "mlp.fc1", "--methods", "collective,flash", "--repeats", "2"]},
+}
+_SMOKE: dict[str, Path] = {}
+
+
+def copy_repository(dst: Path) -> None:
+    """The working tree as a fresh clone would have it (tracked and not-ignored files), committed in a new repo."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dst / name)
+    git = ["git", "-c", "user.email=smoke@lean", "-c", "user.name=smoke"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "smoke"]):
+        subprocess.run(git + cmd, cwd=dst, check=True, capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rest(url: str, path: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def start_mlflow_server(folder: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(folder / "server.log", "w")
+    server = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+                               "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"mlflow server exited: {(folder / 'server.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return server, url
+        except OSError:
+            time.sleep(1)
+    stop(server)
+    raise RuntimeError("mlflow server did not come up within 90 s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def dvc(repo: Path, *args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(BIN / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"dvc {' '.join(args)}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return out
+
+
+def smoke_repo(tmp_root: Path) -> dict:
+    """A temporary copy of the repository with tiny params, run once with `dvc repro` against an `mlflow server`
+    (cached for the session: the notebook tests read its outputs). Returns the paths, the server URL and logs."""
+    if "repo" in _SMOKE:
+        return _SMOKE
+    repo, work = tmp_root / "repo", tmp_root / "mlflow"
+    repo.mkdir()
+    work.mkdir()
+    copy_repository(repo)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for section, values in TINY.items():
+        params[section] = {**params.get(section, {}), **values}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    server, url = start_mlflow_server(work)
+    try:
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MLFLOW_TRACKING_URI": url,
+               "LEAN_TRACKING": "1"}
+        env.pop("DVC_ROOT", None)
+        start = time.perf_counter()
+        first = dvc(repo, "repro", env=env, timeout=900)
+        seconds = time.perf_counter() - start
+        second = dvc(repo, "repro", env=env, timeout=120)
+        experiment = rest(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=lean-workbench")["experiment"]
+        runs = rest(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]],
+                                                         "max_results": 500})["runs"]
+        metrics_show = dvc(repo, "metrics", "show", "--json", env=env, timeout=120).stdout
+    finally:
+        stop(server)
+    _SMOKE.update(repo=repo, outputs=repo / "outputs", first=first.stdout, second=second.stdout, runs=runs,
+                  seconds=seconds, metrics_show=metrics_show)
+    return _SMOKE
+
+
+@pytest.fixture
+def smoke(tmp_path_factory):
+    return smoke_repo(tmp_path_factory.mktemp("smoke"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_dvc_repro_end_to_end(smoke):
+    print(f"smoke dvc repro: {smoke['seconds']:.0f} s")
+    for stage in STAGES:
+        assert f"Running stage '{stage}'" in smoke["first"], stage
+    assert "Running stage" not in smoke["second"]  # a second repro reruns nothing
+    outputs = smoke["outputs"]
+    assert (outputs / "prepare" / "base" / "model_index.json").exists()
+    assert json.loads((outputs / "equivalence" / "equivalence.json").read_text())["passes"]
+    for schedule in ("retain", "reweight"):
+        assert json.loads((outputs / "update" / schedule / "metrics.json").read_text())["reproduces_trajectory"]
+    report = json.loads((outputs / "report" / "metrics.json").read_text())
+    for key in ("speedup_retain", "speedup_reweight", "speedup_bound_retain", "mfu_recompute",
+                "max_rel_grad_diff_retain", "max_rel_grad_diff_reweight", "overlap_hidden_fraction_flash",
+                "reward_final_retain"):
+        assert key in report, key
+    assert "max_rel_grad_diff_retain" in smoke["metrics_show"]  # `dvc metrics show` reads the stages' metrics
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_pipeline_runs_arrive_in_the_mlflow_server(smoke):
+    runs = smoke["runs"]
+    tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    metrics = [{m["key"]: m["value"] for m in r["data"].get("metrics", [])} for r in runs]
+    stages = {t.get("lean.stage") for t in tags}
+    assert {"prepare", "rollout", "train@retain", "bench_schedules", "equivalence", "report"} <= stages
+    assert all(t.get("lean.git_commit") for t in tags)
+    by_name = {t["mlflow.runName"]: (t, m) for t, m in zip(tags, metrics)}
+    assert "speedup_retain" in by_name["bench_schedules"][1] and "mfu_reweight" in by_name["bench_schedules"][1]
+    assert by_name["bench[retain]"][0]["mlflow.parentRunId"]  # nested: one child per schedule
+    assert by_name["train[reweight]"][0]["lean.schedule"] == "reweight"
+    assert "reward_mean" in by_name["train[reweight]"][1]
+    assert "max_rel_grad_diff_reweight" in by_name["notebook[equivalence]"][1]
+    assert "overlap_hidden_fraction_flash" in by_name["notebook[overlap]"][1]
