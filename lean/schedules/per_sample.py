@@ -29,19 +29,44 @@ def linear_owners(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> d
     return owners if found == wanted else None
 
 
+class TrajectoryBuffers:
+    """One gradient buffer per trajectory, stored parameter-major: parameter p owns a contiguous [n_traj, p.numel()]
+    block, so per-row gradients land with one contiguous ``index_add_`` per parameter."""
+
+    def __init__(self, params: list[torch.nn.Parameter], n_trajectories: int):
+        self.params = params
+        total = sum(p.numel() for p in params)
+        self.storage = torch.zeros(n_trajectories * total, dtype=params[0].dtype, device=params[0].device)
+        self.blocks, start = {}, 0
+        for p in params:
+            self.blocks[id(p)] = self.storage[start:start + n_trajectories * p.numel()].view(n_trajectories, -1)
+            start += n_trajectories * p.numel()
+
+    def block(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self.blocks[id(p)]
+
+    def add(self, trajectory: int, grads) -> None:
+        for p, g in zip(self.params, grads):
+            if g is not None:
+                self.blocks[id(p)][trajectory] += g.reshape(-1)
+
+    def combine(self, weights: torch.Tensor) -> torch.Tensor:
+        """sum_b weights[b] * buffer[b], as one flat vector in parameter order."""
+        return torch.cat([weights.to(self.storage.dtype) @ self.blocks[id(p)] for p in self.params])
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+
 class PerSampleGrads:
     """Every tracked forward through an owning Linear keeps its input; a backward run while ``accumulating`` adds
-    each row's gradient into ``buffers[trajectories[row mod b]]`` (a [n_trajectories, n_params] flat layout)."""
+    each row's gradient into the buffer of trajectory ``trajectories[row mod b]``."""
 
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], buffers: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], buffers: TrajectoryBuffers):
         owners = linear_owners(model, params)
         if owners is None:
             raise ValueError("per-sample gradients need every trainable parameter to live in an nn.Linear")
-        offsets, start = {}, 0
-        for p in params:
-            offsets[id(p)] = start
-            start += p.numel()
-        self.offsets = offsets
         self.buffers = buffers
         self.trajectories: torch.Tensor | None = None  # local trajectory id of each batch row (before CFG doubling)
         self.accumulating = False  # only the backward of the advantage-weighted term is split per trajectory
@@ -69,6 +94,6 @@ class PerSampleGrads:
         x3 = x.reshape(rows, -1, x.shape[-1])
         d3 = delta.reshape(rows, -1, delta.shape[-1])
         for p in self.owners[module]:
-            g = torch.einsum("rto,rti->roi", d3, x3) if p is module.weight else d3.sum(dim=1)
-            start = self.offsets[id(p)]
-            self.buffers[:, start:start + p.numel()].index_add_(0, owner, g.reshape(rows, -1).to(self.buffers.dtype))
+            g = torch.bmm(d3.transpose(1, 2), x3) if p is module.weight else d3.sum(dim=1)  # [rows, out, in]
+            block = self.buffers.block(p)
+            block.index_add_(0, owner, g.reshape(rows, -1).to(block.dtype))

@@ -33,7 +33,7 @@ import torch
 from lean.loss import StepLoss, loss_stats, step_loss
 from lean.rollout import StepOutput
 from lean.schedules.base import OptimizerStep, Schedule, flat_grad, set_grads, trainable
-from lean.schedules.per_sample import PerSampleGrads, linear_owners
+from lean.schedules.per_sample import PerSampleGrads, TrajectoryBuffers, linear_owners
 
 PROVISIONAL_ADVANTAGE = 1.0
 
@@ -46,7 +46,7 @@ class Reweight(Schedule):
         self.params = trainable(ctx.policy)
         n = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype
-        self.policy_buffers = torch.zeros(ctx.batch, n, dtype=dtype, device=self.params[0].device)
+        self.policy_buffers = TrajectoryBuffers(self.params, ctx.batch)
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=self.params[0].device) if ctx.beta else None
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64)
         self.kept_stats: list[tuple[torch.Tensor, StepLoss]] = []  # (rows, detached loss terms) for logging
@@ -58,8 +58,8 @@ class Reweight(Schedule):
 
     @property
     def buffer_mb(self) -> float:
-        buffers = [self.policy_buffers] + ([self.kl_buffer] if self.kl_buffer is not None else [])
-        return sum(b.numel() * b.element_size() for b in buffers) / 2**20
+        kl = 0 if self.kl_buffer is None else self.kl_buffer.numel() * self.kl_buffer.element_size()
+        return (self.policy_buffers.nbytes + kl) / 2**20
 
     def on_step(self, step: StepOutput) -> None:
         if not step.log_prob.requires_grad:
@@ -84,7 +84,7 @@ class Reweight(Schedule):
         if self.per_sample is None:
             (b,) = rows.tolist()
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            self.policy_buffers[b] += flat_grad(self.params, grads)
+            self.policy_buffers.add(b, grads)
             return
         self.per_sample.trajectories, self.per_sample.accumulating = rows, True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
@@ -95,8 +95,7 @@ class Reweight(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         if self.per_sample is not None:
             self.per_sample.close()
-        scale = (advantages.to(torch.float64) / self.provisional).to(self.policy_buffers.dtype)
-        grad = scale @ self.policy_buffers
+        grad = self.policy_buffers.combine(advantages.to(torch.float64) / self.provisional)
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
