@@ -1,4 +1,4 @@
-"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch.
+"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch, sync.
 
 Configuration errors print one line and exit with status 2, before any model is built.
 """
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- <lean command and its options>")
 
+    p = sub.add_parser("sync", help="send a run's MLflow calls that waited for an unreachable store")
+    p.add_argument("--out", required=True, help="the run's output folder (holds tracking_pending.jsonl)")
+
     # `lean bench overlap ...` owns its own option parsing (it re-launches itself on every rank).
     if argv[:2] == ["bench", "overlap"]:
         from lean.overlap.bench import cli_main
@@ -72,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_processes < 1:
                 raise ConfigError("--num-processes", args.num_processes, "must be >= 1")
             return launch(args.num_processes, rest)
+        if args.command == "sync":
+            from pathlib import Path
+
+            from lean import tracking
+
+            pending = tracking.sync(Path(args.out) / tracking.SPOOL)
+            print(f"lean sync: {pending} call(s) still pending" if pending else "lean sync: nothing pending")
+            return 1 if pending else 0
         cfg = _config(args)
         if args.command == "train":
             from lean.train import train

@@ -14,21 +14,34 @@ Every run of the workbench's one experiment is tagged with the git commit, the s
 schedule, and the DVC experiment name when there is one; a stage that runs several schedules opens one child run per
 schedule (``Run.child``). A store that cannot be reached never stops a run: the first failure is reported once as a
 warning, tracking stays off for the rest of the process, and the local JSON/CSV outputs are written as always.
+
+A run given a ``spool`` file (``lean train`` uses ``<out>/tracking_pending.jsonl``) loses nothing when its store goes
+away mid-run: a metrics/params/tags batch or the final status that fails is appended there as one JSON line (warned
+once), and the next successful call, :meth:`Run.finish`, or ``lean sync --out <out>`` replays the lines in order,
+deleting each once the store has it. A resumed run (:func:`attach` with ``resume=True``) skips metrics at steps the
+store already holds, so iterations re-run after the last checkpoint are logged once.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "lean-workbench"
-_FRESH = {"enabled": None, "experiment": None, "failed": False, "client": None, "uri": None, "experiment_id": None}
+SPOOL = "tracking_pending.jsonl"  # the spool's name inside a run's output folder
+RETRY_AFTER_S = 30.0  # after a failed call, spool without asking the store for this long (a hung server costs seconds)
+# Errors that say the store answered and refused the call: retrying cannot help, so they are not spooled.
+_REJECTED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"}
+_FRESH = {"enabled": None, "experiment": None, "failed": False, "client": None, "uri": None, "experiment_id": None,
+          "spool_warned": False}
 _state: dict[str, Any] = dict(_FRESH)
 
 
@@ -89,8 +102,8 @@ def _fail(err: BaseException) -> None:
     _state["failed"] = True
 
 
-def _client():
-    """The MlflowClient and the experiment id, created on first use (this is where mlflow gets imported)."""
+def _store():
+    """The MlflowClient of the current tracking URI, created on first use (this is where mlflow gets imported)."""
     uri = tracking_uri()
     if _state["client"] is None or _state["uri"] != uri:
         # A server that is down must cost seconds, not MLflow's default minutes of retries.
@@ -99,7 +112,13 @@ def _client():
         from mlflow.tracking import MlflowClient
 
         _state.update(client=MlflowClient(tracking_uri=uri), uri=uri, experiment_id=None)
-    client = _state["client"]
+    return _state["client"]
+
+
+def _client():
+    """The MlflowClient and the experiment id (created in the store if it is new)."""
+    client = _store()
+    uri = _state["uri"]
     if _state["experiment_id"] is None:
         name = _state["experiment"] or os.environ.get("LEAN_EXPERIMENT", EXPERIMENT)
         found = client.get_experiment_by_name(name)
@@ -111,6 +130,78 @@ def _client():
             artifacts = (Path(db).resolve().parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
             _state["experiment_id"] = client.create_experiment(name, artifact_location=artifacts)
     return client, _state["experiment_id"]
+
+
+def _apply(entry: Mapping[str, Any]) -> None:
+    """Send one call: ``{"run_id", "status"}`` terminates the run, else a batch of ``metrics`` ([key, value,
+    timestamp_ms, step] rows), ``params`` and ``tags`` ([key, value] rows)."""
+    client = _store()
+    if "status" in entry:
+        client.set_terminated(entry["run_id"], status=entry["status"])
+        return
+    from mlflow.entities import Metric, Param, RunTag
+
+    client.log_batch(entry["run_id"], metrics=[Metric(*m) for m in entry.get("metrics", [])],
+                     params=[Param(*p) for p in entry.get("params", [])],
+                     tags=[RunTag(*t) for t in entry.get("tags", [])])
+
+
+def _rejected(err: BaseException) -> bool:
+    return getattr(err, "error_code", None) in _REJECTED
+
+
+def _read_spool(spool: Path) -> list[dict]:
+    if not spool.exists():
+        return []
+    return [json.loads(line) for line in spool.read_text().splitlines() if line.strip()]
+
+
+def _write_spool(spool: Path, entries: list[dict]) -> None:
+    """Atomically replace the spool by ``entries`` (none: remove it)."""
+    if not entries:
+        spool.unlink(missing_ok=True)
+        return
+    tmp = spool.with_name(spool.name + ".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    os.replace(tmp, spool)
+
+
+def _append_spool(spool: Path, entry: Mapping[str, Any], err: BaseException) -> None:
+    spool.parent.mkdir(parents=True, exist_ok=True)
+    with open(spool, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    if not _state["spool_warned"]:
+        warnings.warn(f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}); pending calls "
+                      f"are kept in {spool} and sent on the next successful call (or: lean sync --out "
+                      f"{spool.parent})", RuntimeWarning, stacklevel=4)
+    _state["spool_warned"] = True
+
+
+def replay(spool: str | os.PathLike) -> None:
+    """Send the spooled calls in order, deleting each once the store has it (one the store rejects is dropped with a
+    warning). Raises at the first call that fails for any other reason; it and the ones after it stay spooled."""
+    spool = Path(spool)
+    pending = _read_spool(spool)
+    while pending:
+        try:
+            _apply(pending[0])
+        except Exception as err:  # noqa: BLE001 - sorted below: rejected calls go, the rest wait
+            if not _rejected(err):
+                raise
+            warnings.warn(f"lean.tracking: dropping a spooled call the store rejects: {err}", RuntimeWarning)
+        pending.pop(0)
+        _write_spool(spool, pending)
+
+
+def sync(spool: str | os.PathLike) -> int:
+    """``lean sync``: replay ``spool`` into the current store now (tracking forced on); the calls still pending."""
+    configure(enabled=True)
+    try:
+        replay(spool)
+    except Exception as err:  # noqa: BLE001
+        warnings.warn(f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''})", RuntimeWarning)
+    return len(_read_spool(Path(spool)))
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -131,8 +222,11 @@ class Run:
     run its process never finished (a crash) stays RUNNING in the store.
     """
 
-    def __init__(self, run_id: str | None = None):
+    def __init__(self, run_id: str | None = None, spool: str | os.PathLike | None = None):
         self.run_id = run_id
+        self.spool = Path(spool) if spool is not None else None
+        self.logged_steps: dict[str, int] = {}  # metric -> highest step the store already has (a resumed run)
+        self._retry_at = 0.0  # monotonic time before which a run with a spool spools without trying the store
 
     @property
     def active(self) -> bool:
@@ -148,36 +242,47 @@ class Run:
             _fail(err)
             return None
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Every finite number of ``metrics`` (bools and strings are skipped), at ``step``."""
+    def _submit(self, entry: dict, force: bool = False) -> None:
+        """Send one call (see :func:`_apply`) after any spooled ones; with a spool, a failure keeps it there."""
         if not self.active:
             return
-        import time
+        entry = {"run_id": self.run_id, **entry}
+        if self.spool is not None and not force and time.monotonic() < self._retry_at:
+            _append_spool(self.spool, entry, ConnectionError("retry pending"))
+            return
+        try:
+            if self.spool is not None:
+                replay(self.spool)
+            _apply(entry)
+        except Exception as err:  # noqa: BLE001 - a store failure never stops the run
+            if self.spool is None or _rejected(err):
+                _fail(err)
+                return
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
+            _append_spool(self.spool, entry, err)
 
-        from mlflow.entities import Metric
-
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Every finite number of ``metrics`` (bools and strings are skipped), at ``step`` (0 when None); a metric
+        whose ``step`` the store already has (:attr:`logged_steps`, a resumed run) is skipped."""
+        if not self.active:
+            return
         now = int(time.time() * 1000)
-        rows = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        rows = [[k, float(v), now, step or 0] for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (step is None or step > self.logged_steps.get(k, -1))]
         for i in range(0, len(rows), 1000):
-            self._call("log_batch", metrics=rows[i:i + 1000])
+            self._submit({"metrics": rows[i:i + 1000]})
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Flattened to dotted keys; values as strings cut at MLflow's 6000 characters."""
         if not self.active:
             return
-        from mlflow.entities import Param
-
-        rows = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        rows = [[k, str(v)[:6000]] for k, v in flatten(params).items()]
         for i in range(0, len(rows), 100):
-            self._call("log_batch", params=rows[i:i + 100])
+            self._submit({"params": rows[i:i + 100]})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if not self.active:
-            return
-        from mlflow.entities import RunTag
-
-        self._call("log_batch", tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+        self._submit({"tags": [[k, str(v)] for k, v in tags.items() if v is not None]})
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """A file, or a folder's files, under ``artifact_path``."""
@@ -205,7 +310,8 @@ class Run:
         return start_run(name, stage=stage_tag, schedule=schedule, tags=tags, parent=self)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self._call("set_terminated", status=status)
+        """Replay the spool (if any) and close the run; if the store is still down, the status waits in the spool."""
+        self._submit({"status": status}, force=True)
         self.run_id = None
 
     def __enter__(self) -> Run:
@@ -218,12 +324,13 @@ class Run:
 
 def start_run(name: str, *, stage: str | None = None, schedule: str | None = None,
               params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
-              parent: Run | None = None) -> Run:
+              parent: Run | None = None, spool: str | os.PathLike | None = None) -> Run:
     """Open a run named ``name`` in the workbench experiment (a no-op :class:`Run` when tracking is off).
 
     Tags: ``lean.stage`` (``stage``, else ``$DVC_STAGE``, else ``name``), ``lean.schedule``, ``lean.git_commit`` (also
     as MLflow's own source-commit tag), ``dvc.stage`` and ``dvc.exp_name`` when DVC runs the stage, plus ``tags``.
-    ``params`` (a nested mapping, e.g. ``RunConfig.to_dict()``) are logged flattened.
+    ``params`` (a nested mapping, e.g. ``RunConfig.to_dict()``) are logged flattened. ``spool``: where calls that
+    fail wait for the store (see the module docstring); without one a failure turns tracking off.
     """
     if not enabled():
         return Run()
@@ -235,7 +342,8 @@ def start_run(name: str, *, stage: str | None = None, schedule: str | None = Non
                     "dvc.stage": os.environ.get("DVC_STAGE"), "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
                     "mlflow.parentRunId": parent.run_id if parent is not None else None, **(tags or {})}
         run = Run(client.create_run(experiment_id, run_name=name,
-                                    tags={k: str(v) for k, v in all_tags.items() if v is not None}).info.run_id)
+                                    tags={k: str(v) for k, v in all_tags.items() if v is not None}).info.run_id,
+                  spool)
     except Exception as err:  # noqa: BLE001
         _fail(err)
         return Run()
@@ -244,6 +352,25 @@ def start_run(name: str, *, stage: str | None = None, schedule: str | None = Non
     return run
 
 
-def attach(run_id: str | None) -> Run:
-    """A handle on an existing run (e.g. the report stage adding an executed notebook to the notebook's own run)."""
-    return Run(run_id) if run_id and enabled() else Run()
+def attach(run_id: str | None, *, spool: str | os.PathLike | None = None, resume: bool = False) -> Run:
+    """A handle on an existing run (e.g. the report stage adding an executed notebook to the notebook's own run).
+
+    ``resume``: this process continues the run (``lean train --resume``): the spool is replayed, the run is RUNNING
+    again, and :attr:`Run.logged_steps` is read from the store (one history query per metric), so that metrics of the
+    iterations re-run after the last checkpoint, already logged before the interruption, are not logged twice.
+    """
+    if not (run_id and enabled()):
+        return Run()
+    run = Run(run_id, spool)
+    if resume:
+        try:
+            if spool is not None:
+                replay(spool)
+            client = _store()
+            client.update_run(run_id, status="RUNNING")
+            for key in client.get_run(run_id).data.metrics:
+                run.logged_steps[key] = max(m.step for m in client.get_metric_history(run_id, key))
+        except Exception as err:  # noqa: BLE001 - without the logged steps, re-logging would duplicate: stop tracking
+            _fail(err)
+            return Run()
+    return run

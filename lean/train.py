@@ -257,18 +257,25 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
     trainer = Trainer(cfg)
     out_dir = Path(out or t.out)
     schedule, decision = resolve_schedule(trainer)
-    history, start = [], 0
+    history, start, run_id = [], 0, None
     if resume and (state := checkpoint.latest(out_dir / "checkpoints")) is not None:
         trainer.load_trainable_state(state["trainer"])
         history, start = state["history"], state["iteration"] + 1
+        run_id = state.get("tracking_run_id")
     if trainer.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"lean train: {trainer.world} process(es) on {trainer.device}, schedule={schedule}, "
               f"{cfg.model.family}/{cfg.model.size} {cfg.model.dtype}"
               + (f", resuming at iteration {start}" if start else ""), flush=True)
-    # --- MLflow (lean.tracking): one run per train() call, rank 0 only; a no-op unless tracking is on ---
-    run = tracking.start_run(f"train[{schedule}]", schedule=schedule, params=cfg.to_dict()) if trainer.is_main \
-        else tracking.Run()
+    # --- MLflow (lean.tracking): one run per training, continued by --resume; rank 0 only; a no-op unless on.
+    # Calls that fail wait in <out>/tracking_pending.jsonl (replayed later, or by `lean sync --out <out>`).
+    spool = out_dir / tracking.SPOOL
+    if not trainer.is_main:
+        run = tracking.Run()
+    elif run_id is not None:
+        run = tracking.attach(run_id, spool=spool, resume=True)
+    else:
+        run = tracking.start_run(f"train[{schedule}]", schedule=schedule, params=cfg.to_dict(), spool=spool)
     bar = tqdm(range(start, t.iterations), desc=f"train[{schedule}]", initial=start, total=t.iterations,
                disable=not trainer.is_main)
     for it in bar:
@@ -288,8 +295,8 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
         run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
         bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
         if t.save_every and (it + 1) % t.save_every == 0 and trainer.is_main:
-            checkpoint.save(out_dir / "checkpoints", it, {"trainer": trainer.trainable_state(), "history": history},
-                            keep=t.keep_checkpoints)
+            checkpoint.save(out_dir / "checkpoints", it, {"trainer": trainer.trainable_state(), "history": history,
+                                                          "tracking_run_id": run.run_id}, keep=t.keep_checkpoints)
     try:  # FLOPs of one more (untimed, undone) iteration; a measurement must not fail the run
         flops = count_iteration_flops(trainer, schedule, iteration=t.iterations - 1)
     except NonFiniteError:

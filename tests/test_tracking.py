@@ -129,3 +129,70 @@ def test_train_logs_every_iteration():
     assert curve == pytest.approx([row["reward_mean"] for row in history])
     assert run.data.params["model.family"] == "flux"
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"metrics.csv", "metrics.json"}
+
+
+@pytest.mark.timeout(60)
+def test_failed_calls_wait_in_the_spool_and_are_replayed_once(monkeypatch, tmp_path):
+    """The store fails for a while (injected): those calls go to the spool in order, warned once, and the next call
+    that reaches the store sends them first; every step ends up in the store exactly once."""
+    tracking.configure(enabled=True, experiment="lean-test-spool")
+    monkeypatch.setattr(tracking, "RETRY_AFTER_S", 0.0)
+    spool = tmp_path / tracking.SPOOL
+    run = tracking.start_run("spooled", spool=spool)
+    apply, down = tracking._apply, [False]
+
+    def flaky(entry):
+        if down[0]:
+            raise ConnectionError("store down")
+        apply(entry)
+
+    monkeypatch.setattr(tracking, "_apply", flaky)
+    run.log_metrics({"reward_mean": 0.0}, step=0)
+    down[0] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.log_metrics({"reward_mean": 1.0}, step=1)
+        run.log_params({"train": {"lr": 0.5}})
+        run.log_metrics({"reward_mean": 2.0}, step=2)
+    assert len([w for w in caught if "lean.tracking" in str(w.message)]) == 1
+    assert [("metrics" in e, "params" in e) for e in tracking._read_spool(spool)] == [(1, 0), (0, 1), (1, 0)]
+    assert tracking.enabled()
+    down[0] = False
+    run.log_metrics({"reward_mean": 3.0}, step=3)
+    assert not spool.exists()
+    run_id = run.run_id
+    run.finish()
+    history = _client().get_metric_history(run_id, "reward_mean")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    got = _client().get_run(run_id)
+    assert got.data.params["train.lr"] == "0.5" and got.info.status == "FINISHED"
+
+
+@pytest.mark.timeout(180)
+def test_resumed_training_continues_its_run_and_logs_each_step_once(monkeypatch):
+    """Killed after logging iteration 2 but before its checkpoint: --resume re-runs iteration 2 in the same run,
+    and the store still holds each step of reward_mean once."""
+    from conftest import tiny
+    from lean import checkpoint
+    from lean.train import train
+
+    tracking.configure(enabled=True, experiment="lean-test-resume")
+    cfg = tiny("train.iterations=4", "train.schedule=retain", "train.save_every=1")
+    save = checkpoint.save
+
+    def killed_at_2(folder, iteration, state, keep):
+        if iteration == 2:
+            raise KeyboardInterrupt("killed")
+        return save(folder, iteration, state, keep)
+
+    monkeypatch.setattr(checkpoint, "save", killed_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, out="out")
+    monkeypatch.setattr(checkpoint, "save", save)
+    history = train(cfg, out="out", resume=True)
+    client = _client()
+    (run,) = client.search_runs([client.get_experiment_by_name("lean-test-resume").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    assert [s for s, _ in steps] == [0, 1, 2, 3]
+    assert [v for _, v in steps] == pytest.approx([row["reward_mean"] for row in history])
