@@ -10,6 +10,7 @@ is small, and all schedules then sync at the same, explicit point; Reweight reli
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import warnings
@@ -36,6 +37,15 @@ def make_accelerator(timeout_s: float = 60.0):
 
     cpu = not torch.cuda.is_available()
     return Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
+
+
+@dataclasses.dataclass
+class LocalBatch:
+    samples: list[tuple[int, int, int]]  # (group, prompt index, sample index) of the whole iteration
+    mine: list[tuple[int, int, int]]  # this process's contiguous slice of them
+    prompts: list[str]
+    generators: list[torch.Generator]
+    plan: object  # lean.sde.StepPlan
 
 
 class NonFiniteError(FloatingPointError):
@@ -111,23 +121,29 @@ class Trainer:
 
     # ------------------------------------------------------------ one iteration
 
+    def local_batch(self, iteration: int) -> LocalBatch:
+        """This process's samples of the iteration: prompts, random streams and trained-step plan."""
+        cfg, t = self.cfg, self.cfg.train
+        samples = self.global_samples(iteration)
+        mine = samples[local_slice(len(samples), self.rank, self.world)]
+        generators = [sample_generator(t.seed, iteration, p, k) for _, p, k in mine]
+        # The plan draws from the sample streams first, the rollout's noise comes after: a fixed order.
+        plan = plan_steps(cfg.sample.num_steps, len(mine), timestep_fraction=cfg.sample.timestep_fraction,
+                          selection=cfg.sample.timestep_selection, sde_window=cfg.sample.sde_window,
+                          sde_window_max_start=cfg.sample.sde_window_max_start,
+                          window_generator=iteration_generator(t.seed, iteration, purpose=99),
+                          sample_generators=generators)
+        return LocalBatch(samples, mine, [t.prompts[p] for _, p, _ in mine], generators, plan)
+
     def iteration(self, iteration: int, schedule: str, *, tally: FlopTally | None = None,
                   progress: Callable[[int], None] | None = None, measure_memory: bool = True) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self.current_iteration = iteration
         tally = tally or FlopTally()
         timer = PhaseTimer(self.device)
-        samples = self.global_samples(iteration)
-        mine = samples[local_slice(len(samples), self.rank, self.world)]
-        prompts = [t.prompts[p] for _, p, _ in mine]
-        generators = [sample_generator(t.seed, iteration, p, k) for _, p, k in mine]
-
         with PeakMemory(self.device, enabled=measure_memory) as memory, timer("iteration"):
-            plan = plan_steps(cfg.sample.num_steps, len(mine), timestep_fraction=cfg.sample.timestep_fraction,
-                              selection=cfg.sample.timestep_selection, sde_window=cfg.sample.sde_window,
-                              sde_window_max_start=cfg.sample.sde_window_max_start,
-                              window_generator=iteration_generator(t.seed, iteration, purpose=99),
-                              sample_generators=generators)
+            batch = self.local_batch(iteration)
+            samples, prompts, generators, plan = batch.samples, batch.prompts, batch.generators, batch.plan
             emb = self.policy.encode_prompts(prompts)
             ctx = IterationContext(self.policy, cfg, self.sigmas, emb, plan, tally, timer)
             sched = SCHEDULES[schedule](ctx, iteration=iteration)

@@ -39,10 +39,10 @@ from lean.advantage import group_advantages, group_stats
 from lean.config import RunConfig, load_config, load_tree
 from lean.metrics import PeakMemory, PhaseTimer
 from lean.rewards import compute_rewards
-from lean.rollout import StepOutput, iteration_generator, rollout, sample_generator
+from lean.rollout import StepOutput, rollout
 from lean.schedules import SCHEDULES, IterationContext
 from lean.schedules.base import Schedule
-from lean.sde import StepPlan, plan_steps
+from lean.sde import StepPlan
 
 RUN_SECTIONS = ("model", "sample", "reward", "train")
 
@@ -143,13 +143,8 @@ def rollout_phase(trainer, iteration: int, make_schedule: Callable[[IterationCon
     if trainer.world != 1:
         raise ValueError("the workbench's method stages run in one process")
     cfg, t = trainer.cfg, trainer.cfg.train
-    samples = trainer.global_samples(iteration)
-    prompts = [t.prompts[p] for _, p, _ in samples]
-    generators = [sample_generator(t.seed, iteration, p, k) for _, p, k in samples]
-    plan = plan_steps(cfg.sample.num_steps, len(samples), timestep_fraction=cfg.sample.timestep_fraction,
-                      selection=cfg.sample.timestep_selection, sde_window=cfg.sample.sde_window,
-                      sde_window_max_start=cfg.sample.sde_window_max_start,
-                      window_generator=iteration_generator(t.seed, iteration, purpose=99), sample_generators=generators)
+    batch = trainer.local_batch(iteration)  # one process: the local slice is the whole iteration
+    samples, prompts, generators, plan = batch.samples, batch.prompts, batch.generators, batch.plan
     emb = trainer.policy.encode_prompts(prompts)
     ctx = IterationContext(trainer.policy, cfg, trainer.sigmas, emb, plan, timer=PhaseTimer(trainer.device))
     schedule = make_schedule(ctx)
