@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.bench == "schedules":
             from lean.bench import bench_schedules
 
+            if args.repeats < 1 or args.warmup < 0:
+                key, value = ("--repeats", args.repeats) if args.repeats < 1 else ("--warmup", args.warmup)
+                raise ConfigError(key, value, "--repeats must be >= 1 and --warmup >= 0")
             bench_schedules(cfg, out=args.out, repeats=args.repeats, warmup=args.warmup)
     except ConfigError as e:
         print(f"lean: {e}", file=sys.stderr)
