@@ -1,7 +1,6 @@
 """Retain and Reweight reproduce Recompute's update (objective equivalence), and `auto` decides by memory."""
 
 import pytest
-import torch
 
 from conftest import tiny
 from lean.equivalence import LEAN_SCHEDULES, run_equivalence, tolerance
