@@ -9,7 +9,9 @@ With n steps, K trained per sample, B local samples, P trainable parameters (byt
 
     Recompute  mem = base + activation(train batch)             time = n f + K (f + fb)        (+ K f_ref if beta > 0)
     Retain     mem = base + K activation(B)                      time = (n - K) f + K fb
-    Reweight   mem = base + activation(1) + (B + 1) P             time = (n - K) f + K B fb_1  (+ K B bwd_1 if beta > 0)
+    Reweight   mem = base + activation(B) + (B + 1) P             time = n f + K (fb - f)      (x2 backward if beta > 0)
+               (one trajectory per micro-batch when a trainable parameter is not in an nn.Linear:
+                mem = base + activation(1) + (B + 1) P,  time = (n - K) f + K B fb_1)
 
 ``auto`` takes Retain when its predicted peak fits ``train.memory_budget_mb`` (default: the device's memory), else
 Reweight, and logs both figures. Retain and Reweight run the on-policy variant of an off-policy recipe (one optimizer
@@ -124,9 +126,20 @@ def predict(trainer, measured: dict) -> dict:
         "recompute": {"peak_memory_mb": base + act * train_rows / max(measured["batch"] * rounds, 1),
                       "time_iteration_s": n * f + k * fb + ref},
         "retain": {"peak_memory_mb": base + k * act, "time_iteration_s": (n - k) * f + k * fb + ref},
-        "reweight": {"peak_memory_mb": base + act1 + buffers,
-                     "time_iteration_s": (n - k) * f + k * local * fb1 * (2 if cfg.train.beta else 1) + ref},
+        "reweight": _reweight(trainer, n, k, f, fb, fb1, local, ref, base, act, act1, buffers),
     }
+
+
+def _reweight(trainer, n, k, f, fb, fb1, local, ref, base, act, act1, buffers) -> dict:
+    """Batched when every trainable parameter is in an nn.Linear (per-row gradients), else one trajectory at a time;
+    the KL term, when on, costs a second backward per step."""
+    from lean.schedules.per_sample import linear_owners
+
+    kl = 2 if trainer.cfg.train.beta else 1
+    if linear_owners(trainer.policy, trainer.params) is not None:
+        backward = fb - f
+        return {"peak_memory_mb": base + act + buffers, "time_iteration_s": n * f + k * kl * backward + ref}
+    return {"peak_memory_mb": base + act1 + buffers, "time_iteration_s": (n - k) * f + k * local * fb1 * kl + ref}
 
 
 def choose_schedule(trainer) -> tuple[str, dict]:
@@ -180,9 +193,7 @@ def main(cfg, out: str | None = None) -> dict:
               f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "
               f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
               f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))
+        _write(out, report)
         return report
     trainer = Trainer(cfg)
     measured = probe(trainer)
@@ -206,7 +217,11 @@ def main(cfg, out: str | None = None) -> dict:
             print(f"off-policy recipe ({t.optimizer_steps_per_iteration * t.num_inner_epochs} optimizer steps per "
                   f"rollout): the retain/reweight rows are its on-policy variant, set {' and '.join(changes)}: one "
                   f"step per rollout instead, and Retain saves {saved:.3f} s per iteration over Recompute")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))
+        _write(out, report)
     return report
+
+
+def _write(out: str | None, report: dict) -> None:
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "plan.json").write_text(json.dumps(report, indent=2))
