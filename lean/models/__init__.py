@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 
 from lean.config import ModelConfig
-from lean.models.precision import keep_rms_norm_dtype
 from lean.models.policy import LORA_FILE, Policy
+from lean.models.precision import keep_rms_norm_dtype
 from lean.models.text import PromptEmbeds, train_tokenizer
 
 __all__ = ["FAMILIES", "Policy", "PromptEmbeds", "build_policy", "count_parameters", "family_module"]

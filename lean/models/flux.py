@@ -14,6 +14,7 @@ from torch import Tensor
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from lean.models.text import PromptEmbeds, tokenize
+from lean.models.vae import kl_vae_config
 
 PIPELINE = "FluxPipeline"
 # component folder -> (model class, transformers config class or None for diffusers models)
@@ -32,11 +33,8 @@ _FFN = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)|single_trans
 
 
 def _vae(channels: tuple[int, ...], layers_per_block: int, groups: int) -> dict:
-    """FLUX's AutoencoderKL layout (16 latent channels, no quant convs, published scale/shift) at a given width."""
-    return dict(down_block_types=("DownEncoderBlock2D",) * len(channels),
-                up_block_types=("UpDecoderBlock2D",) * len(channels), block_out_channels=channels,
-                layers_per_block=layers_per_block, norm_num_groups=groups, latent_channels=16,
-                use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
+    """FLUX's AutoencoderKL at a given width, with its published latent scale and shift."""
+    return kl_vae_config(channels, layers_per_block, groups, scaling_factor=0.3611, shift_factor=0.1159)
 
 
 _T5 = dict(feed_forward_proj="gated-gelu", dropout_rate=0.0)  # T5 v1.1, as FLUX uses

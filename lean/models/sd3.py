@@ -23,6 +23,7 @@ from torch import Tensor
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from lean.models.text import PromptEmbeds, tokenize
+from lean.models.vae import kl_vae_config
 
 PIPELINE = "StableDiffusion3Pipeline"
 COMPONENTS = {
@@ -41,11 +42,8 @@ _FFN = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)"
 
 
 def _vae(channels: tuple[int, ...], layers_per_block: int, groups: int) -> dict:
-    """SD3's AutoencoderKL layout (16 latent channels, no quant convs, published scale/shift) at a given width."""
-    return dict(down_block_types=("DownEncoderBlock2D",) * len(channels),
-                up_block_types=("UpDecoderBlock2D",) * len(channels), block_out_channels=channels,
-                layers_per_block=layers_per_block, norm_num_groups=groups, latent_channels=16,
-                use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
+    """SD3's AutoencoderKL at a given width, with its published latent scale and shift."""
+    return kl_vae_config(channels, layers_per_block, groups, scaling_factor=1.5305, shift_factor=0.0609)
 
 
 def _mmdit(layers: int, heads: int, head_dim: int, text_dim: int, pooled_dim: int, dual: int, max_patches: int) -> dict:
