@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
             from lean import tracking
 
+            if not Path(args.out).is_dir():
+                raise ConfigError("--out", args.out, "must be the output folder of a run (it does not exist)")
             pending = tracking.sync(Path(args.out) / tracking.SPOOL)
             print(f"lean sync: {pending} call(s) still pending" if pending else "lean sync: nothing pending")
             return 1 if pending else 0
