@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import lean" 2>/dev/null; then $PY -m pip install -q -e . ; fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 export PYTHONUNBUFFERED=1
-$PY -m lean.cli bench schedules --out "$OUT" --repeats 3 --warmup 1 \
+$PY -m lean.cli bench schedules --out "$OUT" --repeats 3 --warmup 1 --threads 0 \
   --set model.family=flux --set model.size=medium --set model.resolution=512 --set model.dtype=bfloat16 \
   --set sample.num_steps=10 --set sample.timestep_fraction=0.99 --set sample.cfg=true \
   --set train.prompts_per_iteration=2 --set train.group_size=4 \

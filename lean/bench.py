@@ -1,8 +1,8 @@
 """``lean bench schedules``: Recompute vs Retain vs Reweight on one config, measured in one process, interleaved.
 
-Every round runs the three schedules one after another (A B C A B C ...) from the same saved weights and optimizer
-state, so they do identical work on identical trajectories; the first ``warmup`` rounds are discarded and medians are
-taken over ``repeats`` rounds. Peak memory comes from one extra, untimed iteration per schedule
+Every round runs the three schedules one after another, in alternating order (A B C, C B A, ...: a machine whose speed
+drifts slowly favours no schedule), from the same saved weights and optimizer state, so they do identical work on
+identical trajectories; the first ``warmup`` rounds are discarded and medians are taken over ``repeats`` rounds. Peak memory comes from one extra, untimed iteration per schedule
 (``lean.metrics.PeakMemory``: trimmed heap, reset high-water mark), FLOPs from another under ``FlopCounterMode``: both
 measurements disturb timing, so neither runs inside the timed rounds. On CPU the heap keeps freed pages during the
 timed rounds (``keep_freed_memory``), as the CUDA caching allocator does on GPU.
@@ -20,12 +20,15 @@ timed rounds (``keep_freed_memory``), as the CUDA caching allocator does on GPU.
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm.auto import tqdm
 
-from lean.config import RunConfig
+from lean.config import ConfigError, RunConfig, load_config
 from lean.metrics import keep_freed_memory, median, peak_flops
 from lean.plan import predict, probe
 from lean.train import Trainer, count_iteration_flops, needed_flops
@@ -35,15 +38,50 @@ PHASES = ("time_iteration_s", "time_rollout_s", "time_update_s", "time_backward_
           "time_reward_s", "time_advantage_s")
 
 
+@dataclass
+class BenchOptions:
+    """``params.yaml``'s ``bench`` section, less its ``run:`` mapping (the config overrides)."""
+
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = 1  # torch threads; 0: torch's default
+
+
+def bench_config(params: str | os.PathLike | None, overrides: list[str] = (), preset: str | None = None,
+                 **options) -> tuple[RunConfig, BenchOptions]:
+    """The benchmark's config: the run sections, the preset, then the ``bench`` section's ``run:`` mapping (the
+    benchmark's default config: a model size at which CPU time goes to arithmetic, not per-op overhead), then
+    ``overrides``; ``options`` that are not None replace the section's repeats / warmup / threads."""
+    from lean.workbench import stage_overrides
+
+    section = {}
+    if params is not None and Path(params).exists():
+        section = (yaml.safe_load(Path(params).read_text()) or {}).get("bench") or {}
+    try:
+        run = stage_overrides(section.get("run"))
+    except ValueError as e:
+        raise ConfigError("bench.run", section.get("run"), str(e)) from None
+    cfg = load_config(params, run + list(overrides), preset=preset)
+    chosen = {k: section[k] for k in ("repeats", "warmup", "threads") if k in section}
+    chosen.update({k: v for k, v in options.items() if v is not None})
+    opts = BenchOptions(**{k: int(v) for k, v in chosen.items()})
+    for key, value, low in (("repeats", opts.repeats, 1), ("warmup", opts.warmup, 0), ("threads", opts.threads, 0)):
+        if value < low:
+            raise ConfigError(f"bench.{key}", value, f"must be >= {low}")
+    return cfg, opts
+
+
 def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, warmup: int = 1,
-                    trainer: Trainer | None = None) -> dict:
+                    trainer: Trainer | None = None, threads: int = 0) -> dict:
+    if threads > 0:
+        torch.set_num_threads(threads)
     trainer = trainer or Trainer(cfg)
     state = trainer.trainable_state()
     if trainer.device.type == "cpu":
         keep_freed_memory()
     rows: dict[str, list[dict]] = {s: [] for s in SCHEDULE_ORDER}
     for r in tqdm(range(warmup + repeats), desc="bench rounds", disable=not trainer.is_main):
-        for s in SCHEDULE_ORDER:
+        for s in SCHEDULE_ORDER[::1 if r % 2 == 0 else -1]:  # A B C, C B A, ...: a drifting machine speed cancels
             trainer.load_trainable_state(state)
             row = trainer.iteration(0, s, measure_memory=False)
             if r >= warmup:
@@ -59,7 +97,9 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
     result: dict = {"config": {"family": cfg.model.family, "size": cfg.model.size, "dtype": cfg.model.dtype,
                                "num_steps": cfg.sample.num_steps, "cfg": cfg.sample.cfg, "beta": cfg.train.beta,
                                "samples_per_process": len(trainer.global_samples(0)) // trainer.world,
-                               "world_size": trainer.world, "repeats": repeats, "warmup": warmup},
+                               "world_size": trainer.world, "repeats": repeats, "warmup": warmup,
+                               "resolution": cfg.model.resolution, "uncond_grad": cfg.sample.uncond_grad,
+                               "threads": torch.get_num_threads()},
                     "peak_flops": peak, "peak_flops_source": peak_source}
     for s in SCHEDULE_ORDER:
         trainer.load_trainable_state(state)
@@ -102,9 +142,11 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
 
 def format_table(result: dict) -> str:
     c = result["config"]
-    lines = [f"lean bench schedules: {c['family']}/{c['size']} {c['dtype']}, {c['num_steps']} steps, cfg={c['cfg']}, "
-             f"beta={c['beta']}, {c['samples_per_process']} samples/process x {c['world_size']} process(es), "
-             f"median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_flops_source']})",
+    lines = [f"lean bench schedules: {c['family']}/{c['size']} {c.get('resolution', '?')} px {c['dtype']}, "
+             f"{c['num_steps']} steps, cfg={c['cfg']}, uncond_grad={c.get('uncond_grad')}, beta={c['beta']}, "
+             f"{c['samples_per_process']} samples/process x {c['world_size']} process(es) x {c.get('threads', '?')} "
+             f"thread(s), median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, "
+             f"{result['peak_flops_source']})",
              f"{'schedule':10} {'iter s':>8} {'rollout s':>10} {'update s':>9} {'peak MiB':>9} {'plan MiB':>9} "
              f"{'GFLOP':>8} {'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}"]
     for s in SCHEDULE_ORDER:

@@ -21,11 +21,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder")
 
 
+def _params(args) -> str | None:
+    return args.params if args.params is not None else ("params.yaml" if os.path.exists("params.yaml") else None)
+
+
 def _config(args):
     from lean.config import load_config
 
-    params = args.params if args.params is not None else ("params.yaml" if os.path.exists("params.yaml") else None)
-    return load_config(params, args.overrides, preset=args.preset)
+    return load_config(_params(args), args.overrides, preset=args.preset)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("schedules", help="recompute vs retain vs reweight, interleaved")
     _add_run_options(b)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=None, help="timed rounds (default: params.yaml bench.repeats)")
+    b.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads, 0: torch's default (default: "
+                   "bench.threads)")
     bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash", add_help=False)
 
     p = sub.add_parser("launch", help="run a lean command on N processes through Accelerate (gloo on CPU)")
@@ -85,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             pending = tracking.sync(Path(args.out) / tracking.SPOOL)
             print(f"lean sync: {pending} call(s) still pending" if pending else "lean sync: nothing pending")
             return 1 if pending else 0
+        if args.command == "bench":  # the bench section of params.yaml holds the benchmark's default config
+            from lean.bench import bench_config, bench_schedules
+
+            cfg, opts = bench_config(_params(args), args.overrides, args.preset, repeats=args.repeats,
+                                     warmup=args.warmup, threads=args.threads)
+            bench_schedules(cfg, out=args.out, repeats=opts.repeats, warmup=opts.warmup, threads=opts.threads)
+            return 0
         cfg = _config(args)
         if args.command == "train":
             from lean.train import train
@@ -98,13 +110,6 @@ def main(argv: list[str] | None = None) -> int:
             from lean.equivalence import main as equivalence_main
 
             equivalence_main(cfg, out=args.out)
-        elif args.command == "bench" and args.bench == "schedules":
-            from lean.bench import bench_schedules
-
-            if args.repeats < 1 or args.warmup < 0:
-                key, value = ("--repeats", args.repeats) if args.repeats < 1 else ("--warmup", args.warmup)
-                raise ConfigError(key, value, "--repeats must be >= 1 and --warmup >= 0")
-            bench_schedules(cfg, out=args.out, repeats=args.repeats, warmup=args.warmup)
     except ConfigError as e:
         print(f"lean: {e}", file=sys.stderr)
         return 2

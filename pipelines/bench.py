@@ -1,7 +1,10 @@
 """Stage ``bench_schedules``: Recompute vs Retain vs Reweight timed interleaved (``lean.bench.bench_schedules``), and
 the analytic prediction of ``lean.plan`` from the same trainer.
 
-    python -m pipelines.bench --pretrained outputs/prepare/base [--params params.yaml] [--out outputs/bench]
+    python -m pipelines.bench [--params params.yaml] [--out outputs/bench]
+
+The config is ``lean bench schedules``' own (``lean.bench.bench_config``: the run sections, then the ``bench`` section's
+``run:``), with random weights: timing does not depend on them, and the bench's model size need not be the base's.
 
 Writes OUT/schedules.json (per-phase medians, peak memory, FLOPs, MFU/HFU, speedup and its bound), OUT/plan.json,
 OUT/metrics.json (flat: speedup_<s>, speedup_bound_<s>, mfu_<s>, hfu_<s>, peak_memory_mb_<s>) and OUT/phases.csv.
@@ -13,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from lean import tracking, workbench
-from lean.bench import PHASES, SCHEDULE_ORDER, bench_schedules
+from lean.bench import PHASES, SCHEDULE_ORDER, bench_config, bench_schedules
 from lean.plan import predict, probe
 from lean.train import Trainer
 
@@ -33,17 +36,15 @@ def flat_metrics(result: dict) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", default="params.yaml")
-    p.add_argument("--pretrained", default=None)
     p.add_argument("--out", default="outputs/bench")
     args = p.parse_args()
-    params = workbench.begin_stage(args.params)
-    bench = params.get("bench") or {}
-    cfg = workbench.stage_config(args.params, "bench", pretrained=args.pretrained)
+    workbench.begin_stage(args.params)
+    cfg, opts = bench_config(args.params)
     out = Path(args.out)
     trainer = Trainer(cfg)
     with tracking.start_run("bench_schedules", params=cfg.to_dict()) as run:
-        result = bench_schedules(cfg, out=str(out), repeats=int(bench.get("repeats", 3)),
-                                 warmup=int(bench.get("warmup", 1)), trainer=trainer)
+        result = bench_schedules(cfg, out=str(out), repeats=opts.repeats, warmup=opts.warmup, trainer=trainer,
+                                 threads=opts.threads)
         measured = probe(trainer)
         plan = {"probe": measured, "prediction": predict(trainer, measured)}
         metrics = flat_metrics(result)

@@ -1,10 +1,14 @@
 """Retain and Reweight reproduce Recompute's update (objective equivalence), and `auto` decides by memory."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import tiny
 from lean.equivalence import LEAN_SCHEDULES, run_equivalence, tolerance
 from lean.train import Trainer, resolve_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MATRIX = {
     "flux-cfg": [],
@@ -69,3 +73,25 @@ def test_auto_takes_reweight_when_retain_does_not_fit():
     assert choice == "reweight" and decision["retain_predicted_peak_mb"] > 1
     roomy = Trainer(tiny("train.schedule=auto", "train.memory_budget_mb=1000000"))
     assert resolve_schedule(roomy)[0] == "retain"
+
+
+def test_bench_config_is_the_bench_section_of_params(tmp_path):
+    import yaml
+
+    from lean.bench import bench_config
+    from lean.config import ConfigError
+
+    # The repository's default: FlowGRPO-like (10 steps, 9 trained, CFG) at the bench's own model size, 1 thread.
+    cfg, opts = bench_config(ROOT / "params.yaml")
+    assert (cfg.sample.num_steps, cfg.sample.cfg, cfg.model.size, cfg.model.resolution) == (10, True, "small", 256)
+    assert int(cfg.sample.num_steps * cfg.sample.timestep_fraction) == 9 and opts.threads == 1
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"model": {"size": "tiny"}, "bench": {
+        "repeats": 5, "threads": 2, "run": {"model": {"size": "small", "resolution": 128}}}}))
+    cfg, opts = bench_config(params)
+    assert (cfg.model.size, cfg.model.resolution, opts.repeats, opts.warmup, opts.threads) == ("small", 128, 5, 1, 2)
+    cfg, opts = bench_config(params, ["model.resolution=64"], repeats=2)  # --set and flags win
+    assert (cfg.model.resolution, opts.repeats) == (64, 2)
+    with pytest.raises(ConfigError, match="bench.warmup"):
+        bench_config(params, warmup=-1)

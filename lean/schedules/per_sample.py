@@ -86,14 +86,18 @@ class PerSampleGrads:
     def _accumulate(self, module: torch.nn.Linear, x: torch.Tensor, delta: torch.Tensor) -> None:
         if not self.accumulating:
             return
-        rows = x.shape[0]
-        traj = self.trajectories
+        rows, traj = x.shape[0], self.trajectories
         if rows % len(traj):
             raise RuntimeError(f"layer input has {rows} rows, not a multiple of {len(traj)} trajectories")
-        owner = traj.repeat(rows // len(traj)).to(x.device)  # CFG: [uncond rows, cond rows]
         x3 = x.reshape(rows, -1, x.shape[-1])
         d3 = delta.reshape(rows, -1, delta.shape[-1])
         for p in self.owners[module]:
-            g = torch.bmm(d3.transpose(1, 2), x3) if p is module.weight else d3.sum(dim=1)  # [rows, out, in]
+            if p is not module.weight:
+                g = d3.sum(dim=1)
+            elif module.out_features > module.in_features:  # same product, transposed: BLAS is several times
+                g = torch.bmm(x3.transpose(1, 2), d3).transpose(1, 2)  # faster with the long side last (LoRA B)
+            else:
+                g = torch.bmm(d3.transpose(1, 2), x3)  # [rows, out, in]
+            g = g.reshape(rows // len(traj), len(traj), -1).sum(dim=0)  # CFG: [uncond rows, cond rows] -> trajectory
             block = self.buffers.block(p)
-            block.index_add_(0, owner, g.reshape(rows, -1).to(block.dtype))
+            block.index_add_(0, traj, g.to(block.dtype))

@@ -86,7 +86,8 @@ class Reweight(Schedule):
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
             self.policy_buffers.add(b, grads)
             return
-        self.per_sample.trajectories, self.per_sample.accumulating = rows, True
+        self.per_sample.trajectories = rows.to(self.params[0].device)
+        self.per_sample.accumulating = True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
             torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
         finally:
