@@ -2,10 +2,12 @@
 
 Every round runs the three schedules one after another, in alternating order (A B C, C B A, ...: a machine whose speed
 drifts slowly favours no schedule), from the same saved weights and optimizer state, so they do identical work on
-identical trajectories; the first ``warmup`` rounds are discarded and medians are taken over ``repeats`` rounds. Peak memory comes from one extra, untimed iteration per schedule
-(``lean.metrics.PeakMemory``: trimmed heap, reset high-water mark), FLOPs from another under ``FlopCounterMode``: both
-measurements disturb timing, so neither runs inside the timed rounds. On CPU the heap keeps freed pages during the
-timed rounds (``keep_freed_memory``), as the CUDA caching allocator does on GPU.
+identical trajectories; the first ``warmup`` rounds are discarded and medians are taken over ``repeats`` rounds.
+Peak memory comes from one extra, untimed iteration per schedule before the timed rounds (``lean.metrics.PeakMemory``:
+trimmed heap, reset high-water mark), FLOPs from another under ``FlopCounterMode``: both disturb timing. On CPU the
+heap maps every large block on its own during the memory pass (``live_bytes_heap``), so that the resident set counts
+live tensor bytes as ``max_memory_allocated`` does on GPU, and keeps freed pages during the timed rounds
+(``keep_freed_memory``), as the CUDA caching allocator does.
 
     speedup        = median T_iter(recompute) / median T_iter(schedule)
     speedup_bound  = (rollout + recompute_forward + backward) / (rollout + backward), from Recompute's phases in this
@@ -29,7 +31,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, load_config
-from lean.metrics import keep_freed_memory, median, peak_flops
+from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.plan import predict, probe
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
@@ -77,6 +79,14 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
         torch.set_num_threads(threads)
     trainer = trainer or Trainer(cfg)
     state = trainer.trainable_state()
+    # Memory first, before the timed rounds grow the heap: one untimed iteration per schedule, each from a trimmed
+    # heap that follows live bytes; then the probe `lean plan` predicts from, in the same process.
+    memory = {}
+    with live_bytes_heap():
+        for s in SCHEDULE_ORDER:
+            trainer.load_trainable_state(state)
+            memory[s] = trainer.iteration(0, s)
+    measured_step = probe(trainer)
     if trainer.device.type == "cpu":
         keep_freed_memory()
     rows: dict[str, list[dict]] = {s: [] for s in SCHEDULE_ORDER}
@@ -86,11 +96,6 @@ def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, wa
             row = trainer.iteration(0, s, measure_memory=False)
             if r >= warmup:
                 rows[s].append(row)
-    memory = {}  # one untimed iteration per schedule, each from a trimmed heap
-    for s in SCHEDULE_ORDER:
-        trainer.load_trainable_state(state)
-        memory[s] = trainer.iteration(0, s)
-    measured_step = probe(trainer)  # what `lean plan` predicts, from the same process
     prediction = predict(trainer, measured_step)
     peak, peak_source = peak_flops(trainer.device, getattr(torch, cfg.model.dtype))
 

@@ -80,21 +80,48 @@ def rss_mb() -> float:
     return kb / 1024 if kb is not None else float("nan")
 
 
-def keep_freed_memory() -> bool:
-    """CPU benchmarks: let glibc keep freed memory mapped and serve every allocation from its heap.
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_heap_keeps_freed = False
 
-    By default large blocks are mmap'ed and handed back on free, so a step that keeps its activations alive (Retain)
-    pays fresh page faults on every allocation while a no-grad step reuses warm pages: an allocator artefact, not a
-    property of the schedule (the CUDA caching allocator has no such cost). ``PeakMemory`` still trims explicitly.
-    """
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+        return all(bool(libc.mallopt(param, value)) for param, value in settings)
     except (OSError, AttributeError):
         return False
+
+
+def keep_freed_memory() -> bool:
+    """CPU timing: let glibc keep freed memory mapped and serve every allocation from its heap.
+
+    By default large blocks are mmap'ed and handed back on free, so a step that keeps its activations alive (Retain)
+    pays fresh page faults on every allocation while a no-grad step reuses warm pages: an allocator artefact, not a
+    property of the schedule (the CUDA caching allocator has no such cost). Memory is measured under
+    :func:`live_bytes_heap` instead.
+    """
+    global _heap_keeps_freed
+    _heap_keeps_freed = _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    return _heap_keeps_freed
+
+
+@contextlib.contextmanager
+def live_bytes_heap():
+    """CPU memory measurement: every block of 128 KiB or more is mmap'ed and unmapped on free, so the resident set
+    follows the bytes tensors hold (what ``torch.cuda.max_memory_allocated`` counts on GPU), not the high tide of a
+    heap that keeps freed memory (fragmentation included). Slower: each large allocation page-faults. Afterwards the
+    heap goes back to keeping freed memory if it did, else to fixed 32 MiB thresholds (glibc's dynamic maximum)."""
+    _mallopt((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 128 * 1024), (_M_TRIM_THRESHOLD, 128 * 1024))
+    try:
+        yield
+    finally:
+        if _heap_keeps_freed:
+            keep_freed_memory()
+        else:
+            _mallopt((_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 64 * 2**20))
 
 
 def _reset_cpu_peak() -> bool:

@@ -1,17 +1,20 @@
 """Predict each schedule's peak memory and time per iteration from one probed step, and choose for ``auto``.
 
-The probe runs the first trained step of a real local batch three ways and measures:
+The probe runs the first trained step of a real local batch and measures:
   * ``activation_mb``: bytes autograd saves for the backward of one tracked step at the rollout batch (counted with
     ``saved_tensors_hooks``, each storage once), and ``activation_one_mb`` at one trajectory;
+  * ``backward_transient_mb`` (T): the peak of one tracked step and its backward beyond its saved activations (the
+    activation gradients in flight); ``decode_mb`` (D, scaled to the local batch): the VAE decoder's working set; both
+    from a trimmed heap (CPU) or the caching allocator's statistics (CUDA);
   * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes.
+A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. With n
+steps, K trained per sample, B local samples, P trainable parameters (bytes), base = resident memory now:
 
-With n steps, K trained per sample, B local samples, P trainable parameters (bytes), base = resident memory now:
-
-    Recompute  mem = base + activation(train batch)             time = n f + K (f + fb)        (+ K f_ref if beta > 0)
-    Retain     mem = base + K activation(B)                      time = (n - K) f + K fb
-    Reweight   mem = base + activation(B) + (B + 1) P             time = n f + K (fb - f)      (x2 backward if beta > 0)
+    Recompute  mem = base + max(D, activation(train batch) + T)      time = n f + K (f + fb)   (+ K f_ref if beta > 0)
+    Retain     mem = base + K activation(B) + max(D, T)              time = (n - K) f + K fb
+    Reweight   mem = base + (B + 1) P + max(D, activation(B) + T)    time = n f + K (fb - f)   (x2 backward if beta > 0)
                (one trajectory per micro-batch when a trainable parameter is not in an nn.Linear:
-                mem = base + activation(1) + (B + 1) P,  time = (n - K) f + K B fb_1)
+                activation(1) instead of activation(B),  time = (n - K) f + K B fb_1)
 
 ``auto`` takes Retain when its predicted peak fits ``train.memory_budget_mb`` (default: the device's memory), else
 Reweight, and logs both figures. Retain and Reweight run the on-policy variant of an off-policy recipe (one optimizer
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lean.metrics import median, rss_mb
+from lean.metrics import PeakMemory, live_bytes_heap, median, rss_mb
 from lean.rollout import policy_step
 from lean.sde import plan_steps
 
@@ -88,6 +91,11 @@ def probe(trainer) -> dict:
         return run
 
     full, one = slice(0, batch), slice(0, 1)
+    with live_bytes_heap():
+        with PeakMemory(trainer.device) as tracked:  # one tracked step and its backward, from a trimmed heap
+            step(full, True)()
+        with PeakMemory(trainer.device) as decoding:
+            trainer.policy.decode(x)
     result = {
         "batch": batch,
         "activation_mb": _saved_bytes(lambda: policy_step(trainer.policy, x, index, emb, cfg.sample, trainer.sigmas,
@@ -99,8 +107,11 @@ def probe(trainer) -> dict:
         "t_forward_backward": _timed(step(full, True)),
         "t_forward_backward_one": _timed(step(one, True)),
         "param_mb": sum(p.numel() * p.element_size() for p in trainer.params) / 2**20,
-        "base_mb": rss_mb() if trainer.device.type == "cpu" else torch.cuda.memory_allocated() / 2**20,
+        "base_mb": tracked.start_mb,
     }
+    # What the backward needs beyond the saved activations (gradients of the activations in flight).
+    result["backward_transient_mb"] = max(tracked.delta_mb - result["activation_mb"], 0.0)
+    result["decode_mb"] = max(decoding.delta_mb, 0.0)  # the VAE's working set at the probe batch
     trainer.optimizer.zero_grad(set_to_none=True)
     return result
 
@@ -119,18 +130,24 @@ def predict(trainer, measured: dict) -> dict:
         "t_forward_backward_one"]
     ref = k * f if cfg.train.beta else 0.0
     base, act, act1 = measured["base_mb"], measured["activation_mb"] * rounds, measured["activation_one_mb"]
+    # Each schedule peaks either in a backward (its live activations + the backward's transient) or in the VAE decode
+    # (whatever activations are still alive + the decoder's working set).
+    transient, decode = measured["backward_transient_mb"], measured["decode_mb"] * local / measured["batch"]
     train_rows = min(cfg.train.train_batch_size, local)
     buffers = (local + (1 if cfg.train.beta else 0)) * measured["param_mb"]
     return {
         "steps_trained": k,
-        "recompute": {"peak_memory_mb": base + act * train_rows / max(measured["batch"] * rounds, 1),
+        "recompute": {"peak_memory_mb": base + max(decode, act * train_rows / max(measured["batch"] * rounds, 1)
+                                                   + transient),
                       "time_iteration_s": n * f + k * fb + ref},
-        "retain": {"peak_memory_mb": base + k * act, "time_iteration_s": (n - k) * f + k * fb + ref},
-        "reweight": _reweight(trainer, n, k, f, fb, fb1, local, ref, base, act, act1, buffers),
+        "retain": {"peak_memory_mb": base + k * act + max(decode, transient),
+                   "time_iteration_s": (n - k) * f + k * fb + ref},
+        "reweight": _reweight(trainer, n, k, f, fb, fb1, local, ref, base + buffers, act + transient,
+                              act1 + transient, decode),
     }
 
 
-def _reweight(trainer, n, k, f, fb, fb1, local, ref, base, act, act1, buffers) -> dict:
+def _reweight(trainer, n, k, f, fb, fb1, local, ref, base, step_mb, step_one_mb, decode) -> dict:
     """Batched when every trainable parameter is in an nn.Linear (per-row gradients), else one trajectory at a time;
     the KL term, when on, costs a second backward per step."""
     from lean.schedules.per_sample import linear_owners
@@ -138,8 +155,9 @@ def _reweight(trainer, n, k, f, fb, fb1, local, ref, base, act, act1, buffers) -
     kl = 2 if trainer.cfg.train.beta else 1
     if linear_owners(trainer.policy, trainer.params) is not None:
         backward = fb - f
-        return {"peak_memory_mb": base + act + buffers, "time_iteration_s": n * f + k * kl * backward + ref}
-    return {"peak_memory_mb": base + act1 + buffers, "time_iteration_s": (n - k) * f + k * local * fb1 * kl + ref}
+        return {"peak_memory_mb": base + max(decode, step_mb), "time_iteration_s": n * f + k * kl * backward + ref}
+    return {"peak_memory_mb": base + max(decode, step_one_mb),
+            "time_iteration_s": (n - k) * f + k * local * fb1 * kl + ref}
 
 
 def choose_schedule(trainer) -> tuple[str, dict]:

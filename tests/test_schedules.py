@@ -95,3 +95,22 @@ def test_bench_config_is_the_bench_section_of_params(tmp_path):
     assert (cfg.model.resolution, opts.repeats) == (64, 2)
     with pytest.raises(ConfigError, match="bench.warmup"):
         bench_config(params, warmup=-1)
+
+
+@pytest.mark.timeout(180)
+def test_plan_predicts_retains_peak_memory():
+    """`lean plan`'s Retain peak against a measured one (live bytes, as the bench measures): the issue's +-15% on the
+    total, and the part Retain adds (K steps of saved activations + the backward) within 40%."""
+    from lean.metrics import live_bytes_heap
+    from lean.plan import predict, probe
+
+    trainer = Trainer(tiny("model.resolution=64"))
+    state = trainer.trainable_state()
+    with live_bytes_heap():
+        trainer.iteration(0, "recompute")  # first-iteration allocations (prompt cache, ...) belong to the base
+        trainer.load_trainable_state(state)
+        measured = trainer.iteration(0, "retain")
+    step = probe(trainer)
+    predicted = predict(trainer, step)["retain"]["peak_memory_mb"]
+    assert abs(predicted / measured["peak_memory_mb"] - 1) <= 0.15
+    assert abs((predicted - step["base_mb"]) / measured["peak_memory_delta_mb"] - 1) <= 0.4, (predicted, measured)
