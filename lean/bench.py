@@ -66,11 +66,11 @@ def bench_config(params: str | os.PathLike | None, overrides: list[str] = (), pr
     cfg = load_config(params, run + list(overrides), preset=preset)
     chosen = {k: section[k] for k in ("repeats", "warmup", "threads") if k in section}
     chosen.update({k: v for k, v in options.items() if v is not None})
-    opts = BenchOptions(**{k: int(v) for k, v in chosen.items()})
-    for key, value, low in (("repeats", opts.repeats, 1), ("warmup", opts.warmup, 0), ("threads", opts.threads, 0)):
-        if value < low:
-            raise ConfigError(f"bench.{key}", value, f"must be >= {low}")
-    return cfg, opts
+    for key, low in (("repeats", 1), ("warmup", 0), ("threads", 0)):
+        value = chosen.get(key, getattr(BenchOptions, key))
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"bench.{key}", value, f"must be an integer >= {low}")
+    return cfg, BenchOptions(**chosen)
 
 
 def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, warmup: int = 1,

@@ -95,6 +95,9 @@ def test_bench_config_is_the_bench_section_of_params(tmp_path):
     assert (cfg.model.resolution, opts.repeats) == (64, 2)
     with pytest.raises(ConfigError, match="bench.warmup"):
         bench_config(params, warmup=-1)
+    params.write_text(yaml.safe_dump({"bench": {"repeats": "five"}}))
+    with pytest.raises(ConfigError, match="bench.repeats"):
+        bench_config(params)
 
 
 @pytest.mark.timeout(180)
