@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, load_config
@@ -54,23 +53,23 @@ def bench_config(params: str | os.PathLike | None, overrides: list[str] = (), pr
     """The benchmark's config: the run sections, the preset, then the ``bench`` section's ``run:`` mapping (the
     benchmark's default config: a model size at which CPU time goes to arithmetic, not per-op overhead), then
     ``overrides``; ``options`` that are not None replace the section's repeats / warmup / threads."""
-    from lean.workbench import stage_overrides
+    from lean.workbench import read_params, stage_overrides
 
     section = {}
     if params is not None and Path(params).exists():
-        section = (yaml.safe_load(Path(params).read_text()) or {}).get("bench") or {}
+        section = read_params(params).get("bench") or {}
     try:
         run = stage_overrides(section.get("run"))
     except ValueError as e:
         raise ConfigError("bench.run", section.get("run"), str(e)) from None
     cfg = load_config(params, run + list(overrides), preset=preset)
-    chosen = {k: section[k] for k in ("repeats", "warmup", "threads") if k in section}
-    chosen.update({k: v for k, v in options.items() if v is not None})
+    chosen = {k: (f"bench.{k}", section[k]) for k in ("repeats", "warmup", "threads") if k in section}
+    chosen.update({k: (f"--{k}", v) for k, v in options.items() if v is not None})  # the command line wins
     for key, low in (("repeats", 1), ("warmup", 0), ("threads", 0)):
-        value = chosen.get(key, getattr(BenchOptions, key))
+        name, value = chosen.get(key, (key, getattr(BenchOptions, key)))
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"bench.{key}", value, f"must be an integer >= {low}")
-    return cfg, BenchOptions(**chosen)
+            raise ConfigError(name, value, f"must be an integer >= {low}")
+    return cfg, BenchOptions(**{k: v for k, (_, v) in chosen.items()})
 
 
 def bench_schedules(cfg: RunConfig, out: str | None = None, repeats: int = 3, warmup: int = 1,
