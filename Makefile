@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test repro train bench clean
+.PHONY: install lint test repro train bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 install: $(BIN)/.installed
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # The workbench (dvc.yaml): prepare -> rollout -> advantage -> update x3 -> equivalence, train x3, bench, overlap,

@@ -54,12 +54,14 @@ def save(folder: Path, iteration: int, state: dict, keep: int) -> Path:
 
 
 def latest(folder: Path) -> dict | None:
-    """The newest complete, intact checkpoint's state, or None. Partial or corrupted ones are skipped, with a warning."""
+    """The newest complete, intact checkpoint's state, or None. Partial or corrupted ones are skipped (warned)."""
     for _, path in sorted(_candidates(folder), reverse=True):
         digest = path.with_suffix(".sha256")
         payload = path.read_bytes()
         if not digest.exists() or digest.read_text().strip() != hashlib.sha256(payload).hexdigest():
-            warnings.warn(f"skipping checkpoint {path.name}: incomplete or corrupted (digest missing or wrong)")
+            warnings.warn(
+                f"skipping checkpoint {path.name}: incomplete or corrupted (digest missing or wrong)", stacklevel=2
+            )
             continue
         state = torch.load(io.BytesIO(payload), weights_only=False)
         torch.set_rng_state(state["torch_rng"])

@@ -1,8 +1,10 @@
-"""Typed run configuration: ``params.yaml`` + ``--preset`` + ``--set`` overrides -> :class:`RunConfig`.
+"""Typed run configuration: ``params.yaml`` + ``--preset`` + a stage's ``run:`` + ``--set`` -> :class:`RunConfig`.
 
-Everything downstream takes a ``RunConfig`` (or one of its sections), never a raw dict.
-Every error is a :class:`ConfigError` whose message is one line naming the key, the value
-and what is allowed; the CLI prints it and exits with status 2.
+Everything downstream takes a ``RunConfig`` (or one of its sections), never a raw dict. Each section documents and
+checks its own fields (``validate``); :func:`validate` adds the rules that span sections. Every error is a
+:class:`ConfigError` whose message is one line naming the key, the value and what is allowed; the CLI prints it and
+exits with status 2. Names (schedules, families, dtypes, SDE kinds, rewards, presets) come from the registries of
+the modules that own them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,20 @@ import dataclasses
 import difflib
 import math
 import os
+import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lean import models, sde
+from lean.dtypes import DTYPES
+from lean.presets import PRESETS
+from lean.rewards import REWARDS
+from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -25,6 +35,33 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"config error: {key}={value!r}: {allowed}")
+
+
+# ---------------------------------------------------------------- checks shared by the sections
+
+
+def suggest(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(key: str, value: Any, options: Iterable[str]) -> None:
+    options = list(options)
+    if value not in options:
+        raise ConfigError(key, value, f"must be one of {', '.join(map(str, options))}" + suggest(str(value), options))
+
+
+def check_positive(key: str, value: float, strict: bool = True) -> None:
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(key, value, "must be > 0" if strict else "must be >= 0")
+
+
+def check_fraction(key: str, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(key, value, "must be in [0, 1)")
+
+
+# ---------------------------------------------------------------- sections
 
 
 DEFAULT_PROMPTS = [
@@ -41,50 +78,172 @@ DEFAULT_PROMPTS = [
 
 @dataclass
 class ModelConfig:
-    family: str = "flux"  # flux | wan | sd3
-    size: str = "tiny"  # tiny | small | medium (GPU bench) | full (published); see lean/models/<family>.py
-    pretrained: str | None = None  # local diffusers folder, loaded with from_pretrained
-    resolution: int = 32  # image side in pixels
-    num_frames: int = 5  # video frames (wan only); Wan's VAE wants 4k+1
-    dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
+    """The policy: which diffusers transformer, at which size and precision, and what is trained."""
+
+    family: str = models.FAMILIES.default
+    """Model family: a name of ``lean.models.FAMILIES`` (image: FLUX, SD3; video: Wan)."""
+    size: str = "tiny"
+    """Architecture size, one of the family's ``SIZES``: tiny (tests), small (CPU bench), full (published)."""
+    pretrained: str | None = None
+    """A local diffusers folder loaded with ``from_pretrained``; None: random weights from the size's config."""
+    resolution: int = 32
+    """Image side in pixels (a multiple of 16)."""
+    num_frames: int = 5
+    """Video frames (video families only); the family's VAE fixes which counts exist."""
+    dtype: str = DTYPES.default
+    """Precision of the policy: a name of ``lean.dtypes.DTYPES``."""
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    lora_ffn: bool = False  # also adapt the feed-forward projections (FlowGRPO does for FLUX)
+    lora_ffn: bool = False
+    """Also adapt the feed-forward projections (FlowGRPO does for FLUX)."""
     full_finetune: bool = False
+    """Train every transformer weight instead of a LoRA adapter (the reference becomes a frozen copy)."""
     text_max_length: int = 16
+    """T5 / UMT5 tokens per prompt."""
+
+    def validate(self) -> None:
+        check_choice("model.family", self.family, models.FAMILIES)
+        family = models.family_module(self.family)
+        if self.size not in family.SIZES:
+            raise ConfigError(
+                "model.size",
+                self.size,
+                f"{self.family} comes in {', '.join(family.SIZES)}" + suggest(self.size, family.SIZES),
+            )
+        check_choice("model.dtype", self.dtype, DTYPES)
+        check_positive("model.resolution", self.resolution)
+        if self.resolution % 16:
+            raise ConfigError("model.resolution", self.resolution, "must be a multiple of 16")
+        check_positive("model.num_frames", self.num_frames)
+        step = getattr(family, "FRAME_STEP", None)  # video VAEs compress time: F = step k + 1 frames
+        if step and (self.num_frames - 1) % step:
+            raise ConfigError(
+                "model.num_frames",
+                self.num_frames,
+                f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
+            )
+        for key in ("lora_rank", "lora_alpha", "text_max_length"):
+            check_positive(f"model.{key}", getattr(self, key))
+        if self.pretrained is not None:
+            folder = Path(self.pretrained)
+            if not (folder / "model_index.json").exists() and not (folder / "transformer" / "config.json").exists():
+                raise ConfigError(
+                    "model.pretrained",
+                    self.pretrained,
+                    "must be a local diffusers folder (with model_index.json or transformer/config.json)",
+                )
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
 
 
 @dataclass
 class SampleConfig:
+    """The sampler: sigma grid, SDE, guidance, and which steps are stochastic and trained."""
+
     num_steps: int = 10
-    shift: float = 3.0  # FlowMatchEulerDiscreteScheduler shift
-    sigma_grid: str = "euler"  # euler (SD3Pipeline) | uniform (FluxPipeline, DanceGRPO) | unipc (WanPipeline)
-    sde_kind: str = "flow_grpo"  # flow_grpo | flow_grpo_linear (FlowGRPO's Wan) | cps | dance
+    """Sampling steps per trajectory (FlowGRPO trains with 10)."""
+    shift: float = 3.0
+    """Time shift of the sigma grid (FlowMatchEulerDiscreteScheduler's ``shift``)."""
+    sigma_grid: str = sde.SIGMA_GRIDS.default
+    """Sigma grid of a published pipeline: a name of ``lean.sde.SIGMA_GRIDS``."""
+    sde_kind: str = sde.SDE_KINDS.default
+    """Stochastic step: a name of ``lean.sde.SDE_KINDS``."""
     noise_level: float = 0.7
-    cfg: bool = True  # true classifier-free guidance: one [uncond, cond] batch
+    cfg: bool = True
+    """True classifier-free guidance: one [uncond, cond] batch."""
     guidance_scale: float = 4.5
-    guidance_embed: float | None = None  # FLUX-style distilled guidance instead of CFG
-    uncond_grad: bool = False  # true: differentiate the unconditional CFG branch too (FlowGRPO's training does)
-    timestep_fraction: float = 0.99  # share of steps trained; last step never trained
-    timestep_selection: str = "first"  # first (FlowGRPO) | random (DanceGRPO, per sample)
-    sde_window: int = 0  # FlowGRPO-Fast: >0 -> only a window of this many steps is stochastic
-    sde_window_max_start: int | None = None  # window starts in [0, this]; default: first half
+    guidance_embed: float | None = None
+    """FLUX-style distilled guidance value instead of CFG (needs cfg: false)."""
+    uncond_grad: bool = False
+    """Differentiate the unconditional CFG branch too (false: it is a constant, which is cheaper)."""
+    timestep_fraction: float = 0.99
+    """Share of the steps trained per sample; the last step never is."""
+    timestep_selection: str = sde.STEP_SELECTIONS.default
+    """Which steps each sample trains: a name of ``lean.sde.STEP_SELECTIONS``."""
+    sde_window: int = 0
+    """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
+    sde_window_max_start: int | None = None
+    """The window starts in [0, this]; default: it stays in the first half."""
+
+    def validate(self) -> None:
+        check_positive("sample.num_steps", self.num_steps)
+        if self.num_steps < 2:
+            raise ConfigError("sample.num_steps", self.num_steps, "must be >= 2 (the last step is never trained)")
+        check_positive("sample.shift", self.shift)
+        check_choice("sample.sigma_grid", self.sigma_grid, sde.SIGMA_GRIDS)
+        check_choice("sample.sde_kind", self.sde_kind, sde.SDE_KINDS)
+        check_positive("sample.noise_level", self.noise_level)
+        problem = sde.incompatibility(self.sde_kind, self.sigma_grid, self.noise_level)
+        if problem is not None:
+            key, allowed = problem
+            raise ConfigError(f"sample.{key}", getattr(self, key), allowed)
+        check_positive("sample.guidance_scale", self.guidance_scale, strict=False)
+        if self.guidance_embed is not None:
+            check_positive("sample.guidance_embed", self.guidance_embed, strict=False)
+            if self.cfg:
+                raise ConfigError(
+                    "sample.guidance_embed",
+                    self.guidance_embed,
+                    "distilled guidance replaces CFG: set sample.cfg=false",
+                )
+        if not 0 < self.timestep_fraction <= 1:
+            raise ConfigError("sample.timestep_fraction", self.timestep_fraction, "must be in (0, 1]")
+        check_choice("sample.timestep_selection", self.timestep_selection, sde.STEP_SELECTIONS)
+        check_positive("sample.sde_window", self.sde_window, strict=False)
+        if self.sde_window > self.num_steps - 1:
+            raise ConfigError(
+                "sample.sde_window", self.sde_window, f"must be <= sample.num_steps - 1 = {self.num_steps - 1}"
+            )
+        last_start = self.num_steps - 1 - self.sde_window
+        if self.sde_window_max_start is not None and not 0 <= self.sde_window_max_start <= last_start:
+            raise ConfigError(
+                "sample.sde_window_max_start",
+                self.sde_window_max_start,
+                f"must be in [0, num_steps - 1 - sde_window = {last_start}]",
+            )
 
 
 @dataclass
 class RewardConfig:
+    """What a sample scores: a weighted sum of registered rewards."""
+
     weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
+    """reward name (``lean.rewards.REWARDS``) -> weight."""
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ConfigError("reward.weights", self.weights, "name at least one reward")
+        for name, weight in self.weights.items():
+            if name not in REWARDS:
+                raise ConfigError(
+                    f"reward.weights.{name}",
+                    weight,
+                    f"unknown reward; known: {', '.join(sorted(REWARDS))}" + suggest(name, REWARDS),
+                )
+
+
+ON_NONFINITE = ("abort", "skip")
 
 
 @dataclass
 class TrainConfig:
-    schedule: str = "recompute"  # recompute | retain | reweight | auto
+    """The GRPO run: schedule, batch, optimizer, loss, checkpoints and faults."""
+
+    schedule: str = SCHEDULES.default
+    """Update schedule: a name of ``lean.schedules.SCHEDULES``, or auto (chosen from the predicted memory)."""
     iterations: int = 3
-    prompts_per_iteration: int = 2  # groups per iteration, across all processes
-    group_size: int = 4  # samples per prompt (k)
-    rollout_batch_size: int = 8  # samples per forward during rollout, per process
-    train_batch_size: int = 8  # samples per forward during the Recompute update, per process
-    optimizer_steps_per_iteration: int = 1  # >1 is off-policy (FlowGRPO's gradient accumulation)
+    prompts_per_iteration: int = 2
+    """Groups per iteration, across all processes."""
+    group_size: int = 4
+    """Samples per prompt (k); advantages are relative to the group."""
+    rollout_batch_size: int = 8
+    """Samples per forward during the rollout, per process."""
+    train_batch_size: int = 8
+    """Samples per forward during Recompute's update, per process."""
+    optimizer_steps_per_iteration: int = 1
+    """> 1 is off-policy (FlowGRPO's gradient accumulation)."""
     num_inner_epochs: int = 1
     lr: float = 1e-4
     weight_decay: float = 1e-4
@@ -95,18 +254,63 @@ class TrainConfig:
     clip_range: float = 1e-4
     adv_clip_max: float = 5.0
     global_std: bool = False
-    beta: float = 0.0  # KL weight
+    """Normalise advantages by the std of the whole batch instead of the group's."""
+    beta: float = 0.0
+    """KL weight against the reference policy (adapter off)."""
     ema: bool = False
     ema_decay: float = 0.9
     ema_every: int = 8
-    memory_budget_mb: float | None = None  # for schedule=auto; default: what the device has
+    memory_budget_mb: float | None = None
+    """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     out: str = "outputs/train"
-    dist_timeout_s: float = 60.0  # every process-group operation fails after this instead of hanging
-    save_every: int = 0  # checkpoint every N iterations into <out>/checkpoints (0: off)
+    dist_timeout_s: float = 60.0
+    """Every process-group operation fails after this instead of hanging."""
+    save_every: int = 0
+    """Checkpoint every N iterations into <out>/checkpoints (0: off)."""
     keep_checkpoints: int = 2
-    on_nonfinite: str = "abort"  # abort | skip: what a non-finite reward, log-prob, loss or gradient does
+    on_nonfinite: str = ON_NONFINITE[0]
+    """What a non-finite reward, log-prob, loss or gradient does: abort | skip (undo the iteration)."""
+
+    def validate(self) -> None:
+        check_choice("train.schedule", self.schedule, SCHEDULE_CHOICES)
+        for key in (
+            "iterations",
+            "prompts_per_iteration",
+            "rollout_batch_size",
+            "train_batch_size",
+            "optimizer_steps_per_iteration",
+            "num_inner_epochs",
+            "ema_every",
+            "keep_checkpoints",
+            "lr",
+            "clip_range",
+            "adv_clip_max",
+            "max_grad_norm",
+            "adam_eps",
+            "dist_timeout_s",
+        ):
+            check_positive(f"train.{key}", getattr(self, key))
+        if self.group_size < 2:
+            raise ConfigError(
+                "train.group_size", self.group_size, "must be >= 2 (advantages are relative to the group)"
+            )
+        for key in ("weight_decay", "beta", "save_every"):
+            check_positive(f"train.{key}", getattr(self, key), strict=False)
+        for key in ("adam_beta1", "adam_beta2", "ema_decay"):
+            check_fraction(f"train.{key}", getattr(self, key))
+        check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if self.memory_budget_mb is not None:
+            check_positive("train.memory_budget_mb", self.memory_budget_mb)
+        if not self.prompts:
+            raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
+
+    @property
+    def exact_only_on_policy(self) -> bool:
+        """The chosen schedule reproduces the objective only with one optimizer step per rollout (Retain, Reweight,
+        and auto, which picks one of them)."""
+        return self.schedule == AUTO or SCHEDULES[self.schedule].exact_only_on_policy
 
 
 @dataclass
@@ -124,34 +328,59 @@ class RunConfig:
         return self.train.prompts_per_iteration * self.train.group_size
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-_SECTION_TYPES = {
-    "model": ModelConfig,
-    "sample": SampleConfig,
-    "reward": RewardConfig,
-    "train": TrainConfig,
-}
-
-ON_POLICY_SCHEDULES = ("retain", "reweight", "auto")
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
 
 
-# ---------------------------------------------------------------- parsing
+def validate(cfg: RunConfig, world_size: int = 1) -> None:
+    """Raise :class:`ConfigError` on the first bad value: each section's own fields, then the rules across sections.
+    ``world_size`` checks that the batch divides over the processes."""
+    for name in SECTIONS:
+        getattr(cfg, name).validate()
+    m, s, t = cfg.model, cfg.sample, cfg.train
+    if s.guidance_embed is not None and not getattr(models.family_module(m.family), "GUIDANCE_EMBED", False):
+        raise ConfigError(
+            "sample.guidance_embed",
+            s.guidance_embed,
+            f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
+        )
+    if t.exact_only_on_policy:
+        off_policy = [
+            f"train.{k}={getattr(t, k)} (set 1)"
+            for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
+            if getattr(t, k) != 1
+        ]
+        if off_policy:
+            raise ConfigError(
+                "train.schedule",
+                t.schedule,
+                "is exact only on-policy (one optimizer step per rollout "
+                f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
+            )
+    n = cfg.samples_per_iteration
+    if n % world_size:
+        raise ConfigError(
+            "train.prompts_per_iteration",
+            t.prompts_per_iteration,
+            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} processes",
+        )
+    if (n // world_size) % t.optimizer_steps_per_iteration:
+        raise ConfigError(
+            "train.optimizer_steps_per_iteration",
+            t.optimizer_steps_per_iteration,
+            f"must divide the {n // world_size} samples each process holds",
+        )
 
 
-def _suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+# ---------------------------------------------------------------- reading: files, presets, stage sections, --set
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` (ints widen to floats, nothing else)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
+        return _coerce(key, value, next(a for a in args if a is not type(None)))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -177,26 +406,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, value, "must be a mapping")
-        return {
-            _coerce(f"{key} key", k, args[0]): _coerce(f"{key}.{k}", v, args[1])
-            for k, v in value.items()
-        }
+        return {_coerce(f"{key} key", k, args[0]): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
     raise TypeError(f"unsupported annotation {tp} for {key}")
 
 
 def _build_section(name: str, raw: Any):
-    cls = _SECTION_TYPES[name]
-    if raw is None:
-        raw = {}
+    cls = SECTIONS[name]
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(name, raw, "must be a mapping of keys")
     hints = typing.get_type_hints(cls)
-    kwargs = {}
     for key, value in raw.items():
         if key not in hints:
-            raise ConfigError(f"{name}.{key}", value, "unknown key" + _suggest(key, hints))
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
-    return cls(**kwargs)
+            raise ConfigError(f"{name}.{key}", value, "unknown key" + suggest(key, hints))
+    return cls(**{key: _coerce(f"{name}.{key}", value, hints[key]) for key, value in raw.items()})
 
 
 def _parse_scalar(text: str) -> Any:
@@ -213,14 +436,18 @@ def _parse_scalar(text: str) -> Any:
     return value
 
 
+def _check_section(name: str, value: Any, where: str = "") -> None:
+    if name not in SECTIONS:
+        raise ConfigError(f"{where}{name}", value, "unknown section" + suggest(name, SECTIONS))
+
+
 def apply_override(tree: dict, assignment: str) -> None:
     """Apply one dotted override ``section.key=value`` to a raw config tree in place."""
     if "=" not in assignment:
         raise ConfigError(assignment, None, "an override must look like section.key=value")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
-    if parts[0] not in _SECTION_TYPES:
-        raise ConfigError(dotted, text, "unknown section" + _suggest(parts[0], _SECTION_TYPES))
+    _check_section(parts[0], text)
     if len(parts) < 2:
         raise ConfigError(dotted, text, "name a key inside the section, e.g. train.lr=1e-4")
     node = tree.setdefault(parts[0], {}) or {}
@@ -230,14 +457,23 @@ def apply_override(tree: dict, assignment: str) -> None:
     node[parts[-1]] = _parse_scalar(text)
 
 
-PRESET_DIR = Path(__file__).parent / "presets"
-
-
-def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+def apply_run_section(tree: dict, run: Any, where: str) -> None:
+    """A stage's ``run:`` mapping (shaped like the run sections) on top of ``tree``: each key it lists replaces the
+    section's value whole (a mapping value such as ``reward.weights`` is never merged)."""
+    if run is None:
+        return
+    if not isinstance(run, Mapping):
+        raise ConfigError(where, run, "must be a mapping of run sections")
+    for section, keys in run.items():
+        _check_section(section, keys, f"{where}.")
+        if not isinstance(keys, Mapping):
+            raise ConfigError(f"{where}.{section}", keys, "must be a mapping of keys")
+        node = tree.setdefault(section, {}) or {}
+        tree[section] = {**node, **keys}
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, merging nested sections (but never ``reward.weights``: a preset's reward replaces)."""
     out = dict(base)
     for k, v in top.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "weights":
@@ -247,11 +483,9 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_tree(params: str | os.PathLike | None = None, section: str | None = None) -> dict:
-    """Read the raw run tree from a params file; ``section`` picks a sub-tree (e.g. the DVC ``run``)."""
-    if params is None:
-        return {}
-    path = Path(params)
+def read_params(path: str | os.PathLike) -> dict:
+    """The whole params file: the run sections and the stages' own sections (``bench``, ``prepare``, ...)."""
+    path = Path(path)
     if not path.exists():
         raise ConfigError("--params", str(path), "file does not exist")
     try:
@@ -260,152 +494,33 @@ def load_tree(params: str | os.PathLike | None = None, section: str | None = Non
         raise ConfigError("--params", str(path), f"not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(tree, dict):
         raise ConfigError("--params", str(path), "must hold a mapping")
-    # params.yaml also carries the DVC stages' own sections; only the run sections go in.
-    return {k: v for k, v in tree.items() if k in _SECTION_TYPES}
+    return tree
 
 
 def load_config(
     params: str | os.PathLike | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
+    overrides: Iterable[str] = (),
     preset: str | None = None,
     tree: dict | None = None,
+    stage: str | None = None,
 ) -> RunConfig:
-    """``params.yaml`` (or ``tree``), then the preset on top, then ``--set`` overrides; validated."""
-    raw = dict(tree) if tree is not None else load_tree(params)
+    """The run config, validated. Layers, each on top of the one before: the run sections of ``params`` (or
+    ``tree``), the preset, the ``stage`` section's ``run:`` mapping of ``params``, the ``--set`` overrides."""
+    whole = read_params(params) if params is not None else {}
+    raw = dict(tree) if tree is not None else {k: v for k, v in whole.items() if k in SECTIONS}
     if preset is not None:
-        path = PRESET_DIR / f"{preset}.yaml"
-        if not path.exists():
-            raise ConfigError("--preset", preset, "unknown preset" + _suggest(preset, list_presets())
-                              + f"; known: {', '.join(list_presets())}")
-        raw = _deep_merge(raw, yaml.safe_load(path.read_text()) or {})
+        if preset not in PRESETS:
+            raise ConfigError(
+                "--preset", preset, "unknown preset" + suggest(preset, PRESETS) + f"; known: {', '.join(PRESETS)}"
+            )
+        raw = _deep_merge(raw, yaml.safe_load(PRESETS[preset].read_text()) or {})
     raw = _deep_merge({}, raw)
+    if stage is not None:
+        apply_run_section(raw, (whole.get(stage) or {}).get("run"), f"{stage}.run")
     for item in overrides:
         apply_override(raw, item)
     for name in raw:
-        if name not in _SECTION_TYPES:
-            raise ConfigError(name, raw[name], "unknown section" + _suggest(name, _SECTION_TYPES))
-    cfg = RunConfig(**{name: _build_section(name, raw.get(name)) for name in _SECTION_TYPES})
+        _check_section(name, raw[name])
+    cfg = RunConfig(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
     validate(cfg)
     return cfg
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _choice(key: str, value: Any, options) -> None:
-    if value not in options:
-        raise ConfigError(key, value, f"must be one of {', '.join(map(str, options))}" + _suggest(str(value), options))
-
-
-def _positive(key: str, value: float, strict: bool = True) -> None:
-    if (value <= 0) if strict else (value < 0):
-        raise ConfigError(key, value, "must be > 0" if strict else "must be >= 0")
-
-
-def validate(cfg: RunConfig, world_size: int = 1) -> None:
-    """Raise :class:`ConfigError` on the first bad value. ``world_size`` checks divisibility."""
-    from lean.sde import SDE_KINDS, SIGMA_GRIDS  # local: keep config importable without torch at parse time
-
-    m, s, r, t = cfg.model, cfg.sample, cfg.reward, cfg.train
-    _choice("model.family", m.family, ("flux", "wan", "sd3"))
-    _choice("model.size", m.size, ("tiny", "small", "medium", "full"))
-    if m.size == "medium" and m.family != "flux":
-        raise ConfigError("model.size", m.size, "medium (the GPU benchmark size) exists for model.family=flux only")
-    _choice("model.dtype", m.dtype, ("float32", "float64", "bfloat16", "float16"))
-    _positive("model.resolution", m.resolution)
-    if m.resolution % 16:
-        raise ConfigError("model.resolution", m.resolution, "must be a multiple of 16")
-    _positive("model.num_frames", m.num_frames)
-    if m.family == "wan" and (m.num_frames - 1) % 4:
-        raise ConfigError("model.num_frames", m.num_frames, "Wan's VAE needs 4k+1 frames (1, 5, 9, ...)")
-    _positive("model.lora_rank", m.lora_rank)
-    _positive("model.lora_alpha", m.lora_alpha)
-    _positive("model.text_max_length", m.text_max_length)
-    if m.pretrained is not None:
-        p = Path(m.pretrained)
-        if not (p / "model_index.json").exists() and not (p / "transformer" / "config.json").exists():
-            raise ConfigError("model.pretrained", m.pretrained,
-                              "must be a local diffusers folder (with model_index.json or transformer/config.json)")
-
-    _positive("sample.num_steps", s.num_steps)
-    if s.num_steps < 2:
-        raise ConfigError("sample.num_steps", s.num_steps, "must be >= 2 (the last step is never trained)")
-    _positive("sample.shift", s.shift)
-    _choice("sample.sigma_grid", s.sigma_grid, SIGMA_GRIDS)
-    _choice("sample.sde_kind", s.sde_kind, SDE_KINDS)
-    if s.sde_kind == "flow_grpo" and s.sigma_grid == "unipc":
-        raise ConfigError("sample.sigma_grid", s.sigma_grid, "starts at 1 - 1e-6, where flow_grpo's noise scale "
-                          "sqrt(sigma/(1-sigma)) is ~1000: use sample.sde_kind=flow_grpo_linear (FlowGRPO's Wan SDE)")
-    _positive("sample.noise_level", s.noise_level)
-    if s.sde_kind == "cps" and s.noise_level > 1:
-        raise ConfigError("sample.noise_level", s.noise_level, "cps needs noise_level in (0, 1]")
-    _positive("sample.guidance_scale", s.guidance_scale, strict=False)
-    if s.guidance_embed is not None:
-        _positive("sample.guidance_embed", s.guidance_embed, strict=False)
-        if s.cfg:
-            raise ConfigError("sample.guidance_embed", s.guidance_embed,
-                              "distilled guidance replaces CFG: set sample.cfg=false")
-        if m.family != "flux":
-            raise ConfigError("sample.guidance_embed", s.guidance_embed, "only FLUX has a guidance embedding")
-    if not 0 < s.timestep_fraction <= 1:
-        raise ConfigError("sample.timestep_fraction", s.timestep_fraction, "must be in (0, 1]")
-    _choice("sample.timestep_selection", s.timestep_selection, ("first", "random"))
-    _positive("sample.sde_window", s.sde_window, strict=False)
-    if s.sde_window > s.num_steps - 1:
-        raise ConfigError("sample.sde_window", s.sde_window,
-                          f"must be <= sample.num_steps - 1 = {s.num_steps - 1}")
-    if s.sde_window_max_start is not None:
-        if not 0 <= s.sde_window_max_start <= s.num_steps - 1 - s.sde_window:
-            raise ConfigError("sample.sde_window_max_start", s.sde_window_max_start,
-                              f"must be in [0, num_steps - 1 - sde_window = {s.num_steps - 1 - s.sde_window}]")
-
-    from lean.rewards import REWARDS
-
-    if not r.weights:
-        raise ConfigError("reward.weights", r.weights, "name at least one reward")
-    for name in r.weights:
-        if name not in REWARDS:
-            raise ConfigError(f"reward.weights.{name}", r.weights[name],
-                              f"unknown reward; known: {', '.join(sorted(REWARDS))}" + _suggest(name, REWARDS))
-
-    _choice("train.schedule", t.schedule, ("recompute", "retain", "reweight", "auto"))
-    for key in ("iterations", "prompts_per_iteration", "rollout_batch_size", "train_batch_size",
-                "optimizer_steps_per_iteration", "num_inner_epochs", "ema_every"):
-        _positive(f"train.{key}", getattr(t, key))
-    if t.group_size < 2:
-        raise ConfigError("train.group_size", t.group_size, "must be >= 2 (advantages are relative to the group)")
-    for key in ("lr", "clip_range", "adv_clip_max", "max_grad_norm", "adam_eps"):
-        _positive(f"train.{key}", getattr(t, key))
-    _positive("train.dist_timeout_s", t.dist_timeout_s)
-    _positive("train.save_every", t.save_every, strict=False)
-    _positive("train.keep_checkpoints", t.keep_checkpoints)
-    _choice("train.on_nonfinite", t.on_nonfinite, ("abort", "skip"))
-    for key in ("weight_decay", "beta"):
-        _positive(f"train.{key}", getattr(t, key), strict=False)
-    for key in ("adam_beta1", "adam_beta2", "ema_decay"):
-        v = getattr(t, key)
-        if not 0 <= v < 1:
-            raise ConfigError(f"train.{key}", v, "must be in [0, 1)")
-    if t.memory_budget_mb is not None:
-        _positive("train.memory_budget_mb", t.memory_budget_mb)
-    if not t.prompts:
-        raise ConfigError("train.prompts", t.prompts, "needs at least one prompt")
-
-    n = cfg.samples_per_iteration
-    if n % world_size:
-        raise ConfigError("train.prompts_per_iteration", t.prompts_per_iteration,
-                          f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} processes")
-    local = n // world_size
-    if t.schedule in ON_POLICY_SCHEDULES:
-        bad = []
-        if t.optimizer_steps_per_iteration != 1:
-            bad.append(f"train.optimizer_steps_per_iteration={t.optimizer_steps_per_iteration} (set 1)")
-        if t.num_inner_epochs != 1:
-            bad.append(f"train.num_inner_epochs={t.num_inner_epochs} (set 1)")
-        if bad:
-            raise ConfigError("train.schedule", t.schedule,
-                              "is exact only on-policy (one optimizer step per rollout batch); change "
-                              + " and ".join(bad) + ", or use train.schedule=recompute")
-    if local % t.optimizer_steps_per_iteration:
-        raise ConfigError("train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration,
-                          f"must divide the {local} samples each process holds")

@@ -25,8 +25,7 @@ PALETTE = ("red", "green", "blue", "yellow", "white", "black", "magenta", "cyan"
 SHAPES = ("circle", "square", "triangle")
 POSITIONS = ("center", "left", "right", "top", "bottom")
 # Centre of the shape as a fraction of (width, height).
-_OFFSETS = {"center": (0.5, 0.5), "left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25),
-            "bottom": (0.5, 0.75)}
+_OFFSETS = {"center": (0.5, 0.5), "left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75)}
 
 
 @dataclass(frozen=True)

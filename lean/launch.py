@@ -15,6 +15,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -24,8 +26,6 @@ class Layout:
 
 
 def choose_layout(num_processes: int) -> Layout:
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_processes == 1:
         where = "1 GPU" if gpus else "CPU"
@@ -49,8 +49,19 @@ def launch_command(layout: Layout, module_args: list[str], extra_accelerate: lis
     if layout.num_processes == 1:
         return [sys.executable, "-m", "lean.cli", *module_args], env
     accelerate = shutil.which("accelerate") or os.path.join(os.path.dirname(sys.executable), "accelerate")
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", str(layout.num_processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(layout.num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     if layout.backend == "gloo":
         env["ACCELERATE_USE_CPU"] = "1"
         # Each rank gets its share of the cores instead of all ranks fighting over all of them.

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 
-def clipped_surrogate(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample PPO loss and ratio. All inputs [B]."""
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = -advantages * ratio
@@ -57,8 +58,11 @@ def loss_stats(losses: list[StepLoss], beta: float) -> dict[str, float]:
         return {}
     pol = torch.cat([loss.policy.detach() for loss in losses])
     ratio = torch.cat([loss.ratio for loss in losses])
-    out = {"policy_loss": pol.mean().item(), "ratio_mean": ratio.mean().item(),
-           "ratio_max_dev": (ratio - 1).abs().max().item()}
+    out = {
+        "policy_loss": pol.mean().item(),
+        "ratio_mean": ratio.mean().item(),
+        "ratio_max_dev": (ratio - 1).abs().max().item(),
+    }
     if losses[0].kl is not None:
         out["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean().item()
     return out

@@ -19,6 +19,7 @@ Peak FLOP/s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import re
 import resource
 import statistics
@@ -26,12 +27,14 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 # Dense (non-sparse) peak TFLOP/s from the NVIDIA datasheets (SXM parts). fp32 = plain FP32 (no TF32).
+_HALF, _SINGLE, _DOUBLE = (torch.bfloat16, torch.float16), torch.float32, torch.float64
 GPU_PEAK_TFLOPS = {
-    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "float64": 67.0},
-    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "float64": 67.0},
-    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5, "float64": 19.5},
+    "H200": {**dict.fromkeys(_HALF, 989.0), _SINGLE: 67.0, _DOUBLE: 67.0},
+    "H100": {**dict.fromkeys(_HALF, 989.0), _SINGLE: 67.0, _DOUBLE: 67.0},
+    "A100": {**dict.fromkeys(_HALF, 312.0), _SINGLE: 19.5, _DOUBLE: 19.5},
 }
 
 
@@ -87,8 +90,6 @@ _heap_keeps_freed = False
 
 def _mallopt(*settings: tuple[int, int]) -> bool:
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         return all(bool(libc.mallopt(param, value)) for param, value in settings)
     except (OSError, AttributeError):
@@ -127,8 +128,6 @@ def live_bytes_heap():
 def _reset_cpu_peak() -> bool:
     # Give freed heap pages back to the kernel first, or a previous region's high tide would count as resident.
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -179,6 +178,30 @@ class PeakMemory:
         return self.peak_mb - self.start_mb
 
 
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves for backward while :meth:`watching`, counted between two
+    :meth:`take` calls (each storage once: views of one tensor share it)."""
+
+    def __init__(self):
+        self.pending: dict[int, int] = {}
+
+    def _pack(self, tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            self.pending[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def watching(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+    def take(self) -> int:
+        total = sum(self.pending.values())
+        self.pending.clear()
+        return total
+
+
 # ---------------------------------------------------------------- FLOPs
 
 
@@ -198,8 +221,6 @@ class FlopTally:
 
     @contextlib.contextmanager
     def measuring(self):
-        from torch.utils.flop_counter import FlopCounterMode
-
         with FlopCounterMode(display=False) as mode:
             self._mode, self._seen = mode, 0
             try:
@@ -234,8 +255,9 @@ class FlopTally:
 # ---------------------------------------------------------------- peak FLOP/s
 
 
-def calibrate_cpu_peak_flops(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.float32,
-                             repeats: int = 5) -> float:
+def calibrate_cpu_peak_flops(
+    sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.float32, repeats: int = 5
+) -> float:
     """Best FLOP/s of square matmuls on this CPU with torch's current thread count.
 
     Several sizes, because which one reaches the peak depends on the cache sizes; taking only a large one would let
@@ -258,7 +280,7 @@ def gpu_peak_flops(dtype: torch.dtype, device_name: str | None = None) -> float:
     name = device_name or torch.cuda.get_device_name()
     for key, table in GPU_PEAK_TFLOPS.items():
         if key in name.upper():
-            return table[str(dtype).removeprefix("torch.")] * 1e12
+            return table[dtype] * 1e12
     raise KeyError(f"no peak FLOP/s for GPU {name!r}; known: {', '.join(GPU_PEAK_TFLOPS)}")
 
 

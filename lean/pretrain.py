@@ -26,15 +26,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from lean.config import ModelConfig, SampleConfig
 from lean.data import make_dataset, vocabulary
+from lean.dtypes import dtype_name
+from lean.models import build_policy, family_module
+from lean.rewards import compute_rewards
+from lean.rollout import rollout, sample_generator
+from lean.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
 
 
 @dataclass
@@ -129,8 +134,9 @@ def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> Tensor:
     return (shift * u / (1 + (shift - 1) * u)).float()
 
 
-def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig,
-               log: Log | None = None) -> list[float]:
+def train_flow(
+    policy, latents: Tensor, captions: list[str], cfg: PretrainConfig, log: Log | None = None
+) -> list[float]:
     """Phase 2: rectified-flow regression of the transformer and the text encoders (all their weights); returns the
     loss per step. The prompt embeddings are computed with gradients here, not from the policy's no-grad cache."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -145,8 +151,9 @@ def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig
         idx = torch.randint(len(latents), (cfg.batch_size,), generator=gen)
         drop = torch.rand(cfg.batch_size, generator=gen) < cfg.caption_dropout
         prompts = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist())]
-        emb = policy.arch.encode_text(policy.text_encoders, policy.tokenizers, prompts, policy.text_max_length,
-                                      policy.device)
+        emb = policy.arch.encode_text(
+            policy.text_encoders, policy.tokenizers, prompts, policy.text_max_length, policy.device
+        )
         x0 = latents[idx]
         noise = torch.randn(x0.shape, generator=gen)
         sigma = sample_sigmas(cfg.batch_size, cfg.shift, gen)
@@ -167,39 +174,57 @@ def train_flow(policy, latents: Tensor, captions: list[str], cfg: PretrainConfig
 
 
 @torch.no_grad()
-def sample_reward(policy, prompts: list[str], sample_cfg: SampleConfig, reward_weights: dict[str, float],
-                  samples_per_prompt: int = 4, seed: int = 0) -> float:
+def sample_reward(
+    policy,
+    prompts: list[str],
+    sample_cfg: SampleConfig,
+    reward_weights: dict[str, float],
+    samples_per_prompt: int = 4,
+    seed: int = 0,
+) -> float:
     """Mean reward of ``samples_per_prompt`` images per prompt drawn with the GRPO sampler (SDE steps, CFG)."""
-    from lean.rewards import compute_rewards
-    from lean.rollout import rollout, sample_generator
-    from lean.sde import plan_steps, sigma_schedule
-
     pairs = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt)]
     gens = [sample_generator(seed, 0, i, k) for i, k in pairs]
-    plan = plan_steps(sample_cfg.num_steps, len(gens), timestep_fraction=sample_cfg.timestep_fraction,
-                      selection="first", sde_window=0, sde_window_max_start=None,
-                      window_generator=torch.Generator().manual_seed(seed), sample_generators=gens)
+    steps = select_steps_for(
+        dataclasses.replace(
+            sample_cfg, timestep_selection=STEP_SELECTIONS.default, sde_window=0, sde_window_max_start=None
+        ),
+        len(gens),
+        window_generator=torch.Generator().manual_seed(seed),
+        sample_generators=gens,
+    )
     names = [prompts[i] for i, _ in pairs]
-    final = rollout(policy, policy.encode_prompts(names), gens, plan, sample_cfg,
-                    sigma_schedule(sample_cfg.num_steps, sample_cfg.shift, sample_cfg.sigma_grid))
+    final = rollout(
+        policy,
+        policy.encode_prompts(names),
+        gens,
+        steps,
+        sample_cfg,
+        sigma_schedule(sample_cfg.num_steps, sample_cfg.shift, sample_cfg.sigma_grid),
+    )
     total, _ = compute_rewards(reward_weights, policy.decode(final), names)
     return total.mean().item()
 
 
-def pretrain(model_cfg: ModelConfig, cfg: PretrainConfig, out: str | Path, *, eval_prompts: list[str] | None = None,
-             sample_cfg: SampleConfig | None = None, reward_weights: dict[str, float] | None = None,
-             log: Log | None = None) -> dict:
+def pretrain(
+    model_cfg: ModelConfig,
+    cfg: PretrainConfig,
+    out: str | Path,
+    *,
+    eval_prompts: list[str] | None = None,
+    sample_cfg: SampleConfig | None = None,
+    reward_weights: dict[str, float] | None = None,
+    log: Log | None = None,
+) -> dict:
     """Both phases; write the pipeline folder to ``out`` and return a summary (losses, times, base reward) with the
     loss curves. The model is built and saved in float32 with all weights trainable, whatever ``model_cfg`` says
     about dtype and LoRA: those are the GRPO run's choices, made when the folder is loaded. With ``eval_prompts`` the
     saved folder is loaded back and sampled, which also checks that it round-trips.
     """
-    from lean.models import build_policy
-
     torch.manual_seed(cfg.seed)
-    base_cfg = dataclasses.replace(model_cfg, pretrained=None, dtype="float32", full_finetune=True)
+    base_cfg = dataclasses.replace(model_cfg, pretrained=None, dtype=dtype_name(torch.float32), full_finetune=True)
     policy = build_policy(base_cfg, vocabulary())
-    frames = model_cfg.num_frames if model_cfg.family == "wan" else 1
+    frames = model_cfg.num_frames if getattr(family_module(model_cfg.family), "FRAME_STEP", None) else 1  # video
     images, captions = make_dataset(cfg.images, model_cfg.resolution, cfg.seed, frames=frames)
     pixels = images * 2 - 1
 
@@ -219,10 +244,16 @@ def pretrain(model_cfg: ModelConfig, cfg: PretrainConfig, out: str | Path, *, ev
     def tail(values: list[float], n: int = 20) -> float:
         return sum(values[-n:]) / len(values[-n:])
 
-    summary = {"vae_mse_final": tail(vae_losses), "flow_loss_first": sum(flow_losses[:20]) / len(flow_losses[:20]),
-               "flow_loss_final": tail(flow_losses), "vae_seconds": vae_seconds, "flow_seconds": flow_seconds}
+    summary = {
+        "vae_mse_final": tail(vae_losses),
+        "flow_loss_first": sum(flow_losses[:20]) / len(flow_losses[:20]),
+        "flow_loss_final": tail(flow_losses),
+        "vae_seconds": vae_seconds,
+        "flow_seconds": flow_seconds,
+    }
     if eval_prompts:
         loaded = build_policy(dataclasses.replace(base_cfg, pretrained=str(out)), eval_prompts)
-        summary["reward_pretrained"] = sample_reward(loaded, eval_prompts, sample_cfg or SampleConfig(),
-                                                     reward_weights or {"color_match": 1.0})
+        summary["reward_pretrained"] = sample_reward(
+            loaded, eval_prompts, sample_cfg or SampleConfig(), reward_weights or {"color_match": 1.0}
+        )
     return {"summary": summary, "vae_mse": vae_losses, "flow_loss": flow_losses}

@@ -22,9 +22,18 @@ REWARDS: dict[str, RewardFn] = {}
 
 # RGB in [0, 1]; "grey" is an alias of "gray".
 COLORS: dict[str, tuple[float, float, float]] = {
-    "red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0),
-    "white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0), "magenta": (1.0, 0.0, 1.0), "cyan": (0.0, 1.0, 1.0),
-    "orange": (1.0, 0.5, 0.0), "purple": (0.5, 0.0, 0.5), "gray": (0.5, 0.5, 0.5), "grey": (0.5, 0.5, 0.5),
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "white": (1.0, 1.0, 1.0),
+    "black": (0.0, 0.0, 0.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "cyan": (0.0, 1.0, 1.0),
+    "orange": (1.0, 0.5, 0.0),
+    "purple": (0.5, 0.0, 0.5),
+    "gray": (0.5, 0.5, 0.5),
+    "grey": (0.5, 0.5, 0.5),
 }
 
 
@@ -142,8 +151,10 @@ def position_mask(prompt: str, h: int, w: int, device: torch.device | str = "cpu
     mask = torch.ones(h, w, dtype=torch.bool, device=device)
     named = False
     for keys, region in (
-        ({"left"}, cols < w // 2), ({"right"}, cols >= w - w // 2),
-        ({"top", "upper"}, rows < h // 2), ({"bottom", "lower"}, rows >= h - h // 2),
+        ({"left"}, cols < w // 2),
+        ({"right"}, cols >= w - w // 2),
+        ({"top", "upper"}, rows < h // 2),
+        ({"bottom", "lower"}, rows >= h - h // 2),
     ):
         if words & keys:
             mask, named = mask & region, True

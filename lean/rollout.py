@@ -1,26 +1,30 @@
 """The one rollout loop, and the one policy step that rollout, update and reference all share.
 
-A trajectory starts from x_0 ~ N(0, I) at sigma_0 = 1 and takes ``num_steps`` steps down the sigma schedule. Steps that
-the :class:`~lean.sde.StepPlan` marks stochastic use the SDE (``sde_step_with_logprob``); the others are deterministic
-Euler (ODE) steps. Which steps run with gradient tracking, and in which micro-batches, is the schedule's choice; what it
-does with each step is its ``on_step`` hook. Recompute runs the whole loop under ``no_grad``; Retain and Reweight track
-gradients on the trained steps. The loop itself is the same for all three, so their trajectories are the same.
+A trajectory starts from x_0 ~ N(0, I) at sigma_0 = 1 and takes ``num_steps`` steps down the sigma schedule. Steps
+that the :class:`~lean.sde.StepSelection` marks stochastic use the SDE (``sde_step_with_logprob``); the others are
+deterministic Euler (ODE) steps. Which steps run with gradient tracking, and in which micro-batches, is the
+schedule's choice; what it does with each step is its ``on_step`` hook. Recompute runs the whole loop under
+``no_grad``; Retain and Reweight track gradients on the trained steps. The loop itself is the same for all three,
+so their trajectories are the same.
 
 Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, prompt, sample index). Its initial
-noise, its step plan and every SDE noise draw come from it in a fixed order, so a trajectory never depends on the batch
-it was rolled out in, the micro-batching, or the number of processes.
+noise, its step selection and every SDE noise draw come from it in a fixed order, so a trajectory never depends on the
+batch it was rolled out in, the micro-batching, or the number of processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from lean.config import SampleConfig
-from lean.sde import StepPlan, ode_step, sde_step_with_logprob
+from lean.sde import StepSelection, ode_step, sde_step_with_logprob
+
+if TYPE_CHECKING:
+    from lean.config import SampleConfig
 
 
 def sample_generator(seed: int, iteration: int, prompt_index: int, sample_index: int) -> torch.Generator:
@@ -49,20 +53,44 @@ class StepOutput:
 
 
 def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig) -> torch.Tensor:
-    return policy.velocity(x, sigma, emb, cfg=cfg.cfg, guidance_scale=cfg.guidance_scale,
-                           uncond_grad=cfg.uncond_grad, guidance_embed=cfg.guidance_embed)
+    return policy.velocity(
+        x,
+        sigma,
+        emb,
+        cfg=cfg.cfg,
+        guidance_scale=cfg.guidance_scale,
+        uncond_grad=cfg.uncond_grad,
+        guidance_embed=cfg.guidance_embed,
+    )
 
 
-def policy_step(policy, x: torch.Tensor, index: torch.Tensor, emb, cfg: SampleConfig, sigmas: torch.Tensor, *,
-                next_sample: torch.Tensor | None = None, generators=None):
+def policy_step(
+    policy,
+    x: torch.Tensor,
+    index: torch.Tensor,
+    emb,
+    cfg: SampleConfig,
+    sigmas: torch.Tensor,
+    *,
+    next_sample: torch.Tensor | None = None,
+    generators=None,
+):
     """v = policy(x, sigma_i), then one SDE step: sample x_{i+1} (or score the given one).
 
     ``index`` is a LongTensor [b] (per-sample step). Returns ``(x_{i+1}, log_prob, mean, std)``.
     """
     sigma = sigmas[index].to(x.dtype)
     v = velocity(policy, x, sigma, emb, cfg)
-    return sde_step_with_logprob(v, x, sigmas, index, kind=cfg.sde_kind, noise_level=cfg.noise_level,
-                                 prev_sample=next_sample, generator=generators)
+    return sde_step_with_logprob(
+        v,
+        x,
+        sigmas,
+        index,
+        kind=cfg.sde_kind,
+        noise_level=cfg.noise_level,
+        prev_sample=next_sample,
+        generator=generators,
+    )
 
 
 @torch.no_grad()
@@ -76,7 +104,7 @@ def rollout(
     policy,
     emb,
     generators: list[torch.Generator],
-    plan: StepPlan,
+    steps: StepSelection,
     cfg: SampleConfig,
     sigmas: torch.Tensor,
     *,
@@ -98,19 +126,25 @@ def rollout(
     all_rows = torch.arange(batch)
     for i in range(cfg.num_steps):
         index = torch.full((batch,), i, dtype=torch.long)
-        tracked = bool(plan.stochastic[i]) and track_grad(i)
+        tracked = bool(steps.stochastic[i]) and track_grad(i)
         size = (grad_micro_batch if tracked and grad_micro_batch else micro_batch) or batch
         x_next = torch.empty_like(x)
         for rows in all_rows.split(size):
-            if not plan.stochastic[i]:
+            if not steps.stochastic[i]:
                 with torch.no_grad():
                     v = velocity(policy, x[rows], sigmas[index[rows]].to(x.dtype), emb.index(rows), cfg)
                     x_next[rows] = ode_step(v, x[rows], sigmas, i)
             else:
                 with torch.set_grad_enabled(tracked):
                     nxt, log_prob, mean, std = policy_step(
-                        policy, x[rows], index[rows], emb.index(rows), cfg, sigmas,
-                        generators=[generators[r] for r in rows.tolist()])
+                        policy,
+                        x[rows],
+                        index[rows],
+                        emb.index(rows),
+                        cfg,
+                        sigmas,
+                        generators=[generators[r] for r in rows.tolist()],
+                    )
                 x_next[rows] = nxt.detach()
                 if on_step is not None:
                     on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))

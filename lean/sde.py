@@ -1,4 +1,4 @@
-"""Stochastic sampling steps with exact Gaussian log-probabilities, the ODE step, and step planning.
+"""Stochastic sampling steps with exact Gaussian log-probabilities, the ODE step, and step selection.
 
 A flow-matching model predicts a velocity ``v = model_output`` at noise level ``σ`` (``x_σ = (1−σ)·x0 + σ·x1``,
 ``x1`` pure noise). Sampling walks the descending schedule ``sigmas[0] > ... > sigmas[N] = 0`` (``SIGMA_GRIDS``: the
@@ -20,15 +20,55 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("flow_grpo", "flow_grpo_linear", "cps", "dance")
-SIGMA_GRIDS = ("euler", "uniform", "unipc")
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import SampleConfig
+
+SDE_KINDS: Registry[str] = Registry(
+    "SDE kind",
+    [
+        ("flow_grpo", "FlowGRPO's reverse SDE, noise scale eta sqrt(sigma / (1 - sigma))"),
+        ("flow_grpo_linear", "FlowGRPO's Wan2.1 SDE, noise scale linear in sigma"),
+        ("cps", "coefficients-preserving sampling"),
+        ("dance", "DanceGRPO's SDE, constant noise scale"),
+    ],
+)
+SIGMA_GRIDS: Registry[str] = Registry(
+    "sigma grid",
+    [
+        ("euler", "StableDiffusion3Pipeline's FlowMatchEulerDiscreteScheduler"),
+        ("uniform", "FluxPipeline and DanceGRPO"),
+        ("unipc", "WanPipeline's UniPCMultistepScheduler"),
+    ],
+)
+STEP_SELECTIONS: Registry[str] = Registry(
+    "timestep selection",
+    [
+        ("first", "the first K steps for every sample (FlowGRPO)"),
+        ("random", "a random K-subset per sample (DanceGRPO)"),
+    ],
+)
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def incompatibility(kind: str, grid: str, noise_level: float) -> tuple[str, str] | None:
+    """(key, what is wrong) when an SDE kind cannot run on a sigma grid or at a noise level, else None."""
+    if kind == "flow_grpo" and grid == "unipc":
+        return "sigma_grid", (
+            "starts at 1 - 1e-6, where flow_grpo's noise scale sqrt(sigma/(1-sigma)) is ~1000: use "
+            "sample.sde_kind=flow_grpo_linear (FlowGRPO's Wan SDE)"
+        )
+    if kind == "cps" and noise_level > 1:
+        return "noise_level", "cps needs noise_level in (0, 1]"
+    return None
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -186,7 +226,7 @@ def sigma_schedule(num_steps: int, shift: float, grid: str = "euler") -> Tensor:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepSelection:
     """Which sampling steps are stochastic and which each sample trains on.
 
     ``stochastic``: BoolTensor [num_steps]; SDE steps (the others are ODE steps, neither stored nor trained).
@@ -212,7 +252,7 @@ def num_trained_steps(num_steps: int, timestep_fraction: float) -> int:
     return max(1, min(math.floor(num_steps * timestep_fraction + 1e-9), num_steps - 1))
 
 
-def plan_steps(
+def select_steps(
     num_steps: int,
     batch_size: int,
     *,
@@ -222,8 +262,8 @@ def plan_steps(
     sde_window_max_start: int | None = None,
     window_generator: torch.Generator | None = None,
     sample_generators: Sequence[torch.Generator] | None = None,
-) -> StepPlan:
-    """Plan the stochastic and trained steps of one rollout.
+) -> StepSelection:
+    """Select the stochastic and trained steps of one rollout.
 
     Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps are
     trained per sample:
@@ -241,8 +281,8 @@ def plan_steps(
     """
     if num_steps < 2:
         raise ValueError(f"num_steps={num_steps}: need >= 2 (the last step is never trained)")
-    if selection not in ("first", "random"):
-        raise ValueError(f"selection={selection!r}: must be 'first' or 'random'")
+    if selection not in STEP_SELECTIONS:
+        raise ValueError(f"selection={selection!r}: must be one of {', '.join(STEP_SELECTIONS)}")
     trained = torch.zeros(batch_size, num_steps, dtype=torch.bool)
     if sde_window > 0:
         if sde_window > num_steps - 1:
@@ -254,7 +294,7 @@ def plan_steps(
         stochastic = torch.zeros(num_steps, dtype=torch.bool)
         stochastic[start : start + sde_window] = True
         trained[:] = stochastic
-        return StepPlan(stochastic=stochastic, trained=trained, window_start=start)
+        return StepSelection(stochastic=stochastic, trained=trained, window_start=start)
 
     k = num_trained_steps(num_steps, timestep_fraction)
     if selection == "first":
@@ -265,4 +305,24 @@ def plan_steps(
         for b in range(batch_size):
             g = sample_generators[b] if sample_generators is not None else None
             trained[b, torch.randperm(num_steps - 1, generator=g)[:k]] = True
-    return StepPlan(stochastic=torch.ones(num_steps, dtype=torch.bool), trained=trained)
+    return StepSelection(stochastic=torch.ones(num_steps, dtype=torch.bool), trained=trained)
+
+
+def select_steps_for(
+    cfg: SampleConfig,
+    batch_size: int,
+    *,
+    window_generator: torch.Generator | None,
+    sample_generators: Sequence[torch.Generator] | None,
+) -> StepSelection:
+    """:func:`select_steps` with the sampler's settings from ``cfg``."""
+    return select_steps(
+        cfg.num_steps,
+        batch_size,
+        timestep_fraction=cfg.timestep_fraction,
+        selection=cfg.timestep_selection,
+        sde_window=cfg.sde_window,
+        sde_window_max_start=cfg.sde_window_max_start,
+        window_generator=window_generator,
+        sample_generators=sample_generators,
+    )

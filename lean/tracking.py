@@ -40,8 +40,15 @@ SPOOL = "tracking_pending.jsonl"  # the spool's name inside a run's output folde
 RETRY_AFTER_S = 30.0  # after a failed call, spool without asking the store for this long (a hung server costs seconds)
 # Errors that say the store answered and refused the call: retrying cannot help, so they are not spooled.
 _REJECTED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"}
-_FRESH = {"enabled": None, "experiment": None, "failed": False, "client": None, "uri": None, "experiment_id": None,
-          "spool_warned": False}
+_FRESH = {
+    "enabled": None,
+    "experiment": None,
+    "failed": False,
+    "client": None,
+    "uri": None,
+    "experiment_id": None,
+    "spool_warned": False,
+}
 _state: dict[str, Any] = dict(_FRESH)
 
 
@@ -87,8 +94,7 @@ def tracking_uri() -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=repo_root())
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=repo_root())
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -96,9 +102,13 @@ def git_commit() -> str | None:
 
 def _fail(err: BaseException) -> None:
     if not _state["failed"]:
-        warnings.warn(f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}: "
-                      f"{str(err).splitlines()[0] if str(err) else ''}); tracking is off for the rest of this process, "
-                      "local outputs are unaffected", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); tracking is off for the rest of this process, "
+            "local outputs are unaffected",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     _state["failed"] = True
 
 
@@ -141,9 +151,12 @@ def _apply(entry: Mapping[str, Any]) -> None:
         return
     from mlflow.entities import Metric, Param, RunTag
 
-    client.log_batch(entry["run_id"], metrics=[Metric(*m) for m in entry.get("metrics", [])],
-                     params=[Param(*p) for p in entry.get("params", [])],
-                     tags=[RunTag(*t) for t in entry.get("tags", [])])
+    client.log_batch(
+        entry["run_id"],
+        metrics=[Metric(*m) for m in entry.get("metrics", [])],
+        params=[Param(*p) for p in entry.get("params", [])],
+        tags=[RunTag(*t) for t in entry.get("tags", [])],
+    )
 
 
 def _rejected(err: BaseException) -> bool:
@@ -171,9 +184,13 @@ def _append_spool(spool: Path, entry: Mapping[str, Any], err: BaseException) -> 
     with open(spool, "a") as f:
         f.write(json.dumps(entry) + "\n")
     if not _state["spool_warned"]:
-        warnings.warn(f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}); pending calls "
-                      f"are kept in {spool} and sent on the next successful call (or: lean sync --out "
-                      f"{spool.parent})", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}); pending calls "
+            f"are kept in {spool} and sent on the next successful call (or: lean sync --out "
+            f"{spool.parent})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     _state["spool_warned"] = True
 
 
@@ -188,7 +205,9 @@ def replay(spool: str | os.PathLike) -> None:
         except Exception as err:  # noqa: BLE001 - sorted below: rejected calls go, the rest wait
             if not _rejected(err):
                 raise
-            warnings.warn(f"lean.tracking: dropping a spooled call the store rejects: {err}", RuntimeWarning)
+            warnings.warn(
+                f"lean.tracking: dropping a spooled call the store rejects: {err}", RuntimeWarning, stacklevel=2
+            )
         pending.pop(0)
         _write_spool(spool, pending)
 
@@ -199,8 +218,12 @@ def sync(spool: str | os.PathLike) -> int:
     try:
         replay(spool)
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}: "
-                      f"{str(err).splitlines()[0] if str(err) else ''})", RuntimeWarning)
+        warnings.warn(
+            f"lean.tracking: MLflow store {tracking_uri()!r} failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return len(_read_spool(Path(spool)))
 
 
@@ -267,11 +290,16 @@ class Run:
         if not self.active:
             return
         now = int(time.time() * 1000)
-        rows = [[k, float(v), now, step or 0] for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                and (step is None or step > self.logged_steps.get(k, -1))]
+        rows = [
+            [k, float(v), now, step or 0]
+            for k, v in metrics.items()
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and (step is None or step > self.logged_steps.get(k, -1))
+        ]
         for i in range(0, len(rows), 1000):
-            self._submit({"metrics": rows[i:i + 1000]})
+            self._submit({"metrics": rows[i : i + 1000]})
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Flattened to dotted keys; values as strings cut at MLflow's 6000 characters."""
@@ -279,7 +307,7 @@ class Run:
             return
         rows = [[k, str(v)[:6000]] for k, v in flatten(params).items()]
         for i in range(0, len(rows), 100):
-            self._submit({"params": rows[i:i + 100]})
+            self._submit({"params": rows[i : i + 100]})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._submit({"tags": [[k, str(v)] for k, v in tags.items() if v is not None]})
@@ -322,9 +350,16 @@ class Run:
         return False
 
 
-def start_run(name: str, *, stage: str | None = None, schedule: str | None = None,
-              params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
-              parent: Run | None = None, spool: str | os.PathLike | None = None) -> Run:
+def start_run(
+    name: str,
+    *,
+    stage: str | None = None,
+    schedule: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    tags: Mapping[str, Any] | None = None,
+    parent: Run | None = None,
+    spool: str | os.PathLike | None = None,
+) -> Run:
     """Open a run named ``name`` in the workbench experiment (a no-op :class:`Run` when tracking is off).
 
     Tags: ``lean.stage`` (``stage``, else ``$DVC_STAGE``, else ``name``), ``lean.schedule``, ``lean.git_commit`` (also
@@ -337,13 +372,23 @@ def start_run(name: str, *, stage: str | None = None, schedule: str | None = Non
     try:
         client, experiment_id = _client()
         commit = git_commit()
-        all_tags = {"mlflow.runName": name, "lean.stage": stage or os.environ.get("DVC_STAGE") or name,
-                    "lean.schedule": schedule, "lean.git_commit": commit, "mlflow.source.git.commit": commit,
-                    "dvc.stage": os.environ.get("DVC_STAGE"), "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
-                    "mlflow.parentRunId": parent.run_id if parent is not None else None, **(tags or {})}
-        run = Run(client.create_run(experiment_id, run_name=name,
-                                    tags={k: str(v) for k, v in all_tags.items() if v is not None}).info.run_id,
-                  spool)
+        all_tags = {
+            "mlflow.runName": name,
+            "lean.stage": stage or os.environ.get("DVC_STAGE") or name,
+            "lean.schedule": schedule,
+            "lean.git_commit": commit,
+            "mlflow.source.git.commit": commit,
+            "dvc.stage": os.environ.get("DVC_STAGE"),
+            "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
+            "mlflow.parentRunId": parent.run_id if parent is not None else None,
+            **(tags or {}),
+        }
+        run = Run(
+            client.create_run(
+                experiment_id, run_name=name, tags={k: str(v) for k, v in all_tags.items() if v is not None}
+            ).info.run_id,
+            spool,
+        )
     except Exception as err:  # noqa: BLE001
         _fail(err)
         return Run()

@@ -34,20 +34,23 @@ import matplotlib.pyplot as plt
 import torch
 from safetensors.torch import load_file
 
-from lean.equivalence import LEAN_SCHEDULES
-from lean.workbench import NotebookLog, split_update
+from lean.schedules import BASELINE, LEAN_SCHEDULES
+from lean.workbench.method import split_update
+from lean.workbench.notebook import NotebookLog
 
 report = json.loads((Path(outputs) / "equivalence" / "equivalence.json").read_text())
-updates = {s: load_file(Path(outputs) / "update" / s / "update.safetensors") for s in ("recompute", *LEAN_SCHEDULES)}
+updates = {s: load_file(Path(outputs) / "update" / s / "update.safetensors") for s in (BASELINE, *LEAN_SCHEDULES)}
 reproduced = {s: json.loads((Path(outputs) / "update" / s / "metrics.json").read_text()) for s in LEAN_SCHEDULES}
 log = NotebookLog("equivalence", track=track, parent_run_id=parent_run_id)
 print(f"certificate ({report['dtype']}): {'PASS' if report['passes'] else 'FAIL'}; tolerance {report['tolerance']}")
 for s in LEAN_SCHEDULES:
     r = report[s]
-    print(f"{s:9s} max rel grad diff {r['max_rel_grad_diff']:.3e}  1-cos {1 - r['cosine']:.2e}  "
-          f"max rel param diff after step {r['max_rel_param_diff_after_step']:.2e}  "
-          f"trajectory reproduced: {reproduced[s]['reproduces_trajectory']} "
-          f"(max |dx_T| {reproduced[s]['final_latents_max_abs_diff']:.1e})")
+    print(
+        f"{s:9s} max rel grad diff {r['max_rel_grad_diff']:.3e}  1-cos {1 - r['cosine']:.2e}  "
+        f"max rel param diff after step {r['max_rel_param_diff_after_step']:.2e}  "
+        f"trajectory reproduced: {reproduced[s]['reproduces_trajectory']} "
+        f"(max |dx_T| {reproduced[s]['final_latents_max_abs_diff']:.1e})"
+    )
 
 # %% [markdown]
 # ## Relative gradient difference per parameter tensor
@@ -72,7 +75,7 @@ plt.show()
 # ## Every gradient entry against Recompute's
 
 # %%
-_, ref, _, _ = split_update(updates["recompute"])
+_, ref, _, _ = split_update(updates[BASELINE])
 ref = torch.cat([g.flatten() for g in ref]).double()
 fig, axes = plt.subplots(1, len(LEAN_SCHEDULES), figsize=(8, 3.4))
 for ax, s in zip(axes, LEAN_SCHEDULES):
@@ -91,8 +94,12 @@ plt.show()
 # %%
 metrics = {"equivalence_passes": float(report["passes"])}
 for s in LEAN_SCHEDULES:
-    metrics.update({f"max_rel_grad_diff_{s}": report[s]["max_rel_grad_diff"],
-                    f"max_abs_grad_diff_{s}": report[s]["max_abs_grad_diff"],
-                    f"one_minus_cosine_{s}": 1 - report[s]["cosine"]})
+    metrics.update(
+        {
+            f"max_rel_grad_diff_{s}": report[s]["max_rel_grad_diff"],
+            f"max_abs_grad_diff_{s}": report[s]["max_abs_grad_diff"],
+            f"one_minus_cosine_{s}": 1 - report[s]["cosine"],
+        }
+    )
 log.log(metrics)
-log.close(summary_path);
+log.close(summary_path)

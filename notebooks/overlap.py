@@ -34,14 +34,17 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from lean.workbench import NotebookLog, overlap_metrics
+from lean.bench.overlap_report import flat_metrics
+from lean.workbench.notebook import NotebookLog
 
 folder = Path(outputs) / "overlap" / "bench"
 summary = json.loads((folder / "overlap.json").read_text())
 projection = json.loads((folder / "projection.json").read_text())
 log = NotebookLog("overlap", track=track, parent_run_id=parent_run_id)
-print(f"{summary['world']} x {summary['device_name']} ({summary['backend']}, {summary['dtype']}), "
-      f"medians of {summary['repeats']} repeats")
+print(
+    f"{summary['world']} x {summary['device_name']} ({summary['backend']}, {summary['dtype']}), "
+    f"medians of {summary['repeats']} repeats"
+)
 
 # %% [markdown]
 # ## Latency and hidden fraction per method, op and shape
@@ -90,10 +93,14 @@ keys = sorted(groups)
 proj_methods = sorted({r["method"] for r in rows})
 w = 0.8 / max(len(proj_methods), 1)
 for k, m in enumerate(proj_methods):
-    ax.barh([i + k * w for i in range(len(keys))], [groups[key].get(m, {}).get("latency_ms", 0) for key in keys], w,
-            label=m)
-ax.set_yticks([i + 0.4 - w / 2 for i in range(len(keys))],
-              [f"{op.split()[0]} {tokens} tok {profile}" for op, tokens, profile in keys], fontsize=6)
+    ax.barh(
+        [i + k * w for i in range(len(keys))], [groups[key].get(m, {}).get("latency_ms", 0) for key in keys], w, label=m
+    )
+ax.set_yticks(
+    [i + 0.4 - w / 2 for i in range(len(keys))],
+    [f"{op.split()[0]} {tokens} tok {profile}" for op, tokens, profile in keys],
+    fontsize=6,
+)
 ax.set_xlabel("predicted latency, ms")
 ax.set_title(projection["shapes"], fontsize=8)
 ax.legend(fontsize=7)
@@ -102,8 +109,8 @@ log.figure(fig, "overlap_projection.png")
 plt.show()
 
 # %%
-metrics = overlap_metrics(summary)
+metrics = flat_metrics(summary)
 log.log(metrics)
 for k, v in metrics.items():
     print(f"{k:40s} {v:.4f}")
-log.close(summary_path);
+log.close(summary_path)

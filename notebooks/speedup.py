@@ -34,28 +34,36 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lean.workbench import NotebookLog
+from lean.bench.schedules import flat_metrics
+from lean.schedules import BASELINE, SCHEDULES
+from lean.workbench.notebook import NotebookLog
 
 bench = json.loads((Path(outputs) / "bench" / "schedules.json").read_text())
 plan = json.loads((Path(outputs) / "bench" / "plan.json").read_text())
-schedules = ["recompute", "retain", "reweight"]
+schedules = list(SCHEDULES)
 log = NotebookLog("speedup", track=track, parent_run_id=parent_run_id)
-print({k: bench["config"][k] for k in ("family", "size", "dtype", "num_steps", "samples_per_process")},
-      f"peak {bench['peak_flops'] / 1e9:.1f} GFLOP/s ({bench['peak_flops_source']})")
+print(
+    {k: bench["config"][k] for k in ("family", "size", "dtype", "num_steps", "samples_per_process")},
+    f"peak {bench['peak_flops'] / 1e9:.1f} GFLOP/s ({bench['peak_flops_source']})",
+)
 
 # %% [markdown]
 # ## Per-phase time of one iteration, and the bound
 # Bars: measured medians, stacked by phase. The dashed line on Retain and Reweight is Recompute's time divided by the
 # analytic bound; a bar below it beats the bound (Reweight also moves the backward into the rollout).
 
+
 # %%
 def segments(s: str) -> dict[str, float]:
     """Non-overlapping parts of the iteration. Reweight backpropagates inside its rollout, so there the rollout
     phase contains the backward; elsewhere the backward (and Recompute's second forward) is in the update."""
     e = bench[s]
-    forward = e["time_rollout_s"] - (e["time_backward_s"] if s == "reweight" else 0.0)
-    parts = {"rollout forward": forward, "recompute forward": e["time_recompute_forward_s"],
-             "backward": e["time_backward_s"]}
+    forward = e["time_rollout_s"] - (e["time_backward_s"] if SCHEDULES[s].backward_in_rollout else 0.0)
+    parts = {
+        "rollout forward": forward,
+        "recompute forward": e["time_recompute_forward_s"],
+        "backward": e["time_backward_s"],
+    }
     parts["other (reward, optimizer, ...)"] = e["time_iteration_s"] - sum(parts.values())
     return parts
 
@@ -67,11 +75,17 @@ for i, s in enumerate(schedules):
         ax.bar(i, seconds, bottom=bottom, color=f"C{j}", label=label if i == 0 else None)
         bottom += seconds
     ax.plot(i + 0.3, plan["prediction"][s]["time_iteration_s"], "k^", label="plan (predicted)" if i == 0 else None)
-    if s != "recompute":
-        bound = bench["recompute"]["time_iteration_s"] / e["speedup_bound"]
+    if s != BASELINE:
+        bound = bench[BASELINE]["time_iteration_s"] / e["speedup_bound"]
         ax.hlines(bound, i - 0.4, i + 0.4, colors="k", linestyles="--", label="bound" if i == 1 else None)
-        ax.text(i, e["time_iteration_s"] * 1.02, f"{e['speedup']:.2f}x (bound {e['speedup_bound']:.2f}x)",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            i,
+            e["time_iteration_s"] * 1.02,
+            f"{e['speedup']:.2f}x (bound {e['speedup_bound']:.2f}x)",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
 ax.set_xticks(range(3), schedules)
 ax.set_ylabel("seconds per iteration")
 ax.legend(fontsize=7, ncol=2)
@@ -91,8 +105,9 @@ ax1.set_xticks(list(x), schedules)
 ax1.set_ylabel("% of peak FLOP/s")
 ax1.legend(fontsize=7)
 ax2.bar([i - 0.2 for i in x], [bench[s]["peak_memory_mb"] for s in schedules], 0.4, label="measured peak")
-ax2.bar([i + 0.2 for i in x], [plan["prediction"][s]["peak_memory_mb"] for s in schedules], 0.4,
-        label="plan (predicted)")
+ax2.bar(
+    [i + 0.2 for i in x], [plan["prediction"][s]["peak_memory_mb"] for s in schedules], 0.4, label="plan (predicted)"
+)
 ax2.set_xticks(list(x), schedules)
 ax2.set_ylabel("MiB")
 ax2.legend(fontsize=7)
@@ -101,14 +116,8 @@ log.figure(fig, "speedup_mfu_memory.png")
 plt.show()
 
 # %%
-metrics = {}
-for s in schedules:
-    e = bench[s]
-    metrics.update({f"mfu_{s}": e["mfu"], f"hfu_{s}": e["hfu"], f"peak_memory_mb_{s}": e["peak_memory_mb"],
-                    f"time_iteration_s_{s}": e["time_iteration_s"]})
-    if s != "recompute":
-        metrics.update({f"speedup_{s}": e["speedup"], f"speedup_bound_{s}": e["speedup_bound"]})
+metrics = flat_metrics(bench)  # the same flat keys as the bench_schedules stage
 log.log(metrics)
 for k, v in metrics.items():
     print(f"{k:28s} {v:10.4f}")
-log.close(summary_path);
+log.close(summary_path)

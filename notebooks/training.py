@@ -33,9 +33,10 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lean.workbench import NotebookLog
+from lean.schedules import BASELINE, SCHEDULES
+from lean.workbench.notebook import NotebookLog
 
-schedules = ["recompute", "retain", "reweight"]
+schedules = list(SCHEDULES)
 
 
 def read_curve(schedule: str) -> list[dict]:
@@ -44,11 +45,13 @@ def read_curve(schedule: str) -> list[dict]:
 
 
 curves = {s: read_curve(s) for s in schedules}
-config = json.loads((Path(outputs) / "train" / "recompute" / "config.json").read_text())
+config = json.loads((Path(outputs) / "train" / BASELINE / "config.json").read_text())
 log = NotebookLog("training", track=track, parent_run_id=parent_run_id)
-print(f"{config['model']['family']}/{config['model']['size']} {config['model']['dtype']}, "
-      f"{config['train']['iterations']} iterations x {config['train']['prompts_per_iteration']} prompts x "
-      f"{config['train']['group_size']} samples, reward {config['reward']['weights']}")
+print(
+    f"{config['model']['family']}/{config['model']['size']} {config['model']['dtype']}, "
+    f"{config['train']['iterations']} iterations x {config['train']['prompts_per_iteration']} prompts x "
+    f"{config['train']['group_size']} samples, reward {config['reward']['weights']}"
+)
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -60,8 +63,8 @@ ax1.set_ylabel("mean reward")
 ax1.set_title("reward per iteration")
 ax1.legend()
 for s in schedules[1:]:
-    diff = [max(abs(a["reward_mean"] - b["reward_mean"]), 1e-17) for a, b in zip(curves[s], curves["recompute"])]
-    ax2.semilogy([row["iteration"] for row in curves[s]], diff, "-o", ms=3, label=f"|{s} - recompute|")
+    diff = [max(abs(a["reward_mean"] - b["reward_mean"]), 1e-17) for a, b in zip(curves[s], curves[BASELINE])]
+    ax2.semilogy([row["iteration"] for row in curves[s]], diff, "-o", ms=3, label=f"|{s} - {BASELINE}|")
 ax2.set_xlabel("iteration")
 ax2.set_title("distance between the curves")
 ax2.legend()
@@ -72,8 +75,9 @@ plt.show()
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
 for s in schedules:
-    ax.plot([row["iteration"] for row in curves[s]], [row["time_iteration_s"] for row in curves[s]], "-o", ms=3,
-            label=s)
+    ax.plot(
+        [row["iteration"] for row in curves[s]], [row["time_iteration_s"] for row in curves[s]], "-o", ms=3, label=s
+    )
 ax.set_xlabel("iteration")
 ax.set_ylabel("seconds")
 ax.set_title("time per iteration")
@@ -82,12 +86,15 @@ log.figure(fig, "training_time.png")
 plt.show()
 
 # %%
-metrics = {"max_reward_curve_diff": max(abs(a["reward_mean"] - b["reward_mean"])
-                                        for s in schedules[1:] for a, b in zip(curves[s], curves["recompute"]))}
+metrics = {
+    "max_reward_curve_diff": max(
+        abs(a["reward_mean"] - b["reward_mean"]) for s in schedules[1:] for a, b in zip(curves[s], curves[BASELINE])
+    )
+}
 for s in schedules:
     r = [row["reward_mean"] for row in curves[s]]
     metrics.update({f"reward_first_{s}": r[0], f"reward_final_{s}": r[-1], f"reward_gain_{s}": r[-1] - r[0]})
 log.log(metrics)
 for k, v in metrics.items():
     print(f"{k:24s} {v:.6f}")
-log.close(summary_path);
+log.close(summary_path)

@@ -12,7 +12,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from lean import tracking, workbench
+from lean import tracking
+from lean.outputs import numbers, write_csv, write_json
+from lean.workbench.method import run_advantage
+from lean.workbench.stage import begin_stage, stage_config
 
 
 def main() -> None:
@@ -21,18 +24,19 @@ def main() -> None:
     p.add_argument("--rollout", default="outputs/rollout")
     p.add_argument("--out", default="outputs/advantage")
     args = p.parse_args()
-    workbench.begin_stage(args.params)
-    cfg = workbench.stage_config(args.params, "method")
+    begin_stage(args.params)
+    cfg = stage_config(args.params, "method")
     trajectory = load_file(Path(args.rollout) / "trajectory.safetensors")
-    tensors, summary, rows = workbench.run_advantage(cfg, trajectory)
-    with tracking.start_run("advantage", params={"train": {"global_std": cfg.train.global_std,
-                                                           "adv_clip_max": cfg.train.adv_clip_max}}) as run:
-        run.log_metrics(workbench.numbers(summary))
+    tensors, summary, rows = run_advantage(cfg, trajectory)
+    with tracking.start_run(
+        "advantage", params={"train": {"global_std": cfg.train.global_std, "adv_clip_max": cfg.train.adv_clip_max}}
+    ) as run:
+        run.log_metrics(numbers(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "advantages.safetensors")
-    workbench.write_json(out / "metrics.json", summary)
-    workbench.write_csv(out / "samples.csv", rows)
+    write_json(out / "metrics.json", summary)
+    write_csv(out / "samples.csv", rows)
     print(f"advantage: |A| <= {summary['advantage_abs_max']:.3f}, zero-std groups {summary['zero_std_fraction']:.0%}")
 
 

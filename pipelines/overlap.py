@@ -13,8 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
-from lean import tracking, workbench
+from lean import tracking
+from lean.bench.overlap_report import flat_metrics
 from lean.cli import main as lean_main
+from lean.outputs import write_json
+from lean.workbench.stage import begin_stage
 
 
 def main() -> None:
@@ -22,20 +25,27 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--out", default="outputs/overlap")
     args = p.parse_args()
-    params = workbench.begin_stage(args.params)
+    params = begin_stage(args.params)
     section = params.get("overlap") or {}
     out = Path(args.out)
-    argv = ["bench", "overlap", "--nproc", str(section.get("nproc", 2)), "--out", str(out / "bench"),
-            *[str(a) for a in section.get("args", [])]]
+    argv = [
+        "bench",
+        "overlap",
+        "--nproc",
+        str(section.get("nproc", 2)),
+        "--out",
+        str(out / "bench"),
+        *[str(a) for a in section.get("args", [])],
+    ]
     with tracking.start_run("overlap", params={"overlap": section}) as run:
         code = lean_main(argv)
         if code:
             raise SystemExit(f"overlap: `lean {' '.join(argv)}` exited with status {code}")
         summary = json.loads((out / "bench" / "overlap.json").read_text())
-        metrics = workbench.overlap_metrics(summary)
+        metrics = flat_metrics(summary)
         run.log_metrics(metrics)
         run.log_artifact(out / "bench", "overlap")
-    workbench.write_json(out / "metrics.json", metrics)
+    write_json(out / "metrics.json", metrics)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ import dataclasses
 import time
 from pathlib import Path
 
-from lean import tracking, workbench
+from lean import tracking
+from lean.outputs import write_csv, write_json
 from lean.pretrain import PretrainConfig, pretrain
+from lean.workbench.stage import begin_stage, stage_config
 
 
 def main() -> None:
@@ -22,13 +24,15 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--out", default="outputs/prepare")
     args = p.parse_args()
-    params = workbench.begin_stage(args.params)
-    model = workbench.stage_config(args.params).model
+    params = begin_stage(args.params)
+    model = stage_config(args.params).model
     cfg = PretrainConfig.from_dict(params.get("prepare") or {})
     out = Path(args.out)
     start = time.perf_counter()
-    with tracking.start_run("prepare", params={"model": dataclasses.asdict(model),
-                                               "prepare": dataclasses.asdict(cfg)}) as run:
+    with tracking.start_run(
+        "prepare", params={"model": dataclasses.asdict(model), "prepare": dataclasses.asdict(cfg)}
+    ) as run:
+
         def log(phase: str, metrics: dict, step: int) -> None:
             if step % 10 == 0:
                 run.log_metrics(metrics, step=step)
@@ -36,9 +40,9 @@ def main() -> None:
         result = pretrain(model, cfg, out / "base", log=log)
         summary = {**result["summary"], "seconds": time.perf_counter() - start}
         run.log_metrics(summary)
-    workbench.write_json(out / "metrics.json", summary)
-    workbench.write_csv(out / "vae_loss.csv", [{"step": i, "vae_mse": v} for i, v in enumerate(result["vae_mse"])])
-    workbench.write_csv(out / "flow_loss.csv", [{"step": i, "flow_loss": v} for i, v in enumerate(result["flow_loss"])])
+    write_json(out / "metrics.json", summary)
+    write_csv(out / "vae_loss.csv", [{"step": i, "vae_mse": v} for i, v in enumerate(result["vae_mse"])])
+    write_csv(out / "flow_loss.csv", [{"step": i, "flow_loss": v} for i, v in enumerate(result["flow_loss"])])
     print(f"prepare: {summary}")
 
 

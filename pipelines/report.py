@@ -13,7 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from lean import tracking, workbench
+from lean import tracking
+from lean.outputs import write_json
+from lean.workbench.stage import begin_stage
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -26,7 +28,7 @@ def main() -> None:
     args = p.parse_args()
     import papermill
 
-    params = workbench.begin_stage(args.params)
+    params = begin_stage(args.params)
     section = params.get("report") or {}
     out = Path(args.out) / "notebooks"
     out.mkdir(parents=True, exist_ok=True)
@@ -35,15 +37,23 @@ def main() -> None:
         for name in section.get("notebooks", []):
             executed, summary_path = out / f"{name}.ipynb", out / f"{name}.json"
             papermill.execute_notebook(
-                str(NOTEBOOKS / f"{name}.ipynb"), str(executed), cwd=str(NOTEBOOKS), progress_bar=False,
-                parameters={"outputs": str(Path(args.outputs).resolve()), "track": tracking.enabled(),
-                            "parent_run_id": run.run_id, "summary_path": str(summary_path.resolve())})
+                str(NOTEBOOKS / f"{name}.ipynb"),
+                str(executed),
+                cwd=str(NOTEBOOKS),
+                progress_bar=False,
+                parameters={
+                    "outputs": str(Path(args.outputs).resolve()),
+                    "track": tracking.enabled(),
+                    "parent_run_id": run.run_id,
+                    "summary_path": str(summary_path.resolve()),
+                },
+            )
             summary = json.loads(summary_path.read_text())
             tracking.attach(summary["run_id"]).log_artifact(executed, "notebook")
             metrics.update(summary["metrics"])
             print(f"report: {name}: {len(summary['metrics'])} metrics", flush=True)
         run.log_metrics(metrics)
-    workbench.write_json(Path(args.out) / "metrics.json", metrics)
+    write_json(Path(args.out) / "metrics.json", metrics)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Stage ``rollout``: one iteration's trajectories from the base policy, with gradients on the trained steps, the
-rewards, and the per-step activation memory probe (``lean.workbench.run_rollout``).
+rewards, and the per-step activation memory probe (``lean.workbench.method.run_rollout``).
 
     python -m pipelines.rollout --pretrained outputs/prepare/base [--params params.yaml] [--out outputs/rollout]
 
@@ -14,7 +14,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from lean import tracking, workbench
+from lean import tracking
+from lean.outputs import numbers, write_csv, write_json
+from lean.workbench.method import run_rollout
+from lean.workbench.stage import begin_stage, stage_config
 
 
 def main() -> None:
@@ -23,21 +26,23 @@ def main() -> None:
     p.add_argument("--pretrained", default=None, help="base model folder (the prepare stage's output)")
     p.add_argument("--out", default="outputs/rollout")
     args = p.parse_args()
-    params = workbench.begin_stage(args.params)
-    cfg = workbench.stage_config(args.params, "method", pretrained=args.pretrained)
+    params = begin_stage(args.params)
+    cfg = stage_config(args.params, "method", pretrained=args.pretrained)
     perturb = float(params["method"]["perturb_std"])
     with tracking.start_run("rollout", params=cfg.to_dict()) as run:
-        tensors, summary, steps = workbench.run_rollout(cfg, perturb)
-        run.log_metrics(workbench.numbers(summary))
+        tensors, summary, steps = run_rollout(cfg, perturb)
+        run.log_metrics(numbers(summary))
         for row in steps:
             run.log_metrics({"activation_mb": row["activation_mb"]}, step=row["step"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / "trajectory.safetensors")
-    workbench.write_json(out / "metrics.json", summary)
-    workbench.write_csv(out / "steps.csv", steps)
-    print(f"rollout: reward {summary['reward_mean']:.4f} over {summary['samples']} samples, "
-          f"{summary['activation_mb_per_trained_step']:.2f} MiB of activations per trained step")
+    write_json(out / "metrics.json", summary)
+    write_csv(out / "steps.csv", steps)
+    print(
+        f"rollout: reward {summary['reward_mean']:.4f} over {summary['samples']} samples, "
+        f"{summary['activation_mb_per_trained_step']:.2f} MiB of activations per trained step"
+    )
 
 
 if __name__ == "__main__":

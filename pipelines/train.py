@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import argparse
 
-from lean import workbench
+from lean.schedules import SCHEDULE_CHOICES
 from lean.train import train
+from lean.workbench.stage import begin_stage, stage_config
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", required=True, choices=("recompute", "retain", "reweight", "auto"))
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES)
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--pretrained", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    workbench.begin_stage(args.params)
-    cfg = workbench.stage_config(args.params, "rl", pretrained=args.pretrained, schedule=args.schedule)
+    begin_stage(args.params)
+    cfg = stage_config(args.params, "rl", pretrained=args.pretrained, schedule=args.schedule)
     history = train(cfg, out=args.out or f"outputs/train/{args.schedule}")
     print(f"train[{args.schedule}]: reward " + " ".join(f"{row['reward_mean']:.4f}" for row in history))
 

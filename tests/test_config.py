@@ -53,8 +53,7 @@ def test_off_policy_lean_schedule_names_the_keys():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.schedule=reweight", "train.num_inner_epochs=2"])
     assert "train.num_inner_epochs" in str(err.value)
-    load_config(None, ["train.schedule=recompute", "train.num_inner_epochs=2",
-                       "train.optimizer_steps_per_iteration=2"])
+    load_config(None, ["train.schedule=recompute", "train.num_inner_epochs=2", "train.optimizer_steps_per_iteration=2"])
 
 
 def test_world_size_must_divide_the_batch():
@@ -80,8 +79,12 @@ def test_params_file_and_unknown_section(tmp_path):
 
 
 def test_cli_prints_one_line_and_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", "train", "--set", "sample.sde_kind=euler"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lean.cli", "train", "--set", "sample.sde_kind=euler"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "sample.sde_kind" in lines[0] and "Traceback" not in proc.stderr

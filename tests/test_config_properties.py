@@ -8,21 +8,86 @@ from hypothesis import strategies as st
 from lean.config import ConfigError, RunConfig, load_config
 
 KEYS = {
-    "model": ["family", "size", "resolution", "num_frames", "dtype", "lora_rank", "lora_alpha", "lora_ffn",
-              "full_finetune", "text_max_length", "pretrained", "famliy"],
-    "sample": ["num_steps", "shift", "sde_kind", "noise_level", "cfg", "guidance_scale", "guidance_embed",
-               "uncond_grad", "timestep_fraction", "timestep_selection", "sde_window", "sde_window_max_start"],
-    "train": ["schedule", "iterations", "prompts_per_iteration", "group_size", "rollout_batch_size", "lr", "beta",
-              "clip_range", "adv_clip_max", "optimizer_steps_per_iteration", "num_inner_epochs", "ema_decay",
-              "memory_budget_mb", "on_nonfinite", "save_every", "prompts", "dist_timeout_s"],
+    "model": [
+        "family",
+        "size",
+        "resolution",
+        "num_frames",
+        "dtype",
+        "lora_rank",
+        "lora_alpha",
+        "lora_ffn",
+        "full_finetune",
+        "text_max_length",
+        "pretrained",
+        "famliy",
+    ],
+    "sample": [
+        "num_steps",
+        "shift",
+        "sde_kind",
+        "noise_level",
+        "cfg",
+        "guidance_scale",
+        "guidance_embed",
+        "uncond_grad",
+        "timestep_fraction",
+        "timestep_selection",
+        "sde_window",
+        "sde_window_max_start",
+    ],
+    "train": [
+        "schedule",
+        "iterations",
+        "prompts_per_iteration",
+        "group_size",
+        "rollout_batch_size",
+        "lr",
+        "beta",
+        "clip_range",
+        "adv_clip_max",
+        "optimizer_steps_per_iteration",
+        "num_inner_epochs",
+        "ema_decay",
+        "memory_budget_mb",
+        "on_nonfinite",
+        "save_every",
+        "prompts",
+        "dist_timeout_s",
+    ],
     "reward": ["weights"],
     "rewrad": ["x"],
 }
 
 values = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 40), st.floats(-2, 50), st.sampled_from([float("nan"), float("inf")]),
-    st.sampled_from(["flux", "wan", "sd3", "tiny", "small", "full", "float64", "bfloat16", "flow_grpo", "cps",
-                     "dance", "first", "random", "retain", "reweight", "auto", "skip", "abort", "recompute"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 40),
+    st.floats(-2, 50),
+    st.sampled_from([float("nan"), float("inf")]),
+    st.sampled_from(
+        [
+            "flux",
+            "wan",
+            "sd3",
+            "tiny",
+            "small",
+            "full",
+            "float64",
+            "bfloat16",
+            "flow_grpo",
+            "cps",
+            "dance",
+            "first",
+            "random",
+            "retain",
+            "reweight",
+            "auto",
+            "skip",
+            "abort",
+            "recompute",
+        ]
+    ),
     st.text(string.ascii_letters, max_size=6),
     st.lists(st.text(string.ascii_lowercase + " ", max_size=12), max_size=3),
     st.dictionaries(st.sampled_from(["color_match", "jpeg_compressibility", "nope"]), st.floats(-1, 2), max_size=2),
@@ -48,9 +113,16 @@ def test_any_tree_is_a_config_or_a_one_line_error(tree):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["model", "sample", "train", "trian"]),
-                          st.sampled_from(sum(KEYS.values(), [])),
-                          st.text(string.ascii_letters + string.digits + ".-[]{}:, ", max_size=10)), max_size=4))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["model", "sample", "train", "trian"]),
+            st.sampled_from(sum(KEYS.values(), [])),
+            st.text(string.ascii_letters + string.digits + ".-[]{}:, ", max_size=10),
+        ),
+        max_size=4,
+    )
+)
 def test_any_override_string_is_a_config_or_a_one_line_error(items):
     try:
         load_config(None, [f"{sec}.{key}={val}" for sec, key, val in items])

@@ -8,8 +8,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-SMALL = ["--set", "train.prompts_per_iteration=2", "--set", "train.group_size=2", "--set", "sample.num_steps=4",
-         "--set", "train.iterations=1", "--set", "train.dist_timeout_s=60"]
+SMALL = [
+    "--set",
+    "train.prompts_per_iteration=2",
+    "--set",
+    "train.group_size=2",
+    "--set",
+    "sample.num_steps=4",
+    "--set",
+    "train.iterations=1",
+    "--set",
+    "train.dist_timeout_s=60",
+]
 
 
 def _lean(*args, timeout=280):
@@ -36,7 +46,19 @@ def test_two_processes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_equivalence_on_two_processes(tmp_path):
-    _lean("launch", "-n", "2", "--", "equivalence", *SMALL, "--set", "model.dtype=float64", "--set",
-          "train.beta=0.04", "--out", str(tmp_path))
+    _lean(
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "equivalence",
+        *SMALL,
+        "--set",
+        "model.dtype=float64",
+        "--set",
+        "train.beta=0.04",
+        "--out",
+        str(tmp_path),
+    )
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["world_size"] == 2 and report["passes"], report

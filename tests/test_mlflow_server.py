@@ -30,8 +30,20 @@ class Server:
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 90.0) -> None:
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{self.db}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -56,13 +68,17 @@ class Server:
             self.process.wait()
 
     def get(self, path: str, **query) -> dict:
-        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}",
-                                    timeout=30) as answer:
+        with urllib.request.urlopen(
+            f"{self.uri}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}", timeout=30
+        ) as answer:
             return json.load(answer)
 
     def post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(f"{self.uri}/api/2.0/mlflow/{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.uri}/api/2.0/mlflow/{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as answer:
             return json.load(answer)
 
@@ -96,8 +112,13 @@ def _fresh_tracking(monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_lean_train_logs_to_a_server(server, tmp_path):
-    env = {**os.environ, "LEAN_TRACKING": "1", "MLFLOW_TRACKING_URI": server.uri, "PYTHONPATH": str(ROOT),
-           "LEAN_EXPERIMENT": "lean-test-server"}
+    env = {
+        **os.environ,
+        "LEAN_TRACKING": "1",
+        "MLFLOW_TRACKING_URI": server.uri,
+        "PYTHONPATH": str(ROOT),
+        "LEAN_EXPERIMENT": "lean-test-server",
+    }
     sets = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=3"]
     cmd = [sys.executable, "-m", "lean.cli", "train", "--out", str(tmp_path / "out")]
     cmd += [arg for s in sets for arg in ("--set", s)]

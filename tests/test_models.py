@@ -218,8 +218,9 @@ def test_cache_dir_builds_once_and_matches(tmp_path):
     with torch.no_grad():
         expected = fresh.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
         for p in (first, second):
-            torch.testing.assert_close(p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), expected,
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), expected, rtol=0, atol=0
+            )
 
 
 def test_lora_state_dict_and_file(tmp_path):

@@ -12,8 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ("speedup", "equivalence", "training", "overlap")
 REQUIRED = {
-    "speedup": ("speedup_retain", "speedup_reweight", "speedup_bound_retain", "mfu_recompute", "mfu_retain",
-                "mfu_reweight", "hfu_retain", "peak_memory_mb_reweight"),
+    "speedup": (
+        "speedup_retain",
+        "speedup_reweight",
+        "speedup_bound_retain",
+        "mfu_recompute",
+        "mfu_retain",
+        "mfu_reweight",
+        "hfu_retain",
+        "peak_memory_mb_reweight",
+    ),
     "equivalence": ("max_rel_grad_diff_retain", "max_rel_grad_diff_reweight", "equivalence_passes"),
     "training": ("reward_final_recompute", "reward_gain_retain", "max_reward_curve_diff"),
     "overlap": ("overlap_hidden_fraction_flash", "overlap_hidden_fraction_collective"),
@@ -28,7 +36,8 @@ def test_notebook_is_paired_with_its_source(name):
     source = jupytext.read(ROOT / "notebooks" / f"{name}.py")
     notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     assert [(c.cell_type, c.source) for c in source.cells] == [(c.cell_type, c.source) for c in notebook.cells], (
-        f"notebooks/{name}.ipynb is out of sync: run `jupytext --sync notebooks/{name}.py`")
+        f"notebooks/{name}.ipynb is out of sync: run `jupytext --sync notebooks/{name}.py`"
+    )
     assert notebook.metadata["jupytext"]["formats"] == "ipynb,py:percent"
     tagged = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1 and "outputs =" in tagged[0].source
@@ -45,10 +54,13 @@ def test_notebook_runs_through_papermill(name, tmp_path, tmp_path_factory):
 
     outputs = smoke_repo(tmp_path_factory.mktemp("smoke"))["outputs"]
     summary_path = tmp_path / f"{name}.json"
-    papermill.execute_notebook(str(ROOT / "notebooks" / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
-                               cwd=str(ROOT / "notebooks"), progress_bar=False,
-                               parameters={"outputs": str(outputs), "track": True,
-                                           "summary_path": str(summary_path)})
+    papermill.execute_notebook(
+        str(ROOT / "notebooks" / f"{name}.ipynb"),
+        str(tmp_path / f"{name}.ipynb"),
+        cwd=str(ROOT / "notebooks"),
+        progress_bar=False,
+        parameters={"outputs": str(outputs), "track": True, "summary_path": str(summary_path)},
+    )
     summary = json.loads(summary_path.read_text())
     missing = [k for k in REQUIRED[name] if k not in summary["metrics"]]
     assert not missing

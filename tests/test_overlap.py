@@ -51,41 +51,87 @@ def _op_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator):
     from lean.overlap.dp import DataParallelLinear
 
     s, b, k, n = 5, 2, 6, 4
-    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)
-    coll = lambda x: _collective(x, world)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    def coll(x):
+        return _collective(x, world)
 
     X, W = randn(world * s, b, k), randn(k, world * n)
-    yield ("all_gather_matmul", ag.AllGatherMatmul, [_rows(X, r, world), _rows(W, r, world, 1)], lambda x, w: x @ w,
-           [X, W], lambda Y: _rows(Y, r, world, 2), lambda dX, dW: [_rows(dX, r, world), _rows(dW, r, world, 1)],
-           lambda x, w: coll("all_gather")(x) @ w, False, randn(world * s, b, world * n))
+    yield (
+        "all_gather_matmul",
+        ag.AllGatherMatmul,
+        [_rows(X, r, world), _rows(W, r, world, 1)],
+        lambda x, w: x @ w,
+        [X, W],
+        lambda Y: _rows(Y, r, world, 2),
+        lambda dX, dW: [_rows(dX, r, world), _rows(dW, r, world, 1)],
+        lambda x, w: coll("all_gather")(x) @ w,
+        False,
+        randn(world * s, b, world * n),
+    )
 
     X, W = randn(world * s, b, world * k), randn(world * k, n)
-    yield ("matmul_reduce_scatter", ag.MatmulReduceScatter, [_rows(X, r, world, 2), _rows(W, r, world)],
-           lambda x, w: x @ w, [X, W], lambda Y: _rows(Y, r, world), lambda dX, dW: [_rows(dX, r, world, 2),
-                                                                                     _rows(dW, r, world)],
-           lambda x, w: coll("reduce_scatter")(x @ w), False, randn(world * s, b, n))
+    yield (
+        "matmul_reduce_scatter",
+        ag.MatmulReduceScatter,
+        [_rows(X, r, world, 2), _rows(W, r, world)],
+        lambda x, w: x @ w,
+        [X, W],
+        lambda Y: _rows(Y, r, world),
+        lambda dX, dW: [_rows(dX, r, world, 2), _rows(dW, r, world)],
+        lambda x, w: coll("reduce_scatter")(x @ w),
+        False,
+        randn(world * s, b, n),
+    )
 
     X, Wb = randn(world * s, b, k), randn(world, k, n)
-    yield ("matmul_all_to_all", ag.MatmulAllToAll, [_rows(X, r, world), Wb],
-           lambda x, wb: torch.stack([x @ wj for wj in wb]), [X, Wb], lambda Y: Y[r],
-           lambda dX, dWb: [_rows(dX, r, world), dWb],
-           lambda x, wb: coll("all_to_all")(torch.stack([x @ wj for wj in wb])).flatten(0, 1), True,
-           randn(world, world * s, b, n))
+    yield (
+        "matmul_all_to_all",
+        ag.MatmulAllToAll,
+        [_rows(X, r, world), Wb],
+        lambda x, wb: torch.stack([x @ wj for wj in wb]),
+        [X, Wb],
+        lambda Y: Y[r],
+        lambda dX, dWb: [_rows(dX, r, world), dWb],
+        lambda x, wb: coll("all_to_all")(torch.stack([x @ wj for wj in wb])).flatten(0, 1),
+        True,
+        randn(world, world * s, b, n),
+    )
 
-    O, Wb = randn(world, world * s, b, k), randn(world, k, n)
-    yield ("all_to_all_matmul", ag.AllToAllMatmul, [O[r], Wb], lambda o, wb: sum(oj @ wj for oj, wj in zip(o, wb)),
-           [O, Wb], lambda Y: _rows(Y, r, world), lambda dO, dWb: [dO[r], dWb],
-           lambda o, wb: sum(oj @ wj for oj, wj in zip(coll("all_to_all")(o.unflatten(0, (world, s))), wb)), True,
-           randn(world * s, b, n))
+    Os, Wb = randn(world, world * s, b, k), randn(world, k, n)
+    yield (
+        "all_to_all_matmul",
+        ag.AllToAllMatmul,
+        [Os[r], Wb],
+        lambda o, wb: sum(oj @ wj for oj, wj in zip(o, wb)),
+        [Os, Wb],
+        lambda Y: _rows(Y, r, world),
+        lambda dO, dWb: [dO[r], dWb],
+        lambda o, wb: sum(oj @ wj for oj, wj in zip(coll("all_to_all")(o.unflatten(0, (world, s))), wb)),
+        True,
+        randn(world * s, b, n),
+    )
 
     X, W = randn(world * s, b, world * k), randn(world * k, n)
-    yield ("data_parallel_linear", DataParallelLinear, [_rows(X, r, world), _rows(W, r, world)], lambda x, w: x @ w,
-           [X, W], lambda Y: _rows(Y, r, world), lambda dX, dW: [_rows(dX, r, world), _rows(dW, r, world)],
-           lambda x, w: x @ coll("all_gather")(w), False, randn(world * s, b, n))
+    yield (
+        "data_parallel_linear",
+        DataParallelLinear,
+        [_rows(X, r, world), _rows(W, r, world)],
+        lambda x, w: x @ w,
+        [X, W],
+        lambda Y: _rows(Y, r, world),
+        lambda dX, dW: [_rows(dX, r, world), _rows(dW, r, world)],
+        lambda x, w: x @ coll("all_gather")(w),
+        False,
+        randn(world * s, b, n),
+    )
 
 
 def _collective(name: str, world: int):
     """The plain torch.distributed collective, written independently of lean.overlap."""
+
     def run(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if name == "all_gather":
@@ -99,6 +145,7 @@ def _collective(name: str, world: int):
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x)
         return out
+
     return run
 
 
@@ -108,8 +155,9 @@ def _check_ops(world: int, r: int) -> dict[str, float]:
     errors = {}
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(1234)  # the same full tensors on every rank
-        for name, fn, local, full_fn, full, out_view, grad_views, coll_fn, replicated, grad_full in \
-                _op_problems(world, r, dtype, g):
+        for name, fn, local, full_fn, full, out_view, grad_views, coll_fn, replicated, grad_full in _op_problems(
+            world, r, dtype, g
+        ):
             y_full, full_grads = _full_grads(full_fn, full, grad_full)
             want_y, want_grads = out_view(y_full), grad_views(*full_grads)
             want_coll = coll_fn(*local)
@@ -137,13 +185,24 @@ def _block_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator) 
     Wqkv = torch.randn(d, 3 * heads * 2, generator=g, dtype=dtype) / 3
     Wo = torch.randn(heads * 2, d, generator=g, dtype=dtype) / 3
     return {
-        "tp+sp mlp": ([W1, W2], mlp, lambda ov: SequenceParallelMLP.from_full(W1, W2, ov),
-                      lambda p: [_rows(p[0], r, world, 1), _rows(p[1], r, world)]),
-        "ulysses attention": ([Wqkv, Wo], lambda x, a, c: attention(x, a, c, heads),
-                              lambda ov: UlyssesAttention(Wqkv.clone(), Wo.clone(), heads, ov), lambda p: p),
-        "data-parallel mlp": ([W1, W2], mlp,
-                              lambda ov: _DataParallelMLP(ShardedLinear.from_full(W1, ov), ShardedLinear.from_full(W2, ov)),
-                              lambda p: [_rows(p[0], r, world), _rows(p[1], r, world)]),
+        "tp+sp mlp": (
+            [W1, W2],
+            mlp,
+            lambda ov: SequenceParallelMLP.from_full(W1, W2, ov),
+            lambda p: [_rows(p[0], r, world, 1), _rows(p[1], r, world)],
+        ),
+        "ulysses attention": (
+            [Wqkv, Wo],
+            lambda x, a, c: attention(x, a, c, heads),
+            lambda ov: UlyssesAttention(Wqkv.clone(), Wo.clone(), heads, ov),
+            lambda p: p,
+        ),
+        "data-parallel mlp": (
+            [W1, W2],
+            mlp,
+            lambda ov: _DataParallelMLP(ShardedLinear.from_full(W1, ov), ShardedLinear.from_full(W2, ov)),
+            lambda p: [_rows(p[0], r, world), _rows(p[1], r, world)],
+        ),
     }
 
 
@@ -156,8 +215,10 @@ def _check_blocks(world: int, r: int) -> dict[str, float]:
     errors = {}
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(99)
-        X, T = torch.randn(world * 3, 2, 4 * world, generator=g, dtype=dtype), torch.randn(world * 3, 2, 4 * world,
-                                                                                          generator=g, dtype=dtype)
+        X, T = (
+            torch.randn(world * 3, 2, 4 * world, generator=g, dtype=dtype),
+            torch.randn(world * 3, 2, 4 * world, generator=g, dtype=dtype),
+        )
         for name, (params, full_fn, make, part) in _block_problems(world, r, dtype, g).items():
             for variant, options in VARIANTS.items():
                 ref = [p.clone().requires_grad_() for p in params]
@@ -200,8 +261,9 @@ def _check_refusals(world: int, r: int) -> dict[str, str]:
     messages = {}
     for name, call in {
         "matmul_reduce_scatter rows": lambda: matmul_reduce_scatter(torch.zeros(world * 2 + 1, 3), torch.zeros(3, 2)),
-        "ulysses heads": lambda: UlyssesAttention(torch.zeros(4, 3 * (world + 1)), torch.zeros(world + 1, 4),
-                                                  world + 1, Overlap()),
+        "ulysses heads": lambda: UlyssesAttention(
+            torch.zeros(4, 3 * (world + 1)), torch.zeros(world + 1, 4), world + 1, Overlap()
+        ),
     }.items():
         try:
             call()
@@ -213,11 +275,15 @@ def _check_refusals(world: int, r: int) -> dict[str, str]:
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
-        result = {"ops": _check_ops(world, rank), "blocks": _check_blocks(world, rank),
-                  "refusals": _check_refusals(world, rank)}
+        result = {
+            "ops": _check_ops(world, rank),
+            "blocks": _check_blocks(world, rank),
+            "refusals": _check_refusals(world, rank),
+        }
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -245,8 +311,11 @@ def test_ops_and_blocks_equal_references(world, tmp_path):
         for case, err in {**result["ops"], **result["blocks"]}.items():
             errors[case] = max(errors.get(case, 0.0), err)
     assert len(errors) > 5 * len(VARIANTS) * 2 * 5
-    failed = {case: err for case, err in errors.items()
-              if not err <= TOLERANCE[torch.float64 if "float64" in case else torch.float32]}
+    failed = {
+        case: err
+        for case, err in errors.items()
+        if not err <= TOLERANCE[torch.float64 if "float64" in case else torch.float32]
+    }
     worst = {}
     for case, err in errors.items():
         key = " ".join(w for w in case.split() if w not in VARIANTS and not w.isdigit() and w != "step")
@@ -262,8 +331,9 @@ def _silent_peer_worker(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 never joins the ring: rank 0's flash all-gather must raise PeerLost within its timeout."""
     from lean.overlap import PeerLost, all_gather_matmul
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     if rank == 1:
         time.sleep(4)
         os._exit(0)  # skip the process group's teardown: the abandoned ring step would make it linger

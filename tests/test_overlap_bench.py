@@ -1,8 +1,9 @@
-"""`lean bench overlap`: options, the verdicts, the single-process path, the GPU script's branches, and a real run on
-two gloo processes launched through Accelerate."""
+"""`lean bench overlap`: options, the re-launch, the verdicts, the flat metrics, the single-process path, the GPU
+script's branches, and a real run on two gloo processes launched through Accelerate."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,33 +12,104 @@ from pathlib import Path
 
 import pytest
 
-from lean.overlap import bench
+from lean.bench import overlap, overlap_report
+from lean.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def parse(argv: list[str]) -> overlap.OverlapOptions:
+    """The options ``lean bench overlap ARGV`` runs with (the parser ``lean.cli`` builds for the subcommand)."""
+    parser = argparse.ArgumentParser(prog="lean bench overlap")
+    overlap.add_arguments(parser)
+    return overlap.options_from_args(parser.parse_args(argv))
+
+
 def test_options_are_validated():
-    args = bench.parse_args(["--nproc", "3", "--methods", "flash,sliced", "--quick"])
-    assert (args.nproc, args.methods, args.quick) == (3, "flash,sliced", True)
-    for bad in (["--methods", "flash,ring"], ["--ops", "mlp.fc3"], ["--repeats", "0"]):
-        with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+    options = parse(["--nproc", "3", "--methods", "flash,sliced", "--quick"])
+    assert (options.nproc, options.methods, options.quick) == (3, ("flash", "sliced"), True)
+    assert (options.effective_repeats, options.effective_warmup) == (3, 1)
+    assert parse([]) == overlap.OverlapOptions()
+    for bad, key in (
+        (["--methods", "flash,ring"], "--methods"),
+        (["--ops", "mlp.fc3"], "--ops"),
+        (["--repeats", "0"], "--repeats"),
+        (["--nproc", "0"], "--nproc"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--dtype", "int8"], "--dtype"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse(bad)
+        assert err.value.key == key
+    with pytest.raises(ConfigError, match="unknown ring; choose from collective, sliced, flash, flash-bidir"):
+        overlap.OverlapOptions(methods=("flash", "ring"))
+
+
+def test_options_survive_the_relaunch_argv():
+    options = overlap.OverlapOptions(
+        nproc=3,
+        out="x/y",
+        shapes=("narrow", "wide"),
+        quick=True,
+        ops=("mlp.fc2",),
+        repeats=4,
+        warmup=0,
+        methods=("flash",),
+        block_ms=12.5,
+        timeout=30.0,
+        dtype=overlap.DTYPES.default,
+    )
+    assert parse(overlap.to_argv(options)) == options
+    assert parse(overlap.to_argv(overlap.OverlapOptions())) == overlap.OverlapOptions()
+
+
+def test_outside_a_launch_it_relaunches_itself_on_every_rank(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+    monkeypatch.setattr("lean.launch.launch", lambda n, argv: calls.append((n, argv)) or 0)
+    options = overlap.OverlapOptions(nproc=2, quick=True, ops=("mlp.fc1",))
+    assert overlap.main(options) == 0
+    ((n, argv),) = calls
+    assert n == 2 and argv[:2] == ["bench", "overlap"] and parse(argv[2:]) == options
 
 
 def test_flash_vs_sliced_verdict_uses_the_noise():
     def row(method, latency, iqr):
-        return {"op": "op", "shape": "s", "method": method, "latency_ms": latency, "latency_iqr_ms": iqr,
-                "latency_min_ms": latency - iqr}
+        return {
+            "op": "op",
+            "shape": "s",
+            "method": method,
+            "latency_ms": latency,
+            "latency_iqr_ms": iqr,
+            "latency_min_ms": latency - iqr,
+        }
 
-    verdicts = [bench.flash_vs_sliced([row("sliced", 10.0, 0.5), row("flash", f, 0.5)])[0]["verdict"]
-                for f in (8.0, 10.3, 11.0)]
+    verdicts = [
+        overlap_report.flash_vs_sliced([row("sliced", 10.0, 0.5), row("flash", f, 0.5)])[0]["verdict"]
+        for f in (8.0, 10.3, 11.0)
+    ]
     assert verdicts == ["faster", "within noise", "slower"]
+
+
+def test_overlap_metrics_are_medians_per_method():
+    rows = [{"method": "flash", "hidden_fraction": h, "latency_ms": 2.0} for h in (0.2, 0.6, 0.9)]
+    rows += [{"method": "flash-bidir", "hidden_fraction": 0.5, "latency_ms": 1.0}]
+    out = overlap_report.flat_metrics({"results": rows, "model": {"mean_abs_error_median": 0.1}})
+    assert out == {
+        "overlap_hidden_fraction_flash": 0.6,
+        "overlap_latency_ms_flash": 2.0,
+        "overlap_hidden_fraction_flash_bidir": 0.5,
+        "overlap_latency_ms_flash_bidir": 1.0,
+        "overlap_model_mean_abs_error": 0.1,
+    }
 
 
 def test_single_process_measures_compute_and_says_what_it_could_not(tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    assert bench.cli_main(["--nproc", "1", "--quick", "--ops", "mlp.fc1,ulysses.out", "--out", str(tmp_path)]) == 0
+    options = parse(["--nproc", "1", "--quick", "--ops", "mlp.fc1,ulysses.out", "--out", str(tmp_path)])
+    assert overlap.main(options) == 0
     summary = json.loads((tmp_path / "overlap.json").read_text())
     assert summary["world"] == 1 and summary["results"] == []
     assert [r["op"].split()[0] for r in summary["compute_only"]] == ["mlp.fc1", "ulysses.out"]
@@ -48,11 +120,24 @@ def test_single_process_measures_compute_and_says_what_it_could_not(tmp_path, mo
     assert (tmp_path / "gantt.png").stat().st_size > 0
 
 
+def test_unknown_shape_exits_2(tmp_path, monkeypatch, capsys):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert overlap.main(overlap.OverlapOptions(nproc=1, shapes=("huge",), out=str(tmp_path))) == 2
+    assert "unknown shape huge" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("gpus, expect", [("0", "--nproc 2 --quick"), ("1", "--nproc 1"), ("4", "--nproc 4")])
 def test_gpu_script_picks_the_layout(gpus, expect):
     env = dict(os.environ, GPUS=gpus, DRY_RUN="1", PYTHON=sys.executable)
-    out = subprocess.run(["bash", str(REPO / "benchmarks/gpu_overlap.sh"), "/tmp/unused"], env=env,
-                         capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["bash", str(REPO / "benchmarks/gpu_overlap.sh"), "/tmp/unused"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     command = out.splitlines()[-1]
     assert command.startswith("+ ") and "bench overlap" in command and expect in command
     if gpus == "1":
@@ -62,11 +147,32 @@ def test_gpu_script_picks_the_layout(gpus, expect):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_runs_on_two_gloo_processes(tmp_path):
+    # Through the CLI: each rank of the re-launch runs `python -m lean.cli bench overlap ...`.
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", "bench", "overlap", "--nproc", "2", "--quick",
-                           "--ops", "mlp.fc1,mlp.fc2", "--repeats", "2", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=220, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lean.cli",
+            "bench",
+            "overlap",
+            "--nproc",
+            "2",
+            "--quick",
+            "--ops",
+            "mlp.fc1,mlp.fc2",
+            "--repeats",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hidden" in proc.stdout and "timeline model vs measured latency" in proc.stdout
     summary = json.loads((tmp_path / "overlap.json").read_text())

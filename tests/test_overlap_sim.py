@@ -51,8 +51,9 @@ def test_deadlocked_schedule_is_refused():
 def test_flash_all_gather_closed_forms(world):
     # compute-bound: every transfer hides behind a GEMM, latency = P GEMMs
     assert predict(unit_op("all_gather", world, 0, "consume"), "flash", UNIT).latency == pytest.approx(world)
-    fast = predict(replace(unit_op("all_gather", world, 1, "consume"), chunk_bytes=1), "flash",
-                   replace(UNIT, beta=2.0))  # 0.5 s transfers
+    fast = predict(
+        replace(unit_op("all_gather", world, 1, "consume"), chunk_bytes=1), "flash", replace(UNIT, beta=2.0)
+    )  # 0.5 s transfers
     assert fast.latency == pytest.approx(world) and fast.exposed == pytest.approx(0.0)
     # communication-bound: P-1 transfers back to back, then the last GEMM
     slow = predict(unit_op("all_gather", world, 3, "consume"), "flash", UNIT)
@@ -100,8 +101,9 @@ def test_projection_covers_every_case_and_h200_is_never_slower():
         assert latency > 0
         if prof == "H200":
             assert latency <= by[op, method, "H100-SXM"] + 1e-9
-    flash_fc1 = next(r for r in rows if r["op"].startswith("mlp.fc1") and r["method"] == "flash"
-                     and r["profile"] == "H100-SXM")
+    flash_fc1 = next(
+        r for r in rows if r["op"].startswith("mlp.fc1") and r["method"] == "flash" and r["profile"] == "H100-SXM"
+    )
     assert flash_fc1["hidden_fraction"] > 0.5
 
 

@@ -9,12 +9,20 @@ import re
 import pytest
 import torch
 
-from lean.config import ConfigError, PRESET_DIR, list_presets, load_config
+from lean.config import ConfigError, load_config
+from lean.presets import PRESET_DIR
+from lean.presets import PRESETS as KNOWN_PRESETS
 
 PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan"]
 # The README's CPU run of a preset: tiny model, 2 prompts x 4, 64 px, 16 T5 tokens, 1 iteration.
-QUICK = ["model.size=tiny", "model.resolution=64", "model.text_max_length=16", "train.prompts_per_iteration=2",
-         "train.group_size=4", "train.iterations=1"]
+QUICK = [
+    "model.size=tiny",
+    "model.resolution=64",
+    "model.text_max_length=16",
+    "train.prompts_per_iteration=2",
+    "train.group_size=4",
+    "train.iterations=1",
+]
 
 
 def tiny_preset(name: str, *overrides: str):
@@ -22,10 +30,17 @@ def tiny_preset(name: str, *overrides: str):
     8 T5 tokens, 5 video frames, float32 (bfloat16 matmuls are slow on CPUs); the preset's steps, SDE, guidance,
     LoRA and optimizer settings stay."""
     group = 3 if name == "dancegrpo-flux" else 2
-    small = ["model.size=tiny", "model.dtype=float32", "model.resolution=32", "model.text_max_length=8",
-             "model.num_frames=5",
-             "train.prompts_per_iteration=2", f"train.group_size={group}", "train.rollout_batch_size=8",
-             "train.train_batch_size=8"]
+    small = [
+        "model.size=tiny",
+        "model.dtype=float32",
+        "model.resolution=32",
+        "model.text_max_length=8",
+        "model.num_frames=5",
+        "train.prompts_per_iteration=2",
+        f"train.group_size={group}",
+        "train.rollout_batch_size=8",
+        "train.train_batch_size=8",
+    ]
     return load_config(None, [*small, *overrides], preset=name)
 
 
@@ -34,7 +49,7 @@ def on_policy(name: str, *overrides: str):
 
 
 def test_presets_ship_with_a_source_for_every_value():
-    assert set(PRESETS) <= set(list_presets())
+    assert set(PRESETS) <= set(KNOWN_PRESETS)
     for name in PRESETS:
         lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
         values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
@@ -44,25 +59,74 @@ def test_presets_ship_with_a_source_for_every_value():
 
 
 PUBLISHED = {  # the recipes as the issue and the cited scripts state them
-    "flowgrpo-sd3": {"model.family": "sd3", "sample.num_steps": 10, "sample.sde_kind": "flow_grpo",
-                     "sample.noise_level": 0.7, "sample.timestep_fraction": 0.99, "sample.guidance_scale": 4.5,
-                     "sample.cfg": True, "model.lora_rank": 32, "model.lora_alpha": 64, "model.lora_ffn": False,
-                     "train.lr": 3e-4, "train.clip_range": 1e-4, "train.adv_clip_max": 5.0, "train.beta": 0.04,
-                     "train.ema_decay": 0.9, "train.ema_every": 8, "train.max_grad_norm": 1.0,
-                     "model.resolution": 512, "train.group_size": 24},
-    "flowgrpo-flux": {"model.family": "flux", "sample.num_steps": 6, "sample.noise_level": 0.9,
-                      "sample.guidance_embed": 3.5, "sample.cfg": False, "model.lora_rank": 64,
-                      "model.lora_alpha": 128, "model.lora_ffn": True, "train.beta": 0.0, "model.dtype": "bfloat16"},
-    "flowgrpo-fast": {"sample.sde_kind": "cps", "sample.noise_level": 0.8, "sample.sde_window": 3,
-                      "sample.sde_window_max_start": 2, "sample.num_steps": 10},
-    "dancegrpo-flux": {"sample.num_steps": 16, "sample.shift": 3.0, "sample.sde_kind": "dance",
-                       "sample.noise_level": 0.3, "sample.timestep_fraction": 0.6,
-                       "sample.timestep_selection": "random", "train.beta": 0.0, "sample.cfg": False,
-                       "sample.guidance_embed": 3.5, "model.lora_rank": 128, "model.lora_alpha": 256,
-                       "model.lora_ffn": False, "train.lr": 3e-4, "train.clip_range": 1e-4, "train.group_size": 12},
-    "flowgrpo-wan": {"model.family": "wan", "sample.num_steps": 20, "sample.sde_kind": "flow_grpo_linear",
-                     "sample.guidance_scale": 4.5, "model.lora_rank": 32, "train.lr": 1e-4, "train.clip_range": 1e-3,
-                     "train.beta": 0.004, "train.group_size": 4},
+    "flowgrpo-sd3": {
+        "model.family": "sd3",
+        "sample.num_steps": 10,
+        "sample.sde_kind": "flow_grpo",
+        "sample.noise_level": 0.7,
+        "sample.timestep_fraction": 0.99,
+        "sample.guidance_scale": 4.5,
+        "sample.cfg": True,
+        "model.lora_rank": 32,
+        "model.lora_alpha": 64,
+        "model.lora_ffn": False,
+        "train.lr": 3e-4,
+        "train.clip_range": 1e-4,
+        "train.adv_clip_max": 5.0,
+        "train.beta": 0.04,
+        "train.ema_decay": 0.9,
+        "train.ema_every": 8,
+        "train.max_grad_norm": 1.0,
+        "model.resolution": 512,
+        "train.group_size": 24,
+    },
+    "flowgrpo-flux": {
+        "model.family": "flux",
+        "sample.num_steps": 6,
+        "sample.noise_level": 0.9,
+        "sample.guidance_embed": 3.5,
+        "sample.cfg": False,
+        "model.lora_rank": 64,
+        "model.lora_alpha": 128,
+        "model.lora_ffn": True,
+        "train.beta": 0.0,
+        "model.dtype": "bfloat16",
+    },
+    "flowgrpo-fast": {
+        "sample.sde_kind": "cps",
+        "sample.noise_level": 0.8,
+        "sample.sde_window": 3,
+        "sample.sde_window_max_start": 2,
+        "sample.num_steps": 10,
+    },
+    "dancegrpo-flux": {
+        "sample.num_steps": 16,
+        "sample.shift": 3.0,
+        "sample.sde_kind": "dance",
+        "sample.noise_level": 0.3,
+        "sample.timestep_fraction": 0.6,
+        "sample.timestep_selection": "random",
+        "train.beta": 0.0,
+        "sample.cfg": False,
+        "sample.guidance_embed": 3.5,
+        "model.lora_rank": 128,
+        "model.lora_alpha": 256,
+        "model.lora_ffn": False,
+        "train.lr": 3e-4,
+        "train.clip_range": 1e-4,
+        "train.group_size": 12,
+    },
+    "flowgrpo-wan": {
+        "model.family": "wan",
+        "sample.num_steps": 20,
+        "sample.sde_kind": "flow_grpo_linear",
+        "sample.guidance_scale": 4.5,
+        "model.lora_rank": 32,
+        "train.lr": 1e-4,
+        "train.clip_range": 1e-3,
+        "train.beta": 0.004,
+        "train.group_size": 4,
+    },
 }
 
 
@@ -101,8 +165,8 @@ def test_recompute_runs_the_off_policy_recipe(name):
     cfg = tiny_preset(name, "model.dtype=float64")
     trainer = Trainer(cfg)
     start = [p.detach().clone() for p in trainer.params]
-    rows = [trainer.iteration(it, "recompute") for it in range(2)]
-    assert trainer.optimizer_steps == 2 * cfg.train.optimizer_steps_per_iteration
+    rows = [trainer.iteration(it, "recompute").metrics for it in range(2)]
+    assert trainer.state.steps == 2 * cfg.train.optimizer_steps_per_iteration
     assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["policy_loss"]) for r in rows)
     assert all(r["ratio_max_dev"] > 1e-8 for r in rows)
     assert any(not torch.equal(p, s) for p, s in zip(trainer.params, start))
@@ -116,7 +180,7 @@ def test_trainer_uses_the_preset_sigma_grid(name):
     s = tiny_preset(name).sample
     trainer = Trainer(tiny_preset(name))
     expected = sigma_schedule(s.num_steps, s.shift, s.sigma_grid)
-    assert torch.equal(trainer.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
+    assert torch.equal(trainer.pipeline.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
 
 
 @pytest.mark.timeout(120)
@@ -138,16 +202,29 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
     assert main([*args, "--set", "train.schedule=retain", "--out", str(tmp_path / "refused")]) == 2
     assert "train.optimizer_steps_per_iteration=2 (set 1)" in capsys.readouterr().err
-    assert main([*args, "--set", "train.schedule=retain", "--set", "train.optimizer_steps_per_iteration=1",
-                 "--out", str(tmp_path / "retain")]) == 0
+    assert (
+        main(
+            [
+                *args,
+                "--set",
+                "train.schedule=retain",
+                "--set",
+                "train.optimizer_steps_per_iteration=1",
+                "--out",
+                str(tmp_path / "retain"),
+            ]
+        )
+        == 0
+    )
     for run in ("recompute", "retain"):
         metrics = json.loads((tmp_path / run / "metrics.json").read_text())
         assert metrics["schedule"] == run and math.isfinite(metrics["final_reward_mean"])
         assert json.loads((tmp_path / run / "config.json").read_text())["model"]["family"] == "sd3"
 
 
-@pytest.mark.parametrize("name,published", [("flowgrpo-sd3", 2.243e9), ("flowgrpo-flux", 11.9e9),
-                                            ("flowgrpo-wan", 1.42e9)])
+@pytest.mark.parametrize(
+    "name,published", [("flowgrpo-sd3", 2.243e9), ("flowgrpo-flux", 11.9e9), ("flowgrpo-wan", 1.42e9)]
+)
 def test_plan_reports_the_published_size_without_building_it(name, published, tmp_path):
     from lean.plan import main
 

@@ -9,16 +9,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny
 from safetensors.torch import load_file
 
-from conftest import tiny
 from lean import checkpoint
 from lean.config import ConfigError
+from lean.iteration import NonFiniteError
 from lean.rewards import REWARDS, register
-from lean.train import NonFiniteError, Trainer, resolve_schedule, train
+from lean.train import Trainer, resolve_schedule, train
 
-RUN = ["--set", "train.prompts_per_iteration=2", "--set", "train.group_size=2", "--set", "sample.num_steps=6",
-       "--set", "train.iterations=4", "--set", "train.save_every=1", "--set", "train.rollout_batch_size=1"]
+RUN = [
+    "--set",
+    "train.prompts_per_iteration=2",
+    "--set",
+    "train.group_size=2",
+    "--set",
+    "sample.num_steps=6",
+    "--set",
+    "train.iterations=4",
+    "--set",
+    "train.save_every=1",
+    "--set",
+    "train.rollout_batch_size=1",
+]
 
 
 @pytest.mark.slow
@@ -119,11 +132,27 @@ def _rank_of(pid: int) -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
-    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "2", "--", "train", "--set", "train.iterations=50",
-           "--set", "train.dist_timeout_s=20", "--set", "train.prompts_per_iteration=2", "--set",
-           "train.group_size=2", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lean.cli",
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "train",
+        "--set",
+        "train.iterations=50",
+        "--set",
+        "train.dist_timeout_s=20",
+        "--set",
+        "train.prompts_per_iteration=2",
+        "--set",
+        "train.group_size=2",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = ""
     while "rollout" not in seen:  # rank 0's rollout progress bar: the job is mid-rollout
         line = proc.stdout.readline()
@@ -136,6 +165,9 @@ def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
     rest, _ = proc.communicate(timeout=60)
     assert time.time() - start < 60 and proc.returncode != 0
     assert "rank" in (seen + rest) and ("1" in rest)
-    leftover = [p for p in ranks.values() if Path(f"/proc/{p}").exists()
-                and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    leftover = [
+        p
+        for p in ranks.values()
+        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+    ]
     assert not leftover

@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import pytest
+from helpers import tiny
 
-from conftest import tiny
-from lean.equivalence import LEAN_SCHEDULES, run_equivalence, tolerance
+from lean.dtypes import DTYPES
+from lean.equivalence import run_equivalence, tolerance
+from lean.schedules import LEAN_SCHEDULES
 from lean.train import Trainer, resolve_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,8 +18,13 @@ MATRIX = {
     "flux-nocfg": ["sample.cfg=false"],
     "flux-uncond-grad": ["sample.uncond_grad=true", "train.beta=0.04"],
     "flux-window-cps": ["sample.sde_window=2", "sample.sde_kind=cps", "sample.noise_level=0.8", "sample.num_steps=6"],
-    "flux-dance-random": ["sample.timestep_selection=random", "sample.timestep_fraction=0.6", "sample.sde_kind=dance",
-                          "sample.noise_level=0.3", "sample.cfg=false"],
+    "flux-dance-random": [
+        "sample.timestep_selection=random",
+        "sample.timestep_fraction=0.6",
+        "sample.sde_kind=dance",
+        "sample.noise_level=0.3",
+        "sample.cfg=false",
+    ],
     "flux-guidance-embed": ["sample.cfg=false", "sample.guidance_embed=3.5"],
     "flux-adv-clip": ["train.adv_clip_max=0.5"],
     "wan-cfg-kl": ["model.family=wan", "train.beta=0.04"],
@@ -26,7 +33,7 @@ MATRIX = {
 
 
 def _check(report, dtype):
-    rel_tol, cos_tol = tolerance(dtype)
+    rel_tol, cos_tol = tolerance(DTYPES[dtype])
     for s in LEAN_SCHEDULES:
         r = report[s]
         assert r["max_rel_grad_diff"] <= rel_tol, (s, r["max_rel_grad_diff"])
@@ -61,7 +68,7 @@ def test_equivalence_detects_a_wrong_gradient(monkeypatch):
 @pytest.mark.timeout(120)
 def test_reweight_buffers_are_per_trajectory_and_reported():
     trainer = Trainer(tiny())
-    row = trainer.iteration(0, "reweight")
+    row = trainer.iteration(0, "reweight").metrics
     n_params = sum(p.numel() for p in trainer.params)
     assert row["reweight_buffer_mb"] == pytest.approx(4 * n_params * 4 / 2**20)
 
@@ -78,7 +85,7 @@ def test_auto_takes_reweight_when_retain_does_not_fit():
 def test_bench_config_is_the_bench_section_of_params(tmp_path):
     import yaml
 
-    from lean.bench import bench_config
+    from lean.bench.schedules import bench_config
     from lean.config import ConfigError
 
     # The repository's default: FlowGRPO-like (10 steps, 9 trained, CFG) at the bench's own model size, 1 thread.
@@ -87,8 +94,14 @@ def test_bench_config_is_the_bench_section_of_params(tmp_path):
     assert int(cfg.sample.num_steps * cfg.sample.timestep_fraction) == 9 and opts.threads == 1
 
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"model": {"size": "tiny"}, "bench": {
-        "repeats": 5, "threads": 2, "run": {"model": {"size": "small", "resolution": 128}}}}))
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"size": "tiny"},
+                "bench": {"repeats": 5, "threads": 2, "run": {"model": {"size": "small", "resolution": 128}}},
+            }
+        )
+    )
     cfg, opts = bench_config(params)
     assert (cfg.model.size, cfg.model.resolution, opts.repeats, opts.warmup, opts.threads) == ("small", 128, 5, 1, 2)
     cfg, opts = bench_config(params, ["model.resolution=64"], repeats=2)  # --set and flags win
@@ -105,15 +118,16 @@ def test_plan_predicts_retains_peak_memory():
     """`lean plan`'s Retain peak against a measured one (live bytes, as the bench measures): the issue's +-15% on the
     total, and the part Retain adds (K steps of saved activations + the backward) within 40%."""
     from lean.metrics import live_bytes_heap
-    from lean.plan import predict, probe
+    from lean.plan import iteration_costs, predict, probe
 
     trainer = Trainer(tiny("model.resolution=64"))
-    state = trainer.trainable_state()
+    state = trainer.state.state_dict()
     with live_bytes_heap():
         trainer.iteration(0, "recompute")  # first-iteration allocations (prompt cache, ...) belong to the base
-        trainer.load_trainable_state(state)
-        measured = trainer.iteration(0, "retain")
-    step = probe(trainer)
-    predicted = predict(trainer, step)["retain"]["peak_memory_mb"]
+        trainer.state.load_state_dict(state)
+        measured = trainer.iteration(0, "retain").metrics
+    inp = trainer.plan_input()
+    step = probe(inp)
+    predicted = predict(iteration_costs(inp, step))["retain"].peak_memory_mb
     assert abs(predicted / measured["peak_memory_mb"] - 1) <= 0.15
     assert abs((predicted - step["base_mb"]) / measured["peak_memory_delta_mb"] - 1) <= 0.4, (predicted, measured)

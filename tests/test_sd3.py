@@ -5,9 +5,9 @@ reference = base model, float64 end to end, save -> from_pretrained round trip) 
 """
 
 import pytest
+import test_models as generic
 import torch
 
-import test_models as generic
 from lean.config import DEFAULT_PROMPTS, ModelConfig
 from lean.models import build_policy, count_parameters
 from lean.sde import ode_step, sigma_schedule
@@ -28,9 +28,16 @@ def pipeline_from(policy, folder):
     return pipe
 
 
-@pytest.mark.parametrize("check", ["test_cfg_batch_equals_two_forwards", "test_uncond_grad",
-                                   "test_reference_is_the_base_model", "test_float64_end_to_end",
-                                   "test_init_latents_do_not_depend_on_batching"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "test_cfg_batch_equals_two_forwards",
+        "test_uncond_grad",
+        "test_reference_is_the_base_model",
+        "test_float64_end_to_end",
+        "test_init_latents_do_not_depend_on_batching",
+    ],
+)
 def test_policy_contract(check):
     getattr(generic, check)("sd3")
 
@@ -44,9 +51,14 @@ def test_matches_stable_diffusion3_pipeline(tmp_path):
     policy = make()
     pipe = pipeline_from(policy, tmp_path)
     prompts = DEFAULT_PROMPTS[:2]
-    tokens, neg_tokens, pooled, neg_pooled = pipe.encode_prompt(prompts, prompts, prompts, device="cpu",
-                                                                do_classifier_free_guidance=True,
-                                                                max_sequence_length=policy.text_max_length)
+    tokens, neg_tokens, pooled, neg_pooled = pipe.encode_prompt(
+        prompts,
+        prompts,
+        prompts,
+        device="cpu",
+        do_classifier_free_guidance=True,
+        max_sequence_length=policy.text_max_length,
+    )
     emb, uncond = policy.encode_prompts(prompts), policy.encode_prompts([""] * 2)
     torch.testing.assert_close(emb.tokens, tokens, rtol=0, atol=1e-6)
     torch.testing.assert_close(emb.pooled, pooled, rtol=0, atol=1e-6)
@@ -54,9 +66,16 @@ def test_matches_stable_diffusion3_pipeline(tmp_path):
     torch.testing.assert_close(uncond.pooled, neg_pooled, rtol=0, atol=1e-6)
 
     x = policy.init_latents([torch.Generator().manual_seed(b) for b in range(2)])
-    kwargs = dict(prompt_embeds=tokens, negative_prompt_embeds=neg_tokens, pooled_prompt_embeds=pooled,
-                  negative_pooled_prompt_embeds=neg_pooled, num_inference_steps=3, guidance_scale=4.5,
-                  height=policy.arch.h * 8, width=policy.arch.w * 8)
+    kwargs = dict(
+        prompt_embeds=tokens,
+        negative_prompt_embeds=neg_tokens,
+        pooled_prompt_embeds=pooled,
+        negative_pooled_prompt_embeds=neg_pooled,
+        num_inference_steps=3,
+        guidance_scale=4.5,
+        height=policy.arch.h * 8,
+        width=policy.arch.w * 8,
+    )
     expected = pipe(latents=x.clone(), output_type="latent", **kwargs).images
     sigmas = sigma_schedule(3, 3.0)
     with torch.no_grad():
@@ -64,9 +83,15 @@ def test_matches_stable_diffusion3_pipeline(tmp_path):
             v = policy.velocity(x, sigmas[i].expand(2), emb, cfg=True, guidance_scale=4.5)
             x = ode_step(v, x, sigmas, i)
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(policy.decode(x), pipe.image_processor.postprocess(
-        pipe.vae.decode(expected / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor)[0],
-        output_type="pt"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        policy.decode(x),
+        pipe.image_processor.postprocess(
+            pipe.vae.decode(expected / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor)[0],
+            output_type="pt",
+        ),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_text_layout():

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lean.sde import SDE_KINDS, num_trained_steps, ode_step, plan_steps, sde_step_with_logprob, sigma_schedule
+from lean.sde import SDE_KINDS, num_trained_steps, ode_step, sde_step_with_logprob, select_steps, sigma_schedule
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -171,8 +171,9 @@ def test_generator_list_noise_independent_of_batching(kind):
 
 
 @pytest.mark.parametrize("kind", SDE_KINDS)
-@pytest.mark.parametrize("dtype, lp_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32),
-                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, lp_dtype", [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+)
 def test_dtypes(kind, dtype, lp_dtype):
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(8)).to(dtype).unbind(0)
@@ -187,8 +188,9 @@ def test_dtypes(kind, dtype, lp_dtype):
 def test_cps_last_step_is_the_deterministic_mean():
     sigmas = sigma_schedule(4, 3.0)
     x, v = torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(9)).unbind(0)
-    out, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 3, kind="cps", noise_level=0.5,
-                                               generator=torch.Generator())
+    out, lp, mean, std = sde_step_with_logprob(
+        v, x, sigmas, 3, kind="cps", noise_level=0.5, generator=torch.Generator()
+    )
     assert std.eq(0).all() and torch.equal(out, mean) and lp.eq(0).all()
     torch.testing.assert_close(out, x - sigmas[3].float() * v)  # σ' = 0: the predicted x0
 
@@ -205,8 +207,9 @@ def test_ode_step():
     sigmas = torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64)
     x, v = torch.tensor([[1.0, -2.0]]), torch.tensor([[2.0, 4.0]])
     torch.testing.assert_close(ode_step(v, x, sigmas, 1), torch.tensor([[0.5, -3.0]]))  # x - 0.25·v
-    torch.testing.assert_close(ode_step(v.repeat(2, 1), x.repeat(2, 1), sigmas, torch.tensor([0, 2])),
-                               torch.tensor([[0.0, -4.0], [0.5, -3.0]]))
+    torch.testing.assert_close(
+        ode_step(v.repeat(2, 1), x.repeat(2, 1), sigmas, torch.tensor([0, 2])), torch.tensor([[0.0, -4.0], [0.5, -3.0]])
+    )
 
 
 def test_invalid_arguments():
@@ -232,32 +235,34 @@ def test_sigma_schedule_is_the_schedulers():
         torch.testing.assert_close(sigmas, scheduler.sigmas.double(), rtol=0, atol=0)
         assert sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas.diff() < 0).all()
     # shift 1: a plain linspace of t from 1 to sigma_min (1/1000 for 1000 training steps)
-    torch.testing.assert_close(sigma_schedule(3, 1.0)[:-1], torch.tensor([1.0, 0.5005, 0.001], dtype=torch.float64),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        sigma_schedule(3, 1.0)[:-1], torch.tensor([1.0, 0.5005, 0.001], dtype=torch.float64), atol=1e-6, rtol=0
+    )
 
 
 def test_plan_first():
     assert [num_trained_steps(10, f) for f in (0.99, 1.0, 0.5, 0.01)] == [9, 9, 5, 1]
     assert num_trained_steps(100, 0.29) == 29
-    plan = plan_steps(10, 3, timestep_fraction=0.99, selection="first")
+    plan = select_steps(10, 3, timestep_fraction=0.99, selection="first")
     assert plan.stochastic.all() and plan.window_start is None
     assert plan.trained.shape == (3, 10) and plan.trained[:, :9].all() and not plan.trained[:, 9:].any()
-    assert plan_steps(10, 2, timestep_fraction=0.5).trained.sum(1).tolist() == [5, 5]
+    assert select_steps(10, 2, timestep_fraction=0.5).trained.sum(1).tolist() == [5, 5]
 
 
 def test_plan_random_per_sample():
     gens = lambda: [torch.Generator().manual_seed(100 + b) for b in range(16)]  # noqa: E731
-    plan = plan_steps(8, 16, timestep_fraction=0.5, selection="random", sample_generators=gens())
+    plan = select_steps(8, 16, timestep_fraction=0.5, selection="random", sample_generators=gens())
     assert plan.stochastic.all()
     assert plan.trained.sum(1).eq(4).all() and not plan.trained[:, -1].any()
     assert len({tuple(row.tolist()) for row in plan.trained}) > 1  # samples draw their own steps
-    assert torch.equal(plan.trained, plan_steps(8, 16, timestep_fraction=0.5, selection="random",
-                                                sample_generators=gens()).trained)
+    assert torch.equal(
+        plan.trained, select_steps(8, 16, timestep_fraction=0.5, selection="random", sample_generators=gens()).trained
+    )
     # sample b's steps depend on its generator only, not on the batch around it
-    alone = plan_steps(8, 1, timestep_fraction=0.5, selection="random", sample_generators=gens()[5:6])
+    alone = select_steps(8, 1, timestep_fraction=0.5, selection="random", sample_generators=gens()[5:6])
     assert torch.equal(alone.trained[0], plan.trained[5])
     assert torch.equal(plan.grad_steps, plan.trained.any(0))
-    tiny = plan_steps(8, 2, timestep_fraction=0.01, selection="random", sample_generators=gens()[:2])
+    tiny = select_steps(8, 2, timestep_fraction=0.01, selection="random", sample_generators=gens()[:2])
     assert tiny.trained.sum(1).tolist() == [1, 1]
 
 
@@ -265,18 +270,18 @@ def test_plan_window():
     starts = set()
     for seed in range(60):
         generator = torch.Generator().manual_seed(seed)
-        plan = plan_steps(10, 2, timestep_fraction=0.99, sde_window=2, window_generator=generator)
+        plan = select_steps(10, 2, timestep_fraction=0.99, sde_window=2, window_generator=generator)
         s = plan.window_start
         expected = torch.zeros(10, dtype=torch.bool)
         expected[s : s + 2] = True
         assert torch.equal(plan.stochastic, expected) and torch.equal(plan.trained, expected.expand(2, 10))
         starts.add(s)
     assert starts == {0, 1, 2, 3}  # default: the window stays in the first half (steps < 5)
-    plan = plan_steps(10, 1, sde_window=3, sde_window_max_start=6, window_generator=torch.Generator().manual_seed(0))
+    plan = select_steps(10, 1, sde_window=3, sde_window_max_start=6, window_generator=torch.Generator().manual_seed(0))
     assert 0 <= plan.window_start <= 6 and not plan.trained[:, -1].any()
     with pytest.raises(ValueError, match="sde_window_max_start"):
-        plan_steps(10, 1, sde_window=3, sde_window_max_start=7)
+        select_steps(10, 1, sde_window=3, sde_window_max_start=7)
     with pytest.raises(ValueError, match="sde_window"):
-        plan_steps(10, 1, sde_window=10)
+        select_steps(10, 1, sde_window=10)
     with pytest.raises(ValueError, match="selection"):
-        plan_steps(10, 1, selection="last")
+        select_steps(10, 1, selection="last")

@@ -26,8 +26,9 @@ def test_worked_example():
     # std = 0.25·0.5 = 0.125; log p(0.5) = -(0.03125)²/(2·0.125²) - log 0.125 - log sqrt(2π) = 1.1292530.
     sigmas = torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64)
     x, v, x_next = (torch.full((1, 2, 2), value, dtype=torch.float64) for value in (1.0, 2.0, 0.5))
-    _, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 1, kind="flow_grpo_linear", noise_level=1.0,
-                                             prev_sample=x_next)
+    _, lp, mean, std = sde_step_with_logprob(
+        v, x, sigmas, 1, kind="flow_grpo_linear", noise_level=1.0, prev_sample=x_next
+    )
     torch.testing.assert_close(mean, torch.full_like(x, 0.46875))
     assert std.item() == pytest.approx(0.125, abs=1e-15)
     assert lp.item() == pytest.approx(-0.5 * 0.03125**2 / 0.125**2 + math.log(8) - LOG_SQRT_2PI, abs=1e-12)
@@ -40,8 +41,9 @@ def test_sampled_step_matches_formula(sigmas):
     sigmas = torch.tensor(sigmas, dtype=torch.float64)
     eta, index = 0.8, torch.tensor([0, 1, 3])
     x, v = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64).unbind(0)
-    out, lp, mean, std = sde_step_with_logprob(v, x, sigmas, index, kind="flow_grpo_linear", noise_level=eta,
-                                               generator=torch.Generator().manual_seed(5))
+    out, lp, mean, std = sde_step_with_logprob(
+        v, x, sigmas, index, kind="flow_grpo_linear", noise_level=eta, generator=torch.Generator().manual_seed(5)
+    )
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     for b, i in enumerate(index.tolist()):
         s, s_next = sigmas[i].item(), sigmas[i + 1].item()
@@ -59,8 +61,9 @@ def test_gradient_through_mean_only():
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     v = torch.randn(2, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64, requires_grad=True)
     x_next = torch.randn(2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
-    _, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 4, kind="flow_grpo_linear", noise_level=1.0,
-                                             prev_sample=x_next)
+    _, lp, mean, std = sde_step_with_logprob(
+        v, x, sigmas, 4, kind="flow_grpo_linear", noise_level=1.0, prev_sample=x_next
+    )
     lp.sum().backward()
     assert x_next.grad is None
     s, s_next = sigmas[4].item(), sigmas[5].item()
@@ -81,8 +84,12 @@ def test_grids_are_the_pipelines():
     uniform = sigma_schedule(6, 1.8776105792643432, "uniform")
     torch.testing.assert_close(uniform, flux.sigmas.double(), rtol=0, atol=1e-6)
     # FLUX.1-dev at 512 px, 6 steps (FlowGRPO): f(s) = 1.8776 s / (1 + 0.8776 s) at s = 1, 5/6, ..., 1/6, 0.
-    torch.testing.assert_close(uniform, torch.tensor([1.0, 0.903736, 0.789705, 0.652489, 0.484218, 0.273003, 0.0],
-                                                     dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        uniform,
+        torch.tensor([1.0, 0.903736, 0.789705, 0.652489, 0.484218, 0.273003, 0.0], dtype=torch.float64),
+        rtol=0,
+        atol=1e-6,
+    )
     # DanceGRPO: sd3_time_shift(3, linspace(1, 0, 17)) in float32.
     t = torch.linspace(1, 0, 17)
     torch.testing.assert_close(sigma_schedule(16, 3.0, "uniform"), (3 * t / (1 + 2 * t)).double(), rtol=0, atol=0)

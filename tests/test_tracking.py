@@ -38,9 +38,11 @@ def _client():
 
 
 def test_off_by_default_never_imports_mlflow():
-    code = ("import sys; from lean import tracking; run = tracking.start_run('x', params={'a': 1}); "
-            "run.log_metrics({'m': 1.0}, step=0); run.child('c').finish(); run.finish(); "
-            "assert run.run_id is None and not tracking.enabled(); assert 'mlflow' not in sys.modules, 'imported'")
+    code = (
+        "import sys; from lean import tracking; run = tracking.start_run('x', params={'a': 1}); "
+        "run.log_metrics({'m': 1.0}, step=0); run.child('c').finish(); run.finish(); "
+        "assert run.run_id is None and not tracking.enabled(); assert 'mlflow' not in sys.modules, 'imported'"
+    )
     env = {k: v for k, v in os.environ.items() if k != "LEAN_TRACKING"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -63,7 +65,11 @@ def test_store_location(monkeypatch, tmp_path):
 
 def test_flatten():
     assert tracking.flatten({"model": {"family": "flux", "lora": {"r": 8}}, "x": 1, "empty": {}}) == {
-        "model.family": "flux", "model.lora.r": 8, "x": 1, "empty": {}}
+        "model.family": "flux",
+        "model.lora.r": 8,
+        "x": 1,
+        "empty": {},
+    }
 
 
 def test_run_with_tags_params_metrics_child_and_figure(monkeypatch):
@@ -115,7 +121,8 @@ def test_unreachable_store_warns_once_and_continues(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_train_logs_every_iteration():
-    from conftest import tiny
+    from helpers import tiny
+
     from lean.train import train
 
     tracking.configure(enabled=True)
@@ -172,7 +179,8 @@ def test_failed_calls_wait_in_the_spool_and_are_replayed_once(monkeypatch, tmp_p
 def test_resumed_training_continues_its_run_and_logs_each_step_once(monkeypatch):
     """Killed after logging iteration 2 but before its checkpoint: --resume re-runs iteration 2 in the same run,
     and the store still holds each step of reward_mean once."""
-    from conftest import tiny
+    from helpers import tiny
+
     from lean import checkpoint
     from lean.train import train
 

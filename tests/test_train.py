@@ -6,13 +6,21 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny
 from safetensors.torch import load_file
 
-from conftest import tiny
 from lean.train import train
 
-METRIC_KEYS = ["reward_mean", "time_rollout_s", "time_reward_s", "time_advantage_s", "time_update_s",
-               "time_iteration_s", "peak_memory_mb", "flops_per_iteration"]
+METRIC_KEYS = [
+    "reward_mean",
+    "time_rollout_s",
+    "time_reward_s",
+    "time_advantage_s",
+    "time_update_s",
+    "time_iteration_s",
+    "peak_memory_mb",
+    "flops_per_iteration",
+]
 
 
 @pytest.mark.timeout(240)
@@ -34,8 +42,10 @@ def test_train_writes_metrics_and_lora(tmp_path, family):
 @pytest.mark.parametrize("family", ["flux", "wan"])
 @pytest.mark.parametrize("schedule", ["recompute", "retain", "reweight"])
 def test_float64_end_to_end(family, schedule, tmp_path):
-    history = train(tiny(f"model.family={family}", "model.dtype=float64", f"train.schedule={schedule}",
-                         "train.beta=0.01"), out=str(tmp_path))
+    history = train(
+        tiny(f"model.family={family}", "model.dtype=float64", f"train.schedule={schedule}", "train.beta=0.01"),
+        out=str(tmp_path),
+    )
     assert all(torch.isfinite(torch.tensor(h["reward_mean"])) for h in history)
     latents = load_file(tmp_path / "rollout.safetensors")["latents"]
     assert latents.dtype == torch.float64
@@ -54,9 +64,23 @@ def test_cli_train_default_params(tmp_path):
     """The README's `lean train` with a params file and overrides."""
     params = tmp_path / "params.yaml"
     params.write_text("train:\n  iterations: 1\n  prompts_per_iteration: 2\n  group_size: 2\nsample:\n  num_steps: 3\n")
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", "train", "--params", str(params), "--set",
-                           "train.schedule=auto", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lean.cli",
+            "train",
+            "--params",
+            str(params),
+            "--set",
+            "train.schedule=auto",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["auto"]["choice"] in ("retain", "reweight") and metrics["schedule"] == metrics["auto"]["choice"]

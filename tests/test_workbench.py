@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,30 @@ import pytest
 import torch
 import yaml
 
-from lean import data, workbench
-from lean.config import DEFAULT_PROMPTS, ModelConfig, load_config
+from lean import data
+from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig, load_config
+from lean.launch import free_port
 from lean.rewards import compute_rewards
+from lean.workbench.method import compare_updates, run_advantage, run_rollout, run_update
+from lean.workbench.stage import stage_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-STAGES = ("prepare", "rollout", "advantage", "update@recompute", "update@retain", "update@reweight", "equivalence",
-          "train@recompute", "train@retain", "train@reweight", "bench_schedules", "overlap", "report")
+STAGES = (
+    "prepare",
+    "rollout",
+    "advantage",
+    "update@recompute",
+    "update@retain",
+    "update@reweight",
+    "equivalence",
+    "train@recompute",
+    "train@retain",
+    "train@reweight",
+    "bench_schedules",
+    "overlap",
+    "report",
+)
 
 
 # ---------------------------------------------------------------- the synthetic task
@@ -81,19 +96,29 @@ def test_pretrain_writes_a_loadable_calibrated_base(tmp_path):
 
 def test_stage_config_layers(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({
-        "train": {"lr": 1e-4, "iterations": 3},
-        "reward": {"weights": {"color_match": 1.0}},
-        "rl": {"run": {"train": {"iterations": 7, "prompts": ["a red circle on a white background"]},
-                       "reward": {"weights": {"position_match": 1.0}}}},
-        "other_stage": {"anything": 1}}))
-    cfg = workbench.stage_config(params, "rl", schedule="reweight")
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "train": {"lr": 1e-4, "iterations": 3},
+                "reward": {"weights": {"color_match": 1.0}},
+                "rl": {
+                    "run": {
+                        "train": {"iterations": 7, "prompts": ["a red circle on a white background"]},
+                        "reward": {"weights": {"position_match": 1.0}},
+                    }
+                },
+                "other_stage": {"anything": 1},
+            }
+        )
+    )
+    cfg = stage_config(params, "rl", schedule="reweight")
     assert cfg.train.iterations == 7 and cfg.train.lr == 1e-4 and cfg.train.schedule == "reweight"
     assert cfg.train.prompts == ["a red circle on a white background"]
     assert cfg.reward.weights == {"position_match": 1.0}  # a mapping value replaces, never merges
-    assert workbench.stage_config(params).train.iterations == 3
-    with pytest.raises(ValueError, match="must be one of"):
-        workbench.stage_overrides({"bench": {"repeats": 1}})
+    assert stage_config(params).train.iterations == 3
+    params.write_text(yaml.safe_dump({"rl": {"run": {"bench": {"repeats": 1}}}}))
+    with pytest.raises(ConfigError, match="rl.run.bench.*unknown section"):
+        stage_config(params, "rl")
 
 
 # ---------------------------------------------------------------- one iteration taken apart
@@ -102,50 +127,57 @@ def test_stage_config_layers(tmp_path):
 @pytest.mark.timeout(180)
 def test_method_stages_reproduce_and_certify():
     cfg = load_config(None, ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4"])
-    trajectory, summary, steps = workbench.run_rollout(cfg, perturb_std=0.02)
+    trajectory, summary, steps = run_rollout(cfg, perturb_std=0.02)
     assert [row["trained"] for row in steps] == [1, 1, 1, 0]  # the last step is never trained
     assert all(row["activation_mb"] > 0 for row in steps[:3]) and steps[3]["activation_mb"] == 0
     assert {f"x.{i}" for i in range(3)} <= set(trajectory) and "x.3" not in trajectory
-    advantages, stats, rows = workbench.run_advantage(cfg, trajectory)
+    advantages, stats, rows = run_advantage(cfg, trajectory)
     assert len(rows) == 4 and abs(stats["advantage_mean"]) < 1e-9
 
     updates = {}
     for schedule in ("recompute", "retain", "reweight"):
-        updates[schedule], info = workbench.run_update(cfg, schedule, trajectory, advantages["advantages"], 0.02)
+        updates[schedule], info = run_update(cfg, schedule, trajectory, advantages["advantages"], 0.02)
         if schedule != "recompute":
             assert info["reproduces_trajectory"] and info["log_prob_max_abs_diff"] <= 1e-6
-    report = workbench.compare_updates(updates, cfg.model.dtype)
+    report = compare_updates(updates, cfg.model.torch_dtype)
     assert report["passes"] and report["max_rel_grad_diff_retain"] <= 1e-5
 
     bad = dict(updates["retain"])
     name = next(k for k in bad if k.startswith("grad."))
     bad[name] = bad[name] * 1.01  # a wrong gradient must fail the certificate
-    assert not workbench.compare_updates({**updates, "retain": bad}, cfg.model.dtype)["passes"]
-
-
-def test_overlap_metrics_are_medians_per_method():
-    rows = [{"method": "flash", "hidden_fraction": h, "latency_ms": 2.0} for h in (0.2, 0.6, 0.9)]
-    rows += [{"method": "flash-bidir", "hidden_fraction": 0.5, "latency_ms": 1.0}]
-    out = workbench.overlap_metrics({"results": rows, "model": {"mean_abs_error": 0.1}})
-    assert out == {"overlap_hidden_fraction_flash": 0.6, "overlap_latency_ms_flash": 2.0,
-                   "overlap_hidden_fraction_flash_bidir": 0.5, "overlap_latency_ms_flash_bidir": 1.0,
-                   "overlap_model_mean_abs_error": 0.1}
+    assert not compare_updates({**updates, "retain": bad}, cfg.model.torch_dtype)["passes"]
 
 
 # ---------------------------------------------------------------- the pipeline, end to end
 
 TINY = {
     "prepare": {"images": 64, "vae_steps": 4, "steps": 4, "batch_size": 8},
-    "method": {"run": {"sample": {"num_steps": 4},
-                       "train": {"prompts_per_iteration": 2, "group_size": 2, "rollout_batch_size": 4,
-                                 "train_batch_size": 4}}},
-    "rl": {"run": {"sample": {"num_steps": 4},
-                   "train": {"iterations": 2, "prompts_per_iteration": 2, "group_size": 2, "rollout_batch_size": 4,
-                             "train_batch_size": 4}}},
-    "bench": {"repeats": 1, "warmup": 0,
-              "run": {"sample": {"num_steps": 4},
-                      "train": {"prompts_per_iteration": 1, "group_size": 2, "rollout_batch_size": 2,
-                                "train_batch_size": 2}}},
+    "method": {
+        "run": {
+            "sample": {"num_steps": 4},
+            "train": {"prompts_per_iteration": 2, "group_size": 2, "rollout_batch_size": 4, "train_batch_size": 4},
+        }
+    },
+    "rl": {
+        "run": {
+            "sample": {"num_steps": 4},
+            "train": {
+                "iterations": 2,
+                "prompts_per_iteration": 2,
+                "group_size": 2,
+                "rollout_batch_size": 4,
+                "train_batch_size": 4,
+            },
+        }
+    },
+    "bench": {
+        "repeats": 1,
+        "warmup": 0,
+        "run": {
+            "sample": {"num_steps": 4},
+            "train": {"prompts_per_iteration": 1, "group_size": 2, "rollout_batch_size": 2, "train_batch_size": 2},
+        },
+    },
     "overlap": {"nproc": 2, "args": ["--quick", "--ops", "mlp.fc1", "--methods", "collective,flash", "--repeats", "2"]},
 }
 _SMOKE: dict[str, Path] = {}
@@ -153,8 +185,13 @@ _SMOKE: dict[str, Path] = {}
 
 def copy_repository(dst: Path) -> None:
     """The working tree as a fresh clone would have it (tracked and not-ignored files), committed in a new repo."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                            check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (ROOT / name).is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
@@ -164,15 +201,12 @@ def copy_repository(dst: Path) -> None:
         subprocess.run(git + cmd, cwd=dst, check=True, capture_output=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rest(url: str, path: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -181,10 +215,25 @@ def start_mlflow_server(folder: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(folder / "server.log", "w")
-    server = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-                               "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{folder / 'server.db'}",
+            "--artifacts-destination",
+            str(folder / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -209,8 +258,7 @@ def stop(server: subprocess.Popen) -> None:
 
 
 def dvc(repo: Path, *args: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    out = subprocess.run([str(BIN / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run([str(BIN / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"dvc {' '.join(args)}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     return out
 
@@ -230,21 +278,33 @@ def smoke_repo(tmp_root: Path) -> dict:
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     server, url = start_mlflow_server(work)
     try:
-        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "MLFLOW_TRACKING_URI": url,
-               "LEAN_TRACKING": "1"}
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "MLFLOW_TRACKING_URI": url,
+            "LEAN_TRACKING": "1",
+        }
         env.pop("DVC_ROOT", None)
         start = time.perf_counter()
         first = dvc(repo, "repro", env=env, timeout=900)
         seconds = time.perf_counter() - start
         second = dvc(repo, "repro", env=env, timeout=120)
         experiment = rest(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=lean-workbench")["experiment"]
-        runs = rest(url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]],
-                                                         "max_results": 500})["runs"]
+        runs = rest(
+            url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]], "max_results": 500}
+        )["runs"]
         metrics_show = dvc(repo, "metrics", "show", "--json", env=env, timeout=120).stdout
     finally:
         stop(server)
-    _SMOKE.update(repo=repo, outputs=repo / "outputs", first=first.stdout, second=second.stdout, runs=runs,
-                  seconds=seconds, metrics_show=metrics_show)
+    _SMOKE.update(
+        repo=repo,
+        outputs=repo / "outputs",
+        first=first.stdout,
+        second=second.stdout,
+        runs=runs,
+        seconds=seconds,
+        metrics_show=metrics_show,
+    )
     return _SMOKE
 
 
@@ -266,9 +326,16 @@ def test_dvc_repro_end_to_end(smoke):
     for schedule in ("retain", "reweight"):
         assert json.loads((outputs / "update" / schedule / "metrics.json").read_text())["reproduces_trajectory"]
     report = json.loads((outputs / "report" / "metrics.json").read_text())
-    for key in ("speedup_retain", "speedup_reweight", "speedup_bound_retain", "mfu_recompute",
-                "max_rel_grad_diff_retain", "max_rel_grad_diff_reweight", "overlap_hidden_fraction_flash",
-                "reward_final_retain"):
+    for key in (
+        "speedup_retain",
+        "speedup_reweight",
+        "speedup_bound_retain",
+        "mfu_recompute",
+        "max_rel_grad_diff_retain",
+        "max_rel_grad_diff_reweight",
+        "overlap_hidden_fraction_flash",
+        "reward_final_retain",
+    ):
         assert key in report, key
     assert "max_rel_grad_diff_retain" in smoke["metrics_show"]  # `dvc metrics show` reads the stages' metrics
 

@@ -1,58 +1,76 @@
 """Model families behind one :class:`Policy`: ``build_policy(model_cfg, prompts)`` and ``count_parameters``.
 
 A family is a module (``lean/models/<family>.py``) declaring ``SIZES`` (per-size configs of each component),
-``COMPONENTS`` (folder -> model class, config class), ``TOKENIZERS``, ``PIPELINE``, ``lora_targets(ffn)`` and a
-runtime class implementing :class:`lean.models.policy.Family`. Family modules import diffusers, so they are
-imported on first use only.
+``COMPONENTS`` (folder -> library, model class, config class, as ``model_index.json`` names them), ``TOKENIZERS``,
+``PIPELINE``, ``DISPLAY_NAME``, ``lora_targets(ffn)``, optional capabilities (``GUIDANCE_EMBED``, ``FRAME_STEP``)
+and ``ARCH``, a runtime class implementing :class:`lean.models.policy.Family`. Family modules import no diffusers
+at import time (config validation reads their ``SIZES``); the classes are imported when a model is built.
+Adding a family is one new module plus one :data:`FAMILIES` line.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from lean.config import ModelConfig
+from lean.dtypes import DTYPES, dtype_name
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
 from lean.models.text import PromptEmbeds, train_tokenizer
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import ModelConfig
 
 __all__ = ["FAMILIES", "Policy", "PromptEmbeds", "build_policy", "count_parameters", "family_module"]
 
-# family name -> (module, runtime class name)
-FAMILIES = {
-    "flux": ("lean.models.flux", "Flux"),
-    "wan": ("lean.models.wan", "Wan"),
-    "sd3": ("lean.models.sd3", "SD3"),
-}
+FAMILIES: Registry[str] = Registry(
+    "model family",
+    [  # name -> module
+        ("flux", "lean.models.flux"),  # the default
+        ("wan", "lean.models.wan"),
+        ("sd3", "lean.models.sd3"),
+    ],
+)
 INIT_SEED = 20240601  # every process draws the same random weights
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def family_module(family: str) -> ModuleType:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
-    return importlib.import_module(FAMILIES[family][0])
+    return importlib.import_module(FAMILIES.get_or_raise(family))
+
+
+def component_classes(spec: ModuleType, name: str) -> tuple[type, type | None]:
+    """(model class, transformers config class or None) of component ``name`` of a family."""
+    library, model_class, config_class = spec.COMPONENTS[name]
+    module = importlib.import_module(library)
+    return getattr(module, model_class), (getattr(module, config_class) if config_class else None)
+
+
+def meta_transformer(spec: ModuleType, size: str) -> torch.nn.Module:
+    """The family's transformer at ``size`` on the meta device: no memory, no initialisation (buffers too: SD3.5's
+    384x384 position table takes 20 s on a CPU)."""
+    from accelerate import init_empty_weights  # local: accelerate's import takes seconds
+
+    with init_empty_weights(include_buffers=True):
+        return component_classes(spec, "transformer")[0](**spec.SIZES[size]["transformer"])
 
 
 def count_parameters(family: str, size: str) -> int:
-    """Parameters of the family's transformer at ``size``, built on the meta device (no memory, no init)."""
-    from accelerate import init_empty_weights
-
-    spec = family_module(family)
-    with init_empty_weights(include_buffers=True):  # buffers too: SD3.5's 384x384 position table takes 20 s on CPU
-        model = spec.COMPONENTS["transformer"][0](**spec.SIZES[size]["transformer"])
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the family's transformer at ``size``, counted on the meta device."""
+    return sum(p.numel() for p in meta_transformer(family_module(family), size).parameters())
 
 
 @contextmanager
@@ -67,15 +85,22 @@ def _random_components(spec: ModuleType, size: str, tokenizer, device: torch.dev
     """Every component of ``spec`` at ``size``, drawn on ``device``, each from its own seed so that e.g. the
     transformer does not depend on the vocabulary size of the text encoders."""
     modules = {}
-    for k, (name, (cls, config_cls)) in enumerate(spec.COMPONENTS.items()):
+    for k, name in enumerate(spec.COMPONENTS):
+        cls, config_cls = component_classes(spec, name)
         arch = spec.SIZES[size][name]
         with torch.device(device), _seeded(INIT_SEED + k, device):
             if config_cls is None:
                 modules[name] = cls(**arch)
             else:  # a transformers text encoder sized by ``arch``, vocabulary from the tokenizer
-                modules[name] = cls(config_cls(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                                               **arch))
+                modules[name] = cls(
+                    config_cls(
+                        vocab_size=len(tokenizer),
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        bos_token_id=tokenizer.bos_token_id,
+                        **arch,
+                    )
+                )
     return modules
 
 
@@ -83,7 +108,8 @@ def _load_components(spec: ModuleType, folder: Path, dtype: torch.dtype) -> tupl
     """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``."""
     index = json.loads((folder / "model_index.json").read_text())
     modules, tokenizers = {}, {}
-    for name, (cls, _) in spec.COMPONENTS.items():
+    for name in spec.COMPONENTS:
+        cls = component_classes(spec, name)[0]
         library, class_name = index[name]
         loaded_cls = getattr(importlib.import_module(library), class_name)
         if name == "transformer" and not issubclass(loaded_cls, cls):
@@ -93,21 +119,31 @@ def _load_components(spec: ModuleType, folder: Path, dtype: torch.dtype) -> tupl
     for tokenizer_name in spec.TOKENIZERS.values():
         library, class_name = index[tokenizer_name]
         tokenizers[tokenizer_name] = getattr(importlib.import_module(library), class_name).from_pretrained(
-            folder / tokenizer_name)
+            folder / tokenizer_name
+        )
     return modules, tokenizers
 
 
 def _cache_folder(cache_dir: str | Path, model_cfg: ModelConfig, prompts: list[str]) -> Path:
     """Folder of a randomly initialised pipeline, keyed by everything its weights depend on."""
-    import diffusers
+    import diffusers  # local: diffusers takes seconds to import (see component_classes)
 
-    key = json.dumps([model_cfg.family, model_cfg.size, model_cfg.text_max_length, sorted(set(prompts)),
-                      INIT_SEED, diffusers.__version__])
+    key = json.dumps(
+        [
+            model_cfg.family,
+            model_cfg.size,
+            model_cfg.text_max_length,
+            sorted(set(prompts)),
+            INIT_SEED,
+            diffusers.__version__,
+        ]
+    )
     return Path(cache_dir) / f"{model_cfg.family}-{model_cfg.size}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def build_policy(model_cfg: ModelConfig, prompts: list[str], device: torch.device | str = "cpu",
-                 cache_dir: str | Path | None = None) -> Policy:
+def build_policy(
+    model_cfg: ModelConfig, prompts: list[str], device: torch.device | str = "cpu", cache_dir: str | Path | None = None
+) -> Policy:
     """The policy for ``model_cfg``: loaded from ``model_cfg.pretrained`` (a diffusers pipeline folder, e.g. one
     written by :meth:`Policy.save_pretrained`), else randomly initialised at ``model_cfg.size`` with a fixed seed and
     a tokenizer trained on ``prompts`` (+ the empty prompt). With ``cache_dir`` a random build is saved there once
@@ -133,26 +169,40 @@ def build_policy(model_cfg: ModelConfig, prompts: list[str], device: torch.devic
 
     transformer = modules.pop("transformer")
     vae = modules.pop("vae")
-    arch = getattr(spec, FAMILIES[model_cfg.family][1])(transformer.config, vae.config, model_cfg.resolution,
-                                                        model_cfg.num_frames)
+    arch = spec.ARCH(transformer.config, vae.config, model_cfg.resolution, model_cfg.num_frames)
     reference = None
     if model_cfg.full_finetune:
         transformer.requires_grad_(True)
         reference = copy.deepcopy(transformer).requires_grad_(False)
     else:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # local: peft imports transformers (seconds)
 
         transformer.requires_grad_(False)
-        lora = LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=0.0,
-                          target_modules=spec.lora_targets(model_cfg.lora_ffn))
+        lora = LoraConfig(
+            r=model_cfg.lora_rank,
+            lora_alpha=model_cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=spec.lora_targets(model_cfg.lora_ffn),
+        )
         with _seeded(INIT_SEED - 1, transformer.device):  # LoRA A is drawn at random (B = 0)
             transformer = get_peft_model(transformer, lora, autocast_adapter_dtype=False)
     vae.requires_grad_(False)
     for encoder in modules.values():
         encoder.requires_grad_(False)
 
-    policy = Policy(model_cfg.family, arch, transformer, vae, modules, tokenizers, model_cfg.text_max_length,
-                    spec.PIPELINE, device, dtype, reference_transformer=reference)
+    policy = Policy(
+        model_cfg.family,
+        arch,
+        transformer,
+        vae,
+        modules,
+        tokenizers,
+        model_cfg.text_max_length,
+        spec.PIPELINE,
+        device,
+        dtype,
+        reference_transformer=reference,
+    )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)
     if dtype == torch.float64:
@@ -162,8 +212,7 @@ def build_policy(model_cfg: ModelConfig, prompts: list[str], device: torch.devic
 
 def _write_cache(model_cfg: ModelConfig, prompts: list[str], folder: Path) -> None:
     """Build the random pipeline in float32 and save it at ``folder`` atomically (concurrent builders may race)."""
-    fresh = build_policy(ModelConfig(family=model_cfg.family, size=model_cfg.size,
-                                     text_max_length=model_cfg.text_max_length), prompts)
+    fresh = build_policy(dataclasses.replace(model_cfg, pretrained=None, dtype=dtype_name(torch.float32)), prompts)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     fresh.save_pretrained(tmp, adapter=False)  # base weights only; the adapter is set up per run

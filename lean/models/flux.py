@@ -9,25 +9,28 @@ The VAE's latent is normalised as z = (z_vae - shift) * scale, so decoding uses 
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKL, FluxTransformer2DModel
 from torch import Tensor
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from lean.models.text import PromptEmbeds, tokenize
 from lean.models.vae import kl_vae_config
 
+DISPLAY_NAME = "FLUX"
 PIPELINE = "FluxPipeline"
-# component folder -> (model class, transformers config class or None for diffusers models)
+# component folder -> (library, model class, transformers config class or None), as model_index.json names them;
+# lean.models.component_classes imports them on first use (diffusers takes seconds to import)
 COMPONENTS = {
-    "transformer": (FluxTransformer2DModel, None),
-    "vae": (AutoencoderKL, None),
-    "text_encoder": (CLIPTextModel, CLIPTextConfig),  # pooled vector
-    "text_encoder_2": (T5EncoderModel, T5Config),  # token embeddings
+    "transformer": ("diffusers", "FluxTransformer2DModel", None),
+    "vae": ("diffusers", "AutoencoderKL", None),
+    "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig"),  # pooled vector
+    "text_encoder_2": ("transformers", "T5EncoderModel", "T5Config"),  # token embeddings
 }
+GUIDANCE_EMBED = True  # FLUX.1-dev is guidance-distilled: it takes the guidance value as an embedding
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 
-_ATTN = (r"(single_)?transformer_blocks\.\d+\.attn\."
-         r"(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)")
+_ATTN = (
+    r"(single_)?transformer_blocks\.\d+\.attn\."
+    r"(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+)
 # The single-stream blocks fuse the MLP into proj_mlp (in) and proj_out (attention + MLP out).
 _FFN = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)|single_transformer_blocks\.\d+\.(proj_mlp|proj_out)"
 
@@ -40,36 +43,69 @@ def _vae(channels: tuple[int, ...], layers_per_block: int, groups: int) -> dict:
 _T5 = dict(feed_forward_proj="gated-gelu", dropout_rate=0.0)  # T5 v1.1, as FLUX uses
 SIZES = {
     "tiny": dict(
-        transformer=dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                         guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+        transformer=dict(
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        ),
         vae=_vae((8, 16, 16), 1, 4),  # 4x downsampling: 32 px -> 8x8 latent -> 16 tokens
         text_encoder=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
         text_encoder_2=dict(d_model=32, d_kv=16, num_heads=2, d_ff=64, num_layers=1, **_T5),
     ),
     "small": dict(
-        transformer=dict(in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=32,
-                         num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64,
-                         guidance_embeds=True, axes_dims_rope=(8, 12, 12)),
+        transformer=dict(
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            pooled_projection_dim=64,
+            guidance_embeds=True,
+            axes_dims_rope=(8, 12, 12),
+        ),
         vae=_vae((16, 32, 32, 32), 1, 8),  # 8x like the real one: 256 px -> 32x32 latent -> 256 tokens
         text_encoder=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
         text_encoder_2=dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, **_T5),
     ),
     "medium": dict(  # GPU benchmarks: FLUX's block structure at 1/2 width, 4 + 8 blocks (~0.5B); 512 px -> 1024 tokens
-        transformer=dict(in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
-                         num_attention_heads=12, joint_attention_dim=512, pooled_projection_dim=256,
-                         guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        transformer=dict(
+            in_channels=64,
+            num_layers=4,
+            num_single_layers=8,
+            attention_head_dim=128,
+            num_attention_heads=12,
+            joint_attention_dim=512,
+            pooled_projection_dim=256,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
         vae=_vae((16, 32, 32, 32), 1, 8),
         text_encoder=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
         text_encoder_2=dict(d_model=512, d_kv=64, num_heads=8, d_ff=1024, num_layers=2, **_T5),
     ),
     "full": dict(  # FLUX.1-dev as published: 11.9B transformer, CLIP ViT-L/14 text tower, T5 v1.1 XXL encoder
-        transformer=dict(in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                         num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                         guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        transformer=dict(
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
         vae=_vae((128, 256, 512, 512), 2, 32),
-        text_encoder=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                          projection_dim=768),
+        text_encoder=dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768
+        ),
         text_encoder_2=dict(d_model=4096, d_kv=64, num_heads=64, d_ff=10240, num_layers=24, **_T5),
     ),
 }
@@ -117,8 +153,9 @@ class Flux:
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return pack(noise)
 
-    def encode_text(self, encoders, tokenizers, prompts: list[str], max_length: int,
-                    device: torch.device) -> PromptEmbeds:
+    def encode_text(
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+    ) -> PromptEmbeds:
         """T5 last hidden states (no attention mask, as FluxPipeline) + CLIP pooled (eos) vector."""
         ids, _ = tokenize(tokenizers["tokenizer_2"], prompts, max_length, device)
         tokens = encoders["text_encoder_2"](ids)[0]
@@ -136,8 +173,7 @@ class Flux:
             self._ids[key] = (img.to(device, dtype), torch.zeros(text_len, 3, device=device, dtype=dtype))
         return self._ids[key]
 
-    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds,
-                guidance_embed: float | None) -> Tensor:
+    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, N, 4C]``; ``guidance_embed`` feeds the distilled-guidance embedder (1.0 when unset)."""
         if self.has_guidance:
             guidance = sigma.new_full(sigma.shape, 1.0 if guidance_embed is None else guidance_embed)
@@ -146,11 +182,21 @@ class Flux:
         else:
             guidance = None
         img_ids, txt_ids = self._positions(emb.tokens.shape[1], x.device, x.dtype)
-        return transformer(hidden_states=x, encoder_hidden_states=emb.tokens, pooled_projections=emb.pooled,
-                           timestep=sigma, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
-                           return_dict=False)[0]
+        return transformer(
+            hidden_states=x,
+            encoder_hidden_states=emb.tokens,
+            pooled_projections=emb.pooled,
+            timestep=sigma,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
 
     def decode(self, vae, x: Tensor) -> Tensor:
         """Images in [-1, 1], ``[B, 3, H, W]``."""
         z = unpack(x, self.h, self.w) / self.scaling + self.shift
         return vae.decode(z, return_dict=False)[0]
+
+
+ARCH = Flux  # the runtime class lean.models.build_policy instantiates

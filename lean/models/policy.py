@@ -11,11 +11,13 @@ Everything family-specific (latent layout, timestep scale, text conditioning, VA
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lean.models.precision import float64_scope
@@ -32,11 +34,13 @@ class Family(Protocol):
 
     def noise_to_latents(self, noise: Tensor) -> Tensor: ...
 
-    def encode_text(self, encoders, tokenizers, prompts: list[str], max_length: int,
-                    device: torch.device) -> PromptEmbeds: ...
+    def encode_text(
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+    ) -> PromptEmbeds: ...
 
-    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds,
-                guidance_embed: float | None) -> Tensor: ...
+    def forward(
+        self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None
+    ) -> Tensor: ...
 
     def decode(self, vae, x: Tensor) -> Tensor: ...
 
@@ -58,10 +62,20 @@ class Policy(torch.nn.Module):
     Every part is cast to ``dtype`` on ``device`` here, which are then fixed for the policy's life.
     """
 
-    def __init__(self, family: str, arch: Family, transformer: torch.nn.Module, vae: torch.nn.Module,
-                 text_encoders: dict[str, torch.nn.Module], tokenizers: dict, text_max_length: int,
-                 pipeline_class: str, device: torch.device, dtype: torch.dtype,
-                 reference_transformer: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        family: str,
+        arch: Family,
+        transformer: torch.nn.Module,
+        vae: torch.nn.Module,
+        text_encoders: dict[str, torch.nn.Module],
+        tokenizers: dict,
+        text_max_length: int,
+        pipeline_class: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        reference_transformer: torch.nn.Module | None = None,
+    ):
         super().__init__()
         self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
         self.transformer, self.vae = transformer, vae
@@ -98,8 +112,9 @@ class Policy(torch.nn.Module):
         for prompt in dict.fromkeys(prompts):
             if prompt not in self._prompt_cache:
                 with torch.no_grad():
-                    emb = self.arch.encode_text(self.text_encoders, self.tokenizers, [prompt], self.text_max_length,
-                                                self.device)
+                    emb = self.arch.encode_text(
+                        self.text_encoders, self.tokenizers, [prompt], self.text_max_length, self.device
+                    )
                 self._prompt_cache[prompt] = emb.to(dtype=self.dtype)
         return PromptEmbeds.cat([self._prompt_cache[p] for p in prompts])
 
@@ -122,8 +137,17 @@ class Policy(torch.nn.Module):
         with float64_scope(self.dtype == torch.float64):
             return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
 
-    def velocity(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, *, cfg: bool, guidance_scale: float,
-                 uncond_grad: bool = False, guidance_embed: float | None = None) -> Tensor:
+    def velocity(
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        emb: PromptEmbeds,
+        *,
+        cfg: bool,
+        guidance_scale: float,
+        uncond_grad: bool = False,
+        guidance_embed: float | None = None,
+    ) -> Tensor:
         """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
 
         ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
@@ -140,8 +164,9 @@ class Policy(torch.nn.Module):
                 v_u = self._forward(x, sigma, uncond, guidance_embed)
             v_c = self._forward(x, sigma, emb, guidance_embed)
         else:
-            v = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([uncond, emb]),
-                              guidance_embed)
+            v = self._forward(
+                torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([uncond, emb]), guidance_embed
+            )
             v_u, v_c = v.chunk(2)
         return v_u + guidance_scale * (v_c - v_u)
 
@@ -194,14 +219,11 @@ class Policy(torch.nn.Module):
             p.copy_(state[n])
 
     def save_lora(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file({n: t.contiguous() for n, t in self.lora_state_dict().items()}, str(path),
-                  metadata={"family": self.family})
+        save_file(
+            {n: t.contiguous() for n, t in self.lora_state_dict().items()}, str(path), metadata={"family": self.family}
+        )
 
     def load_lora(self, path: str | Path) -> None:
-        from safetensors.torch import load_file
-
         self.load_lora_state_dict(load_file(str(path), device=str(self.device)))
 
     # ------------------------------------------------------------------ diffusers pipeline folder
@@ -217,17 +239,22 @@ class Policy(torch.nn.Module):
         """Write a diffusers pipeline folder: ``model_index.json``, ``transformer/`` (base weights, adapter excluded),
         ``vae/``, the text encoders and tokenizers; plus, if ``adapter``, the LoRA as ``lora.safetensors``.
         :func:`lean.models.build_policy` with ``pretrained=folder`` restores this policy exactly."""
-        from diffusers import __version__ as diffusers_version
-        from safetensors.torch import save_file
+        from diffusers import __version__ as diffusers_version  # local: diffusers takes seconds to import
 
         folder = Path(folder)
         base = self.transformer if self.full_finetune else self.transformer.get_base_model()
         base.save_config(folder / "transformer")
-        save_file({k: v.contiguous() for k, v in self.base_transformer_state_dict().items()},
-                  str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in self.base_transformer_state_dict().items()},
+            str(folder / "transformer" / "diffusion_pytorch_model.safetensors"),
+        )
         self.vae.save_pretrained(folder / "vae")
-        index = {"_class_name": self.pipeline_class, "_diffusers_version": diffusers_version,
-                 "transformer": ["diffusers", type(base).__name__], "vae": ["diffusers", type(self.vae).__name__]}
+        index = {
+            "_class_name": self.pipeline_class,
+            "_diffusers_version": diffusers_version,
+            "transformer": ["diffusers", type(base).__name__],
+            "vae": ["diffusers", type(self.vae).__name__],
+        }
         for name, encoder in self.text_encoders.items():
             encoder.save_pretrained(folder / name)
             index[name] = ["transformers", type(encoder).__name__]

@@ -34,7 +34,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def keep_rms_norm_dtype(model: torch.nn.Module) -> None:
     """Give every diffusers ``RMSNorm`` of a float64 model a dtype-preserving forward (instance-level)."""
-    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.normalization import RMSNorm  # local: diffusers takes seconds to import
 
     for module in model.modules():
         if isinstance(module, RMSNorm):

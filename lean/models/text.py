@@ -6,8 +6,8 @@ Hugging Face tokenizer folder; the text encoders are built from ``transformers``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ def train_tokenizer(prompts: Sequence[str], max_length: int):
     ``<unk>``.
     """
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # local: transformers takes seconds to import
 
     pad, eos, unk = SPECIAL_TOKENS
     tok = Tokenizer(models.WordLevel(unk_token=unk))
@@ -33,14 +33,14 @@ def train_tokenizer(prompts: Sequence[str], max_length: int):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(sorted(set(prompts)), trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
     tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, tok.token_to_id(eos))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token=eos, unk_token=unk,
-                                   model_max_length=max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=pad, eos_token=eos, unk_token=unk, model_max_length=max_length
+    )
 
 
 def tokenize(tokenizer, prompts: Sequence[str], max_length: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """``(input_ids, attention_mask)``, both ``[B, max_length]``: padded to and truncated at ``max_length``."""
-    batch = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True,
-                      return_tensors="pt")
+    batch = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     return batch.input_ids.to(device), batch.attention_mask.to(device)
 
 
@@ -65,8 +65,9 @@ class PromptEmbeds:
     def expand(self, batch_size: int) -> PromptEmbeds:
         """A single-row embedding broadcast (as a view) to ``batch_size`` rows."""
         assert len(self) == 1, "expand() broadcasts a single prompt"
-        return PromptEmbeds(self.tokens.expand(batch_size, -1, -1),
-                            None if self.pooled is None else self.pooled.expand(batch_size, -1))
+        return PromptEmbeds(
+            self.tokens.expand(batch_size, -1, -1), None if self.pooled is None else self.pooled.expand(batch_size, -1)
+        )
 
     @staticmethod
     def cat(items: Sequence[PromptEmbeds]) -> PromptEmbeds:

@@ -9,18 +9,18 @@ z_vae = z std + mean (as diffusers' ``WanPipeline``).
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from torch import Tensor
-from transformers import UMT5Config, UMT5EncoderModel
 
 from lean.models.text import PromptEmbeds, tokenize
 
+DISPLAY_NAME = "Wan"
 PIPELINE = "WanPipeline"
-COMPONENTS = {
-    "transformer": (WanTransformer3DModel, None),
-    "vae": (AutoencoderKLWan, None),
-    "text_encoder": (UMT5EncoderModel, UMT5Config),
+COMPONENTS = {  # see lean/models/flux.py
+    "transformer": ("diffusers", "WanTransformer3DModel", None),
+    "vae": ("diffusers", "AutoencoderKLWan", None),
+    "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
 }
+FRAME_STEP = 4  # the causal 3D VAE compresses time 4x: videos have 4k + 1 frames
 TOKENIZERS = {"text_encoder": "tokenizer"}
 
 # Self-attention (attn1) and cross-attention (attn2; its to_k/to_v are the text-context projections; add_k/v_proj
@@ -28,30 +28,66 @@ TOKENIZERS = {"text_encoder": "tokenizer"}
 _ATTN = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)"
 _FFN = r"blocks\.\d+\.ffn\.net\.(0\.proj|2)"
 
-_DIT = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6)
+_DIT = dict(
+    patch_size=(1, 2, 2),
+    in_channels=16,
+    out_channels=16,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+)
 _UMT5 = dict(feed_forward_proj="gated-gelu", dropout_rate=0.0)
 SIZES = {
     "tiny": dict(
-        transformer=dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64,
-                         num_layers=1, **_DIT),
+        transformer=dict(
+            num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, **_DIT
+        ),
         # two stages, both also temporal: 4x spatial, 4x temporal (5 frames x 32 px -> 2 x 8 x 8 latent -> 32 tokens)
-        vae=dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
-                 scale_factor_spatial=4, scale_factor_temporal=4),
+        vae=dict(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            scale_factor_spatial=4,
+            scale_factor_temporal=4,
+        ),
         text_encoder=dict(d_model=32, d_kv=16, num_heads=2, d_ff=64, num_layers=1, **_UMT5),
     ),
     "small": dict(
-        transformer=dict(num_attention_heads=4, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=256,
-                         num_layers=4, **_DIT),
-        vae=dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                 temperal_downsample=[False, True, True], scale_factor_spatial=8, scale_factor_temporal=4),
+        transformer=dict(
+            num_attention_heads=4, attention_head_dim=32, text_dim=64, freq_dim=64, ffn_dim=256, num_layers=4, **_DIT
+        ),
+        vae=dict(
+            base_dim=16,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            scale_factor_spatial=8,
+            scale_factor_temporal=4,
+        ),
         text_encoder=dict(d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, **_UMT5),
     ),
     "full": dict(  # Wan2.1-T2V-1.3B as published: 1.42B transformer, Wan-VAE, UMT5-XXL encoder
-        transformer=dict(num_attention_heads=12, attention_head_dim=128, text_dim=4096, freq_dim=256, ffn_dim=8960,
-                         num_layers=30, **_DIT),
-        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                 temperal_downsample=[False, True, True], scale_factor_spatial=8, scale_factor_temporal=4),
+        transformer=dict(
+            num_attention_heads=12,
+            attention_head_dim=128,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            **_DIT,
+        ),
+        vae=dict(
+            base_dim=96,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=2,
+            temperal_downsample=[False, True, True],
+            scale_factor_spatial=8,
+            scale_factor_temporal=4,
+        ),
         text_encoder=dict(d_model=4096, d_kv=64, num_heads=64, d_ff=10240, num_layers=24, **_UMT5),
     ),
 }
@@ -83,22 +119,26 @@ class Wan:
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return noise
 
-    def encode_text(self, encoders, tokenizers, prompts: list[str], max_length: int,
-                    device: torch.device) -> PromptEmbeds:
+    def encode_text(
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+    ) -> PromptEmbeds:
         """UMT5 last hidden states with the padding positions zeroed (WanPipeline trims and zero-pads them)."""
         ids, mask = tokenize(tokenizers["tokenizer"], prompts, max_length, device)
         tokens = encoders["text_encoder"](ids, mask).last_hidden_state
         return PromptEmbeds(tokens * mask[..., None].to(tokens.dtype))
 
-    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds,
-                guidance_embed: float | None) -> Tensor:
+    def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, C, F', h, w]``."""
         if guidance_embed is not None:
             raise ValueError("Wan has no distilled-guidance embedding; use CFG")
-        return transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=emb.tokens,
-                           return_dict=False)[0]
+        return transformer(hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=emb.tokens, return_dict=False)[
+            0
+        ]
 
     def decode(self, vae, x: Tensor) -> Tensor:
         """Videos in [-1, 1], ``[B, 3, F, H, W]``."""
         z = x * self.std.to(x) + self.mean.to(x)
         return vae.decode(z, return_dict=False)[0]
+
+
+ARCH = Wan  # the runtime class lean.models.build_policy instantiates

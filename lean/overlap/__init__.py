@@ -1,7 +1,7 @@
 """FlashOverlap: communication/computation overlap by decomposed P2P, for TP+SP, Ulysses and data parallelism.
 
 Every op has the semantics of its collective reference and three methods (``collective | sliced | flash``, see
-``p2p.py``); ``sim.py`` models their timelines and ``bench.py`` measures them (``lean bench overlap``).
+``p2p.py``); ``sim.py`` models their timelines and ``lean.bench.overlap`` measures them (``lean bench overlap``).
 """
 
 from lean.overlap.autograd import all_gather_matmul, all_to_all_matmul, matmul_all_to_all, matmul_reduce_scatter
@@ -10,7 +10,18 @@ from lean.overlap.modules import SequenceParallelMLP, UlyssesAttention, attentio
 from lean.overlap.p2p import METHODS, Method, Overlap, PeerLost
 
 __all__ = [
-    "METHODS", "Method", "Overlap", "PeerLost", "SequenceParallelMLP", "ShardedLinear", "UlyssesAttention",
-    "all_gather_matmul", "all_to_all_matmul", "attention", "data_parallel_linear", "matmul_all_to_all",
-    "matmul_reduce_scatter", "mlp",
+    "METHODS",
+    "Method",
+    "Overlap",
+    "PeerLost",
+    "SequenceParallelMLP",
+    "ShardedLinear",
+    "UlyssesAttention",
+    "all_gather_matmul",
+    "all_to_all_matmul",
+    "attention",
+    "data_parallel_linear",
+    "matmul_all_to_all",
+    "matmul_reduce_scatter",
+    "mlp",
 ]

@@ -88,27 +88,55 @@ class AllToAllMatmul(Function):
         return do, dw, None
 
 
-def all_gather_matmul(x_shard: Tensor, w: Tensor, method: Method | Overlap = "flash", group=None, *,
-                      slices: int | None = None, bidirectional: bool = False,
-                      timeout: float = DEFAULT_TIMEOUT_S) -> Tensor:
+def all_gather_matmul(
+    x_shard: Tensor,
+    w: Tensor,
+    method: Method | Overlap = "flash",
+    group=None,
+    *,
+    slices: int | None = None,
+    bidirectional: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Tensor:
     """``all_gather(x_shard) @ w`` (sequence-sharded input times column-parallel weight), differentiable."""
     return AllGatherMatmul.apply(x_shard, w, as_overlap(method, group, slices, bidirectional, timeout))
 
 
-def matmul_reduce_scatter(x: Tensor, w: Tensor, method: Method | Overlap = "flash", group=None, *,
-                          slices: int | None = None, bidirectional: bool = False,
-                          timeout: float = DEFAULT_TIMEOUT_S) -> Tensor:
+def matmul_reduce_scatter(
+    x: Tensor,
+    w: Tensor,
+    method: Method | Overlap = "flash",
+    group=None,
+    *,
+    slices: int | None = None,
+    bidirectional: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Tensor:
     """This rank's sequence shard of ``sum over ranks of x @ w`` (row-parallel weight), differentiable."""
     return MatmulReduceScatter.apply(x, w, as_overlap(method, group, slices, bidirectional, timeout))
 
 
-def matmul_all_to_all(x_shard: Tensor, w_blocks: Tensor, method: Method | Overlap = "flash", group=None, *,
-                      slices: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> Tensor:
+def matmul_all_to_all(
+    x_shard: Tensor,
+    w_blocks: Tensor,
+    method: Method | Overlap = "flash",
+    group=None,
+    *,
+    slices: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Tensor:
     """Full sequence of this rank's feature block ``[x_j @ w_blocks[rank]]_j`` (Ulysses QKV), differentiable."""
     return MatmulAllToAll.apply(x_shard, w_blocks, as_overlap(method, group, slices, False, timeout))
 
 
-def all_to_all_matmul(o: Tensor, w_blocks: Tensor, method: Method | Overlap = "flash", group=None, *,
-                      slices: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> Tensor:
+def all_to_all_matmul(
+    o: Tensor,
+    w_blocks: Tensor,
+    method: Method | Overlap = "flash",
+    group=None,
+    *,
+    slices: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Tensor:
     """This rank's rows of ``sum_j o_j @ w_blocks[j]`` (Ulysses output projection), differentiable."""
     return AllToAllMatmul.apply(o, w_blocks, as_overlap(method, group, slices, False, timeout))

@@ -27,8 +27,10 @@ def gather_linear(x: Tensor, w_shard: Tensor, ov: Overlap) -> tuple[Tensor, Tens
     """``(x @ W, W)`` with ``W = all_gather(w_shard)`` (rows), the gather overlapped with the partial products."""
     world, k_shard, n = ov.world, w_shard.shape[0], w_shard.shape[1]
     if x.shape[-1] != world * k_shard:
-        raise ValueError(f"data_parallel_linear: input with shape {tuple(x.shape)} has {x.shape[-1]} features, but the "
-                         f"weight shard {tuple(w_shard.shape)} times world size {world} has {world * k_shard}")
+        raise ValueError(
+            f"data_parallel_linear: input with shape {tuple(x.shape)} has {x.shape[-1]} features, but the "
+            f"weight shard {tuple(w_shard.shape)} times world size {world} has {world * k_shard}"
+        )
     xs = x.reshape(-1, world, k_shard)
     y = x.new_zeros((xs.shape[0], n))
     w = w_shard.new_empty((world, k_shard, n))
@@ -59,9 +61,16 @@ class DataParallelLinear(Function):
         return dx, dw, None
 
 
-def data_parallel_linear(x: Tensor, w_shard: Tensor, method: Method | Overlap = "flash", group=None, *,
-                         slices: int | None = None, bidirectional: bool = False,
-                         timeout: float = DEFAULT_TIMEOUT_S) -> Tensor:
+def data_parallel_linear(
+    x: Tensor,
+    w_shard: Tensor,
+    method: Method | Overlap = "flash",
+    group=None,
+    *,
+    slices: int | None = None,
+    bidirectional: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Tensor:
     """``x @ all_gather(w_shard)``; the gradient of ``w_shard`` is this rank's shard of the sum over ranks."""
     return DataParallelLinear.apply(x, w_shard, as_overlap(method, group, slices, bidirectional, timeout))
 
@@ -78,7 +87,7 @@ class ShardedLinear(nn.Module):
     def from_full(cls, w: Tensor, ov: Overlap) -> ShardedLinear:
         """This rank's shard of the full ``(k, n)`` weight ``w`` (every rank passes the same ``w``)."""
         rows = divisible_rows(w, ov.world, "ShardedLinear")
-        return cls(w[ov.rank * rows:(ov.rank + 1) * rows].clone(), ov)
+        return cls(w[ov.rank * rows : (ov.rank + 1) * rows].clone(), ov)
 
     def forward(self, x: Tensor) -> Tensor:
         return data_parallel_linear(x, self.weight, self.ov)

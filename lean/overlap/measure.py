@@ -22,8 +22,9 @@ from lean.overlap import sim
 from lean.overlap.p2p import Overlap, exchange, wait
 
 
-def time_round_robin(variants: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device,
-                     calls: int = 1) -> dict[str, list[float]]:
+def time_round_robin(
+    variants: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device, calls: int = 1
+) -> dict[str, list[float]]:
     """Seconds per call of each variant, one sample per repeat: the slowest rank's time for ``calls`` back-to-back
     calls (which evens out the scheduler's time slices and the barrier's skew) divided by ``calls``. The variants
     take turns within each repeat."""
@@ -60,8 +61,10 @@ STATS = {"": min, "_median": median}  # calibration keys: fastest repeat (no suf
 def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repeats: int = 7) -> dict[str, float]:
     """alpha (s) and beta (bytes/s) of one ring step: the least-squares line ``t = alpha + bytes / beta`` through
     messages from 4 KiB to 8 MiB (float32), the range of the swept chunks."""
-    sizes = (2 ** 10, 2 ** 14, 2 ** 18, 2 ** 21)
-    buffers = {n: (torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)) for n in sizes}
+    sizes = (2**10, 2**14, 2**18, 2**21)
+    buffers = {
+        n: (torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)) for n in sizes
+    }
     samples = time_round_robin({n: partial(_ring_step, *buffers[n], ov) for n in sizes}, 2, repeats, device)
     x = torch.tensor([float(n * torch.finfo(dtype).bits // 8) for n in sizes], dtype=torch.float64)
     out = {}
@@ -75,13 +78,16 @@ def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repea
 
 def calibrate_memory(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """mem_bw (bytes/s of a large copy) and launch (s per tiny matmul call): the roofline's memory side, call cost."""
-    src = torch.ones(2 ** 24 if device.type == "cpu" else 2 ** 28, dtype=dtype, device=device)
+    src = torch.ones(2**24 if device.type == "cpu" else 2**28, dtype=dtype, device=device)
     dst, a = torch.empty_like(src), torch.ones(8, 8, dtype=dtype, device=device)
     copy = time_round_robin({"copy": partial(dst.copy_, src)}, 2, 5, device)["copy"]
     call = time_round_robin({"call": partial(torch.mm, a, a)}, 2, 5, device, calls=200)["call"]
     nbytes = 2 * src.numel() * src.element_size()
-    return {k: v for suffix, stat in STATS.items()
-            for k, v in ((f"mem_bw{suffix}", nbytes / stat(copy)), (f"launch{suffix}", stat(call)))}
+    return {
+        k: v
+        for suffix, stat in STATS.items()
+        for k, v in ((f"mem_bw{suffix}", nbytes / stat(copy)), (f"launch{suffix}", stat(call)))
+    }
 
 
 def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
@@ -90,10 +96,11 @@ def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) 
     Fluid model: while both run, compute goes at 1/(1+kc) and the transfer at 1/(1+km). With G, C the times alone and
     G', C' together (the GEMM loop outlasting the transfer): C' = C (1+km) and G' - G = C' kc / (1+kc).
     """
-    send, recv = torch.ones(2 ** 21, dtype=dtype), torch.empty(2 ** 21, dtype=dtype)
+    send, recv = torch.ones(2**21, dtype=dtype), torch.empty(2**21, dtype=dtype)
     a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
-    alone = time_round_robin({"comm": partial(_ring_step, send, recv, ov), "gemm": partial(torch.mm, a, b)}, 2, 5,
-                             device)
+    alone = time_round_robin(
+        {"comm": partial(_ring_step, send, recv, ov), "gemm": partial(torch.mm, a, b)}, 2, 5, device
+    )
     loops = max(1, round(3 * median(alone["comm"]) / median(alone["gemm"])))
 
     def gemm_loop() -> None:
@@ -122,7 +129,7 @@ def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) 
 
 def loopback_overlap(device: torch.device, dtype: torch.dtype) -> dict:
     """One GPU, no peer: a device-to-device copy on a side stream while a GEMM runs, against each alone (seconds)."""
-    src = torch.ones(2 ** 28, dtype=dtype, device=device)
+    src = torch.ones(2**28, dtype=dtype, device=device)
     dst, a = torch.empty_like(src), torch.randn(8192, 8192, dtype=dtype, device=device)
     side = torch.cuda.Stream(device)
 
@@ -136,8 +143,16 @@ def loopback_overlap(device: torch.device, dtype: torch.dtype) -> dict:
         a @ a
         torch.cuda.current_stream(device).wait_stream(side)
 
-    t = time_round_robin({"copy": lambda: (copy(), torch.cuda.current_stream(device).wait_stream(side)),
-                          "gemm": lambda: a @ a, "both": both}, 2, 5, device)
+    t = time_round_robin(
+        {
+            "copy": lambda: (copy(), torch.cuda.current_stream(device).wait_stream(side)),
+            "gemm": lambda: a @ a,
+            "both": both,
+        },
+        2,
+        5,
+        device,
+    )
     return {name: median(v) for name, v in t.items()}
 
 
@@ -154,17 +169,22 @@ def calibrate(world: int, device: torch.device, dtype: torch.dtype, timeout: flo
     return out
 
 
-def measured_profile(calibration: dict, compute_rows: list[dict], device: torch.device,
-                     suffix: str = "") -> sim.Profile:
+def measured_profile(
+    calibration: dict, compute_rows: list[dict], device: torch.device, suffix: str = ""
+) -> sim.Profile:
     """The model's profile for this machine from the fastest (``suffix=""``) or the median (``"_median"``) repeats:
     links, memory, call cost and contention as calibrated, GEMM FLOP/s the median over the compute-only runs
     (``model_cases`` refits it per case). On one GPU the links are not measured and, as on any GPU, the contention
     comes from the H100 datasheet profile."""
     base = sim.H100_SXM if device.type == "cuda" else sim.Profile("cpu", 1, 1, 0, 1, 0)
     fields = ("mem_bw", "launch", "alpha", "beta", "compute_slowdown", "comm_slowdown")
-    return replace(base, name=f"measured {device.type}", source=f"calibrated on this machine{suffix or ' (fastest)'}",
-                   flops=median(case_flops(r, calibration["launch" + suffix], suffix) for r in compute_rows),
-                   **{k: calibration[k + suffix] for k in fields if k + suffix in calibration})
+    return replace(
+        base,
+        name=f"measured {device.type}",
+        source=f"calibrated on this machine{suffix or ' (fastest)'}",
+        flops=median(case_flops(r, calibration["launch" + suffix], suffix) for r in compute_rows),
+        **{k: calibration[k + suffix] for k in fields if k + suffix in calibration},
+    )
 
 
 def case_flops(compute_row: dict, launch: float, suffix: str) -> float:

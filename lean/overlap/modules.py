@@ -63,8 +63,10 @@ class UlyssesAttention(nn.Module):
     def __init__(self, w_qkv: Tensor, w_o: Tensor, heads: int, ov: Overlap, causal: bool = True):
         super().__init__()
         if heads % ov.world:
-            raise ValueError(f"UlyssesAttention: {heads} heads (weight shape {tuple(w_qkv.shape)}) cannot be split "
-                             f"over world size {ov.world}")
+            raise ValueError(
+                f"UlyssesAttention: {heads} heads (weight shape {tuple(w_qkv.shape)}) cannot be split "
+                f"over world size {ov.world}"
+            )
         self.w_qkv, self.w_o = nn.Parameter(w_qkv), nn.Parameter(w_o)
         self.heads, self.ov, self.causal = heads, ov, causal
 

@@ -33,8 +33,11 @@ def matmul_into(out: Tensor, x: Tensor, w: Tensor) -> None:
         out.copy_(matmul(x, w))
 
 
-def all_gather_matmul(x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``(all_gather(x_shard) @ w, all_gather(x_shard) if keep_input else None)``; x_shard ``(s, *B, k)``, w ``(k, n)``."""
+def all_gather_matmul(
+    x_shard: Tensor, w: Tensor, ov: Overlap, keep_input: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """``(all_gather(x_shard) @ w, all_gather(x_shard) if keep_input else None)``;
+    x_shard ``(s, *B, k)``, w ``(k, n)``."""
     world = ov.world
     y = x_shard.new_empty((world, *x_shard.shape[:-1], w.shape[-1]))
     x_full = x_shard.new_empty((world, *x_shard.shape)) if keep_input else None
@@ -57,11 +60,14 @@ def matmul_reduce_scatter(x: Tensor, w: Tensor, ov: Overlap) -> Tensor:
 
 def _check_blocks(w_blocks: Tensor, world: int, op: str) -> None:
     if w_blocks.dim() != 3 or w_blocks.shape[0] != world:
-        raise ValueError(f"{op}: weight blocks must have shape (world size {world}, in, out), got {tuple(w_blocks.shape)}")
+        raise ValueError(
+            f"{op}: weight blocks must have shape (world size {world}, in, out), got {tuple(w_blocks.shape)}"
+        )
 
 
 def matmul_all_to_all(x_shard: Tensor, w_blocks: Tensor, ov: Overlap) -> Tensor:
-    """Rank j's ``x_j @ w_blocks[r]`` for every j, stacked: x_shard ``(s, *B, d)``, w_blocks ``(P, d, c)`` -> ``(P*s, *B, c)``.
+    """Rank j's ``x_j @ w_blocks[r]`` for every j, stacked: x_shard ``(s, *B, d)``, w_blocks ``(P, d, c)`` ->
+    ``(P*s, *B, c)``.
 
     Each rank multiplies its sequence shard by every rank's column block and sends block j to rank j, so that rank r
     ends with the full sequence of its own feature block (Ulysses: heads).
@@ -79,7 +85,9 @@ def matmul_all_to_all(x_shard: Tensor, w_blocks: Tensor, ov: Overlap) -> Tensor:
     return y.flatten(0, 1)
 
 
-def all_to_all_matmul(o: Tensor, w_blocks: Tensor, ov: Overlap, keep_input: bool = False) -> tuple[Tensor, Tensor | None]:
+def all_to_all_matmul(
+    o: Tensor, w_blocks: Tensor, ov: Overlap, keep_input: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """``sum_j o_j[rows of r] @ w_blocks[j]``: o ``(P*s, *B, c)``, w_blocks ``(P, c, d)`` -> ``(s, *B, d)``.
 
     Also returns (if ``keep_input``) the received blocks ``(P, s, *B, c)``: rank j's features of this rank's rows.

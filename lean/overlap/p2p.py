@@ -90,8 +90,13 @@ class Overlap:
         return j if self.group is None else dist.get_global_rank(self.group, j)
 
 
-def as_overlap(method: Method | Overlap, group: dist.ProcessGroup | None = None, slices: int | None = None,
-               bidirectional: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> Overlap:
+def as_overlap(
+    method: Method | Overlap,
+    group: dist.ProcessGroup | None = None,
+    slices: int | None = None,
+    bidirectional: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Overlap:
     """``method`` itself if it is an :class:`Overlap`, else one built from the arguments."""
     return method if isinstance(method, Overlap) else Overlap(method, group, slices, bidirectional, timeout)
 
@@ -99,8 +104,10 @@ def as_overlap(method: Method | Overlap, group: dist.ProcessGroup | None = None,
 def divisible_rows(x: Tensor, world: int, op: str) -> int:
     """Rows per rank of ``x`` split over dimension 0; refuses shapes that do not split evenly."""
     if x.shape[0] % world:
-        raise ValueError(f"{op}: dimension 0 of the input with shape {tuple(x.shape)} is {x.shape[0]}, "
-                         f"not divisible by the world size {world}")
+        raise ValueError(
+            f"{op}: dimension 0 of the input with shape {tuple(x.shape)} is {x.shape[0]}, "
+            f"not divisible by the world size {world}"
+        )
     return x.shape[0] // world
 
 
@@ -160,7 +167,8 @@ def all_gather_apply(chunk: Tensor, consume: Consume, ov: Overlap) -> None:
             consume(_ALL, rows, out.view(world, -1, *chunk.shape[1:]))
         return
     # flash ring: chunks of ranks me-1, me-2, .. arrive from the left; with `bidirectional` the second half of them
-    # (me+1, me+2, ..) arrives from the right instead. Step t consumes what step t-1 received while step t's transfers fly.
+    # (me+1, me+2, ..) arrives from the right instead. Step t consumes what step t-1 received while step t's
+    # transfers fly.
     from_left = world // 2 if ov.bidirectional else world - 1
     from_right = world - 1 - from_left
     left = right = chunk.unsqueeze(0)
@@ -214,8 +222,13 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap) -> Tensor:
     return partial[0]
 
 
-def all_to_all_apply(produce: Produce, consume: Consume | None, rows: int, ov: Overlap,
-                     into: Callable[[slice, slice], Tensor] | None = None) -> None:
+def all_to_all_apply(
+    produce: Produce,
+    consume: Consume | None,
+    rows: int,
+    ov: Overlap,
+    into: Callable[[slice, slice], Tensor] | None = None,
+) -> None:
     """Rank j's block for this rank, ``produce_j(me, :)``, for every j: kept in ``into(j, rows)`` if given (received
     straight into it where it is contiguous, copied there otherwise) and passed to ``consume`` if given."""
     world, me = ov.world, ov.rank

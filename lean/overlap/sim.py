@@ -42,10 +42,26 @@ class Profile:
 # Public datasheet figures (dense bf16, no sparsity; NVLink 4: 900 GB/s both directions = 450 GB/s each way), derated
 # by typical sustained fractions: cuBLAS bf16 GEMM ~75% of peak, STREAM-like ~85% of HBM, NCCL P2P ~80% of a link.
 # The 10% compute slowdown under concurrent NCCL kernels (they occupy SMs) is an assumption, not a measurement.
-H100_SXM = Profile("H100-SXM NVLink4", flops=0.75 * 989e12, mem_bw=0.85 * 3.35e12, alpha=10e-6, beta=0.8 * 450e9,
-                   launch=5e-6, compute_slowdown=0.10, source="datasheet: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 900 GB/s")
-H200 = Profile("H200 NVLink4", flops=0.75 * 989e12, mem_bw=0.85 * 4.8e12, alpha=10e-6, beta=0.8 * 450e9,
-               launch=5e-6, compute_slowdown=0.10, source="datasheet: 989 TFLOP/s bf16, 4.8 TB/s, NVLink 900 GB/s")
+H100_SXM = Profile(
+    "H100-SXM NVLink4",
+    flops=0.75 * 989e12,
+    mem_bw=0.85 * 3.35e12,
+    alpha=10e-6,
+    beta=0.8 * 450e9,
+    launch=5e-6,
+    compute_slowdown=0.10,
+    source="datasheet: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 900 GB/s",
+)
+H200 = Profile(
+    "H200 NVLink4",
+    flops=0.75 * 989e12,
+    mem_bw=0.85 * 4.8e12,
+    alpha=10e-6,
+    beta=0.8 * 450e9,
+    launch=5e-6,
+    compute_slowdown=0.10,
+    source="datasheet: 989 TFLOP/s bf16, 4.8 TB/s, NVLink 900 GB/s",
+)
 GPU_PROFILES = {"H100-SXM": H100_SXM, "H200": H200}
 
 
@@ -108,8 +124,10 @@ class Prediction:
 
 def simulate(tasks: list[Task], p: Profile) -> list[Span]:
     """Runs each stream's tasks in list order, each once its dependencies are done; rates as in the module doc."""
-    queues = {COMPUTE: [i for i, t in enumerate(tasks) if t.stream == COMPUTE],
-              COMM: [i for i, t in enumerate(tasks) if t.stream == COMM]}
+    queues = {
+        COMPUTE: [i for i, t in enumerate(tasks) if t.stream == COMPUTE],
+        COMM: [i for i, t in enumerate(tasks) if t.stream == COMM],
+    }
     done: dict[int, float] = {}
     running: dict[str, tuple[int, float, float]] = {}  # stream -> (task, start, remaining full-rate seconds)
     now, spans = 0.0, []
@@ -121,8 +139,10 @@ def simulate(tasks: list[Task], p: Profile) -> list[Span]:
         if not running:
             raise ValueError("schedule deadlocks: a task waits on one that cannot start")
         both = len(running) == 2
-        rate = {COMPUTE: 1 / (1 + p.compute_slowdown) if both else 1.0,
-                COMM: 1 / (1 + p.comm_slowdown) if both else 1.0}
+        rate = {
+            COMPUTE: 1 / (1 + p.compute_slowdown) if both else 1.0,
+            COMM: 1 / (1 + p.comm_slowdown) if both else 1.0,
+        }
         step = min(rem / rate[s] for s, (_, _, rem) in running.items())
         now += step
         for stream, (i, start, rem) in list(running.items()):
@@ -140,8 +160,9 @@ def gemm_seconds(m: int, k: int, n: int, element_bytes: int, p: Profile) -> floa
     return p.launch + max(2 * m * k * n / p.flops, element_bytes * (m * k + k * n + m * n) / p.mem_bw)
 
 
-def schedule(op: OpSpec, method: str, p: Profile, slices: int | None = None, bidirectional: bool = False,
-             compute: bool = True) -> list[Task]:
+def schedule(
+    op: OpSpec, method: str, p: Profile, slices: int | None = None, bidirectional: bool = False, compute: bool = True
+) -> list[Task]:
     """The task graph ``p2p.py`` runs for ``op`` with ``method``; ``compute=False`` drops the GEMMs (comm-only)."""
     world, chunk, e = op.world, op.chunk_bytes, op.element_bytes
     tasks: list[Task] = []
@@ -231,8 +252,12 @@ def predict(op: OpSpec, method: str, p: Profile, slices: int | None = None, bidi
     """Latency of ``op`` with ``method``, its compute-only time (the whole local GEMM) and its comm-only time."""
     spans = simulate(schedule(op, method, p, slices, bidirectional), p)
     comm = simulate(schedule(op, method, p, slices, bidirectional, compute=False), p)
-    return Prediction(latency=max(s.end for s in spans), compute_only=gemm_seconds(*op.full_gemm, op.element_bytes, p),
-                      comm_only=max(s.end for s in comm), spans=tuple(spans))
+    return Prediction(
+        latency=max(s.end for s in spans),
+        compute_only=gemm_seconds(*op.full_gemm, op.element_bytes, p),
+        comm_only=max(s.end for s in comm),
+        spans=tuple(spans),
+    )
 
 
 def exposed_intervals(spans: tuple[Span, ...] | list[Span]) -> list[tuple[float, float]]:
@@ -250,8 +275,16 @@ def exposed_intervals(spans: tuple[Span, ...] | list[Span]) -> list[tuple[float,
 # ---------------------------------------------------------------- shapes
 
 
-def layer_ops(world: int, batch: int, seq: int, d: int, ffn: int, qkv_out: int | None = None,
-              element_bytes: int = 4, prefix: str = "") -> list[OpSpec]:
+def layer_ops(
+    world: int,
+    batch: int,
+    seq: int,
+    d: int,
+    ffn: int,
+    qkv_out: int | None = None,
+    element_bytes: int = 4,
+    prefix: str = "",
+) -> list[OpSpec]:
     """The overlap ops of one transformer layer with (batch, seq, d) activations, parallel degree ``world``.
 
     mlp.fc1  all_gather_matmul     x (seq/P, batch, d) @ W1 (d, ffn/P)
@@ -264,19 +297,51 @@ def layer_ops(world: int, batch: int, seq: int, d: int, ffn: int, qkv_out: int |
     tokens, rows = batch * seq, batch * seq // world
     qkv_out = qkv_out or 3 * d
     e = element_bytes
-    spec = lambda name, pattern, chunk, full, nbytes, side: OpSpec(
-        prefix + name, pattern, world, chunk, full, nbytes, side, e)
+
+    def spec(name, pattern, chunk, full, nbytes, side):
+        return OpSpec(prefix + name, pattern, world, chunk, full, nbytes, side, e)
+
     return [
-        spec("mlp.fc1 all_gather_matmul", "all_gather", (rows, d, ffn // world), (tokens, d, ffn // world),
-             rows * d * e, "consume"),
-        spec("mlp.fc2 matmul_reduce_scatter", "reduce_scatter", (rows, ffn // world, d), (tokens, ffn // world, d),
-             rows * d * e, "produce"),
-        spec("ulysses.qkv matmul_all_to_all", "all_to_all", (rows, d, qkv_out // world), (rows, d, qkv_out),
-             rows * qkv_out // world * e, "produce"),
-        spec("ulysses.out all_to_all_matmul", "all_to_all", (rows, d // world, d), (rows, d, d),
-             rows * d // world * e, "consume"),
-        spec("dp.fc1.wgrad matmul_reduce_scatter", "reduce_scatter", (d // world, tokens, ffn), (d, tokens, ffn),
-             d // world * ffn * e, "produce"),
+        spec(
+            "mlp.fc1 all_gather_matmul",
+            "all_gather",
+            (rows, d, ffn // world),
+            (tokens, d, ffn // world),
+            rows * d * e,
+            "consume",
+        ),
+        spec(
+            "mlp.fc2 matmul_reduce_scatter",
+            "reduce_scatter",
+            (rows, ffn // world, d),
+            (tokens, ffn // world, d),
+            rows * d * e,
+            "produce",
+        ),
+        spec(
+            "ulysses.qkv matmul_all_to_all",
+            "all_to_all",
+            (rows, d, qkv_out // world),
+            (rows, d, qkv_out),
+            rows * qkv_out // world * e,
+            "produce",
+        ),
+        spec(
+            "ulysses.out all_to_all_matmul",
+            "all_to_all",
+            (rows, d // world, d),
+            (rows, d, d),
+            rows * d // world * e,
+            "consume",
+        ),
+        spec(
+            "dp.fc1.wgrad matmul_reduce_scatter",
+            "reduce_scatter",
+            (d // world, tokens, ffn),
+            (d, tokens, ffn),
+            d // world * ffn * e,
+            "produce",
+        ),
     ]
 
 
@@ -284,8 +349,9 @@ def layer_ops(world: int, batch: int, seq: int, d: int, ffn: int, qkv_out: int |
 LLAMA70B = {"d": 8192, "ffn": 2 * 28672, "qkv_out": (64 + 2 * 8) * 128}
 
 
-def projection(profiles: dict[str, Profile], world: int = 8, token_counts=(4096, 16384),
-               methods=("collective", "sliced", "flash")) -> list[dict]:
+def projection(
+    profiles: dict[str, Profile], world: int = 8, token_counts=(4096, 16384), methods=("collective", "sliced", "flash")
+) -> list[dict]:
     """Predicted latency / exposed communication of every method for Llama-70B-like layers at parallel degree 8."""
     rows = []
     for tokens in token_counts:
@@ -293,10 +359,20 @@ def projection(profiles: dict[str, Profile], world: int = 8, token_counts=(4096,
             for pname, prof in profiles.items():
                 for method in methods:
                     pr = predict(op, method, prof)
-                    rows.append({"op": op.name, "tokens": tokens, "world": world, "profile": pname, "method": method,
-                                 "latency_ms": pr.latency * 1e3, "compute_ms": pr.compute_only * 1e3,
-                                 "comm_ms": pr.comm_only * 1e3, "exposed_ms": pr.exposed * 1e3,
-                                 "hidden_fraction": pr.hidden_fraction})
+                    rows.append(
+                        {
+                            "op": op.name,
+                            "tokens": tokens,
+                            "world": world,
+                            "profile": pname,
+                            "method": method,
+                            "latency_ms": pr.latency * 1e3,
+                            "compute_ms": pr.compute_only * 1e3,
+                            "comm_ms": pr.comm_only * 1e3,
+                            "exposed_ms": pr.exposed * 1e3,
+                            "hidden_fraction": pr.hidden_fraction,
+                        }
+                    )
     return rows
 
 
@@ -315,14 +391,21 @@ def draw_gantt(panels: list[tuple[str, Prediction]], path: str, columns: int = 3
     colors = {"gemm": "#4C72B0", "memory": "#8FB0D8", "transfer": "#55A868", "collective": "#C4A000"}
     n_rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(n_rows, columns, figsize=(5 * columns, 1.5 * n_rows + 0.6), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (label, pr) in zip(axes.flat, panels):
         scale = 1e3
         for s in pr.spans:
             lane = 1 if s.stream == COMPUTE else 0
-            ax.barh(lane, (s.end - s.start) * scale, left=s.start * scale, height=0.7, color=colors[s.kind],
-                    edgecolor="white", linewidth=0.5)
+            ax.barh(
+                lane,
+                (s.end - s.start) * scale,
+                left=s.start * scale,
+                height=0.7,
+                color=colors[s.kind],
+                edgecolor="white",
+                linewidth=0.5,
+            )
         for a, b in exposed_intervals(pr.spans):
             ax.axvspan(a * scale, b * scale, color="red", alpha=0.25, lw=0)
         ax.set_yticks([0, 1], ["comm", "compute"])

@@ -1,24 +1,30 @@
-"""What the three schedules share: the iteration's context, the per-term loss weights, flat gradient buffers.
+"""What the three schedules share: the contract, the iteration's context, the per-term loss weights, flat gradient
+buffers, and the inputs of their cost models.
 
 A schedule decides three things and nothing else:
   * ``track_grad(i)`` / ``grad_micro_batch``: which rollout steps run with autograd on, in which micro-batches;
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
     ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update.
+Its class also states what it costs: ``predict(costs)``, the peak memory and time per iteration that ``lean plan``
+reports, from the step costs ``lean.plan.probe`` measures.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from lean.config import RunConfig
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
-from lean.sde import StepPlan
+from lean.sde import StepSelection
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
 
 
 @dataclass
@@ -29,7 +35,8 @@ class IterationContext:
     cfg: RunConfig
     sigmas: torch.Tensor
     emb: object  # PromptEmbeds of the local samples
-    plan: StepPlan  # trained: BoolTensor [B_local, num_steps]
+    steps: StepSelection  # trained: BoolTensor [B_local, num_steps]
+    iteration: int = 0
     tally: FlopTally = field(default_factory=FlopTally)  # counts only inside tally.measuring()
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
@@ -41,12 +48,12 @@ class IterationContext:
 
     @property
     def batch(self) -> int:
-        return self.plan.trained.shape[0]
+        return self.steps.trained.shape[0]
 
     @property
     def steps_per_sample(self) -> int:
         """K: every sample trains the same number of steps."""
-        return int(self.plan.trained[0].sum())
+        return int(self.steps.trained[0].sum())
 
     @property
     def beta(self) -> float:
@@ -54,7 +61,7 @@ class IterationContext:
 
     def term_weights(self, rows: torch.Tensor, i: int, samples_per_update: int) -> torch.Tensor:
         """Weight of each (sample, step i) loss term in the objective: 1/(N K) if step i is trained for it, else 0."""
-        trained = self.plan.trained[rows, i].to(self.sigmas.dtype)
+        trained = self.steps.trained[rows, i].to(self.sigmas.dtype)
         return trained / (samples_per_update * self.steps_per_sample)
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
@@ -63,22 +70,66 @@ class IterationContext:
             return None
         index = torch.full((len(step.rows),), step.index, dtype=torch.long)
         with self.region("reference_forward"):
-            return reference_mean(self.policy, step.sample, index, self.emb.index(step.rows), self.cfg.sample,
-                              self.sigmas, step.next_sample)
+            return reference_mean(
+                self.policy,
+                step.sample,
+                index,
+                self.emb.index(step.rows),
+                self.cfg.sample,
+                self.sigmas,
+                step.next_sample,
+            )
 
 
 OptimizerStep = Callable[[], dict]
 
 
+@dataclass(frozen=True)
+class IterationCosts:
+    """One process's iteration in the terms of the cost models (seconds and MiB; ``lean.plan.probe`` measures).
+
+    n steps, K trained per sample, B local samples; f / fb: one untracked step / one tracked step plus its backward
+    over the local batch (all rollout micro-batches); fb_one: the same for one trajectory; ref: the reference
+    forwards of the KL term (0 without it). Memory: base (resident now), act / act_one: activations one tracked step
+    saves at the local batch / one trajectory; transient: what a backward needs beyond them; decode: the VAE's
+    working set for the local batch; trainable: the trainable parameters (MiB).
+    """
+
+    n: int
+    k: int
+    local: int
+    f: float
+    fb: float
+    fb_one: float
+    ref: float
+    base_mb: float
+    act_mb: float
+    act_one_mb: float
+    transient_mb: float
+    decode_mb: float
+    trainable_mb: float
+    train_rows_fraction: float  # Recompute's update micro-batch / the local batch
+    kl: bool  # the KL term is on
+    per_row_grads: bool  # every trainable parameter sits in an nn.Linear (Reweight stays batched)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_memory_mb: float
+    time_iteration_s: float
+
+
 class Schedule:
     """Base class; see the module docstring for the contract."""
 
-    name = "base"
     grad_micro_batch: int | None = None
+    exact_only_on_policy = False  # its update equals the objective's gradient only with one step per rollout
+    tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
+    backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
 
     def __init__(self, ctx: IterationContext):
         self.ctx = ctx
-        self.any_trained = ctx.plan.trained.any(dim=0)  # [num_steps]: steps at least one sample trains
+        self.any_trained = ctx.steps.grad_steps  # [num_steps]: steps at least one sample trains
 
     def track_grad(self, i: int) -> bool:
         return bool(self.any_trained[i])
@@ -87,6 +138,10 @@ class Schedule:
         raise NotImplementedError
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def predict(c: IterationCosts) -> Prediction:
         raise NotImplementedError
 
 
@@ -107,6 +162,6 @@ def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        g = flat[offset:offset + n].view_as(p)
+        g = flat[offset : offset + n].view_as(p)
         p.grad = g.clone() if p.grad is None else p.grad + g
         offset += n

@@ -39,7 +39,7 @@ class TrajectoryBuffers:
         self.storage = torch.zeros(n_trajectories * total, dtype=params[0].dtype, device=params[0].device)
         self.blocks, start = {}, 0
         for p in params:
-            self.blocks[id(p)] = self.storage[start:start + n_trajectories * p.numel()].view(n_trajectories, -1)
+            self.blocks[id(p)] = self.storage[start : start + n_trajectories * p.numel()].view(n_trajectories, -1)
             start += n_trajectories * p.numel()
 
     def block(self, p: torch.nn.Parameter) -> torch.Tensor:

@@ -15,6 +15,11 @@ gradients:
 
 With S = 1 and one epoch the loop is on-policy: log p_theta equals log p_old up to floating-point rounding (ratio = 1),
 which is the redundancy Retain and Reweight remove: the forward pass above already ran during the rollout.
+
+Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE decode or in one update backward,
+
+    memory = base + max(decode, act x train_rows_fraction + transient)      time = n f + K (f + fb) + ref
+           (the K recomputed steps each cost a forward f beside the tracked forward + backward fb)
 """
 
 from __future__ import annotations
@@ -23,15 +28,14 @@ import torch
 
 from lean.loss import StepLoss, loss_stats, step_loss
 from lean.rollout import StepOutput, iteration_generator, policy_step, reference_mean
-from lean.schedules.base import IterationContext, OptimizerStep, Schedule
+from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
 
 class Recompute(Schedule):
-    name = "recompute"
+    tracks_rollout_graphs = False
 
-    def __init__(self, ctx: IterationContext, iteration: int = 0):
+    def __init__(self, ctx: IterationContext):
         super().__init__(ctx)
-        self.iteration = iteration
         self.samples: dict[int, torch.Tensor] = {}  # step i -> x_i [B, ...]
         self.next_samples: dict[int, torch.Tensor] = {}
         self.old_log_probs: dict[int, torch.Tensor] = {}
@@ -56,11 +60,11 @@ class Recompute(Schedule):
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx, t = self.ctx, self.ctx.cfg.train
-        trained_steps = [torch.nonzero(row).flatten() for row in ctx.plan.trained]  # per sample, ascending
+        trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending
         losses: list[StepLoss] = []
         step_stats = {}
         for epoch in range(t.num_inner_epochs):
-            gen = iteration_generator(t.seed, self.iteration, purpose=1 + epoch)
+            gen = iteration_generator(t.seed, ctx.iteration, purpose=1 + epoch)
             order = torch.randperm(ctx.batch, generator=gen)
             for chunk in order.chunk(t.optimizer_steps_per_iteration):
                 for rows in chunk.split(t.train_batch_size):
@@ -71,17 +75,25 @@ class Recompute(Schedule):
                         old = torch.stack([self.old_log_probs[int(s)][int(b)] for b, s in zip(rows, steps)])
                         emb = ctx.emb.index(rows)
                         with ctx.region("recompute_forward"):
-                            _, log_prob, mean, std = policy_step(ctx.policy, x, steps, emb, ctx.cfg.sample,
-                                                                 ctx.sigmas, next_sample=nxt)
+                            _, log_prob, mean, std = policy_step(
+                                ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, next_sample=nxt
+                            )
                         ref = None
                         if ctx.beta:
                             with ctx.region("reference_forward"):
                                 ref = reference_mean(ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, nxt)
-                        loss = step_loss(log_prob, old, advantages[rows], t.clip_range, mean=mean, ref_mean=ref,
-                                         std=std)
+                        loss = step_loss(
+                            log_prob, old, advantages[rows], t.clip_range, mean=mean, ref_mean=ref, std=std
+                        )
                         with ctx.region("backward"):
                             (loss.total(ctx.beta).sum() / (len(chunk) * ctx.steps_per_sample)).backward()
                         losses.append(loss)
                 step_stats = optimizer_step()
         return {**loss_stats(losses, ctx.beta), **step_stats}
 
+    @staticmethod
+    def predict(c: IterationCosts) -> Prediction:
+        return Prediction(
+            c.base_mb + max(c.decode_mb, c.act_mb * c.train_rows_fraction + c.transient_mb),
+            c.n * c.f + c.k * c.fb + c.ref,
+        )

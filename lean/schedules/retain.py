@@ -6,10 +6,13 @@ the trained steps of the rollout with autograd on (other steps under ``no_grad``
 log-prob and transition mean together with their graphs and saved activations. After rewards and advantages A:
 
     L = 1/(N K) sum_b sum_{j in T_b} [ max(-A_b r_bj, -A_b clip(r_bj, 1-c, 1+c)) + beta KL_bj ],
-        r_bj = exp(log p_bj - stopgrad(log p_bj)) = 1,   so   dL/dtheta = 1/(N K) sum_bj [ -A_b dlog p_bj + beta dKL_bj ]
+        r_bj = exp(log p_bj - stopgrad(log p_bj)) = 1,  so  dL/dtheta = 1/(N K) sum_bj [ -A_b dlog p_bj + beta dKL_bj ]
 
 and one ``L.backward()`` replaces Recompute's K forward + backward passes: no second forward. The price is memory: the
-activations of (trained steps x local batch) forward passes stay alive until the backward; ``lean plan`` predicts it.
+activations of (trained steps x local batch) forward passes stay alive until the backward; ``lean plan`` predicts it
+(``predict``, in the terms of ``base.IterationCosts``):
+
+    memory = base + K act + max(decode, transient)      time = (n - K) f + K fb + ref
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import torch
 
 from lean.loss import loss_stats, step_loss
 from lean.rollout import StepOutput
-from lean.schedules.base import OptimizerStep, Schedule
+from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule
 
 
 class Retain(Schedule):
-    name = "retain"
+    exact_only_on_policy = True
 
-    def __init__(self, ctx, iteration: int = 0):
+    def __init__(self, ctx):
         super().__init__(ctx)
         self.kept: list[tuple[StepOutput, torch.Tensor | None]] = []
 
@@ -36,8 +39,15 @@ class Retain(Schedule):
         ctx = self.ctx
         total, losses = 0.0, []
         for step, ref in self.kept:
-            loss = step_loss(step.log_prob, step.log_prob.detach(), advantages[step.rows], ctx.cfg.train.clip_range,
-                             mean=step.mean, ref_mean=ref, std=step.std)
+            loss = step_loss(
+                step.log_prob,
+                step.log_prob.detach(),
+                advantages[step.rows],
+                ctx.cfg.train.clip_range,
+                mean=step.mean,
+                ref_mean=ref,
+                std=step.std,
+            )
             weights = ctx.term_weights(step.rows, step.index, ctx.batch)
             total = total + (weights * loss.total(ctx.beta)).sum()
             losses.append(loss)
@@ -47,3 +57,8 @@ class Retain(Schedule):
                 total.backward()
         return {**loss_stats(losses, ctx.beta), **optimizer_step()}
 
+    @staticmethod
+    def predict(c: IterationCosts) -> Prediction:
+        return Prediction(
+            c.base_mb + c.k * c.act_mb + max(c.decode_mb, c.transient_mb), (c.n - c.k) * c.f + c.k * c.fb + c.ref
+        )

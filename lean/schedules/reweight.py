@@ -24,6 +24,11 @@ otherwise the tracked steps run one trajectory per micro-batch. The buffers hold
 the trainable parameters: small with LoRA; their size is reported as ``reweight_buffer_mb``. With the KL term on, each
 step takes a second backward (the two parts need separate vector-Jacobian products); with beta = 0 there is exactly
 one backward per trained step.
+
+Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1):
+
+    batched     memory = base + (B + kl - 1) P + max(decode, act + transient)      time = n f + K kl (fb - f) + ref
+    one by one  memory = base + (B + kl - 1) P + max(decode, act_one + transient)  time = (n-K) f + K B kl fb_one + ref
 """
 
 from __future__ import annotations
@@ -32,16 +37,25 @@ import torch
 
 from lean.loss import StepLoss, loss_stats, step_loss
 from lean.rollout import StepOutput
-from lean.schedules.base import OptimizerStep, Schedule, flat_grad, set_grads, trainable
+from lean.schedules.base import (
+    IterationCosts,
+    OptimizerStep,
+    Prediction,
+    Schedule,
+    flat_grad,
+    set_grads,
+    trainable,
+)
 from lean.schedules.per_sample import PerSampleGrads, TrajectoryBuffers, linear_owners
 
 PROVISIONAL_ADVANTAGE = 1.0
 
 
 class Reweight(Schedule):
-    name = "reweight"
+    exact_only_on_policy = True
+    backward_in_rollout = True
 
-    def __init__(self, ctx, iteration: int = 0):
+    def __init__(self, ctx):
         super().__init__(ctx)
         self.params = trainable(ctx.policy)
         n = sum(p.numel() for p in self.params)
@@ -66,8 +80,15 @@ class Reweight(Schedule):
             return
         ctx = self.ctx
         ref = ctx.reference_mean(step)
-        loss = step_loss(step.log_prob, step.log_prob.detach(), self.provisional[step.rows], ctx.cfg.train.clip_range,
-                         mean=step.mean, ref_mean=ref, std=step.std)
+        loss = step_loss(
+            step.log_prob,
+            step.log_prob.detach(),
+            self.provisional[step.rows],
+            ctx.cfg.train.clip_range,
+            mean=step.mean,
+            ref_mean=ref,
+            std=step.std,
+        )
         weights = ctx.term_weights(step.rows, step.index, ctx.batch)
         if not weights.any():
             return  # DanceGRPO-style selection: another trajectory trains this step, this one does not
@@ -101,7 +122,23 @@ class Reweight(Schedule):
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
         # On-policy the surrogate's value is -A r with r = 1; log it with the true advantages.
-        logged = [StepLoss(-advantages[rows].to(loss.ratio.dtype) * loss.ratio, loss.kl, loss.ratio)
-                  for rows, loss in self.kept_stats]
+        logged = [
+            StepLoss(-advantages[rows].to(loss.ratio.dtype) * loss.ratio, loss.kl, loss.ratio)
+            for rows, loss in self.kept_stats
+        ]
         stats = {**loss_stats(logged, self.ctx.beta), "reweight_buffer_mb": self.buffer_mb}
         return {**stats, **optimizer_step()}
+
+    @staticmethod
+    def predict(c: IterationCosts) -> Prediction:
+        backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
+        buffers = (c.local + backwards - 1) * c.trainable_mb
+        if c.per_row_grads:
+            return Prediction(
+                c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb),
+                c.n * c.f + c.k * backwards * (c.fb - c.f) + c.ref,
+            )
+        return Prediction(
+            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb),
+            (c.n - c.k) * c.f + c.k * c.local * c.fb_one * backwards + c.ref,
+        )

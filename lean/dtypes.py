@@ -1,0 +1,30 @@
+"""The floating-point types a run can compute in: the registry of ``model.dtype`` names.
+
+Code compares ``torch.dtype`` objects, never these strings: a name is read once, from the config, through
+:data:`DTYPES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lean.registry import Registry
+
+DTYPES: Registry[torch.dtype] = Registry(
+    "dtype",
+    [
+        ("float32", torch.float32),  # the default
+        ("float64", torch.float64),
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+    ],
+)
+HALF = (torch.bfloat16, torch.float16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The registry name of a torch dtype (``torch.float64 -> "float64"``)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise KeyError(f"{dtype} is not one of {', '.join(DTYPES)}")

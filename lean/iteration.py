@@ -1,0 +1,284 @@
+"""One GRPO iteration, written once: the phases every caller runs, each with explicit inputs and outputs.
+
+    local batch   which (group, prompt, sample) this process owns, their random streams, the trained-step selection
+    embed         cached prompt embeddings of the local samples
+    rollout       the one sampling loop (``lean.rollout``) with the schedule's hooks: track_grad(i), on_step(step)
+    score         decode x_T -> rewards [B_local]
+    advantages    rewards gathered over processes -> group advantages (``lean.advantage``) -> this process's share
+    finish        the schedule turns advantages into gradients; ``optimizer_step`` is the one place they are
+                  synchronised, clipped and applied (``lean.optimizer``)
+
+:meth:`IterationPipeline.run` composes them for ``lean train``, ``lean equivalence`` and ``lean bench schedules``;
+the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the same phases one by one. A change to
+the order of an iteration is made in :meth:`IterationPipeline.run` alone.
+
+Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
+owns the contiguous slice r of it (``lean.advantage.local_slice``). Random streams are keyed by (seed, iteration,
+prompt, sample), so a trajectory never depends on the batching or on the number of processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lean.advantage import group_advantages, local_slice
+from lean.config import validate
+from lean.distributed import World
+from lean.metrics import FlopTally, PeakMemory, PhaseTimer
+from lean.models import build_policy
+from lean.rewards import compute_rewards
+from lean.rollout import StepOutput, iteration_generator, rollout, sample_generator
+from lean.schedules import SCHEDULES, IterationContext, Schedule
+from lean.schedules.base import OptimizerStep
+from lean.sde import StepSelection, select_steps_for, sigma_schedule
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
+    from lean.models import Policy, PromptEmbeds
+
+SampleKey = tuple[int, int, int]  # (group, prompt index, sample index)
+WINDOW_STREAM = 99  # iteration_generator purpose of the SDE window draw
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite reward, log-prob, loss or gradient; the message names the tensor and the iteration."""
+
+
+def global_samples(cfg: RunConfig, iteration: int) -> list[SampleKey]:
+    """(group, prompt index, sample index) of every sample of the iteration, in global order: the prompts of the
+    iteration are drawn from a stream every process shares (without replacement when there are enough)."""
+    t = cfg.train
+    gen = iteration_generator(t.seed, iteration)
+    n = len(t.prompts)
+    if t.prompts_per_iteration <= n:
+        chosen = torch.randperm(n, generator=gen)[: t.prompts_per_iteration].tolist()
+    else:
+        chosen = torch.randint(n, (t.prompts_per_iteration,), generator=gen).tolist()
+    return [(g, p, k) for g, p in enumerate(chosen) for k in range(t.group_size)]
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """One process's samples of one iteration."""
+
+    iteration: int
+    samples: list[SampleKey]  # the whole iteration, in global order
+    local: slice  # this process's contiguous share of ``samples``
+    prompts: list[str]  # of the local samples
+    generators: list[torch.Generator]  # one random stream per local sample
+    steps: StepSelection  # which steps are stochastic, and which each local sample trains
+
+    @property
+    def mine(self) -> list[SampleKey]:
+        return self.samples[self.local]
+
+    def group_ids(self) -> Tensor:
+        """Group of every sample of the iteration (global order) [N]."""
+        return torch.tensor([g for g, _, _ in self.samples])
+
+
+def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int = 1) -> LocalBatch:
+    """This process's samples of ``iteration``: prompts, random streams and trained-step selection."""
+    samples = global_samples(cfg, iteration)
+    local = local_slice(len(samples), rank, world_size)
+    generators = [sample_generator(cfg.train.seed, iteration, p, k) for _, p, k in samples[local]]
+    # The selection draws from the sample streams first, the rollout's noise comes after: a fixed order.
+    steps = select_steps_for(
+        cfg.sample,
+        len(generators),
+        window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
+        sample_generators=generators,
+    )
+    prompts = [cfg.train.prompts[p] for _, p, _ in samples[local]]
+    return LocalBatch(iteration, samples, local, prompts, generators, steps)
+
+
+@dataclass
+class Rollout:
+    """What the first half of an iteration leaves for the update: the schedule that saw every step, x_T, the
+    rewards of the local samples and their components."""
+
+    batch: LocalBatch
+    ctx: IterationContext
+    schedule: Schedule
+    final: Tensor  # x_T [B_local, ...]
+    rewards: Tensor  # float64 [B_local]
+    parts: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class IterationResult:
+    metrics: dict  # one row of metrics.csv
+    final: Tensor  # x_T of the local samples
+    rewards: Tensor  # float64 [N]: every sample of the iteration
+
+
+def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
+    """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma
+    grid."""
+    validate(cfg, world_size=world.size)
+    policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
+    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(world.device)
+    return IterationPipeline(policy, cfg, sigmas, world)
+
+
+class IterationPipeline:
+    """The phases of one GRPO iteration on one process of ``world``, for ``policy`` under ``cfg``."""
+
+    def __init__(self, policy: Policy, cfg: RunConfig, sigmas: Tensor, world: World | None = None):
+        self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
+        self.world = world or World(device=policy.device)
+
+    # ------------------------------------------------------------ phases
+
+    def local_batch(self, iteration: int) -> LocalBatch:
+        return local_batch(self.cfg, iteration, self.world.rank, self.world.size)
+
+    def embed(self, batch: LocalBatch) -> PromptEmbeds:
+        return self.policy.encode_prompts(batch.prompts)
+
+    def context(
+        self,
+        batch: LocalBatch,
+        emb: PromptEmbeds,
+        timer: PhaseTimer | None = None,
+        tally: FlopTally | None = None,
+        steps: StepSelection | None = None,
+    ) -> IterationContext:
+        return IterationContext(
+            self.policy,
+            self.cfg,
+            self.sigmas,
+            emb,
+            steps or batch.steps,
+            batch.iteration,
+            tally or FlopTally(),
+            timer or PhaseTimer(self.world.device),
+        )
+
+    def rollout(
+        self,
+        batch: LocalBatch,
+        ctx: IterationContext,
+        schedule: Schedule,
+        *,
+        on_step: Callable[[StepOutput], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Tensor:
+        """Sample the local trajectories; ``on_step`` (a check or a recorder), then the schedule, see every SDE
+        step."""
+
+        def hook(step: StepOutput) -> None:
+            if on_step is not None:
+                on_step(step)
+            schedule.on_step(step)
+
+        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"):
+            return rollout(
+                self.policy,
+                ctx.emb,
+                batch.generators,
+                batch.steps,
+                self.cfg.sample,
+                self.sigmas,
+                on_step=hook,
+                track_grad=schedule.track_grad,
+                micro_batch=self.cfg.train.rollout_batch_size,
+                grad_micro_batch=schedule.grad_micro_batch,
+                progress=progress,
+            )
+
+    def score(self, ctx: IterationContext, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Decode x_T and score it: (total float64 [B_local], each reward's component)."""
+        with ctx.timer("reward"):
+            with ctx.tally.region("decode"):
+                images = self.policy.decode(final)
+            total, parts = compute_rewards(self.cfg.reward.weights, images, prompts)
+        return total.to(torch.float64), parts
+
+    def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """(every sample's reward [N], this process's advantages [B_local]), both float64."""
+        t = self.cfg.train
+        with rollout.ctx.timer("advantage"):
+            rewards = self.world.gather(rollout.rewards.to(self.world.device))
+            advantages = group_advantages(
+                rewards, rollout.batch.group_ids().to(rewards.device), global_std=t.global_std, clip=t.adv_clip_max
+            )
+        if not torch.isfinite(rewards).all():
+            bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
+            raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")
+        return rewards, advantages[rollout.batch.local].cpu()
+
+    def finish(self, rollout: Rollout, advantages: Tensor, optimizer_step: OptimizerStep) -> dict:
+        """The schedule's update from this process's advantages; it calls ``optimizer_step`` once per update."""
+        with rollout.ctx.timer("update"):
+            stats = rollout.schedule.finish(advantages, optimizer_step)
+        for key in ("policy_loss", "kl"):
+            if key in stats and not math.isfinite(stats[key]):
+                raise NonFiniteError(f"non-finite {key} at iteration {rollout.batch.iteration}")
+        return stats
+
+    # ------------------------------------------------------------ compositions
+
+    def roll_out(
+        self,
+        iteration: int,
+        make_schedule: Callable[[IterationContext], Schedule],
+        *,
+        timer: PhaseTimer | None = None,
+        tally: FlopTally | None = None,
+        on_step: Callable[[StepOutput], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Rollout:
+        """The first half of an iteration: local batch -> embed -> rollout -> score."""
+        batch = self.local_batch(iteration)
+        ctx = self.context(batch, self.embed(batch), timer, tally)
+        schedule = make_schedule(ctx)
+
+        def finite(step: StepOutput) -> None:
+            if not torch.isfinite(step.log_prob).all():
+                raise NonFiniteError(f"non-finite log_prob at step {step.index} of iteration {iteration}")
+            if on_step is not None:
+                on_step(step)
+
+        final = self.rollout(batch, ctx, schedule, on_step=finite, progress=progress)
+        rewards, parts = self.score(ctx, final, batch.prompts)
+        return Rollout(batch, ctx, schedule, final, rewards, parts)
+
+    def run(
+        self,
+        iteration: int,
+        schedule: str,
+        optimizer_step: OptimizerStep,
+        *,
+        tally: FlopTally | None = None,
+        progress: Callable[[int], None] | None = None,
+        measure_memory: bool = True,
+    ) -> IterationResult:
+        """One whole iteration with the named schedule: roll out, score, advantages, finish."""
+        timer = PhaseTimer(self.world.device)
+        with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
+            rolled = self.roll_out(iteration, SCHEDULES[schedule], timer=timer, tally=tally, progress=progress)
+            rewards, advantages = self.advantages(rolled)
+            stats = self.finish(rolled, advantages, optimizer_step)
+        metrics = {
+            "iteration": iteration,
+            "schedule": schedule,
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std(unbiased=False).item(),
+            **{
+                f"reward_{k}": self.world.gather(v.to(self.world.device, torch.float64)).mean().item()
+                for k, v in rolled.parts.items()
+            },
+            **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+            "peak_memory_mb": memory.peak_mb,
+            "peak_memory_delta_mb": memory.delta_mb,
+            **stats,
+        }
+        return IterationResult(metrics, rolled.final, rewards)

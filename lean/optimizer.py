@@ -1,0 +1,107 @@
+"""The optimizer step, the single place where gradients cross processes: average, check, clip, AdamW, EMA.
+
+Every schedule leaves its gradients in ``param.grad`` and calls :meth:`TrainState.step` once per update. The
+gradients are averaged over processes there and nowhere else (one flat all-reduce: with LoRA the gradient is small,
+and all schedules then sync at the same, explicit point; Reweight's delayed sync relies on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from lean.distributed import World
+from lean.iteration import NonFiniteError
+from lean.schedules.base import flat_grad, set_grads
+
+
+class TrainState:
+    """The trainable parameters, their AdamW state and EMA copy, and the number of optimizer steps taken."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], train_cfg, world: World):
+        t = train_cfg
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+        self.ema = [p.detach().clone() for p in self.params] if t.ema else None
+        self.ema_decay, self.ema_every, self.max_grad_norm = t.ema_decay, t.ema_every, t.max_grad_norm
+        self.world = world
+        self.steps = 0
+        self.iteration = 0  # for messages: the iteration whose update is being applied
+        self.on_synced_grads: Callable[[list[torch.nn.Parameter]], None] | None = None  # see capture_synced_grads
+
+    def step(self) -> dict:
+        """Average gradients across processes, clip, AdamW, EMA."""
+        grads = self.world.all_reduce_mean_(flat_grad(self.params, [p.grad for p in self.params]))
+        for p in self.params:
+            p.grad = None
+        set_grads(self.params, grads)
+        if not torch.isfinite(grads).all():
+            bad = [n for n, p in zip(self.names, self.params) if not torch.isfinite(p.grad).all()]
+            raise NonFiniteError(
+                f"non-finite gradient of {bad[0]} (and {len(bad) - 1} more tensors) at iteration {self.iteration}"
+            )
+        if self.on_synced_grads is not None:
+            self.on_synced_grads(self.params)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.ema is not None and self.steps % self.ema_every == 0:
+            with torch.no_grad():
+                for e, p in zip(self.ema, self.params):
+                    e.lerp_(p, 1 - self.ema_decay)
+        return {"grad_norm": float(norm)}
+
+    # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
+
+    def state_dict(self) -> dict:
+        return {
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": _clone(self.optimizer.state_dict()),
+            "ema": None if self.ema is None else [e.clone() for e in self.ema],
+            "optimizer_steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params, state["params"]):
+                p.copy_(v)
+        self.optimizer.load_state_dict(_clone(state["optimizer"]))
+        if state["ema"] is not None:
+            self.ema = [e.clone() for e in state["ema"]]
+        self.steps = state["optimizer_steps"]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def capture_synced_grads(state: TrainState) -> Iterator[list[Tensor]]:
+    """Inside the block, the synchronised gradients of the last optimizer step are copied into the yielded list
+    (just before clipping): what the equivalence certificate compares."""
+    captured: list[Tensor] = []
+
+    def keep(params: list[torch.nn.Parameter]) -> None:
+        captured[:] = [p.grad.detach().clone() for p in params]
+
+    state.on_synced_grads = keep
+    try:
+        yield captured
+    finally:
+        state.on_synced_grads = None
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree

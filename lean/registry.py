@@ -1,0 +1,47 @@
+"""One registry per kind of name.
+
+Schedules, model families, dtypes, SDE kinds, sigma grids, rewards and presets are each named in exactly one module,
+the one that owns them, as a :class:`Registry`. Config validation, CLI ``choices``, the benchmark's order and the
+notebooks read the names from there, so adding a schedule (or a family, a reward, ...) is one new file plus one
+registry line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(dict[str, T], Generic[T]):
+    """``name -> what the name stands for``, in registration order; the first name is the default."""
+
+    def __init__(self, kind: str, entries: Iterable[tuple[str, T]] = ()):
+        super().__init__(entries)
+        self.kind = kind  # what the names name ("schedule", "model family", ...), for messages
+
+    @property
+    def default(self) -> str:
+        return next(iter(self))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self)
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: ``@REWARDS.register("color_match")``."""
+
+        def add(value: T) -> T:
+            if name in self:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self[name] = value
+            return value
+
+        return add
+
+    def get_or_raise(self, name: str) -> T:
+        """The entry, or a ``KeyError`` that lists the known names."""
+        if name not in self:
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(self)}")
+        return self[name]

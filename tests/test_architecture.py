@@ -1,0 +1,118 @@
+"""The shape of the code: an acyclic module graph inside ``lean/``, and every schedule, model family and dtype name
+spelled as a literal in exactly one module (its registry), read from the source with ``ast``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from lean.dtypes import DTYPES
+from lean.models import FAMILIES
+from lean.schedules import AUTO, SCHEDULES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lean"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules a module imports when it runs (``if TYPE_CHECKING:`` blocks are annotations only).
+    ``from package import submodule`` depends on the submodule (a package's own ``__init__`` always runs first)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        imports = runtime_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(files))
+        graph[name] = {m for m in imports if m in files and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := walk(node)):
+            return cycle
+    return None
+
+
+def test_the_module_graph_is_acyclic():
+    graph = module_graph()
+    assert len(graph) > 30 and "lean.iteration" in graph["lean.train"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def string_literals(path: Path) -> set[str]:
+    """Every string constant of a module except docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    }
+
+
+SOURCES = [*PACKAGE.rglob("*.py"), *(ROOT / "pipelines").glob("*.py"), *(ROOT / "notebooks").glob("*.py")]
+
+
+@pytest.mark.parametrize(
+    "kind,names", [("schedule", [*SCHEDULES, AUTO]), ("model family", list(FAMILIES)), ("dtype", list(DTYPES))]
+)
+def test_names_are_spelled_in_one_module(kind, names):
+    literals = {path: string_literals(path) for path in SOURCES}
+    for name in names:
+        spelled = sorted(str(p.relative_to(ROOT)) for p, found in literals.items() if name in found)
+        assert len(spelled) == 1, f"the {kind} {name!r} is spelled in {spelled}"
