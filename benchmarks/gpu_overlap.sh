@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# FlashOverlap on GPUs in under 5 minutes: `lean bench overlap` with NCCL, one rank per visible GPU.
+# FlashOverlap on GPUs in under 5 minutes: `lean bench overlap` with NCCL, one rank per visible GPU. Each measured
+# case is appended to OUT/measured.jsonl as soon as it is measured (a timeout keeps what was measured).
 #
 #   benchmarks/gpu_overlap.sh [OUT]          (default OUT=outputs/overlap-gpu)
 #
@@ -7,26 +8,22 @@
 #    1 GPU   what needs no peer: compute-only GEMMs and MFU, memory bandwidth, a copy on a side stream overlapping a
 #            GEMM (loopback), the H100/H200 projection; overlap.json's `not_measured` lists the rest.
 #    0 GPUs  says so and runs the quick CPU benchmark (2 gloo processes) instead.
-# Environment: PYTHON (interpreter; default .venv/bin/python, else python3), GPUS (override the detected count),
-# DRY_RUN=1 (print the command, run nothing).
+# Environment: PYTHON (interpreter, see gpu_env.sh), GPUS (override the detected count), DRY_RUN=1 (print the
+# command, run nothing). A CPU build of torch beside a GPU is refused (exit 3), never benchmarked quietly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # works without `pip install -e .` too
 OUT=${1:-outputs/overlap-gpu}
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-GPUS=${GPUS:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')}
+source benchmarks/gpu_env.sh
 
 if [ "$GPUS" -ge 2 ]; then
-  cmd=("$PYTHON" -m lean.cli bench overlap --nproc "$GPUS" --out "$OUT" --repeats 10 --warmup 3 --timeout 120)
+  cmd=("$PY" -m lean.cli bench overlap --nproc "$GPUS" --out "$OUT" --repeats 10 --warmup 3 --timeout 120)
 elif [ "$GPUS" -eq 1 ]; then
   echo "gpu_overlap: 1 GPU: measuring GEMMs, memory and side-stream loopback only;" \
        "per-method latency, transfers between GPUs and the hidden fraction need >= 2 GPUs"
-  cmd=("$PYTHON" -m lean.cli bench overlap --nproc 1 --out "$OUT" --repeats 10 --warmup 3)
+  cmd=("$PY" -m lean.cli bench overlap --nproc 1 --out "$OUT" --repeats 10 --warmup 3)
 else
   echo "gpu_overlap: no GPU visible: running the quick CPU benchmark (2 gloo processes) instead"
-  cmd=("$PYTHON" -m lean.cli bench overlap --nproc 2 --quick --out "$OUT")
+  cmd=("$PY" -m lean.cli bench overlap --nproc 2 --quick --out "$OUT")
 fi
 echo "+ ${cmd[*]}"
 if [ "${DRY_RUN:-0}" = 1 ]; then exit 0; fi

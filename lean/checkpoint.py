@@ -63,7 +63,8 @@ def latest(folder: Path) -> dict | None:
                 f"skipping checkpoint {path.name}: incomplete or corrupted (digest missing or wrong)", stacklevel=2
             )
             continue
-        state = torch.load(io.BytesIO(payload), weights_only=False)
+        # map to the CPU: every rank would otherwise get rank 0's cuda:0 tensors; loading copies them to each device
+        state = torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
         torch.set_rng_state(state["torch_rng"])
         return state
     return None

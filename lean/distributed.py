@@ -41,8 +41,14 @@ class World:
             self.accelerator.wait_for_everyone()
 
 
-def init_world(timeout_s: float = 60.0) -> World:
-    """The layout Accelerate was launched with (a single process when it was not)."""
+CPU_TIMEOUT_S, GPU_TIMEOUT_S = 60.0, 1800.0  # gloo on a laptop vs NCCL, where checkpoints and loading take minutes
+
+
+def init_world(timeout_s: float | None = None) -> World:
+    """The layout Accelerate was launched with (a single process when it was not); ``timeout_s`` (default: by the
+    backend) bounds every collective."""
+    if timeout_s is None:
+        timeout_s = GPU_TIMEOUT_S if torch.cuda.is_available() else CPU_TIMEOUT_S
     from accelerate import Accelerator  # local: accelerate takes seconds to import
     from accelerate.utils import InitProcessGroupKwargs
 

@@ -32,6 +32,7 @@ from lean.config import validate
 from lean.distributed import World
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer
 from lean.models import build_policy
+from lean.models.precision import set_matmul_precision
 from lean.rewards import compute_rewards
 from lean.rollout import StepOutput, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
@@ -123,6 +124,7 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma
     grid."""
     validate(cfg, world_size=world.size)
+    set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
     sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(world.device)
     return IterationPipeline(policy, cfg, sigmas, world)
@@ -203,17 +205,21 @@ class IterationPipeline:
         return total.to(torch.float64), parts
 
     def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """(every sample's reward [N], this process's advantages [B_local]), both float64."""
+        """(every sample's reward [N] on the host, this process's advantages [B_local] on the device), float64.
+
+        Rewards are host values (they come from decoded pixels), so the group statistics are computed on the host
+        once all ranks' rewards are gathered (a collective of device tensors); the local share goes back to the
+        device for the loss."""
         t = self.cfg.train
         with rollout.ctx.timer("advantage"):
-            rewards = self.world.gather(rollout.rewards.to(self.world.device))
+            rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
             advantages = group_advantages(
-                rewards, rollout.batch.group_ids().to(rewards.device), global_std=t.global_std, clip=t.adv_clip_max
+                rewards, rollout.batch.group_ids(), global_std=t.global_std, clip=t.adv_clip_max
             )
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")
-        return rewards, advantages[rollout.batch.local].cpu()
+        return rewards, advantages[rollout.batch.local].to(self.world.device)
 
     def finish(self, rollout: Rollout, advantages: Tensor, optimizer_step: OptimizerStep) -> dict:
         """The schedule's update from this process's advantages; it calls ``optimizer_step`` once per update."""
@@ -240,14 +246,18 @@ class IterationPipeline:
         batch = self.local_batch(iteration)
         ctx = self.context(batch, self.embed(batch), timer, tally)
         schedule = make_schedule(ctx)
+        finite: dict[int, Tensor] = {}  # step -> all log-probs finite, on the device: read once, after the loop
 
-        def finite(step: StepOutput) -> None:
-            if not torch.isfinite(step.log_prob).all():
-                raise NonFiniteError(f"non-finite log_prob at step {step.index} of iteration {iteration}")
+        def check(step: StepOutput) -> None:
+            ok = torch.isfinite(step.log_prob.detach()).all()
+            finite[step.index] = finite[step.index] & ok if step.index in finite else ok
             if on_step is not None:
                 on_step(step)
 
-        final = self.rollout(batch, ctx, schedule, on_step=finite, progress=progress)
+        final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress)
+        if finite and not torch.stack(list(finite.values())).all():
+            first = next(i for i, ok in finite.items() if not ok)
+            raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
         rewards, parts = self.score(ctx, final, batch.prompts)
         return Rollout(batch, ctx, schedule, final, rewards, parts)
 

@@ -58,11 +58,8 @@ def loss_stats(losses: list[StepLoss], beta: float) -> dict[str, float]:
         return {}
     pol = torch.cat([loss.policy.detach() for loss in losses])
     ratio = torch.cat([loss.ratio for loss in losses])
-    out = {
-        "policy_loss": pol.mean().item(),
-        "ratio_mean": ratio.mean().item(),
-        "ratio_max_dev": (ratio - 1).abs().max().item(),
-    }
+    stats = {"policy_loss": pol.mean(), "ratio_mean": ratio.mean(), "ratio_max_dev": (ratio - 1).abs().max()}
     if losses[0].kl is not None:
-        out["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean().item()
-    return out
+        stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
+    values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs
+    return dict(zip(stats, values))

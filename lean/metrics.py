@@ -13,7 +13,8 @@ FLOPs
 
 Peak FLOP/s
     CPU: measured by a calibration matmul (best of a few timed repetitions). GPU: the vendor's dense tensor-core figure
-    from ``GPU_PEAK_TFLOPS`` (datasheet numbers, no sparsity).
+    from ``GPU_PEAK_TFLOPS`` (datasheet numbers, no sparsity, by the exact device name; float32 at the TF32 rate when
+    TF32 is on); a GPU the table does not name gets a calibration matmul's figure, with a warning.
 """
 
 from __future__ import annotations
@@ -24,17 +25,34 @@ import re
 import resource
 import statistics
 import time
+import warnings
 from collections import defaultdict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 # Dense (non-sparse) peak TFLOP/s from the NVIDIA datasheets (SXM parts). fp32 = plain FP32 (no TF32).
-_HALF, _SINGLE, _DOUBLE = (torch.bfloat16, torch.float16), torch.float32, torch.float64
+TF32 = "tf32"  # the tensor-core rate float32 matmuls get with TF32 on (torch.set_float32_matmul_precision("high"))
+
+
+def _rates(half: float, tf32: float, single: float, double: float) -> dict:
+    return {torch.bfloat16: half, torch.float16: half, TF32: tf32, torch.float32: single, torch.float64: double}
+
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by the exact name torch.cuda.get_device_name() reports:
+# an H100 PCIe or NVL must not get the SXM part's figures. float64: the FP64 tensor-core rate.
+_HOPPER_SXM, _HOPPER_NVL = _rates(989.4, 494.7, 66.9, 66.9), _rates(835.5, 417.5, 60.0, 60.0)
+_AMPERE = _rates(312.0, 156.0, 19.5, 19.5)
 GPU_PEAK_TFLOPS = {
-    "H200": {**dict.fromkeys(_HALF, 989.0), _SINGLE: 67.0, _DOUBLE: 67.0},
-    "H100": {**dict.fromkeys(_HALF, 989.0), _SINGLE: 67.0, _DOUBLE: 67.0},
-    "A100": {**dict.fromkeys(_HALF, 312.0), _SINGLE: 19.5, _DOUBLE: 19.5},
+    "NVIDIA H100 80GB HBM3": _HOPPER_SXM,
+    "NVIDIA H100 PCIe": _rates(756.0, 378.0, 51.2, 51.2),
+    "NVIDIA H100 NVL": _HOPPER_NVL,
+    "NVIDIA H200": _HOPPER_SXM,  # the SXM part: the H100's arithmetic, more memory
+    "NVIDIA H200 NVL": _HOPPER_NVL,
+    "NVIDIA A100-SXM4-80GB": _AMPERE,
+    "NVIDIA A100-SXM4-40GB": _AMPERE,
+    "NVIDIA A100-PCIE-40GB": _AMPERE,
+    "NVIDIA A100 80GB PCIe": _AMPERE,
 }
 
 
@@ -275,20 +293,46 @@ def calibrate_cpu_peak_flops(
     return best
 
 
-def gpu_peak_flops(dtype: torch.dtype, device_name: str | None = None) -> float:
-    """Datasheet dense peak of the current CUDA device for ``dtype``; raises if the device is not in the table."""
-    name = device_name or torch.cuda.get_device_name()
-    for key, table in GPU_PEAK_TFLOPS.items():
-        if key in name.upper():
-            return table[dtype] * 1e12
-    raise KeyError(f"no peak FLOP/s for GPU {name!r}; known: {', '.join(GPU_PEAK_TFLOPS)}")
+def calibrate_gpu_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, repeats: int = 10) -> float:
+    """Best FLOP/s of an ``n``-cube matmul on a CUDA device (random data), after a warm-up."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        best = max(best, 2 * n**3 / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def gpu_peak_flops(dtype: torch.dtype, device_name: str, tf32: bool = False) -> float | None:
+    """Datasheet dense peak of the GPU named ``device_name`` for ``dtype`` (float32 at the TF32 rate when ``tf32``);
+    None for a GPU the table does not name exactly."""
+    table = GPU_PEAK_TFLOPS.get(device_name)
+    if table is None:
+        return None
+    return table[TF32 if dtype == torch.float32 and tf32 else dtype] * 1e12
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for the device the work runs on."""
+    """(peak FLOP/s, where it came from) for the device the work runs on. A GPU missing from the datasheet table
+    gets a calibration matmul's figure, with a warning: a measurement degrades, it does not die."""
     device = torch.device(device)
     if device.type == "cuda":
-        return gpu_peak_flops(dtype), f"table:{torch.cuda.get_device_name()}"
+        name, tf32 = torch.cuda.get_device_name(device), torch.get_float32_matmul_precision() != "highest"
+        peak = gpu_peak_flops(dtype, name, tf32)
+        if peak is not None:
+            return peak, f"datasheet:{name}" + (":tf32" if tf32 and dtype == torch.float32 else "")
+        warnings.warn(
+            f"no datasheet peak for GPU {name!r} (lean.metrics.GPU_PEAK_TFLOPS): MFU uses the best of a "
+            f"calibration matmul instead",
+            stacklevel=2,
+        )
+        return calibrate_gpu_peak_flops(device, dtype), f"calibration:matmul-8192-{name}"
     cal_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     return calibrate_cpu_peak_flops(dtype=cal_dtype), f"calibration:best-matmul-256..1024-{cal_dtype}"
 

@@ -41,7 +41,7 @@ class TrainState:
         for p in self.params:
             p.grad = None
         set_grads(self.params, grads)
-        if not torch.isfinite(grads).all():
+        if not torch.isfinite(grads).all():  # one read per update: a non-finite gradient is never applied
             bad = [n for n, p in zip(self.names, self.params) if not torch.isfinite(p.grad).all()]
             raise NonFiniteError(
                 f"non-finite gradient of {bad[0]} (and {len(bad) - 1} more tensors) at iteration {self.iteration}"
@@ -56,7 +56,7 @@ class TrainState:
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p, 1 - self.ema_decay)
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": float(norm)}  # a read, once per update, for the logs
 
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
@@ -73,8 +73,8 @@ class TrainState:
             for p, v in zip(self.params, state["params"]):
                 p.copy_(v)
         self.optimizer.load_state_dict(_clone(state["optimizer"]))
-        if state["ema"] is not None:
-            self.ema = [e.clone() for e in state["ema"]]
+        if state["ema"] is not None:  # on this process's device, whatever device saved it
+            self.ema = [e.to(p.device, copy=True) for e, p in zip(state["ema"], self.params)]
         self.steps = state["optimizer_steps"]
 
     def zero_grad(self) -> None:

@@ -26,6 +26,22 @@ def write_csv(path: str | Path, rows: list[Mapping[str, Any]], fields: list[str]
         writer.writerows(rows)
 
 
+class JsonLines:
+    """A file that gets one JSON line per measurement as soon as it is made (a run that times out keeps them);
+    ``None`` as the path: nothing is written."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+
+
 def numbers(tree: Mapping[str, Any]) -> dict[str, float]:
     """The top-level numbers of a summary (what goes to MLflow as metrics); bools and strings are left out."""
     return {k: v for k, v in tree.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

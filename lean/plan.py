@@ -64,9 +64,16 @@ def _timed(fn, repeats: int = 3) -> float:
     return median(times)
 
 
+MEMORY_MARGIN = 0.9  # of what the device has: room for fragmentation and what the prediction does not see
+
+
 def device_memory_mb(device: torch.device) -> float:
+    """What this process may still use: on a GPU, the free memory plus what torch's allocator already holds (the CUDA
+    context and other processes are not in it), times :data:`MEMORY_MARGIN`; on a CPU, the available RAM plus this
+    process's resident set."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
+        free, _ = torch.cuda.mem_get_info(device)
+        return (free + torch.cuda.memory_reserved(device)) * MEMORY_MARGIN / 2**20
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()

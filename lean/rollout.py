@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lean.sde import StepSelection, ode_step, sde_step_with_logprob
+from lean.sde import StepSelection, compute_dtype, ode_step, sde_step_with_logprob
 
 if TYPE_CHECKING:
     from lean.config import SampleConfig
@@ -44,12 +44,16 @@ class StepOutput:
     """One SDE step of a micro-batch of trajectories, as ``on_step`` sees it."""
 
     index: int  # step i
-    rows: torch.Tensor  # which trajectories of the local batch (LongTensor)
+    rows: slice  # which trajectories of the local batch (a contiguous micro-batch)
     sample: torch.Tensor  # x_i, detached
     next_sample: torch.Tensor  # x_{i+1}, detached
     log_prob: torch.Tensor  # [b]; carries a graph when the step was tracked
-    mean: torch.Tensor  # mean of p(x_{i+1} | x_i); carries a graph when tracked
+    mean: torch.Tensor  # mean of p(x_{i+1} | x_i), in the compute dtype; carries a graph when tracked
     std: torch.Tensor  # std of the Gaussian transition
+
+    @property
+    def size(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig) -> torch.Tensor:
@@ -67,20 +71,22 @@ def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfi
 def policy_step(
     policy,
     x: torch.Tensor,
-    index: torch.Tensor,
+    index: int | torch.Tensor,
     emb,
     cfg: SampleConfig,
     sigmas: torch.Tensor,
     *,
     next_sample: torch.Tensor | None = None,
     generators=None,
+    noise: torch.Tensor | None = None,
 ):
     """v = policy(x, sigma_i), then one SDE step: sample x_{i+1} (or score the given one).
 
-    ``index`` is a LongTensor [b] (per-sample step). Returns ``(x_{i+1}, log_prob, mean, std)``.
+    ``index`` is the step (an int for the whole micro-batch) or a LongTensor [b] on the device (one step per
+    sample). sigma stays in the grid's dtype (float32 or float64): a bfloat16 sigma would move the timestep the model
+    sees (913.35 -> 916). Returns ``(x_{i+1}, log_prob, mean, std)``.
     """
-    sigma = sigmas[index].to(x.dtype)
-    v = velocity(policy, x, sigma, emb, cfg)
+    v = velocity(policy, x, sigmas[index], emb, cfg)
     return sde_step_with_logprob(
         v,
         x,
@@ -90,6 +96,7 @@ def policy_step(
         noise_level=cfg.noise_level,
         prev_sample=next_sample,
         generator=generators,
+        noise=noise,
     )
 
 
@@ -98,6 +105,35 @@ def reference_mean(policy, x, index, emb, cfg: SampleConfig, sigmas, next_sample
     """Mean of the reference policy's transition (adapter disabled) at the same x_i, for the KL term."""
     with policy.reference():
         return policy_step(policy, x, index, emb, cfg, sigmas, next_sample=next_sample)[2]
+
+
+class StepNoise:
+    """The SDE noise of one rollout, drawn on the host ahead of the device.
+
+    Step i's noise for every trajectory comes from the trajectories' own CPU generators, each in its fixed order
+    (its initial noise, then one draw per stochastic step), so a trajectory still never depends on the batching.
+    :meth:`prefetch` draws the next step's noise into pinned memory and starts a non-blocking copy while the device
+    computes the current step; :meth:`take` hands it over. On a CPU it is the same draws without the copy.
+    """
+
+    def __init__(
+        self, generators: list[torch.Generator], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ):
+        self.generators, self.shape, self.dtype, self.device = generators, shape, dtype, device
+        self.ready: dict[int, torch.Tensor] = {}
+
+    def prefetch(self, i: int | None) -> None:
+        if i is None or i in self.ready:
+            return
+        pinned = self.device.type == "cuda"
+        host = torch.empty((len(self.generators), *self.shape), dtype=self.dtype, pin_memory=pinned)
+        for b, g in enumerate(self.generators):
+            torch.randn(self.shape, generator=g, dtype=self.dtype, out=host[b])
+        self.ready[i] = host.to(self.device, non_blocking=True)  # ordered on the stream; pinned: the host goes on
+
+    def take(self, i: int) -> torch.Tensor:
+        self.prefetch(i)
+        return self.ready.pop(i)
 
 
 def rollout(
@@ -116,38 +152,38 @@ def rollout(
 ) -> torch.Tensor:
     """Roll out ``len(generators)`` trajectories; return the final latents x_T.
 
-    Steps run in micro-batches of ``micro_batch`` trajectories (all at once when None). ``track_grad(i)`` says
-    whether step i runs with autograd on; tracked steps use ``grad_micro_batch`` when given, and ``on_step`` may
-    backpropagate or keep the graph.
-    The next step always starts from a detached x_{i+1}: as in the recomputed loss, every step's input is a constant.
+    Steps run in contiguous micro-batches of ``micro_batch`` trajectories (all at once when None). ``track_grad(i)``
+    says whether step i runs with autograd on; tracked steps use ``grad_micro_batch`` when given, and ``on_step`` may
+    backpropagate or keep the graph. The next step always starts from a detached x_{i+1}: as in the recomputed loss,
+    every step's input is a constant. Nothing in the loop reads a value back from the device: the schedule's
+    decisions come from the host-side step selection, and the noise is drawn ahead (:class:`StepNoise`).
     """
     x = policy.init_latents(generators)
     batch = x.shape[0]
-    all_rows = torch.arange(batch)
+    stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
+    upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
+    noise = StepNoise(generators, tuple(x.shape[1:]), compute_dtype(x), x.device)
+    noise.prefetch(next((j for j in range(cfg.num_steps) if stochastic[j]), None))
     for i in range(cfg.num_steps):
-        index = torch.full((batch,), i, dtype=torch.long)
-        tracked = bool(steps.stochastic[i]) and track_grad(i)
+        tracked = stochastic[i] and track_grad(i)
         size = (grad_micro_batch if tracked and grad_micro_batch else micro_batch) or batch
+        eps = noise.take(i) if stochastic[i] else None
         x_next = torch.empty_like(x)
-        for rows in all_rows.split(size):
-            if not steps.stochastic[i]:
+        for start in range(0, batch, size):
+            rows = slice(start, min(start + size, batch))
+            if not stochastic[i]:
                 with torch.no_grad():
-                    v = velocity(policy, x[rows], sigmas[index[rows]].to(x.dtype), emb.index(rows), cfg)
+                    v = velocity(policy, x[rows], sigmas[i], emb.index(rows), cfg)
                     x_next[rows] = ode_step(v, x[rows], sigmas, i)
-            else:
-                with torch.set_grad_enabled(tracked):
-                    nxt, log_prob, mean, std = policy_step(
-                        policy,
-                        x[rows],
-                        index[rows],
-                        emb.index(rows),
-                        cfg,
-                        sigmas,
-                        generators=[generators[r] for r in rows.tolist()],
-                    )
-                x_next[rows] = nxt.detach()
-                if on_step is not None:
-                    on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))
+                continue
+            with torch.set_grad_enabled(tracked):
+                nxt, log_prob, mean, std = policy_step(
+                    policy, x[rows], i, emb.index(rows), cfg, sigmas, noise=eps[rows]
+                )
+            x_next[rows] = nxt.detach()
+            if on_step is not None:
+                on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))
+        noise.prefetch(upcoming[i])  # host draws step i+1's noise while the device works on step i
         x = x_next
         if progress is not None:
             progress(i)

@@ -11,8 +11,8 @@ are offered (``SDE_KINDS``):
 * ``cps``              — coefficients-preserving sampling: re-noise the predicted ``x0`` at level ``σ'``.
 * ``dance``            — DanceGRPO's SDE with constant ``σ_t = noise_level``.
 
-All steps compute in float32 (float64 when the sample is float64), hand back ``x'`` and the mean in the sample's
-dtype, and the log-prob in the compute dtype.
+All steps compute in float32 (float64 when the sample is float64), hand back ``x'`` in the sample's dtype, and the
+mean and the log-prob in the compute dtype.
 """
 
 from __future__ import annotations
@@ -71,19 +71,27 @@ def incompatibility(kind: str, grid: str, noise_level: float) -> tuple[str, str]
     return None
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """What a step computes in: float64 for float64 samples, else float32 (half-precision samples included)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _sigma_pair(sigmas: Tensor, index: int | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(σ, σ') at ``index`` as tensors of shape [B, 1, ..., 1] (broadcastable to ``x``) in ``dtype``."""
+    """(σ, σ') at ``index`` as tensors of shape [B, 1, ..., 1] (broadcastable to ``x``) in ``dtype``.
+
+    An int index (one step for the whole batch) selects on the device; only a CPU index tensor is checked on the
+    host (checking a device tensor would wait for the device every step)."""
     sigmas = sigmas.to(device=x.device, dtype=dtype)
-    if isinstance(index, int) or index.device.type == "cpu":  # checking a device tensor would sync every step
-        idx = torch.as_tensor(index)
-        if idx.min() < 0 or idx.max() >= len(sigmas) - 1:
-            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
-    index = torch.as_tensor(index, device=x.device, dtype=torch.long).expand(x.shape[0])
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    if isinstance(index, int):
+        if not 0 <= index < len(sigmas) - 1:
+            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
+        return sigmas[index].expand(shape), sigmas[index + 1].expand(shape)
+    if index.device.type == "cpu":
+        if index.min() < 0 or index.max() >= len(sigmas) - 1:
+            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
+        index = index.to(x.device)
+    index = index.expand(x.shape[0])
     return sigmas[index].view(shape), sigmas[index + 1].view(shape)
 
 
@@ -110,6 +118,7 @@ def sde_step_with_logprob(
     noise_level: float,
     prev_sample: Tensor | None = None,
     generator: Generators = None,
+    noise: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One stochastic step ``x -> x'`` from ``σ = sigmas[index]`` to ``σ' = sigmas[index+1]`` with its log-prob.
 
@@ -136,10 +145,13 @@ def sde_step_with_logprob(
         prev_sample: score this ``x'`` instead of sampling one (it is detached; gradients reach ``model_output``
             through the mean only).
         generator: a ``torch.Generator`` or one per sample (see :func:`_noise`); ignored when ``prev_sample`` is given.
+        noise: the standard normal draw ε itself (on the sample's device, in the compute dtype), instead of drawing it
+            from ``generator`` (``lean.rollout.StepNoise`` draws a rollout's noise ahead of the device).
 
     Returns:
-        ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` and ``mean`` in the sample's dtype (``x'``
-        detached when given); ``log_prob`` [B] in float32 (float64 for float64 input); ``std_dev_t`` the standard
+        ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` in the sample's dtype (detached when given);
+        ``mean`` and ``log_prob`` [B] in the compute dtype (float32; float64 for float64 input: a KL between two
+        means rounded to bfloat16 would be mostly rounding); ``std_dev_t`` the standard
         deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for the flow_grpo kinds, ``std`` otherwise), shape
         [B, 1, ..., 1] in the compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps.
     """
@@ -147,7 +159,7 @@ def sde_step_with_logprob(
         raise ValueError(f"kind={kind!r}: must be one of {', '.join(SDE_KINDS)}")
     if not noise_level > 0:
         raise ValueError(f"noise_level={noise_level!r}: must be > 0")
-    dtype = _compute_dtype(sample)
+    dtype = compute_dtype(sample)
     x, v = sample.to(dtype), model_output.to(dtype)
     sigma, sigma_next = _sigma_pair(sigmas, index, x, dtype)
 
@@ -174,7 +186,8 @@ def sde_step_with_logprob(
         std = noise_level * torch.sqrt(sigma - sigma_next)
 
     if prev_sample is None:
-        prev_sample = (mean + std * _noise(x, generator, dtype)).detach().to(sample.dtype)
+        eps = noise if noise is not None else _noise(x, generator, dtype)
+        prev_sample = (mean + std * eps).detach().to(sample.dtype)
     else:
         prev_sample = prev_sample.detach()
     # Score x' as stored (in the sample's dtype), so sampling and later re-scoring give the same log-prob.
@@ -184,13 +197,13 @@ def sde_step_with_logprob(
     else:
         log_prob = -sq_err / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    return prev_sample, log_prob, mean.to(sample.dtype), std
+    return prev_sample, log_prob, mean, std
 
 
 def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | Tensor) -> Tensor:
     """Deterministic Euler step ``x' = x + (σ' − σ)·v``, computed in float32 (float64 for float64 samples) and
     returned in the sample's dtype."""
-    dtype = _compute_dtype(sample)
+    dtype = compute_dtype(sample)
     sigma, sigma_next = _sigma_pair(sigmas, index, sample, dtype)
     return (sample.to(dtype) + (sigma_next - sigma) * model_output.to(dtype)).to(sample.dtype)
 

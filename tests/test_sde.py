@@ -178,7 +178,7 @@ def test_dtypes(kind, dtype, lp_dtype):
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(8)).to(dtype).unbind(0)
     out, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.7, generator=torch.Generator())
-    assert out.dtype == mean.dtype == dtype and lp.dtype == std.dtype == lp_dtype
+    assert out.dtype == dtype and mean.dtype == lp.dtype == std.dtype == lp_dtype  # the mean stays unrounded
     assert std.shape == (2, 1, 1) and torch.isfinite(lp).all()
     # Re-scoring the stored (rounded) sample gives the very same log-prob.
     _, lp2, _, _ = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.7, prev_sample=out)

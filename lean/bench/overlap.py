@@ -39,6 +39,7 @@ from lean.bench import overlap_report
 from lean.config import ConfigError
 from lean.dtypes import DTYPES, dtype_name
 from lean.metrics import keep_freed_memory, median, peak_flops
+from lean.outputs import JsonLines
 from lean.overlap import ops, sim
 from lean.overlap.measure import calibrate, time_round_robin
 from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
@@ -219,7 +220,7 @@ def run(options: OverlapOptions) -> int:
     except ValueError as e:
         print(f"lean bench overlap: {e}", file=sys.stderr)
         return 2
-    peak, peak_source = peak_of(proc.device, proc.dtype)
+    peak, peak_source = peak_flops(proc.device, proc.dtype)
     torch.manual_seed(proc.rank)
     results, compute_rows = sweep(options, proc, names, peak)
     calibration = dict(
@@ -300,14 +301,6 @@ def shape_names(options: OverlapOptions, world: int, device: torch.device) -> li
     return names
 
 
-def peak_of(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from), the denominator of MFU."""
-    try:
-        return peak_flops(device, dtype)
-    except KeyError as e:  # a GPU missing from the datasheet table: no MFU
-        return float("nan"), str(e)
-
-
 # ---------------------------------------------------------------- cases
 
 
@@ -385,8 +378,10 @@ def variants_for(spec: sim.OpSpec, wanted: Sequence[str]) -> list[str]:
 
 
 def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float) -> tuple[list[dict], list[dict]]:
-    """(per op x shape x method results, per op x shape compute-only rows), timed round-robin per op and shape."""
+    """(per op x shape x method results, per op x shape compute-only rows), timed round-robin per op and shape; rank 0
+    appends each case to ``out/measured.jsonl`` as soon as it is measured (a timeout keeps them)."""
     table = shape_table(proc.device)
+    log = JsonLines(Path(options.out) / "measured.jsonl" if proc.rank == 0 else None)
     element_bytes = torch.finfo(proc.dtype).bits // 8
     results, compute_rows = [], []
     for shape_name in names:
@@ -404,6 +399,7 @@ def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float)
                 calls,
             )
             compute = samples.pop("compute")
+            first = len(results)
             compute_rows.append(
                 {
                     "op": spec.name,
@@ -422,6 +418,7 @@ def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float)
                         **overlap_stats(samples[v], compute, samples[f"{v}:comm"], spec.flops, peak),
                     }
                 )
+            log.append({"compute_only": compute_rows[-1], "results": results[first:]})
     return results, compute_rows
 
 

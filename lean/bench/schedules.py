@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, load_config, read_params
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
-from lean.outputs import write_json
+from lean.outputs import JsonLines, write_json
 from lean.plan import iteration_costs, prediction_table, probe
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.train import Trainer, count_iteration_flops, needed_flops
@@ -81,10 +81,12 @@ def bench_schedules(
     cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
 ) -> dict:
     """Every registered schedule, measured interleaved on ``cfg`` (see the module docstring); writes
-    ``out/schedules.json`` and returns it."""
+    ``out/schedules.json`` and returns it. Each measured iteration is appended to ``out/measured.jsonl`` as soon as it
+    ends, so that a run stopped by a time limit keeps what it measured."""
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     trainer = trainer or Trainer(cfg)
+    log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
     state = trainer.state.state_dict()
     # Memory first, before the timed rounds grow the heap: one untimed iteration per schedule, each from a trimmed
     # heap that follows live bytes; then the probe `lean plan` predicts from, in the same process.
@@ -93,12 +95,13 @@ def bench_schedules(
         for s in SCHEDULES:
             trainer.state.load_state_dict(state)
             memory[s] = trainer.iteration(0, s).metrics
+            log.append({"pass": "memory", **memory[s]})
     plan_input = trainer.plan_input()
     measured = probe(plan_input)
     prediction = prediction_table(iteration_costs(plan_input, measured))
     if trainer.world.device.type == "cpu":
         keep_freed_memory()
-    rows = timed_rounds(trainer, state, options)
+    rows = timed_rounds(trainer, state, options, log)
     peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
 
     result: dict = {
@@ -153,7 +156,7 @@ def bench_schedules(
     return result
 
 
-def timed_rounds(trainer: Trainer, state: dict, options: BenchOptions) -> dict[str, list[dict]]:
+def timed_rounds(trainer: Trainer, state: dict, options: BenchOptions, log: JsonLines) -> dict[str, list[dict]]:
     """Per schedule, the metrics of its timed iterations: every round runs each schedule once from ``state``, in
     alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up rounds are dropped."""
     names = list(SCHEDULES)
@@ -162,6 +165,7 @@ def timed_rounds(trainer: Trainer, state: dict, options: BenchOptions) -> dict[s
         for s in names[:: 1 if r % 2 == 0 else -1]:
             trainer.state.load_state_dict(state)
             metrics = trainer.iteration(0, s, measure_memory=False).metrics
+            log.append({"pass": "warm-up" if r < options.warmup else "timed", "round": r, **metrics})
             if r >= options.warmup:
                 rows[s].append(metrics)
     return rows

@@ -20,8 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from lean.dtypes import HALF
 from lean.models.precision import float64_scope
 from lean.models.text import PromptEmbeds
+from lean.sde import compute_dtype
 
 LORA_FILE = "lora.safetensors"
 
@@ -45,13 +47,22 @@ class Family(Protocol):
     def decode(self, vae, x: Tensor) -> Tensor: ...
 
 
-def _keep_fp32_modules(model: torch.nn.Module) -> None:
-    """Half precision keeps the modules a diffusers class lists in ``_keep_in_fp32_modules`` (Wan: RoPE tables,
-    time embedding, modulation tables, norms) in float32, as its ``from_pretrained`` does."""
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for name, module in model.named_modules():
-        if any(k in name for k in keep):
-            module.float()
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer to ``dtype``, except, in half precision, those a diffusers class lists in
+    ``_keep_in_fp32_modules`` (Wan: RoPE tables, time embedding, modulation tables, norms), which stay float32 as
+    its ``from_pretrained`` keeps them: a name component matches. They are never rounded on the way."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or []) if dtype in HALF else set()
+    for module_name, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                target = torch.float32 if keep & set(f"{module_name}.{name}".split(".")) else dtype
+                if tensor.dtype != target:
+                    if isinstance(tensor, torch.nn.Parameter):
+                        tensor.data = tensor.data.to(target)
+                    else:
+                        table[name] = tensor.to(target)
 
 
 class Policy(torch.nn.Module):
@@ -85,11 +96,10 @@ class Policy(torch.nn.Module):
         self._prompt_cache: dict[str, PromptEmbeds] = {}
         self._use_reference = False
         self.device, self.dtype = torch.device(device), dtype
-        self.to(device=device, dtype=dtype).eval()
-        if dtype in (torch.float16, torch.bfloat16):
-            for model in (transformer, reference_transformer):
-                if model is not None:
-                    _keep_fp32_modules(model)
+        self.to(device=device).eval()
+        for part in (transformer, reference_transformer, vae, self.text_encoders):
+            if part is not None:
+                cast_floating(part, dtype)
 
     @property
     def full_finetune(self) -> bool:
@@ -126,7 +136,9 @@ class Policy(torch.nn.Module):
         """x_1 ~ N(0, I): sample b is a float32 draw from ``generators[b]`` (CPU), so it never depends on batching
         or on the dtype / device of the run."""
         noise = torch.stack([torch.randn(self.arch.noise_shape, generator=g) for g in generators])
-        return self.arch.noise_to_latents(noise).to(self.device, self.dtype)
+        latents = self.arch.noise_to_latents(noise)
+        latents = latents.pin_memory() if self.device.type == "cuda" else latents  # a copy the host need not wait for
+        return latents.to(self.device, self.dtype, non_blocking=True)
 
     # ------------------------------------------------------------------ velocity
 
@@ -155,7 +167,8 @@ class Policy(torch.nn.Module):
         detached: then v_u runs as its own no-grad forward, which keeps half the batch out of the graph (no saved
         activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding.
         """
-        sigma = torch.as_tensor(sigma, device=x.device, dtype=x.dtype).expand(x.shape[0])
+        # sigma in the step's compute dtype: rounding it to bfloat16 would move the timestep (913.35 -> 916)
+        sigma = torch.as_tensor(sigma, device=x.device).to(compute_dtype(x)).expand(x.shape[0])
         if not cfg:
             return self._forward(x, sigma, emb, guidance_embed)
         uncond = self.encode_prompts([""]).expand(x.shape[0])

@@ -52,3 +52,11 @@ def float64_scope(active: bool = True):
         yield
     finally:
         torch.Tensor.float = _original_float
+
+
+def set_matmul_precision(dtype: torch.dtype, tf32: bool, device: torch.device) -> None:
+    """float32 on a GPU: TF32 tensor cores for matmuls and convolutions when ``tf32``, else full float32. Nothing
+    else is touched (a process-wide setting of torch)."""
+    if device.type == "cuda" and dtype == torch.float32:
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32

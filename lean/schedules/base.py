@@ -13,6 +13,7 @@ reports, from the step costs ``lean.plan.probe`` measures.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,21 +60,25 @@ class IterationContext:
     def beta(self) -> float:
         return self.cfg.train.beta
 
-    def term_weights(self, rows: torch.Tensor, i: int, samples_per_update: int) -> torch.Tensor:
+    @functools.cached_property
+    def trained_on_device(self) -> torch.Tensor:
+        """``steps.trained`` [B, num_steps] on the compute device, for the loss weights (one copy per iteration)."""
+        return self.steps.trained.to(self.sigmas.device)
+
+    def term_weights(self, rows: slice, i: int, samples_per_update: int) -> torch.Tensor:
         """Weight of each (sample, step i) loss term in the objective: 1/(N K) if step i is trained for it, else 0."""
-        trained = self.steps.trained[rows, i].to(self.sigmas.dtype)
+        trained = self.trained_on_device[rows, i].to(self.sigmas.dtype)
         return trained / (samples_per_update * self.steps_per_sample)
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
         """The reference policy's transition mean at the step's x_i (None when the KL term is off)."""
         if self.beta == 0:
             return None
-        index = torch.full((len(step.rows),), step.index, dtype=torch.long)
         with self.region("reference_forward"):
             return reference_mean(
                 self.policy,
                 step.sample,
-                index,
+                step.index,
                 self.emb.index(step.rows),
                 self.cfg.sample,
                 self.sigmas,

@@ -56,24 +56,27 @@ class Recompute(Schedule):
         self.old_log_probs[i][rows] = step.log_prob.detach()
 
     def _gather(self, store: dict[int, torch.Tensor], rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """x[b] at step steps[b] for each sample b of ``rows`` (host-side ids; views of the stored device tensors)."""
         return torch.stack([store[int(t)][int(b)] for b, t in zip(rows, steps)])
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx, t = self.ctx, self.ctx.cfg.train
-        trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending
+        trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending (host)
+        device = ctx.sigmas.device
         losses: list[StepLoss] = []
         step_stats = {}
         for epoch in range(t.num_inner_epochs):
             gen = iteration_generator(t.seed, ctx.iteration, purpose=1 + epoch)
             order = torch.randperm(ctx.batch, generator=gen)
             for chunk in order.chunk(t.optimizer_steps_per_iteration):
-                for rows in chunk.split(t.train_batch_size):
+                for rows in chunk.split(t.train_batch_size):  # host-side sample ids; on the device below
+                    on_device = rows.to(device)
                     for j in range(ctx.steps_per_sample):
                         steps = torch.stack([trained_steps[int(b)][j] for b in rows])
                         x = self._gather(self.samples, rows, steps)
                         nxt = self._gather(self.next_samples, rows, steps)
                         old = torch.stack([self.old_log_probs[int(s)][int(b)] for b, s in zip(rows, steps)])
-                        emb = ctx.emb.index(rows)
+                        emb, steps = ctx.emb.index(on_device), steps.to(device)
                         with ctx.region("recompute_forward"):
                             _, log_prob, mean, std = policy_step(
                                 ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, next_sample=nxt
@@ -83,7 +86,7 @@ class Recompute(Schedule):
                             with ctx.region("reference_forward"):
                                 ref = reference_mean(ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, nxt)
                         loss = step_loss(
-                            log_prob, old, advantages[rows], t.clip_range, mean=mean, ref_mean=ref, std=std
+                            log_prob, old, advantages[on_device], t.clip_range, mean=mean, ref_mean=ref, std=std
                         )
                         with ctx.region("backward"):
                             (loss.total(ctx.beta).sum() / (len(chunk) * ctx.steps_per_sample)).backward()

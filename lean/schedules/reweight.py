@@ -62,8 +62,10 @@ class Reweight(Schedule):
         dtype = self.params[0].dtype
         self.policy_buffers = TrajectoryBuffers(self.params, ctx.batch)
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=self.params[0].device) if ctx.beta else None
-        self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64)
-        self.kept_stats: list[tuple[torch.Tensor, StepLoss]] = []  # (rows, detached loss terms) for logging
+        device = self.params[0].device
+        self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
+        self.trajectory_ids = torch.arange(ctx.batch, device=device)  # rows -> buffers, sliced per micro-batch
+        self.kept_stats: list[tuple[slice, StepLoss]] = []  # (rows, detached loss terms) for logging
         self.per_sample = None
         if linear_owners(ctx.policy, self.params) is not None:
             self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers)
@@ -89,9 +91,9 @@ class Reweight(Schedule):
             ref_mean=ref,
             std=step.std,
         )
-        weights = ctx.term_weights(step.rows, step.index, ctx.batch)
-        if not weights.any():
+        if not ctx.steps.trained[step.rows, step.index].any():  # the host-side selection: no device read
             return  # DanceGRPO-style selection: another trajectory trains this step, this one does not
+        weights = ctx.term_weights(step.rows, step.index, ctx.batch)
         with ctx.region("backward"):
             self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)
             if ref is not None:
@@ -100,14 +102,13 @@ class Reweight(Schedule):
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
-    def _policy_backward(self, loss: torch.Tensor, rows: torch.Tensor, retain_graph: bool) -> None:
+    def _policy_backward(self, loss: torch.Tensor, rows: slice, retain_graph: bool) -> None:
         """Add each trajectory's gradient of ``loss`` to its own buffer."""
-        if self.per_sample is None:
-            (b,) = rows.tolist()
+        if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            self.policy_buffers.add(b, grads)
+            self.policy_buffers.add(rows.start, grads)
             return
-        self.per_sample.trajectories = rows.to(self.params[0].device)
+        self.per_sample.trajectories = self.trajectory_ids[rows]
         self.per_sample.accumulating = True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
             torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
