@@ -27,6 +27,7 @@ from lean.dtypes import DTYPES
 from lean.presets import PRESETS
 from lean.rewards import REWARDS
 from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
+from lean.schedules.recompute import RECOMPUTE_BATCHINGS
 
 
 class ConfigError(ValueError):
@@ -247,6 +248,9 @@ class TrainConfig:
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
     """> 1 is off-policy (FlowGRPO's gradient accumulation)."""
+    recompute_batching: str = RECOMPUTE_BATCHINGS[0]
+    """Recompute's update forwards: update (FlowGRPO's: shuffled samples, train_batch_size) | rollout (the rollout's
+    own micro-batches and CFG batch, so on-policy the ratio is exactly 1 where kernels are deterministic)."""
     num_inner_epochs: int = 1
     lr: float = 1e-4
     weight_decay: float = 1e-4
@@ -306,6 +310,7 @@ class TrainConfig:
         for key in ("adam_beta1", "adam_beta2", "ema_decay"):
             check_fraction(f"train.{key}", getattr(self, key))
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
         if not self.prompts:
@@ -348,19 +353,24 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             s.guidance_embed,
             f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
         )
-    if t.exact_only_on_policy:
-        off_policy = [
-            f"train.{k}={getattr(t, k)} (set 1)"
-            for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
-            if getattr(t, k) != 1
-        ]
-        if off_policy:
-            raise ConfigError(
-                "train.schedule",
-                t.schedule,
-                "is exact only on-policy (one optimizer step per rollout "
-                f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
-            )
+    off_policy = [
+        f"train.{k}={getattr(t, k)} (set 1)"
+        for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
+        if getattr(t, k) != 1
+    ]
+    if t.exact_only_on_policy and off_policy:
+        raise ConfigError(
+            "train.schedule",
+            t.schedule,
+            "is exact only on-policy (one optimizer step per rollout "
+            f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
+        )
+    if t.recompute_batching != RECOMPUTE_BATCHINGS[0] and off_policy:
+        raise ConfigError(
+            "train.recompute_batching",
+            t.recompute_batching,
+            f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
+        )
     n = cfg.samples_per_iteration
     if n % world_size:
         raise ConfigError(

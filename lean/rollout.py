@@ -56,7 +56,7 @@ class StepOutput:
         return self.rows.stop - self.rows.start
 
 
-def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig) -> torch.Tensor:
+def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig, joint_cfg: bool = False):
     return policy.velocity(
         x,
         sigma,
@@ -65,6 +65,7 @@ def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfi
         guidance_scale=cfg.guidance_scale,
         uncond_grad=cfg.uncond_grad,
         guidance_embed=cfg.guidance_embed,
+        joint_cfg=joint_cfg,
     )
 
 
@@ -79,6 +80,7 @@ def policy_step(
     next_sample: torch.Tensor | None = None,
     generators=None,
     noise: torch.Tensor | None = None,
+    joint_cfg: bool = False,
 ):
     """v = policy(x, sigma_i), then one SDE step: sample x_{i+1} (or score the given one).
 
@@ -86,7 +88,7 @@ def policy_step(
     sample). sigma stays in the grid's dtype (float32 or float64): a bfloat16 sigma would move the timestep the model
     sees (913.35 -> 916). Returns ``(x_{i+1}, log_prob, mean, std)``.
     """
-    v = velocity(policy, x, sigmas[index], emb, cfg)
+    v = velocity(policy, x, sigmas[index], emb, cfg, joint_cfg)
     return sde_step_with_logprob(
         v,
         x,

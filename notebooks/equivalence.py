@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 from safetensors.torch import load_file
 
+from lean.equivalence import half_tolerance
 from lean.schedules import BASELINE, LEAN_SCHEDULES
 from lean.workbench.method import split_update
 from lean.workbench.notebook import NotebookLog
@@ -91,8 +92,41 @@ fig.tight_layout()
 log.figure(fig, "equivalence_scatter.png")
 plt.show()
 
+# %% [markdown]
+# ## In bfloat16: every schedule against the float64 on-policy gradient
+# Rounding makes the baseline's recomputed forward differ from the rollout's, so its ratio leaves the clip range
+# `[1 - c, 1 + c]` (c = 1e-4 in FlowGRPO and DanceGRPO) by rounding alone and the clipped surrogate drops those terms'
+# gradient. Retain and Reweight reuse the rollout's own forward: ratio 1, the on-policy gradient. The yardstick is the
+# float64 gradient of each schedule's own trajectories (same x_j, x_{j+1}, advantages); the dashed line is the
+# tolerance, 10 x the relative error bfloat16 puts on the model's own velocity (`lean.equivalence.half_tolerance`).
+
 # %%
-metrics = {"equivalence_passes": float(report["passes"])}
+bf16 = json.loads((Path(outputs) / "equivalence_bf16" / "equivalence.json").read_text())
+rounding, tolerance_bf16 = bf16["rounding"], half_tolerance(bf16["rounding"]["forward_error"])[0]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+names_bf16 = list(bf16["reference"])
+ax1.bar(names_bf16, [bf16["reference"][s]["rel_norm_diff"] for s in names_bf16], color=["C3", "C0", "C1"])
+ax1.axhline(tolerance_bf16, color="k", ls="--", label=f"tolerance ({tolerance_bf16:.3g})")
+ax1.set_ylabel("||g - g_float64|| / ||g_float64||")
+ax1.set_title(f"bfloat16 ({bf16['family']}): {'PASS' if bf16['passes'] else 'FAIL'}", fontsize=9)
+ax1.legend(fontsize=7)
+by_step = rounding["rounding_clipped_fraction_by_step"]
+ax2.bar(range(len(by_step)), [100 * f for f in by_step], color="C3")
+ax2.set_xlabel("sampling step")
+ax2.set_ylabel(f"% of {BASELINE}'s terms clipped by rounding")
+ax2.set_title(f"{rounding['clipped_gradient_norm_fraction']:.0%} of the reference gradient's norm dropped", fontsize=9)
+fig.tight_layout()
+log.figure(fig, "equivalence_bfloat16.png")
+plt.show()
+
+# %%
+metrics = {
+    "equivalence_passes": float(report["passes"]),
+    "bf16_passes": float(bf16["passes"]),
+    "bf16_clipped_fraction": rounding["rounding_clipped_fraction"],
+    "bf16_clipped_gradient_norm_fraction": rounding["clipped_gradient_norm_fraction"],
+}
+metrics.update({f"bf16_rel_l2_{s}": r["rel_norm_diff"] for s, r in bf16["reference"].items()})
 for s in LEAN_SCHEDULES:
     metrics.update(
         {

@@ -22,7 +22,14 @@ REQUIRED = {
         "hfu_retain",
         "peak_memory_mb_reweight",
     ),
-    "equivalence": ("max_rel_grad_diff_retain", "max_rel_grad_diff_reweight", "equivalence_passes"),
+    "equivalence": (
+        "max_rel_grad_diff_retain",
+        "max_rel_grad_diff_reweight",
+        "equivalence_passes",
+        "bf16_passes",
+        "bf16_rel_l2_retain",
+        "bf16_clipped_fraction",
+    ),
     "training": ("reward_final_recompute", "reward_gain_retain", "max_reward_curve_diff"),
     "overlap": ("overlap_hidden_fraction_flash", "overlap_hidden_fraction_collective"),
 }

@@ -34,6 +34,7 @@ STAGES = (
     "update@retain",
     "update@reweight",
     "equivalence",
+    "equivalence_bf16",
     "train@recompute",
     "train@retain",
     "train@reweight",

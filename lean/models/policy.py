@@ -159,20 +159,23 @@ class Policy(torch.nn.Module):
         guidance_scale: float,
         uncond_grad: bool = False,
         guidance_embed: float | None = None,
+        joint_cfg: bool = False,
     ) -> Tensor:
         """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
 
         ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
         The two halves run as one ``[uncond, cond]`` batch, except when autograd is recording and v_u is
         detached: then v_u runs as its own no-grad forward, which keeps half the batch out of the graph (no saved
-        activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding.
+        activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding;
+        ``joint_cfg`` keeps the one batch anyway (v_u detached after it), so that a recomputed forward rounds exactly
+        as the no-grad rollout's did.
         """
         # sigma in the step's compute dtype: rounding it to bfloat16 would move the timestep (913.35 -> 916)
         sigma = torch.as_tensor(sigma, device=x.device).to(compute_dtype(x)).expand(x.shape[0])
         if not cfg:
             return self._forward(x, sigma, emb, guidance_embed)
         uncond = self.encode_prompts([""]).expand(x.shape[0])
-        if torch.is_grad_enabled() and not uncond_grad:
+        if torch.is_grad_enabled() and not uncond_grad and not joint_cfg:
             with torch.no_grad():
                 v_u = self._forward(x, sigma, uncond, guidance_embed)
             v_c = self._forward(x, sigma, emb, guidance_embed)
@@ -181,6 +184,8 @@ class Policy(torch.nn.Module):
                 torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([uncond, emb]), guidance_embed
             )
             v_u, v_c = v.chunk(2)
+            if not uncond_grad:
+                v_u = v_u.detach()  # a constant (no-op without autograd)
         return v_u + guidance_scale * (v_c - v_u)
 
     forward = velocity

@@ -14,7 +14,11 @@ gradients:
             optimizer_step()                              # sync, clip, AdamW; later chunks are off-policy
 
 With S = 1 and one epoch the loop is on-policy: log p_theta equals log p_old up to floating-point rounding (ratio = 1),
-which is the redundancy Retain and Reweight remove: the forward pass above already ran during the rollout.
+which is the redundancy Retain and Reweight remove: the forward pass above already ran during the rollout. In half
+precision that rounding is not small: other micro-batches and another CFG layout than the rollout's round the forward
+differently, the ratio leaves [1 - c, 1 + c] (c = 1e-4), and the clip drops those terms (``lean equivalence`` reports
+how many). ``train.recompute_batching: rollout`` recomputes with the rollout's own micro-batches and CFG batch
+instead (on-policy only): one update, steps in rollout order.
 
 Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE decode or in one update backward,
 
@@ -24,11 +28,29 @@ Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from lean.loss import StepLoss, loss_stats, step_loss
 from lean.rollout import StepOutput, iteration_generator, policy_step, reference_mean
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
+
+RECOMPUTE_BATCHINGS = ("update", "rollout")  # train.recompute_batching: FlowGRPO's update batches, or the rollout's
+ROLLOUT_BATCHING = RECOMPUTE_BATCHINGS[1]
+
+
+@dataclass
+class Terms:
+    """Loss terms recomputed in one forward: trajectories ``rows`` at step(s) ``steps`` (an int, or one per row)."""
+
+    rows: torch.Tensor | slice  # on the device, or a contiguous slice
+    steps: int | torch.Tensor
+    x: torch.Tensor  # x_i
+    next_x: torch.Tensor  # x_{i+1}, as sampled
+    old_log_prob: torch.Tensor  # log p_old(x_{i+1} | x_i) from the rollout
+    weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
 
 
 class Recompute(Schedule):
@@ -39,6 +61,9 @@ class Recompute(Schedule):
         self.samples: dict[int, torch.Tensor] = {}  # step i -> x_i [B, ...]
         self.next_samples: dict[int, torch.Tensor] = {}
         self.old_log_probs: dict[int, torch.Tensor] = {}
+        # ratio r = p_theta / p_old of every (sample, step) term its update computed (1 where none was), on the device:
+        # on-policy r is 1 up to rounding, and the certificate reports how often rounding alone made the clip bind
+        self.ratios = torch.ones(ctx.steps.trained.shape, dtype=torch.float64, device=ctx.sigmas.device)
 
     def track_grad(self, i: int) -> bool:
         return False
@@ -60,15 +85,27 @@ class Recompute(Schedule):
         return torch.stack([store[int(t)][int(b)] for b, t in zip(rows, steps)])
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
+        ctx = self.ctx
+        like_rollout = ctx.cfg.train.recompute_batching == ROLLOUT_BATCHING
+        losses: list[StepLoss] = []
+        step_stats = {}
+        for update in self._batches_like_rollout() if like_rollout else self._shuffled_batches():
+            for batch in update:
+                losses.append(self._backward(batch, advantages, joint_cfg=like_rollout))
+            step_stats = optimizer_step()
+        return {**loss_stats(losses, ctx.beta), **step_stats}
+
+    def _shuffled_batches(self) -> Iterator[list[Terms]]:
+        """FlowGRPO's update: per inner epoch the local samples shuffled and split into one chunk per optimizer step,
+        in micro-batches of train_batch_size; within one, the j-th trained step of every sample (ascending)."""
         ctx, t = self.ctx, self.ctx.cfg.train
         trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending (host)
         device = ctx.sigmas.device
-        losses: list[StepLoss] = []
-        step_stats = {}
         for epoch in range(t.num_inner_epochs):
             gen = iteration_generator(t.seed, ctx.iteration, purpose=1 + epoch)
             order = torch.randperm(ctx.batch, generator=gen)
             for chunk in order.chunk(t.optimizer_steps_per_iteration):
+                update = []
                 for rows in chunk.split(t.train_batch_size):  # host-side sample ids; on the device below
                     on_device = rows.to(device)
                     for j in range(ctx.steps_per_sample):
@@ -76,23 +113,57 @@ class Recompute(Schedule):
                         x = self._gather(self.samples, rows, steps)
                         nxt = self._gather(self.next_samples, rows, steps)
                         old = torch.stack([self.old_log_probs[int(s)][int(b)] for b, s in zip(rows, steps)])
-                        emb, steps = ctx.emb.index(on_device), steps.to(device)
-                        with ctx.region("recompute_forward"):
-                            _, log_prob, mean, std = policy_step(
-                                ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, next_sample=nxt
-                            )
-                        ref = None
-                        if ctx.beta:
-                            with ctx.region("reference_forward"):
-                                ref = reference_mean(ctx.policy, x, steps, emb, ctx.cfg.sample, ctx.sigmas, nxt)
-                        loss = step_loss(
-                            log_prob, old, advantages[on_device], t.clip_range, mean=mean, ref_mean=ref, std=std
-                        )
-                        with ctx.region("backward"):
-                            (loss.total(ctx.beta).sum() / (len(chunk) * ctx.steps_per_sample)).backward()
-                        losses.append(loss)
-                step_stats = optimizer_step()
-        return {**loss_stats(losses, ctx.beta), **step_stats}
+                        weight = 1.0 / (len(chunk) * ctx.steps_per_sample)
+                        update.append(Terms(on_device, steps.to(device), x, nxt, old, weight))
+                yield update
+
+    def _batches_like_rollout(self) -> Iterator[list[Terms]]:
+        """One update whose forwards are the rollout's: every stored step in order, in the rollout's contiguous
+        micro-batches (rows whose step is not trained weigh 0), so that on-policy the recomputed log-probs are the
+        rollout's to the last bit where the kernels are deterministic."""
+        ctx, size = self.ctx, self.ctx.cfg.train.rollout_batch_size
+        update = []
+        for i in sorted(self.samples):
+            for start in range(0, ctx.batch, size):
+                rows = slice(start, min(start + size, ctx.batch))
+                update.append(
+                    Terms(
+                        rows,
+                        i,
+                        self.samples[i][rows],
+                        self.next_samples[i][rows],
+                        self.old_log_probs[i][rows],
+                        ctx.term_weights(rows, i, ctx.batch),
+                    )
+                )
+        yield update
+
+    def _backward(self, terms: Terms, advantages: torch.Tensor, joint_cfg: bool) -> StepLoss:
+        """Recompute the terms' log-probs with gradients, their clipped loss, and its backward."""
+        ctx, t = self.ctx, self.ctx.cfg.train
+        emb = ctx.emb.index(terms.rows)
+        with ctx.region("recompute_forward"):
+            _, log_prob, mean, std = policy_step(
+                ctx.policy,
+                terms.x,
+                terms.steps,
+                emb,
+                ctx.cfg.sample,
+                ctx.sigmas,
+                next_sample=terms.next_x,
+                joint_cfg=joint_cfg,
+            )
+        ref = None
+        if ctx.beta:
+            with ctx.region("reference_forward"):
+                ref = reference_mean(ctx.policy, terms.x, terms.steps, emb, ctx.cfg.sample, ctx.sigmas, terms.next_x)
+        loss = step_loss(
+            log_prob, terms.old_log_prob, advantages[terms.rows], t.clip_range, mean=mean, ref_mean=ref, std=std
+        )
+        self.ratios[terms.rows, terms.steps] = loss.ratio.detach().double()
+        with ctx.region("backward"):
+            (terms.weight * loss.total(ctx.beta)).sum().backward()
+        return loss
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:

@@ -29,11 +29,16 @@ def begin_stage(params: str | Path) -> dict:
 
 
 def stage_config(
-    params: str | Path, section: str | None = None, *, pretrained: str | None = None, schedule: str | None = None
+    params: str | Path,
+    section: str | None = None,
+    *,
+    pretrained: str | None = None,
+    schedule: str | None = None,
+    dtype: str | None = None,
 ) -> RunConfig:
-    """The run config of a stage: ``params``' run sections, then ``<section>.run`` on top, then the stage's
-    command-line choices (the pretrained base the ``prepare`` stage made, the schedule of a matrix stage)."""
-    overrides = []
+    """The run config of a stage: ``params``' run sections, then ``<section>.run`` on top, then the stage's own
+    choices (the pretrained base the ``prepare`` stage made, the schedule of a matrix stage, a precision)."""
+    overrides = [] if dtype is None else [f"model.dtype={dtype}"]
     if pretrained is not None:
         overrides.append(f"model.pretrained={pretrained}")
     if schedule is not None:
