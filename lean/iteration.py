@@ -14,7 +14,8 @@ the order of an iteration is made in :meth:`IterationPipeline.run` alone.
 
 Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
 owns the contiguous slice r of it (``lean.advantage.local_slice``). Random streams are keyed by (seed, iteration,
-prompt, sample), so a trajectory never depends on the batching or on the number of processes.
+group, prompt, sample), so a trajectory never depends on the batching or on the number of processes, and two groups
+of the same prompt differ.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int =
     """This process's samples of ``iteration``: prompts, random streams and trained-step selection."""
     samples = global_samples(cfg, iteration)
     local = local_slice(len(samples), rank, world_size)
-    generators = [sample_generator(cfg.train.seed, iteration, p, k) for _, p, k in samples[local]]
+    generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
     # The selection draws from the sample streams first, the rollout's noise comes after: a fixed order.
     steps = select_steps_for(
         cfg.sample,

@@ -184,7 +184,7 @@ def sample_reward(
 ) -> float:
     """Mean reward of ``samples_per_prompt`` images per prompt drawn with the GRPO sampler (SDE steps, CFG)."""
     pairs = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt)]
-    gens = [sample_generator(seed, 0, i, k) for i, k in pairs]
+    gens = [sample_generator(seed, 0, i, i, k) for i, k in pairs]  # one group per prompt
     steps = select_steps_for(
         dataclasses.replace(
             sample_cfg, timestep_selection=STEP_SELECTIONS.default, sde_window=0, sde_window_max_start=None

@@ -7,9 +7,9 @@ schedule's choice; what it does with each step is its ``on_step`` hook. Recomput
 ``no_grad``; Retain and Reweight track gradients on the trained steps. The loop itself is the same for all three,
 so their trajectories are the same.
 
-Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, prompt, sample index). Its initial
-noise, its step selection and every SDE noise draw come from it in a fixed order, so a trajectory never depends on the
-batch it was rolled out in, the micro-batching, or the number of processes.
+Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, group, prompt, sample index). Its
+initial noise, its step selection and every SDE noise draw come from it in a fixed order, so a trajectory never depends
+on the batch it was rolled out in, the micro-batching, or the number of processes.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from lean.config import SampleConfig
 
 
-def sample_generator(seed: int, iteration: int, prompt_index: int, sample_index: int) -> torch.Generator:
-    """The random stream of one sample: a CPU generator seeded from a hash of its four keys."""
-    state = np.random.SeedSequence([seed, iteration, prompt_index, sample_index]).generate_state(2, np.uint64)
+def sample_generator(seed: int, iteration: int, group: int, prompt_index: int, sample_index: int) -> torch.Generator:
+    """The random stream of one sample: a CPU generator seeded from a hash of its five keys. The group is one of them:
+    a prompt drawn twice in one iteration makes two groups, which must not roll out the same trajectories."""
+    state = np.random.SeedSequence([seed, iteration, group, prompt_index, sample_index]).generate_state(2, np.uint64)
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 

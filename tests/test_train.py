@@ -84,3 +84,23 @@ def test_cli_train_default_params(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["auto"]["choice"] in ("retain", "reweight") and metrics["schedule"] == metrics["auto"]["choice"]
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_drawn_twice_gives_two_different_groups():
+    """More groups than prompts: the same prompt is drawn for two groups, whose trajectories must still differ."""
+    from lean.iteration import IterationPipeline
+    from lean.models import build_policy
+    from lean.schedules import BASELINE, SCHEDULES
+    from lean.sde import sigma_schedule
+
+    cfg = tiny("train.prompts=[a red circle on a white background]", "train.prompts_per_iteration=2")
+    pipeline = IterationPipeline(
+        build_policy(cfg.model, cfg.train.prompts),
+        cfg,
+        sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid),
+    )
+    rolled = pipeline.roll_out(0, SCHEDULES[BASELINE])
+    assert [p for _, p, _ in rolled.batch.samples] == [0, 0, 0, 0]  # one prompt, groups 0 and 1
+    group_0, group_1 = rolled.final[:2], rolled.final[2:]
+    assert not torch.allclose(group_0, group_1)
