@@ -30,7 +30,7 @@ def _lean(*args, timeout=280):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float64", 1e-12)])
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12)])  # the strict one; float32 runs the same code path
 def test_two_processes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
     one, two = tmp_path / "one", tmp_path / "two"
     _lean("train", *SMALL, "--set", f"model.dtype={dtype}", "--out", str(one))
