@@ -28,7 +28,7 @@ import torch
 
 from lean.distributed import init_world
 from lean.dtypes import DTYPES
-from lean.iteration import LocalBatch, build_pipeline
+from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.metrics import PeakMemory, SavedBytes, live_bytes_heap, median, rss_mb
 from lean.models import family_module, meta_transformer
 from lean.outputs import write_json
@@ -51,6 +51,13 @@ class PlanInput:
     cfg: RunConfig
     sigmas: torch.Tensor
     batch: LocalBatch
+
+
+def plan_input(pipeline: IterationPipeline) -> PlanInput:
+    """A run's :class:`PlanInput`: its policy and trainable parameters, config, sigma grid, and a fresh local batch of
+    iteration 0."""
+    trainable = [p for _, p in pipeline.policy.trainable_parameters()]
+    return PlanInput(pipeline.policy, trainable, pipeline.cfg, pipeline.sigmas, pipeline.local_batch(0))
 
 
 def _timed(fn, repeats: int = 3) -> float:
@@ -223,13 +230,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
             write_json(f"{out}/plan.json", report)
         return report
     pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s))
-    inp = PlanInput(
-        pipeline.policy,
-        [p for _, p in pipeline.policy.trainable_parameters()],
-        cfg,
-        pipeline.sigmas,
-        pipeline.local_batch(0),
-    )
+    inp = plan_input(pipeline)
     measured = probe(inp)
     costs = iteration_costs(inp, measured)
     decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))

@@ -22,7 +22,7 @@ from lean.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.metrics import FlopTally, median
 from lean.optimizer import TrainState
 from lean.outputs import numbers, write_csv, write_json
-from lean.plan import PlanInput, decide
+from lean.plan import PlanInput, decide, plan_input
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES
 
 RECOMPUTE_FORWARD = "recompute_forward"  # the FLOP region a Lean schedule does not need
@@ -58,7 +58,7 @@ class Trainer:
 
     def plan_input(self) -> PlanInput:
         """What ``lean plan`` needs of this run (a fresh local batch of iteration 0)."""
-        return PlanInput(self.policy, self.params, self.cfg, self.pipeline.sigmas, self.pipeline.local_batch(0))
+        return plan_input(self.pipeline)
 
 
 def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
