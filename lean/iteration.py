@@ -152,14 +152,13 @@ class IterationPipeline:
         emb: PromptEmbeds,
         timer: PhaseTimer | None = None,
         tally: FlopTally | None = None,
-        steps: StepSelection | None = None,
     ) -> IterationContext:
         return IterationContext(
             self.policy,
             self.cfg,
             self.sigmas,
             emb,
-            steps or batch.steps,
+            batch.steps,
             batch.iteration,
             tally or FlopTally(),
             timer or PhaseTimer(self.world.device),
