@@ -1,15 +1,31 @@
 """GRPO group-relative advantages (float64 throughout).
 
 Samples of the same prompt form a group. The advantage of sample ``n`` in group ``g`` is
-``A_n = (r_n − mean_g) / (std + eps)`` with the population std of the group (or of all rewards with ``global_std``),
-as in FlowGRPO. In distributed training the rewards are gathered from all ranks first (groups may span ranks), the
-advantages computed on the full batch, and each rank keeps its own block, :func:`local_slice`.
+``A_n = (r_n − mean_g) / (std + eps)`` with the std of the group (or of all rewards with ``global_std``): the
+population std and eps = 1e-4 as in FlowGRPO, or the unbiased one (Bessel's n − 1) and eps = 1e-8 as in DanceGRPO.
+In distributed training the rewards are gathered from all ranks first (groups may span ranks), the advantages
+computed on the full batch, and each rank keeps its own block, :func:`local_slice`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import TrainConfig
+
+STD_ESTIMATORS: Registry[str] = Registry(
+    "std estimator",
+    [
+        ("population", "sqrt(sum (r - mean)^2 / n) (FlowGRPO, numpy's default)"),
+        ("unbiased", "sqrt(sum (r - mean)^2 / (n - 1)) (DanceGRPO, torch's default)"),
+    ],
+)
 
 
 def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -24,9 +40,10 @@ def _groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor,
     return r, inverse, count, mean
 
 
-def _population_std(r: Tensor, inverse: Tensor, count: Tensor, mean: Tensor) -> Tensor:
-    """Per-group ``sqrt(mean((r − mean_g)²))`` [G]."""
-    return (torch.zeros_like(count).index_add_(0, inverse, (r - mean[inverse]) ** 2) / count).sqrt()
+def _group_std(r: Tensor, inverse: Tensor, count: Tensor, mean: Tensor, estimator: str = "population") -> Tensor:
+    """Per-group ``sqrt(Σ(r − mean_g)² / n_g)`` [G], or ``/ (n_g − 1)`` for the unbiased estimator."""
+    squares = torch.zeros_like(count).index_add_(0, inverse, (r - mean[inverse]) ** 2)
+    return (squares / (count if estimator == "population" else count - 1)).sqrt()
 
 
 def _constant(r: Tensor, inverse: Tensor, count: Tensor) -> Tensor:
@@ -43,18 +60,36 @@ def group_advantages(
     global_std: bool = False,
     clip: float | None = None,
     eps: float = 1e-4,
+    std_estimator: str = "population",
 ) -> Tensor:
     """``A_n = clamp((r_n − mean_{g(n)}) / (std + eps), −clip, clip)`` as float64 [N].
 
-    ``std`` is the population std (``unbiased=False``) of the sample's group, or of all N rewards with ``global_std``.
+    ``std`` is the ``std_estimator`` std (``STD_ESTIMATORS``) of the sample's group, or of all N rewards with
+    ``global_std``.
     Groups may differ in size and be interleaved in any order. A group whose rewards are all equal gets exactly 0
     (not a rounding residue of its mean divided by ``eps``).
     """
+    if std_estimator not in STD_ESTIMATORS:
+        raise ValueError(f"std_estimator={std_estimator!r}: must be one of {', '.join(STD_ESTIMATORS)}")
+    unbiased = std_estimator == "unbiased"
     r, inverse, count, mean = _groups(rewards, group_ids)
+    if unbiased and (count < 2).any():
+        raise ValueError("std_estimator='unbiased' needs at least 2 samples per group")
     centered = r - mean[inverse]
-    std = r.std(unbiased=False).expand_as(r) if global_std else _population_std(r, inverse, count, mean)[inverse]
+    if global_std:
+        std = r.std(unbiased=unbiased).expand_as(r)
+    else:
+        std = _group_std(r, inverse, count, mean, std_estimator)[inverse]
     advantages = torch.where(_constant(r, inverse, count)[inverse], 0.0, centered / (std + eps))
     return advantages if clip is None else advantages.clamp(-clip, clip)
+
+
+def run_advantages(rewards: Tensor, group_ids: Tensor, t: TrainConfig) -> Tensor:
+    """:func:`group_advantages` with a run's settings (``train.global_std``, ``adv_std``, ``adv_eps``,
+    ``adv_clip_max``)."""
+    return group_advantages(
+        rewards, group_ids, global_std=t.global_std, clip=t.adv_clip_max, eps=t.adv_eps, std_estimator=t.adv_std
+    )
 
 
 def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]:
@@ -65,7 +100,7 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]
     return {
         "group_ids": torch.unique(group_ids),
         "mean": mean,
-        "std": torch.where(constant, 0.0, _population_std(r, inverse, count, mean)),
+        "std": torch.where(constant, 0.0, _group_std(r, inverse, count, mean)),
         "size": count,
         "zero_std_fraction": float(constant.double().mean()),
     }

@@ -23,9 +23,12 @@ from typing import Any
 import yaml
 
 from lean import models, sde
+from lean.advantage import STD_ESTIMATORS
 from lean.dtypes import DTYPES
+from lean.loss import KL_FORMS
 from lean.presets import PRESETS
 from lean.rewards import REWARDS
+from lean.rollout import DECODE_TARGETS
 from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS
 
@@ -100,6 +103,12 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_ffn: bool = False
     """Also adapt the feed-forward projections (FlowGRPO does for FLUX)."""
+    lora_init: str = models.LORA_INITS.default
+    """How the LoRA factors start (B = 0 in both, so the policy starts at the base model): a name of
+    ``lean.models.LORA_INITS`` (peft's ``init_lora_weights``)."""
+    lora_targets: list[str] | None = None
+    """peft ``target_modules``: module-name suffixes to adapt (DanceGRPO: to_q, to_k, to_v, to_out.0). None: the
+    family's own set (every attention projection, with ``lora_ffn`` the feed-forward ones too)."""
     full_finetune: bool = False
     """Train every transformer weight instead of a LoRA adapter (the reference becomes a frozen copy)."""
     text_max_length: int = 16
@@ -128,6 +137,9 @@ class ModelConfig:
             )
         for key in ("lora_rank", "lora_alpha", "text_max_length"):
             check_positive(f"model.{key}", getattr(self, key))
+        check_choice("model.lora_init", self.lora_init, models.LORA_INITS)
+        if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
+            raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
         if self.pretrained is not None:
             folder = Path(self.pretrained)
             if not (folder / "model_index.json").exists() and not (folder / "transformer" / "config.json").exists():
@@ -164,12 +176,21 @@ class SampleConfig:
     """Differentiate the unconditional CFG branch too (false: it is a constant, which is cheaper)."""
     timestep_fraction: float = 0.99
     """Share of the steps trained per sample; the last step never is."""
+    timestep_fraction_of: str = sde.FRACTION_BASES.default
+    """What the fraction is of: a name of ``lean.sde.FRACTION_BASES`` (FlowGRPO: all N steps, DanceGRPO: the N - 1
+    trainable ones)."""
     timestep_selection: str = sde.STEP_SELECTIONS.default
     """Which steps each sample trains: a name of ``lean.sde.STEP_SELECTIONS``."""
     sde_window: int = 0
     """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
     sde_window_max_start: int | None = None
     """The window starts in [0, this]; default: it stays in the first half."""
+    truncate_timestep: bool = False
+    """The model sees floor(1000 sigma) / 1000 instead of sigma (DanceGRPO feeds int(1000 sigma) / 1000); the SDE step
+    uses the exact sigma either way."""
+    init_same_noise: bool = False
+    """Every sample of a group starts from the same x_0 (DanceGRPO's --init_same_noise); the SDE noise still
+    differs."""
 
     def validate(self) -> None:
         check_positive("sample.num_steps", self.num_steps)
@@ -195,6 +216,7 @@ class SampleConfig:
         if not 0 < self.timestep_fraction <= 1:
             raise ConfigError("sample.timestep_fraction", self.timestep_fraction, "must be in (0, 1]")
         check_choice("sample.timestep_selection", self.timestep_selection, sde.STEP_SELECTIONS)
+        check_choice("sample.timestep_fraction_of", self.timestep_fraction_of, sde.FRACTION_BASES)
         check_positive("sample.sde_window", self.sde_window, strict=False)
         if self.sde_window > self.num_steps - 1:
             raise ConfigError(
@@ -215,8 +237,12 @@ class RewardConfig:
 
     weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
     """reward name (``lean.rewards.REWARDS``) -> weight."""
+    decode: str = DECODE_TARGETS.default
+    """What is decoded and scored: a name of ``lean.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
+    prediction of x_0 at the last step)."""
 
     def validate(self) -> None:
+        check_choice("reward.decode", self.decode, DECODE_TARGETS)
         if not self.weights:
             raise ConfigError("reward.weights", self.weights, "name at least one reward")
         for name, weight in self.weights.items():
@@ -248,6 +274,12 @@ class TrainConfig:
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
     """> 1 is off-policy (FlowGRPO's gradient accumulation)."""
+    shuffle_update: bool = True
+    """Recompute's update visits the local samples in a shuffled order (FlowGRPO's SD3, FLUX and Wan scripts); false:
+    in rollout order (Flow-GRPO-Fast, DanceGRPO). It decides which samples share an optimizer step."""
+    skip_zero_advantage: bool = False
+    """Samples whose advantage is 0 (a group with equal rewards) leave the update, and the loss is averaged over the
+    others (FlowGRPO's SD3, Fast and Wan scripts filter them; its FLUX script does not)."""
     recompute_batching: str = RECOMPUTE_BATCHINGS[0]
     """Recompute's update forwards: update (FlowGRPO's: shuffled samples, train_batch_size) | rollout (the rollout's
     own micro-batches and CFG batch, so on-policy the ratio is exactly 1 where kernels are deterministic)."""
@@ -262,8 +294,16 @@ class TrainConfig:
     adv_clip_max: float = 5.0
     global_std: bool = False
     """Normalise advantages by the std of the whole batch instead of the group's."""
+    adv_std: str = STD_ESTIMATORS.default
+    """The std of the advantage normalisation: a name of ``lean.advantage.STD_ESTIMATORS`` (FlowGRPO: population,
+    DanceGRPO: unbiased)."""
+    adv_eps: float = 1e-4
+    """A = (r - mean) / (std + adv_eps) (FlowGRPO 1e-4, DanceGRPO 1e-8)."""
     beta: float = 0.0
     """KL weight against the reference policy (adapter off)."""
+    kl_form: str = KL_FORMS.default
+    """The KL term: a name of ``lean.loss.KL_FORMS`` (exact: the KL of the two Gaussian steps; flow_grpo: FlowGRPO's
+    SD3/FLUX scripts, which divide by the SDE's noise scale before its sqrt(-dt) factor)."""
     ema: bool = False
     ema_decay: float = 0.9
     ema_every: int = 8
@@ -311,6 +351,9 @@ class TrainConfig:
             check_fraction(f"train.{key}", getattr(self, key))
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
+        check_choice("train.adv_std", self.adv_std, STD_ESTIMATORS)
+        check_choice("train.kl_form", self.kl_form, KL_FORMS)
+        check_positive("train.adv_eps", self.adv_eps, strict=False)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
         if not self.prompts:
@@ -364,6 +407,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             t.schedule,
             "is exact only on-policy (one optimizer step per rollout "
             f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
+        )
+    if t.skip_zero_advantage and t.beta > 0 and (t.schedule == AUTO or not SCHEDULES[t.schedule].drops_kl_terms):
+        raise ConfigError(
+            "train.skip_zero_advantage",
+            True,
+            f"drops samples' KL terms after the rollout, which train.schedule={t.schedule} cannot (it sums them during "
+            "the rollout); use train.schedule=recompute or retain, or train.beta=0",
         )
     if t.recompute_batching != RECOMPUTE_BATCHINGS[0] and off_policy:
         raise ConfigError(

@@ -21,7 +21,7 @@ import torch
 
 from lean.config import RunConfig
 from lean.dtypes import HALF, dtype_name
-from lean.loss import step_loss
+from lean.loss import kl_step_weights, step_loss
 from lean.models import build_policy
 from lean.optimizer import capture_synced_grads
 from lean.outputs import write_json
@@ -101,6 +101,7 @@ class Float64Reference:
         self.policy, self.world = trainer.policy, trainer.world
         self.params = [p for _, p in self.twin.trainable_parameters()]
         self.sigmas = trainer.pipeline.sigmas.double()
+        self.kl_weights = kl_step_weights(self.sigmas, cfg.sample.sde_kind, cfg.train.kl_form)
 
     def load(self, trainable: list[torch.Tensor]) -> None:
         """The trainable weights the run had (upcast)."""
@@ -119,8 +120,15 @@ class Float64Reference:
         """g_ref at the weights ``trainable``, over the recorded steps (only the (sample, step) terms where ``mask``
         [B, num_steps] is True)."""
         self.load(trainable)
-        trained = batch.steps.trained.double() if mask is None else (batch.steps.trained & mask).double()
-        scale = 1.0 / (trained.shape[0] * int(batch.steps.trained[0].sum()))
+        kept = batch.steps.trained
+        if mask is not None:
+            kept = kept & mask
+        n = kept.shape[0]
+        if self.cfg.train.skip_zero_advantage:  # the samples with A = 0 leave the objective, N counts the others
+            nonzero = (advantages != 0).cpu()
+            kept, n = kept & nonzero[:, None], max(1, int(nonzero.sum()))
+        trained = kept.double()
+        scale = 1.0 / (n * int(batch.steps.trained[0].sum()))
         emb = self.twin.encode_prompts(batch.prompts)
         sample, beta, device = self.cfg.sample, self.cfg.train.beta, self.sigmas.device
         for p in self.params:
@@ -146,6 +154,7 @@ class Float64Reference:
                 mean=mean,
                 ref_mean=ref,
                 std=std,
+                kl_weight=self.kl_weights[step.index],
             )
             (weights * loss.total(beta)).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])

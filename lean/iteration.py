@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lean.advantage import group_advantages, local_slice
+from lean.advantage import local_slice, run_advantages
 from lean.config import validate
 from lean.distributed import World
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer
 from lean.models import build_policy
 from lean.models.precision import set_matmul_precision
 from lean.rewards import compute_rewards
-from lean.rollout import StepOutput, iteration_generator, rollout, sample_generator
+from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
@@ -74,6 +74,7 @@ class LocalBatch:
     local: slice  # this process's contiguous share of ``samples``
     prompts: list[str]  # of the local samples
     generators: list[torch.Generator]  # one random stream per local sample
+    init_generators: list[torch.Generator] | None  # the initial noise's streams when not the samples' own
     steps: StepSelection  # which steps are stochastic, and which each local sample trains
 
     @property
@@ -98,7 +99,10 @@ def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int =
         sample_generators=generators,
     )
     prompts = [cfg.train.prompts[p] for _, p, _ in samples[local]]
-    return LocalBatch(iteration, samples, local, prompts, generators, steps)
+    init_generators = None
+    if cfg.sample.init_same_noise:  # one stream per group; every sample of the group draws the same x_0 from it
+        init_generators = [group_init_generator(cfg.train.seed, iteration, g, p) for g, p, _ in samples[local]]
+    return LocalBatch(iteration, samples, local, prompts, generators, init_generators, steps)
 
 
 @dataclass
@@ -194,6 +198,8 @@ class IterationPipeline:
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
                 progress=progress,
+                init_generators=batch.init_generators,
+                decode=self.cfg.reward.decode,
             )
 
     def score(self, ctx: IterationContext, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -213,9 +219,7 @@ class IterationPipeline:
         t = self.cfg.train
         with rollout.ctx.timer("advantage"):
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
-            advantages = group_advantages(
-                rewards, rollout.batch.group_ids(), global_std=t.global_std, clip=t.adv_clip_max
-            )
+            advantages = run_advantages(rewards, rollout.batch.group_ids(), t)
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")

@@ -79,13 +79,16 @@ def jpeg_kilobytes(images: Tensor, quality: int = 95) -> Tensor:
 
 @register("jpeg_compressibility")
 def jpeg_compressibility(images: Tensor, prompts: list[str]) -> Tensor:
-    """``−kB`` of the JPEG (quality 95): smaller files score higher (DDPO / FlowGRPO sign)."""
-    return -jpeg_kilobytes(images)
+    """``−kB / 500`` of the JPEG (quality 95): smaller files score higher. FlowGRPO's definition
+    (flow_grpo/rewards.py ``jpeg_compressibility``: the negated size in kB over 500); the scale matters, since the
+    advantage's eps (1e-4) is added to group stds of this size."""
+    return -jpeg_kilobytes(images) / 500
 
 
 @register("jpeg_incompressibility")
 def jpeg_incompressibility(images: Tensor, prompts: list[str]) -> Tensor:
-    """``+kB`` of the JPEG (quality 95): larger, more detailed files score higher."""
+    """``+kB`` of the JPEG (quality 95): larger, more detailed files score higher (FlowGRPO's
+    ``jpeg_incompressibility``, unscaled)."""
     return jpeg_kilobytes(images)
 
 

@@ -8,8 +8,13 @@ schedule's choice; what it does with each step is its ``on_step`` hook. Recomput
 so their trajectories are the same.
 
 Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, group, prompt, sample index). Its
-initial noise, its step selection and every SDE noise draw come from it in a fixed order, so a trajectory never depends
-on the batch it was rolled out in, the micro-batching, or the number of processes.
+step selection, its initial noise and every SDE noise draw come from it in a fixed order, so a trajectory never
+depends on the batch it was rolled out in, the micro-batching, or the number of processes. With
+``sample.init_same_noise`` (DanceGRPO) the initial noise comes from a stream of the group instead
+(:func:`group_init_generator`), the same for all its samples.
+
+What the rollout hands to the decoder (``DECODE_TARGETS``) is the final sample x_N, or DanceGRPO's prediction of
+the clean sample at the last step, x̂_0 = x_{N−1} − σ_{N−1} v(x_{N−1}, σ_{N−1}).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lean.registry import Registry
 from lean.sde import StepSelection, compute_dtype, ode_step, sde_step_with_logprob
 
 if TYPE_CHECKING:
@@ -32,6 +38,22 @@ def sample_generator(seed: int, iteration: int, group: int, prompt_index: int, s
     a prompt drawn twice in one iteration makes two groups, which must not roll out the same trajectories."""
     state = np.random.SeedSequence([seed, iteration, group, prompt_index, sample_index]).generate_state(2, np.uint64)
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
+DECODE_TARGETS: Registry[str] = Registry(
+    "decode target",
+    [
+        ("sample", "the final sample x_N (FlowGRPO)"),
+        ("x0_prediction", "the last step's prediction x_{N-1} - sigma_{N-1} v (DanceGRPO)"),
+    ],
+)
+_GROUP_STREAM = 2**32 - 1  # the sample-index key of a group's own stream (no sample has this index)
+
+
+def group_init_generator(seed: int, iteration: int, group: int, prompt_index: int) -> torch.Generator:
+    """The stream of a group's shared initial noise (``sample.init_same_noise``): keyed like a sample's, with a
+    sample index no sample has, so it never repeats a sample's draws."""
+    return sample_generator(seed, iteration, group, prompt_index, _GROUP_STREAM)
 
 
 def iteration_generator(seed: int, iteration: int, purpose: int = 0) -> torch.Generator:
@@ -67,6 +89,22 @@ def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfi
         uncond_grad=cfg.uncond_grad,
         guidance_embed=cfg.guidance_embed,
         joint_cfg=joint_cfg,
+        truncate_timestep=cfg.truncate_timestep,
+    )
+
+
+def sde_step(v, x, index, cfg: SampleConfig, sigmas, *, next_sample=None, generators=None, noise=None):
+    """One SDE step of the sampler ``cfg`` from the velocity ``v``: ``(x_{i+1}, log_prob, mean, std)``."""
+    return sde_step_with_logprob(
+        v,
+        x,
+        sigmas,
+        index,
+        kind=cfg.sde_kind,
+        noise_level=cfg.noise_level,
+        prev_sample=next_sample,
+        generator=generators,
+        noise=noise,
     )
 
 
@@ -90,17 +128,13 @@ def policy_step(
     sees (913.35 -> 916). Returns ``(x_{i+1}, log_prob, mean, std)``.
     """
     v = velocity(policy, x, sigmas[index], emb, cfg, joint_cfg)
-    return sde_step_with_logprob(
-        v,
-        x,
-        sigmas,
-        index,
-        kind=cfg.sde_kind,
-        noise_level=cfg.noise_level,
-        prev_sample=next_sample,
-        generator=generators,
-        noise=noise,
-    )
+    return sde_step(v, x, index, cfg, sigmas, next_sample=next_sample, generators=generators, noise=noise)
+
+
+def predicted_x0(v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, index: int) -> torch.Tensor:
+    """x̂_0 = x − σ_i v in the step's compute dtype, returned in the sample's dtype."""
+    dtype = compute_dtype(x)
+    return (x.to(dtype) - sigmas[index].to(dtype) * v.to(dtype)).to(x.dtype)
 
 
 @torch.no_grad()
@@ -152,21 +186,29 @@ def rollout(
     micro_batch: int | None = None,
     grad_micro_batch: int | None = None,
     progress: Callable[[int], None] | None = None,
+    init_generators: list[torch.Generator] | None = None,
+    decode: str = "sample",
 ) -> torch.Tensor:
-    """Roll out ``len(generators)`` trajectories; return the final latents x_T.
+    """Roll out ``len(generators)`` trajectories; return what is decoded (``decode``, a name of
+    ``DECODE_TARGETS``): the final latents x_N, or the last step's x̂_0.
 
     Steps run in contiguous micro-batches of ``micro_batch`` trajectories (all at once when None). ``track_grad(i)``
     says whether step i runs with autograd on; tracked steps use ``grad_micro_batch`` when given, and ``on_step`` may
     backpropagate or keep the graph. The next step always starts from a detached x_{i+1}: as in the recomputed loss,
     every step's input is a constant. Nothing in the loop reads a value back from the device: the schedule's
     decisions come from the host-side step selection, and the noise is drawn ahead (:class:`StepNoise`).
+    ``init_generators`` draw the initial noise instead of the samples' own streams (``sample.init_same_noise``).
     """
-    x = policy.init_latents(generators)
+    if decode not in DECODE_TARGETS:
+        raise ValueError(f"decode={decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
+    x = policy.init_latents(init_generators or generators)
     batch = x.shape[0]
     stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
     upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
     noise = StepNoise(generators, tuple(x.shape[1:]), compute_dtype(x), x.device)
     noise.prefetch(next((j for j in range(cfg.num_steps) if stochastic[j]), None))
+    last = cfg.num_steps - 1
+    x0 = torch.empty_like(x) if decode == "x0_prediction" else None
     for i in range(cfg.num_steps):
         tracked = stochastic[i] and track_grad(i)
         size = (grad_micro_batch if tracked and grad_micro_batch else micro_batch) or batch
@@ -174,15 +216,15 @@ def rollout(
         x_next = torch.empty_like(x)
         for start in range(0, batch, size):
             rows = slice(start, min(start + size, batch))
+            with torch.set_grad_enabled(tracked):
+                v = velocity(policy, x[rows], sigmas[i], emb.index(rows), cfg)
+            if i == last and x0 is not None:
+                x0[rows] = predicted_x0(v.detach(), x[rows], sigmas, i)
             if not stochastic[i]:
-                with torch.no_grad():
-                    v = velocity(policy, x[rows], sigmas[i], emb.index(rows), cfg)
-                    x_next[rows] = ode_step(v, x[rows], sigmas, i)
+                x_next[rows] = ode_step(v, x[rows], sigmas, i)
                 continue
             with torch.set_grad_enabled(tracked):
-                nxt, log_prob, mean, std = policy_step(
-                    policy, x[rows], i, emb.index(rows), cfg, sigmas, noise=eps[rows]
-                )
+                nxt, log_prob, mean, std = sde_step(v, x[rows], i, cfg, sigmas, noise=eps[rows])
             x_next[rows] = nxt.detach()
             if on_step is not None:
                 on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))
@@ -190,4 +232,4 @@ def rollout(
         x = x_next
         if progress is not None:
             progress(i)
-    return x
+    return x if x0 is None else x0

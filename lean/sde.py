@@ -47,11 +47,20 @@ SIGMA_GRIDS: Registry[str] = Registry(
         ("unipc", "WanPipeline's UniPCMultistepScheduler"),
     ],
 )
+SQRT_DT_KINDS = ("flow_grpo", "flow_grpo_linear")  # transition std = noise scale s x sqrt(-dt)
 STEP_SELECTIONS: Registry[str] = Registry(
     "timestep selection",
     [
         ("first", "the first K steps for every sample (FlowGRPO)"),
         ("random", "a random K-subset per sample (DanceGRPO)"),
+    ],
+)
+
+FRACTION_BASES: Registry[str] = Registry(
+    "timestep fraction base",
+    [
+        ("all", "K = floor(N x fraction) of the N steps (FlowGRPO)"),
+        ("trainable", "K = floor((N - 1) x fraction) of the N - 1 steps that can be trained (DanceGRPO)"),
     ],
 )
 
@@ -258,11 +267,15 @@ class StepSelection:
         return self.trained.any(dim=0)
 
 
-def num_trained_steps(num_steps: int, timestep_fraction: float) -> int:
-    """``K = clip(floor(num_steps·timestep_fraction), 1, num_steps−1)`` trained steps; the last step never is
-    (10 x 0.99 -> 9).
-    A 1e-9 slack absorbs binary rounding of decimal fractions (100 x 0.29 = 28.999999999999996 -> 29, not 28)."""
-    return max(1, min(math.floor(num_steps * timestep_fraction + 1e-9), num_steps - 1))
+def num_trained_steps(num_steps: int, timestep_fraction: float, base: str = "all") -> int:
+    """``K = clip(floor(M·timestep_fraction), 1, num_steps−1)`` trained steps, the last step never, with ``M = N``
+    for ``base="all"`` (FlowGRPO: 10 x 0.99 -> 9) and ``M = N − 1`` for ``"trainable"`` (DanceGRPO: 12 steps x 0.6
+    -> 6, where "all" gives 7). A 1e-9 slack absorbs binary rounding of decimal fractions (100 x 0.29 =
+    28.999999999999996 -> 29, not 28)."""
+    if base not in FRACTION_BASES:
+        raise ValueError(f"base={base!r}: must be one of {', '.join(FRACTION_BASES)}")
+    m = num_steps if base == "all" else num_steps - 1
+    return max(1, min(math.floor(m * timestep_fraction + 1e-9), num_steps - 1))
 
 
 def select_steps(
@@ -270,6 +283,7 @@ def select_steps(
     batch_size: int,
     *,
     timestep_fraction: float = 1.0,
+    fraction_of: str = "all",
     selection: str = "first",
     sde_window: int = 0,
     sde_window_max_start: int | None = None,
@@ -278,7 +292,8 @@ def select_steps(
 ) -> StepSelection:
     """Select the stochastic and trained steps of one rollout.
 
-    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps are
+    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps (of
+    ``fraction_of``) are
     trained per sample:
 
     * ``selection="first"`` (FlowGRPO): steps ``0..K−1`` for every sample.
@@ -309,7 +324,7 @@ def select_steps(
         trained[:] = stochastic
         return StepSelection(stochastic=stochastic, trained=trained, window_start=start)
 
-    k = num_trained_steps(num_steps, timestep_fraction)
+    k = num_trained_steps(num_steps, timestep_fraction, fraction_of)
     if selection == "first":
         trained[:, :k] = True
     else:
@@ -333,6 +348,7 @@ def select_steps_for(
         cfg.num_steps,
         batch_size,
         timestep_fraction=cfg.timestep_fraction,
+        fraction_of=cfg.timestep_fraction_of,
         selection=cfg.timestep_selection,
         sde_window=cfg.sde_window,
         sde_window_max_start=cfg.sde_window_max_start,

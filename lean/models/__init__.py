@@ -35,7 +35,7 @@ from lean.registry import Registry
 if TYPE_CHECKING:
     from lean.config import ModelConfig
 
-__all__ = ["FAMILIES", "Policy", "PromptEmbeds", "build_policy", "count_parameters", "family_module"]
+__all__ = ["FAMILIES", "LORA_INITS", "Policy", "PromptEmbeds", "build_policy", "count_parameters", "family_module"]
 
 FAMILIES: Registry[str] = Registry(
     "model family",
@@ -43,6 +43,13 @@ FAMILIES: Registry[str] = Registry(
         ("flux", "lean.models.flux"),  # the default
         ("wan", "lean.models.wan"),
         ("sd3", "lean.models.sd3"),
+    ],
+)
+LORA_INITS: Registry[str | bool] = Registry(
+    "LoRA initialisation",
+    [  # name -> peft's init_lora_weights
+        ("kaiming", True),  # A kaiming-uniform, B = 0 (peft's default; DanceGRPO)
+        ("gaussian", "gaussian"),  # A ~ N(0, 1/r), B = 0 (FlowGRPO's scripts)
     ],
 )
 INIT_SEED = 20240601  # every process draws the same random weights
@@ -182,7 +189,8 @@ def build_policy(
             r=model_cfg.lora_rank,
             lora_alpha=model_cfg.lora_alpha,
             lora_dropout=0.0,
-            target_modules=spec.lora_targets(model_cfg.lora_ffn),
+            init_lora_weights=LORA_INITS[model_cfg.lora_init],
+            target_modules=model_cfg.lora_targets or spec.lora_targets(model_cfg.lora_ffn),
         )
         with _seeded(INIT_SEED - 1, transformer.device):  # LoRA A is drawn at random (B = 0)
             transformer = get_peft_model(transformer, lora, autocast_adapter_dtype=False)

@@ -160,6 +160,7 @@ class Policy(torch.nn.Module):
         uncond_grad: bool = False,
         guidance_embed: float | None = None,
         joint_cfg: bool = False,
+        truncate_timestep: bool = False,
     ) -> Tensor:
         """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
 
@@ -168,10 +169,14 @@ class Policy(torch.nn.Module):
         detached: then v_u runs as its own no-grad forward, which keeps half the batch out of the graph (no saved
         activations, no backward through it) at the same forward FLOPs. Both give the same numbers up to rounding;
         ``joint_cfg`` keeps the one batch anyway (v_u detached after it), so that a recomputed forward rounds exactly
-        as the no-grad rollout's did.
+        as the no-grad rollout's did. ``truncate_timestep``: the network sees floor(1000 sigma) / 1000, computed in
+        float32 as DanceGRPO does.
         """
+        sigma = torch.as_tensor(sigma, device=x.device)
+        if truncate_timestep:
+            sigma = torch.floor(sigma.float() * 1000) / 1000
         # sigma in the step's compute dtype: rounding it to bfloat16 would move the timestep (913.35 -> 916)
-        sigma = torch.as_tensor(sigma, device=x.device).to(compute_dtype(x)).expand(x.shape[0])
+        sigma = sigma.to(compute_dtype(x)).expand(x.shape[0])
         if not cfg:
             return self._forward(x, sigma, emb, guidance_embed)
         uncond = self.encode_prompts([""]).expand(x.shape[0])

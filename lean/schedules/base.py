@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lean.loss import kl_step_weights
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
 from lean.sde import StepSelection
@@ -61,14 +62,32 @@ class IterationContext:
         return self.cfg.train.beta
 
     @functools.cached_property
+    def kl_weights(self) -> torch.Tensor:
+        """w_j of every step [num_steps] on the device: the KL term's factor of ``train.kl_form`` (lean.loss)."""
+        return kl_step_weights(self.sigmas, self.cfg.sample.sde_kind, self.cfg.train.kl_form)
+
+    @functools.cached_property
     def trained_on_device(self) -> torch.Tensor:
         """``steps.trained`` [B, num_steps] on the compute device, for the loss weights (one copy per iteration)."""
         return self.steps.trained.to(self.sigmas.device)
 
-    def term_weights(self, rows: slice, i: int, samples_per_update: int) -> torch.Tensor:
-        """Weight of each (sample, step i) loss term in the objective: 1/(N K) if step i is trained for it, else 0."""
+    def term_weights(
+        self, rows: slice, i: int, samples_per_update: int | torch.Tensor, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Weight of each (sample, step i) loss term in the objective: 1/(N K) if step i is trained for it (and the
+        sample is ``kept`` [B], when given), else 0."""
         trained = self.trained_on_device[rows, i].to(self.sigmas.dtype)
+        if kept is not None:
+            trained = trained * kept[rows].to(trained.dtype)
         return trained / (samples_per_update * self.steps_per_sample)
+
+    def kept_samples(self, advantages: torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
+        """(which local samples the update keeps [B] or None for all, how many): with ``train.skip_zero_advantage``
+        the samples whose advantage is 0 leave the update, and N counts the others (FlowGRPO's SD3/Wan scripts)."""
+        if not self.cfg.train.skip_zero_advantage:
+            return None, self.batch
+        kept = advantages != 0
+        return kept, kept.sum().clamp_min(1)  # on the device: no host read; an all-dropped batch weighs 0
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
         """The reference policy's transition mean at the step's x_i (None when the KL term is off)."""
@@ -131,6 +150,7 @@ class Schedule:
     exact_only_on_policy = False  # its update equals the objective's gradient only with one step per rollout
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
     backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
+    drops_kl_terms = True  # it can leave a sample's KL term out once the advantages are known (skip_zero_advantage)
 
     def __init__(self, ctx: IterationContext):
         self.ctx = ctx

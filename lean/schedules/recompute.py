@@ -53,6 +53,13 @@ class Terms:
     weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
 
 
+def _chunks(order: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``order`` split into ``count`` chunks as ``Tensor.chunk`` does, padded with empty ones: every process takes
+    the same number of optimizer steps (each syncs gradients), even when skip_zero_advantage left few samples."""
+    chunks = list(order.chunk(count)) if len(order) else []
+    return chunks + [order[:0]] * (count - len(chunks))
+
+
 class Recompute(Schedule):
     tracks_rollout_graphs = False
 
@@ -89,22 +96,26 @@ class Recompute(Schedule):
         like_rollout = ctx.cfg.train.recompute_batching == ROLLOUT_BATCHING
         losses: list[StepLoss] = []
         step_stats = {}
-        for update in self._batches_like_rollout() if like_rollout else self._shuffled_batches():
+        kept, n = ctx.kept_samples(advantages)
+        batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
+        for update in batches:
             for batch in update:
                 losses.append(self._backward(batch, advantages, joint_cfg=like_rollout))
             step_stats = optimizer_step()
         return {**loss_stats(losses, ctx.beta), **step_stats}
 
-    def _shuffled_batches(self) -> Iterator[list[Terms]]:
-        """FlowGRPO's update: per inner epoch the local samples shuffled and split into one chunk per optimizer step,
-        in micro-batches of train_batch_size; within one, the j-th trained step of every sample (ascending)."""
+    def _shuffled_batches(self, kept: torch.Tensor | None) -> Iterator[list[Terms]]:
+        """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) shuffled (unless
+        ``train.shuffle_update`` is off) and split into one chunk per optimizer step, in micro-batches of
+        train_batch_size; within one, the j-th trained step of every sample (ascending)."""
         ctx, t = self.ctx, self.ctx.cfg.train
         trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending (host)
         device = ctx.sigmas.device
+        samples = torch.arange(ctx.batch) if kept is None else torch.nonzero(kept.cpu()).flatten()
         for epoch in range(t.num_inner_epochs):
             gen = iteration_generator(t.seed, ctx.iteration, purpose=1 + epoch)
-            order = torch.randperm(ctx.batch, generator=gen)
-            for chunk in order.chunk(t.optimizer_steps_per_iteration):
+            order = samples[torch.randperm(len(samples), generator=gen)] if t.shuffle_update else samples
+            for chunk in _chunks(order, t.optimizer_steps_per_iteration):
                 update = []
                 for rows in chunk.split(t.train_batch_size):  # host-side sample ids; on the device below
                     on_device = rows.to(device)
@@ -117,7 +128,7 @@ class Recompute(Schedule):
                         update.append(Terms(on_device, steps.to(device), x, nxt, old, weight))
                 yield update
 
-    def _batches_like_rollout(self) -> Iterator[list[Terms]]:
+    def _batches_like_rollout(self, kept: torch.Tensor | None, n: int | torch.Tensor) -> Iterator[list[Terms]]:
         """One update whose forwards are the rollout's: every stored step in order, in the rollout's contiguous
         micro-batches (rows whose step is not trained weigh 0), so that on-policy the recomputed log-probs are the
         rollout's to the last bit where the kernels are deterministic."""
@@ -133,7 +144,7 @@ class Recompute(Schedule):
                         self.samples[i][rows],
                         self.next_samples[i][rows],
                         self.old_log_probs[i][rows],
-                        ctx.term_weights(rows, i, ctx.batch),
+                        ctx.term_weights(rows, i, n, kept),
                     )
                 )
         yield update
@@ -158,7 +169,14 @@ class Recompute(Schedule):
             with ctx.region("reference_forward"):
                 ref = reference_mean(ctx.policy, terms.x, terms.steps, emb, ctx.cfg.sample, ctx.sigmas, terms.next_x)
         loss = step_loss(
-            log_prob, terms.old_log_prob, advantages[terms.rows], t.clip_range, mean=mean, ref_mean=ref, std=std
+            log_prob,
+            terms.old_log_prob,
+            advantages[terms.rows],
+            t.clip_range,
+            mean=mean,
+            ref_mean=ref,
+            std=std,
+            kl_weight=ctx.kl_weights[terms.steps],
         )
         self.ratios[terms.rows, terms.steps] = loss.ratio.detach().double()
         with ctx.region("backward"):

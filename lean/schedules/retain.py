@@ -38,6 +38,7 @@ class Retain(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx = self.ctx
         total, losses = 0.0, []
+        kept, n = ctx.kept_samples(advantages)
         for step, ref in self.kept:
             loss = step_loss(
                 step.log_prob,
@@ -47,8 +48,9 @@ class Retain(Schedule):
                 mean=step.mean,
                 ref_mean=ref,
                 std=step.std,
+                kl_weight=ctx.kl_weights[step.index],
             )
-            weights = ctx.term_weights(step.rows, step.index, ctx.batch)
+            weights = ctx.term_weights(step.rows, step.index, n, kept)
             total = total + (weights * loss.total(ctx.beta)).sum()
             losses.append(loss)
         self.kept.clear()  # the graphs die with the backward

@@ -54,6 +54,7 @@ PROVISIONAL_ADVANTAGE = 1.0
 class Reweight(Schedule):
     exact_only_on_policy = True
     backward_in_rollout = True
+    drops_kl_terms = False  # the KL gradient is summed over trajectories during the rollout
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -90,6 +91,7 @@ class Reweight(Schedule):
             mean=step.mean,
             ref_mean=ref,
             std=step.std,
+            kl_weight=ctx.kl_weights[step.index],
         )
         if not ctx.steps.trained[step.rows, step.index].any():  # the host-side selection: no device read
             return  # DanceGRPO-style selection: another trajectory trains this step, this one does not
@@ -118,7 +120,13 @@ class Reweight(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         if self.per_sample is not None:
             self.per_sample.close()
-        grad = self.policy_buffers.combine(advantages.to(torch.float64) / self.provisional)
+        # The buffers hold each trajectory's gradient at weight 1/(N K) and the provisional advantage: rescale both.
+        # A dropped sample (skip_zero_advantage) has A = 0, and the others' N is the kept count.
+        kept, n = self.ctx.kept_samples(advantages)
+        coefficients = advantages.to(torch.float64) / self.provisional
+        if kept is not None:
+            coefficients = coefficients * (self.ctx.batch / n)
+        grad = self.policy_buffers.combine(coefficients)
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lean.advantage import group_advantages, group_stats
+from lean.advantage import group_stats, run_advantages
 from lean.config import RunConfig
 from lean.dtypes import dtype_name
 from lean.equivalence import compare, passes, tolerance
@@ -141,7 +141,7 @@ def run_rollout(cfg: RunConfig, perturb_std: float) -> tuple[dict[str, Tensor], 
 def run_advantage(cfg: RunConfig, trajectory: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict, list[dict]]:
     """The advantage stage: (tensors to persist, summary, one row per sample)."""
     rewards, groups = trajectory["rewards"], trajectory["groups"]
-    advantages = group_advantages(rewards, groups, global_std=cfg.train.global_std, clip=cfg.train.adv_clip_max)
+    advantages = run_advantages(rewards, groups, cfg.train)
     stats = group_stats(rewards, groups)
     summary = {
         "advantage_mean": advantages.mean().item(),
@@ -173,6 +173,7 @@ def replay_rollout(pipeline: IterationPipeline, schedule: str, trajectory: Mappi
         slice(0, len(samples)),
         [pipeline.cfg.train.prompts[p] for _, p, _ in samples],
         [],
+        None,
         StepSelection(stochastic=trajectory["stochastic"], trained=trajectory["trained"]),
     )
     ctx = pipeline.context(batch, pipeline.embed(batch))

@@ -1,0 +1,382 @@
+"""Each preset optimises its source's objective: one Recompute update on fixed tensors against the published formula.
+
+For every preset, lean's own update (``Recompute.finish`` through ``Policy.velocity``'s CFG, the SDE step's log-prob,
+the KL in ``train.kl_form``, ``run_advantages`` and the per-term weights) runs on a toy velocity field with one
+trainable tensor theta. The test then writes the published objective itself, from the formulas of the preset's
+source (cited per term below), on the same x_j, x_{j+1}, rewards and theta, and compares loss and gradient: to 1e-6 in
+float32 and 1e-12 in float64. The formulas are re-derived here, not imported from lean.
+
+Sources (yifan123/flow_grpo at 74db691, XueZeyue/DanceGRPO at 15cc71d):
+  F1  flow_grpo/diffusers_patch/sd3_sde_with_logprob.py  sde_step_with_logprob: the "sde" and "cps" steps, log-probs
+  F2  scripts/train_sd3.py, train_flux.py  compute_log_prob (CFG) and the loss: policy + beta kl, kl over std_dev_t^2
+  F3  scripts/train_wan2_1.py  the KL over (std_dev_t sqrt(-dt))^2; its SDE with std_dev_t linear in sigma
+  F4  flow_grpo/stat_tracking.py  PerPromptStatTracker: (r - mean) / (np.std + 1e-4), per prompt or global
+  F5  flow_grpo/rewards.py  jpeg_compressibility = -kB / 500
+  D1  fastvideo/train_grpo_flux.py  flux_step (the dance SDE); use_group advantages (torch std, + 1e-8); clipped loss
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lean.config import load_config
+from lean.models.policy import Policy
+from lean.models.text import PromptEmbeds
+from lean.presets import PRESETS
+from lean.rewards import REWARDS
+from lean.rollout import StepOutput
+from lean.schedules.base import IterationContext
+from lean.schedules.recompute import Recompute
+from lean.sde import StepSelection, sigma_schedule
+
+SHAPE = (2, 3, 4)  # per-sample latent
+GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])  # three prompts x three samples; the third scores a constant
+TOY_REWARDS = torch.tensor([0.61, 0.55, 0.58, 0.20, 0.31, 0.22, 0.50, 0.50, 0.50], dtype=torch.float64)
+# F2b: train_sd3.py:801-821, train_sd3_fast.py:806-826, train_wan2_1.py:846-869 drop the samples whose advantage is 0
+# before the update (train_flux.py does not); DanceGRPO does not. The constant is exact in binary: a mean with a
+# rounding residue would leave the published advantage at ~1e-12 instead of 0, and the sample in.
+DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan"}
+TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+class ToyPolicy(Policy):
+    """A velocity field with one trainable tensor theta and lean's own CFG code (``Policy.velocity``):
+    v_cond = theta * x + theta^2 * c, v_uncond = theta * x (both depend on theta, so a detached branch shows);
+    the reference (adapter off) uses theta_ref."""
+
+    def __init__(self, theta: torch.Tensor, theta_ref: torch.Tensor, c: torch.Tensor):
+        torch.nn.Module.__init__(self)
+        self.theta = torch.nn.Parameter(theta.clone())
+        self.theta_ref, self.c = theta_ref, c
+        self.dtype, self.device, self._use_reference = theta.dtype, theta.device, False
+
+    def encode_prompts(self, prompts):
+        """Token 1 for a prompt, 0 for the empty (unconditional) one."""
+        flags = torch.tensor([[[0.0 if p == "" else 1.0]] for p in prompts], dtype=self.dtype)
+        return PromptEmbeds(flags)
+
+    def trainable_parameters(self):
+        return [("theta", self.theta)]
+
+    @contextlib.contextmanager
+    def reference(self):
+        self._use_reference = True
+        try:
+            yield
+        finally:
+            self._use_reference = False
+
+    def _forward(self, x, sigma, emb, guidance_embed):
+        theta = self.theta_ref if self._use_reference else self.theta
+        cond = emb.tokens.reshape(-1, *([1] * (x.ndim - 1)))
+        return theta * x + cond * theta**2 * self.c
+
+
+# ---------------------------------------------------------------- the published formulas, written out
+
+
+def published_velocity(theta, x, c, cfg):
+    """F2: v = v_u + g (v_c - v_u) from one [uncond, cond] forward; D1 / FLUX: the conditional forward alone."""
+    v_cond = theta * x + theta**2 * c
+    if not cfg.cfg:
+        return v_cond
+    v_uncond = theta * x
+    if not cfg.uncond_grad:
+        v_uncond = v_uncond.detach()
+    return v_uncond + cfg.guidance_scale * (v_cond - v_uncond)
+
+
+def published_step(v, x, x_next, sigmas, j, cfg):
+    """(mean, log p, the std the source's KL divides by) of step j: F1 ("sde", "cps"), F3 (Wan), D1 (dance)."""
+    sigma, sigma_next = sigmas[j], sigmas[j + 1]
+    dt = sigma_next - sigma
+    eta = cfg.noise_level
+    dims = tuple(range(1, x.ndim))
+    if cfg.sde_kind in ("flow_grpo", "flow_grpo_linear"):
+        if cfg.sde_kind == "flow_grpo":  # F1: eta sqrt(sigma / (1 - sigma)), sigmas[1] in place of sigma = 1
+            scale = eta * torch.sqrt(sigma / (1 - (sigmas[1] if sigma == 1 else sigma)))
+        else:  # F3: eta (sigma_min + (sigma_max - sigma_min) sigma), sigma_max = sigmas[1], sigma_min = sigmas[-1]
+            scale = eta * (sigmas[-1] + (sigmas[1] - sigmas[-1]) * sigma)
+        mean = x * (1 + scale**2 / (2 * sigma) * dt) + v * (1 + scale**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = scale * torch.sqrt(-dt)
+        log_p = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+        return mean, log_p.mean(dim=dims), scale, std
+    if cfg.sde_kind == "cps":  # F1 "cps": the returned std_dev_t is the transition's own std
+        std = sigma_next * math.sin(eta * math.pi / 2)
+        mean = (x - sigma * v) * (1 - sigma_next) + (x + (1 - sigma) * v) * torch.sqrt(sigma_next**2 - std**2)
+        return mean, (-((x_next - mean) ** 2)).mean(dim=dims), std, std
+    # D1 flux_step(sde_solver=True)
+    x0 = x - sigma * v
+    score = -(x - x0 * (1 - sigma)) / sigma**2
+    mean = x + dt * v + (-0.5 * eta**2 * score) * dt
+    std = eta * torch.sqrt(-dt)
+    log_p = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return mean, log_p.mean(dim=dims), std, std
+
+
+def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, global_std: bool) -> np.ndarray:
+    """F4 (FlowGRPO): numpy's population std + 1e-4, per prompt or over the batch; D1 (DanceGRPO): torch's unbiased
+    std + 1e-8 per group."""
+    out = np.empty_like(rewards)
+    for g in np.unique(groups):
+        r = rewards[groups == g]
+        if preset.startswith("dancegrpo"):
+            out[groups == g] = (r - r.mean()) / (torch.tensor(r).std().item() + 1e-8)
+        else:
+            std = rewards.std() if global_std else r.std()
+            out[groups == g] = (r - r.mean()) / (std + 1e-4)
+    return out
+
+
+def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas, j, cfg, train, preset):
+    """F2 / D1: mean over the batch of max(-A r, -A clip(r)) (+ beta KL) with A clamped to +-adv_clip_max;
+    the KL's denominator is the source's (F2: std_dev_t^2 before sqrt(-dt); F3: the transition's variance). F2b: the
+    batch is the samples with A != 0 where the source filters."""
+    if preset in DROPS_ZERO_ADVANTAGE:
+        keep = advantages != 0
+        x, x_next, old_log_p, advantages, c = x[keep], x_next[keep], old_log_p[keep], advantages[keep], c
+    v = published_velocity(theta, x, c, cfg)
+    mean, log_p, scale, std = published_step(v, x, x_next, sigmas, j, cfg)
+    a = advantages.clamp(-train.adv_clip_max, train.adv_clip_max)
+    ratio = torch.exp(log_p - old_log_p)
+    policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - train.clip_range, 1 + train.clip_range)).mean()
+    if train.beta == 0:
+        return policy
+    with torch.no_grad():
+        mean_ref = published_step(published_velocity(theta_ref, x, c, cfg), x, x_next, sigmas, j, cfg)[0]
+    divisor = std if preset == "flowgrpo-wan" else scale  # F3 vs F2 (cps: both are the transition std)
+    kl = (((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * divisor.reshape(-1) ** 2)).mean()
+    return policy + train.beta * kl
+
+
+# ---------------------------------------------------------------- lean's update on the same tensors
+
+
+def fixed_inputs(dtype: torch.dtype, j: int, cfg, sigmas):
+    """theta (a policy a little off the rollout's), theta_ref, c, x_j, x_{j+1} sampled by the rollout's policy,
+    and its log-probs."""
+    g = torch.Generator().manual_seed(0)
+    n = len(GROUPS)
+    theta = (0.3 + 0.1 * torch.randn(SHAPE, generator=g)).to(dtype)
+    theta_ref = (theta + 0.05 * torch.randn(SHAPE, generator=g).to(dtype)).to(dtype)
+    theta_old = (theta + 2e-2 * torch.randn(SHAPE, generator=g).to(dtype)).to(dtype)  # off-policy: r != 1
+    c = torch.randn(SHAPE, generator=g).to(dtype)
+    x = torch.randn((n, *SHAPE), generator=g).to(dtype)
+    with torch.no_grad():
+        v_old = published_velocity(theta_old, x, c, cfg)
+        mean, _, _, std = published_step(v_old, x, x, sigmas, j, cfg)
+        x_next = mean + std.reshape(-1, *([1] * len(SHAPE))) * torch.randn((n, *SHAPE), generator=g).to(dtype)
+        old_log_p = published_step(v_old, x, x_next, sigmas, j, cfg)[1]
+    return theta, theta_ref, c, x, x_next, old_log_p
+
+
+def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
+    """One on-the-books Recompute update of step j for every sample: (loss, theta's gradient)."""
+    n = x.shape[0]
+    trained = torch.zeros(n, cfg.sample.num_steps, dtype=torch.bool)
+    trained[:, j] = True
+    steps = StepSelection(stochastic=torch.ones(cfg.sample.num_steps, dtype=torch.bool), trained=trained)
+    ctx = IterationContext(policy, cfg, sigmas, policy.encode_prompts(["p"] * n), steps)
+    schedule = Recompute(ctx)
+    schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, None, None))
+    from lean.advantage import run_advantages
+
+    advantages = run_advantages(rewards, GROUPS, cfg.train).to(x.dtype)
+    stats = schedule.finish(advantages, lambda: {})
+    loss = stats["policy_loss"] + cfg.train.beta * stats.get("kl", 0.0)
+    return loss, policy.theta.grad
+
+
+def preset_config(preset: str, dtype: torch.dtype):
+    """The preset's sampler and loss; one update over the toy batch (the update's split does not change the
+    objective of one step), and a KL weight where the source has a KL at all."""
+    cfg = load_config(preset=preset)
+    beta = cfg.train.beta or (0.0 if preset.startswith("dancegrpo") else 0.04)  # DanceGRPO has no KL term
+    train = dataclasses.replace(
+        cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1, beta=beta
+    )
+    model = dataclasses.replace(cfg.model, dtype="float64" if dtype == torch.float64 else "float32")
+    return dataclasses.replace(cfg, train=train, model=model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("j", [0, 2])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_recompute_update_equals_published_objective(preset, j, dtype):
+    cfg = preset_config(preset, dtype)
+    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(dtype)
+    theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(dtype, j, cfg.sample, sigmas)
+    rewards = TOY_REWARDS
+
+    lean_loss, lean_grad = lean_update(ToyPolicy(theta, theta_ref, c), cfg, sigmas, x, x_next, old_log_p, rewards, j)
+
+    advantages = published_advantages(rewards.numpy(), GROUPS.numpy(), preset, cfg.train.global_std)
+    theta_pub = theta.clone().requires_grad_(True)
+    loss = published_loss(
+        theta_pub,
+        theta_ref,
+        c,
+        x,
+        x_next,
+        old_log_p,
+        torch.tensor(advantages, dtype=dtype),
+        sigmas,
+        j,
+        cfg.sample,
+        cfg.train,
+        preset,
+    )
+    loss.backward()
+    tol = TOLERANCE[dtype]
+    assert abs(lean_loss - loss.item()) <= tol * max(1.0, abs(loss.item()))
+    torch.testing.assert_close(lean_grad, theta_pub.grad, rtol=tol, atol=tol * float(theta_pub.grad.abs().max()))
+
+
+def test_the_fixture_exercises_each_term():
+    """The check above can fail: the clip binds for some sample, the KL and the detached branch move the gradient."""
+    cfg = preset_config("flowgrpo-sd3", torch.float64)
+    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).double()
+    theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(torch.float64, 2, cfg.sample, sigmas)
+    adv = torch.tensor(published_advantages(TOY_REWARDS.numpy(), GROUPS.numpy(), "", True))
+
+    def grad(sample, train):
+        t = theta.clone().requires_grad_(True)
+        published_loss(t, theta_ref, c, x, x_next, old_log_p, adv, sigmas, 2, sample, train, "flowgrpo-sd3").backward()
+        return t.grad
+
+    base = grad(cfg.sample, cfg.train)
+    assert not torch.allclose(base, grad(dataclasses.replace(cfg.sample, uncond_grad=False), cfg.train))
+    assert not torch.allclose(base, grad(cfg.sample, dataclasses.replace(cfg.train, beta=0.0)))
+    assert (adv == 0).sum() == 3  # the constant group: dropped where the source drops it
+    v_old_ratio = torch.exp(
+        published_step(published_velocity(theta, x, c, cfg.sample), x, x_next, sigmas, 2, cfg.sample)[1] - old_log_p
+    )
+    assert ((v_old_ratio - 1).abs() > cfg.train.clip_range).any()  # some terms are clipped
+
+
+def test_kl_forms_differ_by_the_step_size():
+    """train.kl_form: flow_grpo divides by the noise scale s^2, exact by the transition variance s^2 |dt|."""
+    from lean.loss import kl_step_weights
+
+    sigmas = sigma_schedule(10, 3.0, "euler")
+    w = kl_step_weights(sigmas, "flow_grpo", "flow_grpo")
+    torch.testing.assert_close(w, sigmas[:-1] - sigmas[1:])
+    assert (w < 0.3).all() and (w > 0).all()  # FlowGRPO's KL is 4x to 25x smaller per step than the exact one
+    torch.testing.assert_close(kl_step_weights(sigmas, "flow_grpo", "exact"), torch.ones(10, dtype=torch.float64))
+    torch.testing.assert_close(kl_step_weights(sigmas, "cps", "flow_grpo"), torch.ones(10, dtype=torch.float64))
+
+
+def test_jpeg_compressibility_is_flow_grpos():
+    """F5: -(size in kB of the quality-95 JPEG of the uint8 image) / 500."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand((2, 3, 32, 32), generator=g)
+    expected = []
+    for image in images:
+        array = (image * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+        expected.append(-buffer.tell() / 1000 / 500)
+    torch.testing.assert_close(
+        REWARDS["jpeg_compressibility"](images, ["", ""]), torch.tensor(expected, dtype=torch.float64)
+    )
+
+
+# The published LoRA target lists (peft matches a name that equals a target or ends with "." + target).
+PUBLISHED_TARGETS = {
+    "flowgrpo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 attn.to_q "
+    "attn.to_v",  # train_sd3.py:419-428
+    "flowgrpo-fast": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # train_sd3_fast.py:424-433
+    "flowgrpo-flux": "attn.to_k attn.to_q attn.to_v attn.to_out.0 attn.add_k_proj attn.add_q_proj attn.add_v_proj "
+    "attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # train_flux.py:411-424
+    "flowgrpo-wan": "add_k_proj add_q_proj add_v_proj to_add_out to_k to_out.0 to_q to_v",  # train_wan2_1.py:451-460
+    "dancegrpo-flux": "to_k to_q to_v to_out.0",  # DanceGRPO train_grpo_flux_lora.py:663
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_lora_adapts_the_published_modules(preset):
+    """Each preset's adapter sits on exactly the linear layers its source's target list names (tiny model), and
+    starts as its source's does (FlowGRPO: gaussian A; DanceGRPO: peft's default)."""
+    from lean.models import build_policy
+
+    cfg = load_config(preset=preset)
+    model = dataclasses.replace(cfg.model, size="tiny", resolution=32, num_frames=5, dtype="float32", text_max_length=8)
+    policy = build_policy(model, ["a prompt"])
+    adapted = {
+        n.removesuffix(".lora_A.default") for n, _ in policy.transformer.named_modules() if n.endswith("lora_A.default")
+    }
+    targets = PUBLISHED_TARGETS[preset].split()
+    base = policy.transformer.get_base_model()  # peft keeps an adapted Linear as <name>.base_layer
+    linear = [n.removesuffix(".base_layer") for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+    published = {f"base_model.model.{n}" for n in linear if any(n == t or n.endswith("." + t) for t in targets)}
+    assert adapted == published
+    a = next(m.weight for n, m in policy.transformer.named_modules() if n.endswith("lora_A.default"))
+    gaussian = abs(a.std().item() - 1 / cfg.model.lora_rank) < 0.5 / cfg.model.lora_rank  # peft: N(0, 1/r)
+    assert gaussian == (cfg.model.lora_init == "gaussian")
+
+
+def test_trained_step_count_of_each_source():
+    """FlowGRPO: int(N x fraction) (train_sd3.py:345); DanceGRPO: int((N - 1) x fraction) of the N - 1 kept steps
+    (train_grpo_flux_lora.py:514 after the slice at :456)."""
+    from lean.sde import num_trained_steps
+
+    assert num_trained_steps(10, 0.99, "all") == 9 and num_trained_steps(6, 0.99, "all") == 5
+    assert num_trained_steps(12, 0.6, "trainable") == 6 and num_trained_steps(12, 0.6, "all") == 7
+    assert num_trained_steps(16, 0.6, "trainable") == 9
+
+
+def test_truncated_timestep_reaches_the_model_only():
+    """DanceGRPO feeds int(1000 sigma) / 1000 to the transformer (train_grpo_flux_lora.py:169)."""
+    seen = []
+
+    class Recording(ToyPolicy):
+        def _forward(self, x, sigma, emb, guidance_embed):
+            seen.append(sigma)
+            return super()._forward(x, sigma, emb, guidance_embed)
+
+    theta = torch.ones(SHAPE)
+    policy = Recording(theta, theta, theta)
+    x, emb = torch.zeros((2, *SHAPE)), policy.encode_prompts(["p", "p"])
+    sigma = torch.tensor(0.91835, dtype=torch.float32)
+    policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, truncate_timestep=True)
+    policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+    assert seen[0][0].item() == pytest.approx(0.918, abs=1e-7) and seen[1][0].item() == sigma.item()
+
+
+@pytest.mark.timeout(120)
+def test_dance_rollout_shares_x0_and_decodes_the_prediction():
+    """sample.init_same_noise: every sample of a group starts from one x_0 (groups differ), the SDE noise still
+    differs; reward.decode=x0_prediction hands the decoder x_{N-1} - sigma_{N-1} v (train_grpo_flux_lora.py:192)."""
+    from helpers import tiny
+
+    from lean.equivalence import StepRecorder
+    from lean.schedules import SCHEDULES
+    from lean.train import Trainer
+
+    cfg = tiny("sample.init_same_noise=true", "reward.decode=x0_prediction", "sample.cfg=false")
+    pipeline = Trainer(cfg).pipeline
+    recorder = StepRecorder()
+    rolled = pipeline.roll_out(0, SCHEDULES["recompute"], on_step=recorder)
+    first = [s for s in recorder.steps if s.index == 0][0].sample
+    groups = rolled.batch.group_ids()[rolled.batch.local]
+    assert torch.equal(first[0], first[1]) and groups[0] == groups[1]
+    assert not torch.equal(first[0], first[2]) and groups[0] != groups[2]
+    after = [s for s in recorder.steps if s.index == 0][0].next_sample
+    assert not torch.equal(after[0], after[1])  # the SDE noise is each sample's own
+    last = cfg.sample.num_steps - 1
+    x = [s for s in recorder.steps if s.index == last][0].sample
+    with torch.no_grad():
+        v = pipeline.policy.velocity(
+            x, pipeline.sigmas[last], rolled.ctx.emb, cfg=False, guidance_scale=1.0, guidance_embed=None
+        )
+    torch.testing.assert_close(rolled.final, (x - pipeline.sigmas[last] * v).to(x.dtype))
