@@ -160,8 +160,11 @@ class SampleConfig:
 
     num_steps: int = 10
     """Sampling steps per trajectory (FlowGRPO trains with 10)."""
-    shift: float = 3.0
-    """Time shift of the sigma grid (FlowMatchEulerDiscreteScheduler's ``shift``)."""
+    shift: float | None = None
+    """Time shift of the sigma grid (FlowMatchEulerDiscreteScheduler's ``shift``, Wan's ``flow_shift``). None: from
+    ``model.pretrained``'s ``scheduler/scheduler_config.json``, else the family's published scheduler config; a
+    dynamically shifting one (FLUX.1) gives e^mu at the run's image token count (``lean.models.time_shift``). The run
+    logs the resolved value."""
     sigma_grid: str = sde.SIGMA_GRIDS.default
     """Sigma grid of a published pipeline: a name of ``lean.sde.SIGMA_GRIDS``."""
     sde_kind: str = sde.SDE_KINDS.default
@@ -196,7 +199,8 @@ class SampleConfig:
         check_positive("sample.num_steps", self.num_steps)
         if self.num_steps < 2:
             raise ConfigError("sample.num_steps", self.num_steps, "must be >= 2 (the last step is never trained)")
-        check_positive("sample.shift", self.shift)
+        if self.shift is not None:
+            check_positive("sample.shift", self.shift)
         check_choice("sample.sigma_grid", self.sigma_grid, sde.SIGMA_GRIDS)
         check_choice("sample.sde_kind", self.sde_kind, sde.SDE_KINDS)
         check_positive("sample.noise_level", self.noise_level)
@@ -320,6 +324,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     on_nonfinite: str = ON_NONFINITE[0]
     """What a non-finite reward, log-prob, loss or gradient does: abort | skip (undo the iteration)."""
+    threads: int | None = None
+    """Torch threads of each ``lean train`` process (``lean train --threads``); None: torch's default."""
 
     def validate(self) -> None:
         check_choice("train.schedule", self.schedule, SCHEDULE_CHOICES)
@@ -339,8 +345,9 @@ class TrainConfig:
             "adam_eps",
         ):
             check_positive(f"train.{key}", getattr(self, key))
-        if self.dist_timeout_s is not None:
-            check_positive("train.dist_timeout_s", self.dist_timeout_s)
+        for key in ("dist_timeout_s", "threads"):
+            if getattr(self, key) is not None:
+                check_positive(f"train.{key}", getattr(self, key))
         if self.group_size < 2:
             raise ConfigError(
                 "train.group_size", self.group_size, "must be >= 2 (advantages are relative to the group)"

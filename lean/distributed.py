@@ -41,6 +41,13 @@ class World:
             self.accelerator.wait_for_everyone()
 
 
+def set_threads(threads: int | None) -> None:
+    """Torch's intra-op threads for this process; None or 0: torch's default (left as it is). Tiny models are bound
+    by per-op overhead, and on a shared machine a thread that waits for a busy core makes every op slower."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
 CPU_TIMEOUT_S, GPU_TIMEOUT_S = 60.0, 1800.0  # gloo on a laptop vs NCCL, where checkpoints and loading take minutes
 
 

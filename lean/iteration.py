@@ -20,6 +20,7 @@ of the same prompt differ.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from lean.advantage import local_slice, run_advantages
 from lean.config import validate
 from lean.distributed import World
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer
-from lean.models import build_policy
+from lean.models import build_policy, time_shift
 from lean.models.precision import set_matmul_precision
 from lean.rewards import compute_rewards
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
@@ -127,12 +128,18 @@ class IterationResult:
 
 def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma
-    grid."""
+    grid. The pipeline's config is ``cfg`` with ``sample.shift`` resolved (``lean.models.time_shift``: the user's
+    value, the pretrained folder's scheduler config, or the family's published one); ``pipeline.shift_source`` says
+    which."""
     validate(cfg, world_size=world.size)
     set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
-    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(world.device)
-    return IterationPipeline(policy, cfg, sigmas, world)
+    shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
+    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
+    sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)
+    pipeline = IterationPipeline(policy, cfg, sigmas, world)
+    pipeline.shift_source = source
+    return pipeline
 
 
 class IterationPipeline:
@@ -140,6 +147,7 @@ class IterationPipeline:
 
     def __init__(self, policy: Policy, cfg: RunConfig, sigmas: Tensor, world: World | None = None):
         self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
+        self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
         self.world = world or World(device=policy.device)
 
     # ------------------------------------------------------------ phases

@@ -36,7 +36,7 @@ from torch import Tensor
 from lean.config import ModelConfig, SampleConfig
 from lean.data import make_dataset, vocabulary
 from lean.dtypes import dtype_name
-from lean.models import build_policy, family_module
+from lean.models import build_policy, family_module, time_shift
 from lean.rewards import compute_rewards
 from lean.rollout import rollout, sample_generator
 from lean.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
@@ -181,8 +181,13 @@ def sample_reward(
     reward_weights: dict[str, float],
     samples_per_prompt: int = 4,
     seed: int = 0,
+    pretrained: str | Path | None = None,
 ) -> float:
-    """Mean reward of ``samples_per_prompt`` images per prompt drawn with the GRPO sampler (SDE steps, CFG)."""
+    """Mean reward of ``samples_per_prompt`` images per prompt drawn with the GRPO sampler (SDE steps, CFG).
+    ``pretrained``: the folder ``policy`` was loaded from, whose scheduler config sets an unset ``sample_cfg.shift``
+    (``lean.models.time_shift``)."""
+    shift, _ = time_shift(policy.family, pretrained, sample_cfg.shift, policy.arch.image_seq_len)
+    sample_cfg = dataclasses.replace(sample_cfg, shift=shift)
     pairs = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt)]
     gens = [sample_generator(seed, 0, i, i, k) for i, k in pairs]  # one group per prompt
     steps = select_steps_for(
@@ -200,7 +205,7 @@ def sample_reward(
         gens,
         steps,
         sample_cfg,
-        sigma_schedule(sample_cfg.num_steps, sample_cfg.shift, sample_cfg.sigma_grid),
+        sigma_schedule(sample_cfg.num_steps, shift, sample_cfg.sigma_grid),
     )
     total, _ = compute_rewards(reward_weights, policy.decode(final), names)
     return total.mean().item()
@@ -254,6 +259,6 @@ def pretrain(
     if eval_prompts:
         loaded = build_policy(dataclasses.replace(base_cfg, pretrained=str(out)), eval_prompts)
         summary["reward_pretrained"] = sample_reward(
-            loaded, eval_prompts, sample_cfg or SampleConfig(), reward_weights or {"color_match": 1.0}
+            loaded, eval_prompts, sample_cfg or SampleConfig(), reward_weights or {"color_match": 1.0}, pretrained=out
         )
     return {"summary": summary, "vae_mse": vae_losses, "flow_loss": flow_losses}

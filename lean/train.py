@@ -7,6 +7,7 @@ batch, advantages are computed over all of them, and gradients are averaged once
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from tqdm.auto import tqdm
 
 from lean import checkpoint, tracking
 from lean.config import ConfigError, RunConfig
-from lean.distributed import World, init_world
+from lean.distributed import World, init_world, set_threads
 from lean.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.metrics import FlopTally, median
 from lean.optimizer import TrainState
@@ -34,7 +35,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, world: World | None = None):
         self.world = world or init_world(cfg.train.dist_timeout_s)
         self.pipeline = build_pipeline(cfg, self.world)
-        self.cfg, self.policy = cfg, self.pipeline.policy
+        self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
         self.state = TrainState(self.policy.trainable_parameters(), cfg.train, self.world)
 
     @property
@@ -90,7 +91,8 @@ def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
 
 def count_iteration_flops(trainer: Trainer, schedule: str, iteration: int = 0) -> dict[str, int]:
     """FLOPs of one iteration per region (rollout_forward, backward, recompute_forward, reference_forward, decode):
-    a full iteration under ``FlopCounterMode``, with the weights and optimizer restored afterwards."""
+    a full iteration under ``FlopCounterMode``, with the weights and optimizer restored afterwards (``lean train``
+    counts during its first iteration instead: :func:`train`)."""
     state = trainer.state.state_dict()
     tally = FlopTally()
     with tally.measuring():
@@ -112,8 +114,15 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
 
     ``resume`` continues from the newest complete checkpoint in ``out/checkpoints`` (bit-identical to a run that was
     never interrupted: every iteration's trajectories are a function of (seed, iteration) alone).
+
+    FLOPs per region are counted during the first iteration this process runs (``FlopCounterMode``; every iteration
+    does the same work, so the count is any iteration's). Counting slows that iteration down, so its row says
+    ``flops_counted: 1`` and the summary's ``time_*`` medians leave it out when other iterations were timed. Only
+    when no iteration completed (a resume with nothing left, every iteration skipped) is one more, undone,
+    iteration run to count.
     """
     t = cfg.train
+    set_threads(t.threads)
     trainer = Trainer(cfg)
     out_dir = Path(out or t.out)
     schedule, decision = resolve_schedule(trainer)
@@ -122,12 +131,11 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
         out_dir.mkdir(parents=True, exist_ok=True)
         print(
             f"lean train: {trainer.world.size} process(es) on {trainer.world.device}, schedule={schedule}, "
-            f"{cfg.model.family}/{cfg.model.size} {cfg.model.dtype}"
-            + (f", resuming at iteration {start}" if start else ""),
+            f"{describe_model(trainer)}" + (f", resuming at iteration {start}" if start else ""),
             flush=True,
         )
     run = tracking_run(trainer, out_dir, schedule, run_id)
-    last = None
+    last, flops = None, None
     bar = tqdm(
         range(start, t.iterations),
         desc=f"train[{schedule}]",
@@ -136,7 +144,10 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
         disable=not trainer.world.is_main,
     )
     for it in bar:
-        row, result = guarded_iteration(trainer, it, schedule)
+        tally = FlopTally() if flops is None else None
+        row, result = guarded_iteration(trainer, it, schedule, tally)
+        if tally is not None and result is not None:
+            flops, row["flops_counted"] = dict(tally.flops), 1
         last = result or last
         history.append(row)
         run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
@@ -148,7 +159,8 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
                 {"trainer": trainer.state.state_dict(), "history": history, "tracking_run_id": run.run_id},
                 keep=t.keep_checkpoints,
             )
-    flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
+    if flops is None:
+        flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
     latents = trainer.world.gather(last.final.contiguous()) if last is not None else None  # every rank's x_T
     if trainer.world.is_main:
         write_outputs(out_dir, trainer, history, flops, schedule, decision)
@@ -180,13 +192,19 @@ def tracking_run(trainer: Trainer, out_dir: Path, schedule: str, run_id: str | N
     return tracking.start_run(f"train[{schedule}]", schedule=schedule, params=trainer.cfg.to_dict(), spool=spool)
 
 
-def guarded_iteration(trainer: Trainer, it: int, schedule: str) -> tuple[dict, IterationResult | None]:
-    """One iteration with a progress bar over its sampling steps. A non-finite value aborts the run
-    (``train.on_nonfinite: abort``) or undoes the iteration (``skip``: weights and optimizer restored)."""
+def guarded_iteration(
+    trainer: Trainer, it: int, schedule: str, tally: FlopTally | None = None
+) -> tuple[dict, IterationResult | None]:
+    """One iteration with a progress bar over its sampling steps, its FLOPs counted into ``tally`` if given. A
+    non-finite value aborts the run (``train.on_nonfinite: abort``) or undoes the iteration (``skip``: weights and
+    optimizer restored)."""
     before = trainer.state.state_dict() if trainer.cfg.train.on_nonfinite == "skip" else None
     steps = tqdm(total=trainer.cfg.sample.num_steps, desc="rollout", leave=False, disable=not trainer.world.is_main)
+    if tally is not None:  # prompts (and CFG's empty one) are encoded once per run, not per iteration: cache them
+        trainer.policy.encode_prompts([*trainer.pipeline.local_batch(it).prompts, ""])  # outside the count
     try:
-        result = trainer.iteration(it, schedule, progress=lambda i: steps.update(1))
+        with tally.measuring() if tally is not None else contextlib.nullcontext():
+            result = trainer.iteration(it, schedule, tally=tally, progress=lambda i: steps.update(1))
         return result.metrics, result
     except NonFiniteError as err:
         if before is None:
@@ -197,6 +215,29 @@ def guarded_iteration(trainer: Trainer, it: int, schedule: str) -> tuple[dict, I
         return {"iteration": it, "schedule": schedule, "skipped": 1, "reward_mean": float("nan")}, None
     finally:
         steps.close()
+
+
+def describe_model(trainer: Trainer) -> str:
+    """What the run loaded: family/size and dtype, the pretrained folder (or random weights), the transformer's
+    parameters and how many are trained, and the sigma grid's shift with its source."""
+    m, policy = trainer.cfg.model, trainer.policy
+    total = sum(p.numel() for p in policy.transformer.parameters())  # with the LoRA layers, if any
+    trained = sum(p.numel() for _, p in policy.trainable_parameters())
+    how = "full fine-tune" if m.full_finetune else f"LoRA r{m.lora_rank}"
+    return (
+        f"{m.family}/{m.size} {m.dtype} "
+        + (f"from {m.pretrained}" if m.pretrained else "random weights")
+        + f" (transformer {short_count(total)} parameters, {short_count(trained)} trained: {how}), "
+        + f"shift {trainer.cfg.sample.shift:.6g} ({trainer.pipeline.shift_source})"
+    )
+
+
+def short_count(n: int) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def flops_of_one_iteration(trainer: Trainer, schedule: str, iteration: int) -> dict[str, int]:
@@ -212,6 +253,8 @@ def write_outputs(
 ) -> None:
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json."""
     keys = sorted({k for row in history for k in row if isinstance(row[k], (int, float))})
+    # the iteration that counted FLOPs ran slower; its times count only when no other iteration was timed
+    timed = [row for row in history if not row.get("flops_counted")] or history
     write_csv(out_dir / "metrics.csv", history, fields=keys)
     write_json(
         out_dir / "metrics.json",
@@ -224,7 +267,7 @@ def write_outputs(
             "flops_needed_per_iteration": needed_flops(flops),
             "flops_by_region": flops,
             "skipped_iterations": [row["iteration"] for row in history if row.get("skipped")],
-            **{k: median([row[k] for row in history if k in row]) for k in keys if k.startswith("time_")},
+            **{k: median([row[k] for row in timed if k in row]) for k in keys if k.startswith("time_")},
             "peak_memory_mb": max(
                 (row["peak_memory_mb"] for row in history if "peak_memory_mb" in row), default=float("nan")
             ),

@@ -11,11 +11,9 @@ from device_checks import META, DeviceCheck, DeviceMixing
 from helpers import tiny
 
 from lean.distributed import World
-from lean.iteration import IterationPipeline
-from lean.models import build_policy
+from lean.iteration import IterationPipeline, build_pipeline
 from lean.optimizer import TrainState
 from lean.schedules import SCHEDULES
-from lean.sde import sigma_schedule
 
 CASES = {  # guidance, KL, per-sample step selection (CFG); a video latent, an SDE window (no CFG)
     "flux": ["train.beta=0.04", "sample.timestep_selection=random", "sample.timestep_fraction=0.6"],
@@ -25,10 +23,9 @@ CASES = {  # guidance, KL, per-sample step selection (CFG); a video latent, an S
 
 def meta_pipeline(*overrides: str) -> tuple[IterationPipeline, TrainState]:
     cfg = tiny("reward.weights={jpeg_compressibility: 1.0}", *overrides)  # a reward computed from downloaded pixels
-    policy = build_policy(cfg.model, cfg.train.prompts, device=META)
     world = World(device=META)
-    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(META)
-    return IterationPipeline(policy, cfg, sigmas, world), TrainState(policy.trainable_parameters(), cfg.train, world)
+    pipeline = build_pipeline(cfg, world)
+    return pipeline, TrainState(pipeline.policy.trainable_parameters(), cfg.train, world)
 
 
 def test_the_check_catches_what_cuda_refuses():

@@ -212,7 +212,9 @@ def preset_config(preset: str, dtype: torch.dtype):
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_recompute_update_equals_published_objective(preset, j, dtype):
     cfg = preset_config(preset, dtype)
-    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).to(dtype)
+    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift or 3.0, cfg.sample.sigma_grid).to(
+        dtype
+    )  # null: the folder's (both sides share the grid)
     theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(dtype, j, cfg.sample, sigmas)
     rewards = TOY_REWARDS
 
@@ -243,7 +245,7 @@ def test_recompute_update_equals_published_objective(preset, j, dtype):
 def test_the_fixture_exercises_each_term():
     """The check above can fail: the clip binds for some sample, the KL and the detached branch move the gradient."""
     cfg = preset_config("flowgrpo-sd3", torch.float64)
-    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift, cfg.sample.sigma_grid).double()
+    sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift or 3.0, cfg.sample.sigma_grid).double()
     theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(torch.float64, 2, cfg.sample, sigmas)
     adv = torch.tensor(published_advantages(TOY_REWARDS.numpy(), GROUPS.numpy(), "", True))
 

@@ -140,8 +140,20 @@ def test_published_values(name):
 
 def test_flux_shift_is_the_pipelines_mu_at_512px():
     """FluxPipeline shifts by e^mu, mu linear in the image token count between FLUX.1-dev's scheduler settings
-    (256 tokens -> 0.5, 4096 -> 1.15): 512 px = 32 x 32 patches = 1024 tokens -> mu = 0.5 + 0.65 x 768/3840 = 0.63."""
-    assert load_config(None, [], preset="flowgrpo-flux").sample.shift == pytest.approx(math.exp(0.63), rel=1e-12)
+    (256 tokens -> 0.5, 4096 -> 1.15): 512 px = 32 x 32 patches = 1024 tokens -> mu = 0.5 + 0.65 x 768/3840 = 0.63.
+    The preset leaves the shift to the pipeline folder (or FLUX's published scheduler config)."""
+    from types import SimpleNamespace
+
+    from lean.models import family_module, time_shift
+    from lean.models.flux import Flux
+
+    cfg = load_config(None, [], preset="flowgrpo-flux")
+    assert cfg.sample.shift is None
+    full = family_module("flux").SIZES["full"]
+    arch = Flux(SimpleNamespace(**full["transformer"]), SimpleNamespace(**full["vae"]), cfg.model.resolution)
+    assert arch.image_seq_len == 1024
+    shift, source = time_shift("flux", cfg.model.pretrained, cfg.sample.shift, arch.image_seq_len)
+    assert shift == pytest.approx(math.exp(0.63), rel=1e-12) and "dynamic" in source
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -177,8 +189,9 @@ def test_trainer_uses_the_preset_sigma_grid(name):
     from lean.sde import sigma_schedule
     from lean.train import Trainer
 
-    s = tiny_preset(name).sample
     trainer = Trainer(tiny_preset(name))
+    s = trainer.cfg.sample  # sample.shift resolved
+    assert s.shift == pytest.approx(3.0 if name != "flowgrpo-flux" else math.exp(0.5 + 0.65 * (16 - 256) / 3840))
     expected = sigma_schedule(s.num_steps, s.shift, s.sigma_grid)
     assert torch.equal(trainer.pipeline.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
 

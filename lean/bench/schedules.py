@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, load_config, read_params
+from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
 from lean.plan import iteration_costs, prediction_table, probe
@@ -83,8 +84,7 @@ def bench_schedules(
     """Every registered schedule, measured interleaved on ``cfg`` (see the module docstring); writes
     ``out/schedules.json`` and returns it. Each measured iteration is appended to ``out/measured.jsonl`` as soon as it
     ends, so that a run stopped by a time limit keeps what it measured."""
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
+    set_threads(options.threads)
     trainer = trainer or Trainer(cfg)
     log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
     state = trainer.state.state_dict()

@@ -1,8 +1,10 @@
-"""Model families behind one :class:`Policy`: ``build_policy(model_cfg, prompts)`` and ``count_parameters``.
+"""Model families behind one :class:`Policy`: ``build_policy(model_cfg, prompts)``, ``count_parameters`` and
+``time_shift`` (the sigma grid's shift from a pretrained folder's scheduler config or the family's published one).
 
 A family is a module (``lean/models/<family>.py``) declaring ``SIZES`` (per-size configs of each component),
 ``COMPONENTS`` (folder -> library, model class, config class, as ``model_index.json`` names them), ``TOKENIZERS``,
-``PIPELINE``, ``DISPLAY_NAME``, ``lora_targets(ffn)``, optional capabilities (``GUIDANCE_EMBED``, ``FRAME_STEP``)
+``PIPELINE``, ``DISPLAY_NAME``, ``SCHEDULER`` (the published scheduler_config.json's shift settings),
+``lora_targets(ffn)``, optional capabilities (``GUIDANCE_EMBED``, ``FRAME_STEP``)
 and ``ARCH``, a runtime class implementing :class:`lean.models.policy.Family`. Family modules import no diffusers
 at import time (config validation reads their ``SIZES``); the classes are imported when a model is built.
 Adding a family is one new module plus one :data:`FAMILIES` line.
@@ -15,6 +17,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -35,7 +38,17 @@ from lean.registry import Registry
 if TYPE_CHECKING:
     from lean.config import ModelConfig
 
-__all__ = ["FAMILIES", "LORA_INITS", "Policy", "PromptEmbeds", "build_policy", "count_parameters", "family_module"]
+__all__ = [
+    "FAMILIES",
+    "LORA_INITS",
+    "Policy",
+    "PromptEmbeds",
+    "build_policy",
+    "count_parameters",
+    "family_module",
+    "scheduler_config",
+    "time_shift",
+]
 
 FAMILIES: Registry[str] = Registry(
     "model family",
@@ -53,6 +66,7 @@ LORA_INITS: Registry[str | bool] = Registry(
     ],
 )
 INIT_SEED = 20240601  # every process draws the same random weights
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"  # in a diffusers pipeline folder
 
 
 def family_module(family: str) -> ModuleType:
@@ -78,6 +92,46 @@ def meta_transformer(spec: ModuleType, size: str) -> torch.nn.Module:
 def count_parameters(family: str, size: str) -> int:
     """Parameters of the family's transformer at ``size``, counted on the meta device."""
     return sum(p.numel() for p in meta_transformer(family_module(family), size).parameters())
+
+
+def scheduler_config(family: str, pretrained: str | os.PathLike | None) -> tuple[dict, str]:
+    """The scheduler settings of a run and where they come from: ``<pretrained>/scheduler/scheduler_config.json``
+    when the folder has one, else the family's published ``SCHEDULER``."""
+    if pretrained is not None:
+        path = Path(pretrained) / SCHEDULER_CONFIG
+        if path.exists():
+            return json.loads(path.read_text()), str(path)
+    spec = family_module(family)
+    return dict(spec.SCHEDULER), f"{spec.DISPLAY_NAME}'s published scheduler config"
+
+
+def time_shift(
+    family: str, pretrained: str | os.PathLike | None, shift: float | None, image_seq_len: int
+) -> tuple[float, str]:
+    """The sigma grid's time shift and where it comes from. ``shift`` (``sample.shift``) wins when set; otherwise the
+    scheduler config of :func:`scheduler_config`, read as diffusers' pipelines read it:
+
+    * ``use_dynamic_shifting`` (FLUX.1; SD3 pipelines too when set): ``mu`` is linear in the image token count,
+      ``base_shift`` at ``base_image_seq_len`` tokens to ``max_shift`` at ``max_image_seq_len`` (FluxPipeline's
+      ``calculate_shift``, extrapolated beyond them as it is), and the shift is ``e^mu`` (``time_shift_type``
+      exponential, diffusers' default) or ``mu`` (linear);
+    * else ``flow_shift`` (Wan's UniPCMultistepScheduler), else ``shift`` (FlowMatchEulerDiscreteScheduler, whose
+      default is 1).
+    """
+    if shift is not None:
+        return float(shift), "sample.shift"
+    config, source = scheduler_config(family, pretrained)
+    if config.get("use_dynamic_shifting", False):
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        m = (max_shift - base_shift) / (max_len - base_len)
+        mu = image_seq_len * m + (base_shift - m * base_len)
+        kind = config.get("time_shift_type", "exponential")
+        if kind not in ("exponential", "linear"):
+            raise ValueError(f"{source}: time_shift_type={kind!r} is not supported (exponential, linear)")
+        value = math.exp(mu) if kind == "exponential" else mu
+        return value, f"{source}, dynamic: mu={mu:.4g} at {image_seq_len} image tokens"
+    return float(config.get("flow_shift", config.get("shift", 1.0))), source
 
 
 @contextmanager

@@ -26,6 +26,16 @@ COMPONENTS = {
 }
 GUIDANCE_EMBED = True  # FLUX.1-dev is guidance-distilled: it takes the guidance value as an embedding
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
+# FLUX.1-dev's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): FluxPipeline shifts by e^mu, mu
+# linear in the image token count (lean.models.time_shift); the static shift is unused
+SCHEDULER = {
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 
 _ATTN = (
     r"(single_)?transformer_blocks\.\d+\.attn\."
@@ -149,6 +159,11 @@ class Flux:
     @property
     def latent_shape(self) -> tuple[int, ...]:
         return ((self.h // 2) * (self.w // 2), self.channels * 4)
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens (FluxPipeline's ``latents.shape[1]``, what its dynamic shift depends on)."""
+        return (self.h // 2) * (self.w // 2)
 
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return pack(noise)

@@ -33,6 +33,7 @@ class Family(Protocol):
 
     noise_shape: tuple[int, ...]  # per-sample Gaussian draw, in the VAE latent layout
     latent_shape: tuple[int, ...]  # per-sample x as the transformer takes it
+    image_seq_len: int  # tokens the transformer sees per sample (a dynamically shifting scheduler's input)
 
     def noise_to_latents(self, noise: Tensor) -> Tensor: ...
 

@@ -33,6 +33,7 @@ COMPONENTS = {  # see lean/models/flux.py
     "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),  # T5 v1.1 XXL encoder
 }
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
+SCHEDULER = {"shift": 3.0}  # SD3.5-M's scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler, static shift
 
 # FlowGRPO's SD3 targets ("attn.to_q", ... matched as module-name suffixes) reach the joint attention `attn` of every
 # block, not the SD3.5 dual-attention `attn2`; the regex below selects exactly those modules.
@@ -158,6 +159,7 @@ class SD3:
                 f"resolution {resolution} gives a {self.h}x{self.h} latent; SD3 needs a multiple of "
                 f"{patch} with at most {max_patches} patches per side"
             )
+        self.patch = patch
         self.channels = vae_config.latent_channels
         self.scaling, self.shift = vae_config.scaling_factor, vae_config.shift_factor
 
@@ -166,6 +168,11 @@ class SD3:
         return (self.channels, self.h, self.w)
 
     latent_shape = noise_shape
+
+    @property
+    def image_seq_len(self) -> int:
+        """Image tokens (StableDiffusion3Pipeline's ``image_seq_len`` for a dynamically shifting scheduler)."""
+        return (self.h // self.patch) * (self.w // self.patch)
 
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return noise

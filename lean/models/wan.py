@@ -22,6 +22,8 @@ COMPONENTS = {  # see lean/models/flux.py
 }
 FRAME_STEP = 4  # the causal 3D VAE compresses time 4x: videos have 4k + 1 frames
 TOKENIZERS = {"text_encoder": "tokenizer"}
+# Wan2.1-T2V-1.3B-Diffusers' scheduler/scheduler_config.json: UniPCMultistepScheduler(use_flow_sigmas, flow_shift=3)
+SCHEDULER = {"flow_shift": 3.0}
 
 # Self-attention (attn1) and cross-attention (attn2; its to_k/to_v are the text-context projections; add_k/v_proj
 # exist only in the image-conditioned variants).
@@ -106,6 +108,7 @@ class Wan:
         if (num_frames - 1) % t:
             raise ValueError(f"num_frames={num_frames}: Wan's VAE needs {t}k + 1 frames")
         self.frames, self.h, self.w = (num_frames - 1) // t + 1, resolution // s, resolution // s
+        self.patch = tuple(transformer_config.patch_size)  # (t, h, w)
         self.channels = vae_config.z_dim
         self.mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1, 1)
@@ -115,6 +118,12 @@ class Wan:
         return (self.channels, self.frames, self.h, self.w)
 
     latent_shape = noise_shape
+
+    @property
+    def image_seq_len(self) -> int:
+        """Video tokens: the transformer's ``patch_size`` patches of ``[F', h, w]``."""
+        pt, ph, pw = self.patch
+        return (self.frames // pt) * (self.h // ph) * (self.w // pw)
 
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return noise

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from lean import tracking
 from lean.config import RunConfig, load_config, read_params
+from lean.distributed import set_threads
 
 
 def begin_stage(params: str | Path) -> dict:
@@ -18,9 +17,7 @@ def begin_stage(params: str | Path) -> dict:
     for a busy core makes every op slower, not faster (``workbench.threads``, 0: torch's default). Tracking:
     ``tracking.enabled`` unless ``LEAN_TRACKING`` is set in the environment, which wins."""
     tree = read_params(params)
-    threads = int((tree.get("workbench") or {}).get("threads", 0))
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(int((tree.get("workbench") or {}).get("threads", 0)))
     section = tree.get("tracking") or {}
     if "LEAN_TRACKING" not in os.environ:
         tracking.configure(enabled=bool(section.get("enabled", False)))
