@@ -265,8 +265,15 @@ class TrainConfig:
     beta: float = 0.0
     """KL weight against the reference policy (adapter off)."""
     ema: bool = False
+    """Keep an exponential moving average of the trained weights (written as ``lora_ema.safetensors``)."""
     ema_decay: float = 0.9
     ema_every: int = 8
+    """Update the EMA every N optimizer steps (FlowGRPO's ``update_step_interval``)."""
+    ema_warmup: bool = False
+    """FlowGRPO's EMA schedule (flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
+    ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
+    ``(s + 1) % ema_every == 0`` the decay is ``min((1 + s) / (10 + s), ema_decay)``. false: ``ema_decay`` after every
+    ``ema_every``-th step. See ``lean.optimizer.ema_decay``."""
     memory_budget_mb: float | None = None
     """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42

@@ -76,6 +76,7 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "train.beta": 0.04,
         "train.ema_decay": 0.9,
         "train.ema_every": 8,
+        "train.ema_warmup": True,
         "train.max_grad_norm": 1.0,
         "model.resolution": 512,
         "train.group_size": 24,
