@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from lean import models, sde
+from lean.data import read_prompts
 from lean.dtypes import DTYPES
 from lean.presets import PRESETS
 from lean.rewards import REWARDS
@@ -278,6 +279,11 @@ class TrainConfig:
     """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    """The prompt set; replaced by the file's prompts when ``prompts_file`` is set."""
+    prompts_file: str | None = None
+    """A prompt file read by ``lean.data.read_prompts`` into ``prompts`` when the config is validated: one prompt a
+    line (FlowGRPO's dataset/*/train.txt; blank lines skipped), or ``.jsonl`` with a ``prompt`` field per line
+    (FlowGRPO's GenEval *_metadata.jsonl)."""
     out: str = "outputs/train"
     dist_timeout_s: float | None = None
     """Every process-group operation fails after this instead of hanging; default 60 s on CPU (gloo), 30 minutes
@@ -320,6 +326,11 @@ class TrainConfig:
         check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
+        if self.prompts_file is not None:
+            try:
+                self.prompts = read_prompts(self.prompts_file)
+            except (OSError, ValueError) as err:
+                raise ConfigError("train.prompts_file", self.prompts_file, str(err)) from None
         if not self.prompts:
             raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
 
