@@ -24,6 +24,7 @@ import yaml
 
 from lean import models, sde
 from lean.advantage import STD_ESTIMATORS
+from lean.data import read_prompts
 from lean.dtypes import DTYPES
 from lean.loss import KL_FORMS
 from lean.presets import PRESETS
@@ -309,12 +310,24 @@ class TrainConfig:
     """The KL term: a name of ``lean.loss.KL_FORMS`` (exact: the KL of the two Gaussian steps; flow_grpo: FlowGRPO's
     SD3/FLUX scripts, which divide by the SDE's noise scale before its sqrt(-dt) factor)."""
     ema: bool = False
+    """Keep an exponential moving average of the trained weights (written as ``lora_ema.safetensors``)."""
     ema_decay: float = 0.9
     ema_every: int = 8
+    """Update the EMA every N optimizer steps (FlowGRPO's ``update_step_interval``)."""
+    ema_warmup: bool = False
+    """FlowGRPO's EMA schedule (flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
+    ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
+    ``(s + 1) % ema_every == 0`` the decay is ``min((1 + s) / (10 + s), ema_decay)``. false: ``ema_decay`` after every
+    ``ema_every``-th step. See ``lean.optimizer.ema_decay``."""
     memory_budget_mb: float | None = None
     """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    """The prompt set; replaced by the file's prompts when ``prompts_file`` is set."""
+    prompts_file: str | None = None
+    """A prompt file read by ``lean.data.read_prompts`` into ``prompts`` when the config is validated: one prompt a
+    line (FlowGRPO's dataset/*/train.txt; blank lines skipped), or ``.jsonl`` with a ``prompt`` field per line
+    (FlowGRPO's GenEval *_metadata.jsonl)."""
     out: str = "outputs/train"
     dist_timeout_s: float | None = None
     """Every process-group operation fails after this instead of hanging; default 60 s on CPU (gloo), 30 minutes
@@ -363,6 +376,11 @@ class TrainConfig:
         check_positive("train.adv_eps", self.adv_eps, strict=False)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
+        if self.prompts_file is not None:
+            try:
+                self.prompts = read_prompts(self.prompts_file)
+            except (OSError, ValueError) as err:
+                raise ConfigError("train.prompts_file", self.prompts_file, str(err)) from None
         if not self.prompts:
             raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
 

@@ -29,7 +29,8 @@ class TrainState:
             self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if t.ema else None
-        self.ema_decay, self.ema_every, self.max_grad_norm = t.ema_decay, t.ema_every, t.max_grad_norm
+        self.ema_decay, self.ema_every, self.ema_warmup = t.ema_decay, t.ema_every, t.ema_warmup
+        self.max_grad_norm = t.max_grad_norm
         self.world = world
         self.steps = 0
         self.iteration = 0  # for messages: the iteration whose update is being applied
@@ -52,11 +53,17 @@ class TrainState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        if self.ema is not None and self.steps % self.ema_every == 0:
+        decay = ema_decay(self.steps, self.ema_decay, self.ema_every, self.ema_warmup)
+        if self.ema is not None and decay is not None:
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
-                    e.lerp_(p, 1 - self.ema_decay)
+                    e.lerp_(p, 1 - decay)
         return {"grad_norm": float(norm)}  # a read, once per update, for the logs
+
+    def ema_state_dict(self) -> dict[str, Tensor] | None:
+        """A copy of the EMA weights keyed as the trainable parameters (``Policy.lora_state_dict``'s keys), or None
+        without ``train.ema``."""
+        return None if self.ema is None else {n: e.detach().clone() for n, e in zip(self.names, self.ema)}
 
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
@@ -79,6 +86,28 @@ class TrainState:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def ema_decay(step: int, decay: float, every: int, warmup: bool) -> float | None:
+    """The EMA decay applied after optimizer step ``step`` (counted from 1: the steps taken, this one included), or
+    None when the EMA is not updated after it.
+
+    * ``warmup`` false: ``decay`` after every ``every``-th step (steps every, 2 every, ...).
+    * ``warmup`` true: FlowGRPO's ``EMAModuleWrapper`` (line numbers of flow_grpo at ac4c86e: flow_grpo/ema.py:33-37
+      ``get_current_decay``, :45 the interval), which its scripts call as ``ema.step(params, global_step)`` after
+      ``global_step += 1`` (scripts/train_sd3.py:952-955): the decay ``min((1 + step) / (10 + step), decay)`` after
+      the steps where ``(step + 1) % every == 0``. With every=8 and decay=0.9: 8/17 after step 7, 16/25 after step
+      15, ..., 80/89 after step 79, 0.9 from step 87 on.
+
+    Not reproduced: FlowGRPO calls ``ema.step`` once per training micro-batch (scripts/train_sd3.py:954-955 sit in
+    the ``for i, sample`` loop), so each update is applied once per micro-batch of an optimizer step
+    (``gradient_accumulation_steps`` times: 2 in its SD3 recipes, 6 in FLUX's, 1 in Wan's); lean applies it once.
+    """
+    if not warmup:
+        return decay if step % every == 0 else None
+    if (step + 1) % every:
+        return None
+    return min((1 + step) / (10 + step), decay)
 
 
 @contextlib.contextmanager

@@ -251,7 +251,8 @@ def flops_of_one_iteration(trainer: Trainer, schedule: str, iteration: int) -> d
 def write_outputs(
     out_dir: Path, trainer: Trainer, history: list[dict], flops: dict, schedule: str, decision: dict
 ) -> None:
-    """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json."""
+    """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
+    ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors)."""
     keys = sorted({k for row in history for k in row if isinstance(row[k], (int, float))})
     # the iteration that counted FLOPs ran slower; its times count only when no other iteration was timed
     timed = [row for row in history if not row.get("flops_counted")] or history
@@ -275,6 +276,8 @@ def write_outputs(
         },
     )
     trainer.policy.save_lora(out_dir / "lora.safetensors")
+    if (ema := trainer.state.ema_state_dict()) is not None:
+        trainer.policy.save_lora(out_dir / "lora_ema.safetensors", ema)
     write_json(out_dir / "config.json", trainer.cfg.to_dict())
 
 

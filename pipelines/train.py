@@ -4,8 +4,8 @@ logs every iteration to MLflow when tracking is on).
     python -m pipelines.train --schedule retain --pretrained outputs/prepare/base [--params params.yaml]
         [--out outputs/train/retain]
 
-Writes OUT/metrics.json, OUT/metrics.csv (one row per iteration: the reward curve), OUT/lora.safetensors,
-OUT/rollout.safetensors and OUT/config.json.
+Writes OUT/metrics.json, OUT/metrics.csv (one row per iteration: the reward curve), OUT/lora.safetensors (with
+train.ema also OUT/lora_ema.safetensors), OUT/rollout.safetensors and OUT/config.json.
 """
 
 from __future__ import annotations

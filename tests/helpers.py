@@ -13,6 +13,16 @@ FAST = [
     "train.iterations=1",
 ]
 
+# The README's CPU run of a preset: tiny model, 2 prompts x 4, 64 px, 16 T5 tokens, 1 iteration.
+QUICK = [
+    "model.size=tiny",
+    "model.resolution=64",
+    "model.text_max_length=16",
+    "train.prompts_per_iteration=2",
+    "train.group_size=4",
+    "train.iterations=1",
+]
+
 
 def tiny(*overrides: str) -> RunConfig:
     """A fast run config: tiny model, 4 steps, 2 prompts x 2 samples."""

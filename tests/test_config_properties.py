@@ -53,6 +53,7 @@ KEYS = {
         "on_nonfinite",
         "save_every",
         "prompts",
+        "prompts_file",
         "dist_timeout_s",
     ],
     "reward": ["weights"],

@@ -8,21 +8,13 @@ import re
 
 import pytest
 import torch
+from helpers import QUICK
 
 from lean.config import ConfigError, load_config
 from lean.presets import PRESET_DIR
 from lean.presets import PRESETS as KNOWN_PRESETS
 
 PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan"]
-# The README's CPU run of a preset: tiny model, 2 prompts x 4, 64 px, 16 T5 tokens, 1 iteration.
-QUICK = [
-    "model.size=tiny",
-    "model.resolution=64",
-    "model.text_max_length=16",
-    "train.prompts_per_iteration=2",
-    "train.group_size=4",
-    "train.iterations=1",
-]
 
 
 def tiny_preset(name: str, *overrides: str):
@@ -76,6 +68,7 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "train.beta": 0.04,
         "train.ema_decay": 0.9,
         "train.ema_every": 8,
+        "train.ema_warmup": True,
         "train.max_grad_norm": 1.0,
         "model.resolution": 512,
         "train.group_size": 24,

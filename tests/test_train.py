@@ -35,6 +35,7 @@ def test_train_writes_metrics_and_lora(tmp_path, family):
     assert metrics["flops_by_region"]["recompute_forward"] > 0 and metrics["flops_by_region"]["backward"] > 0
     lora = load_file(tmp_path / "run" / "lora.safetensors")
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
+    assert not (tmp_path / "run" / "lora_ema.safetensors").exists()  # only with train.ema (tests/test_ema.py)
     assert (tmp_path / "run" / "metrics.csv").read_text().count("\n") == 3
 
 

@@ -242,10 +242,13 @@ class Policy(torch.nn.Module):
         for n, p in params.items():
             p.copy_(state[n])
 
-    def save_lora(self, path: str | Path) -> None:
-        save_file(
-            {n: t.contiguous() for n, t in self.lora_state_dict().items()}, str(path), metadata={"family": self.family}
-        )
+    def save_lora(self, path: str | Path, state: dict[str, Tensor] | None = None) -> None:
+        """The trainable parameters as safetensors; ``state`` (keyed as :meth:`lora_state_dict`, e.g. the EMA
+        weights) instead of the current ones."""
+        state = self.lora_state_dict() if state is None else state
+        if set(state) != {n for n, _ in self.trainable_parameters()}:
+            raise KeyError("save_lora: state must be keyed as the trainable parameters")
+        save_file({n: t.contiguous() for n, t in state.items()}, str(path), metadata={"family": self.family})
 
     def load_lora(self, path: str | Path) -> None:
         self.load_lora_state_dict(load_file(str(path), device=str(self.device)))

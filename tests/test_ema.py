@@ -1,0 +1,75 @@
+"""The EMA of the trained weights: FlowGRPO's warm-up schedule, lora_ema.safetensors, and resume keeping it."""
+
+import pytest
+import torch
+from helpers import tiny
+from safetensors.torch import load_file
+
+from lean import checkpoint
+from lean.config import TrainConfig
+from lean.distributed import World
+from lean.optimizer import TrainState, ema_decay
+from lean.train import Trainer, train
+
+
+def flowgrpo_decay(global_step: int, decay: float) -> float:
+    """flow_grpo/ema.py EMAModuleWrapper.get_current_decay, as published."""
+    return min((1 + global_step) / (10 + global_step), decay)
+
+
+def test_warmup_decay_sequence_is_flowgrpos():
+    for every in (1, 3, 8):
+        for s in range(1, 400):
+            # FlowGRPO: global_step += 1 after the optimizer step, then ema.step(params, global_step) updates when
+            # (global_step + 1) % update_step_interval == 0
+            expected = flowgrpo_decay(s, 0.9) if (s + 1) % every == 0 else None
+            assert ema_decay(s, 0.9, every, warmup=True) == expected, (every, s)
+            assert ema_decay(s, 0.9, every, warmup=False) == (0.9 if s % every == 0 else None), (every, s)
+    assert ema_decay(7, 0.9, 8, True) == 8 / 17 and ema_decay(79, 0.9, 8, True) == 80 / 89
+    assert ema_decay(87, 0.9, 8, True) == 0.9
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_train_state_follows_the_schedule(warmup):
+    """100 AdamW steps on two tensors: the EMA equals the lerps of the schedule recomputed here."""
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in ((4, 3), (5,))]
+    cfg = TrainConfig(ema=True, ema_decay=0.95, ema_every=3, ema_warmup=warmup, lr=1e-2)
+    state = TrainState(list(zip(["a", "b"], params)), cfg, World())
+    expected = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(0)
+    for s in range(1, 101):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        state.step()
+        fires = (s + 1) % 3 == 0 if warmup else s % 3 == 0
+        if fires:
+            d = min((1 + s) / (10 + s), 0.95) if warmup else 0.95
+            expected = [e + (1 - d) * (p.detach() - e) for e, p in zip(expected, params)]
+    for e, got, p in zip(expected, state.ema, params):
+        torch.testing.assert_close(got, e, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got, p)  # it lags the weights
+    assert set(state.ema_state_dict()) == {"a", "b"}
+
+
+EMA_RUN = ("train.ema=true", "train.ema_every=1", "train.ema_warmup=true", "train.lr=1e-2", "train.save_every=1")
+
+
+@pytest.mark.timeout(300)
+def test_lora_ema_is_written_and_resume_keeps_the_ema(tmp_path):
+    cfg = tiny(*EMA_RUN, "train.iterations=2")
+    train(cfg, out=str(tmp_path / "full"))
+    lora = load_file(tmp_path / "full" / "lora.safetensors")
+    ema = load_file(tmp_path / "full" / "lora_ema.safetensors")
+    assert ema.keys() == lora.keys()
+    assert all(ema[k].dtype == lora[k].dtype and ema[k].shape == lora[k].shape for k in lora)
+    assert any(not torch.equal(ema[k], lora[k]) for k in lora)  # decays 2/11 then 3/12: the EMA lags
+
+    saved = checkpoint.latest(tmp_path / "full" / "checkpoints")["trainer"]  # the state after the last iteration
+    names = Trainer(cfg).state.names
+    assert saved["optimizer_steps"] == 2
+    assert all(torch.equal(ema[n], e) for n, e in zip(names, saved["ema"], strict=True))
+
+    train(tiny(*EMA_RUN, "train.iterations=1"), out=str(tmp_path / "resumed"))  # stopped after iteration 0
+    train(cfg, out=str(tmp_path / "resumed"), resume=True)
+    resumed = load_file(tmp_path / "resumed" / "lora_ema.safetensors")
+    assert all(torch.equal(resumed[k], ema[k]) for k in ema)
