@@ -319,6 +319,10 @@ class TrainConfig:
     ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
     ``(s + 1) % ema_every == 0`` the decay is ``min((1 + s) / (10 + s), ema_decay)``. false: ``ema_decay`` after every
     ``ema_every``-th step. See ``lean.optimizer.ema_decay``."""
+    ema_repeats: int = 1
+    """Each EMA update is applied this many times (decay^r): FlowGRPO calls its EMA once per training micro-batch, so
+    an update repeats gradient_accumulation_steps times (scripts/train_sd3.py at 879042c: :959-960 in the micro-batch
+    loop)."""
     memory_budget_mb: float | None = None
     """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42
@@ -350,6 +354,7 @@ class TrainConfig:
             "optimizer_steps_per_iteration",
             "num_inner_epochs",
             "ema_every",
+            "ema_repeats",
             "keep_checkpoints",
             "lr",
             "clip_range",

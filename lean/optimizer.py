@@ -30,6 +30,7 @@ class TrainState:
         )
         self.ema = [p.detach().clone() for p in self.params] if t.ema else None
         self.ema_decay, self.ema_every, self.ema_warmup = t.ema_decay, t.ema_every, t.ema_warmup
+        self.ema_repeats = t.ema_repeats
         self.max_grad_norm = t.max_grad_norm
         self.world = world
         self.steps = 0
@@ -55,9 +56,9 @@ class TrainState:
         self.steps += 1
         decay = ema_decay(self.steps, self.ema_decay, self.ema_every, self.ema_warmup)
         if self.ema is not None and decay is not None:
-            with torch.no_grad():
+            with torch.no_grad():  # applied ema_repeats times to the same weights: e <- p + decay^r (e - p)
                 for e, p in zip(self.ema, self.params):
-                    e.lerp_(p, 1 - decay)
+                    e.lerp_(p, 1 - decay**self.ema_repeats)
         return {"grad_norm": float(norm)}  # a read, once per update, for the logs
 
     def ema_state_dict(self) -> dict[str, Tensor] | None:
@@ -99,9 +100,9 @@ def ema_decay(step: int, decay: float, every: int, warmup: bool) -> float | None
       the steps where ``(step + 1) % every == 0``. With every=8 and decay=0.9: 8/17 after step 7, 16/25 after step
       15, ..., 80/89 after step 79, 0.9 from step 87 on.
 
-    Not reproduced: FlowGRPO calls ``ema.step`` once per training micro-batch (scripts/train_sd3.py:954-955 sit in
-    the ``for i, sample`` loop), so each update is applied once per micro-batch of an optimizer step
-    (``gradient_accumulation_steps`` times: 2 in its SD3 recipes, 6 in FLUX's, 1 in Wan's); lean applies it once.
+    FlowGRPO calls ``ema.step`` once per training micro-batch (scripts/train_sd3.py:954-955 sit in the ``for i,
+    sample`` loop), so each update is applied ``gradient_accumulation_steps`` times to the same weights (2 in its SD3
+    recipes, 6 in FLUX's, 1 in Wan's): ``train.ema_repeats``, which :class:`TrainState` applies as the decay's power.
     """
     if not warmup:
         return decay if step % every == 0 else None

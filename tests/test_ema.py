@@ -29,11 +29,12 @@ def test_warmup_decay_sequence_is_flowgrpos():
     assert ema_decay(87, 0.9, 8, True) == 0.9
 
 
-@pytest.mark.parametrize("warmup", [True, False])
-def test_train_state_follows_the_schedule(warmup):
-    """100 AdamW steps on two tensors: the EMA equals the lerps of the schedule recomputed here."""
+@pytest.mark.parametrize("warmup,repeats", [(True, 1), (False, 1), (True, 2)])
+def test_train_state_follows_the_schedule(warmup, repeats):
+    """100 AdamW steps on two tensors: the EMA equals the lerps of the schedule recomputed here, each update applied
+    ``repeats`` times to the same weights (FlowGRPO: once per training micro-batch)."""
     params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in ((4, 3), (5,))]
-    cfg = TrainConfig(ema=True, ema_decay=0.95, ema_every=3, ema_warmup=warmup, lr=1e-2)
+    cfg = TrainConfig(ema=True, ema_decay=0.95, ema_every=3, ema_warmup=warmup, ema_repeats=repeats, lr=1e-2)
     state = TrainState(list(zip(["a", "b"], params)), cfg, World())
     expected = [p.detach().clone() for p in params]
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +45,8 @@ def test_train_state_follows_the_schedule(warmup):
         fires = (s + 1) % 3 == 0 if warmup else s % 3 == 0
         if fires:
             d = min((1 + s) / (10 + s), 0.95) if warmup else 0.95
-            expected = [e + (1 - d) * (p.detach() - e) for e, p in zip(expected, params)]
+            for _ in range(repeats):
+                expected = [e + (1 - d) * (p.detach() - e) for e, p in zip(expected, params)]
     for e, got, p in zip(expected, state.ema, params):
         torch.testing.assert_close(got, e, rtol=1e-6, atol=1e-6)
         assert not torch.equal(got, p)  # it lags the weights
