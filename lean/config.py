@@ -438,18 +438,18 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "is exact only on-policy (one optimizer step per rollout "
             f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
         )
+    if t.recompute_batching != RECOMPUTE_BATCHINGS[0] and off_policy:
+        raise ConfigError(
+            "train.recompute_batching",
+            t.recompute_batching,
+            f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
+        )
     if t.skip_zero_advantage and t.beta > 0 and (t.schedule == AUTO or not SCHEDULES[t.schedule].drops_kl_terms):
         raise ConfigError(
             "train.skip_zero_advantage",
             True,
             f"drops samples' KL terms after the rollout, which train.schedule={t.schedule} cannot (it sums them during "
             "the rollout); use train.schedule=recompute or retain, or train.beta=0",
-        )
-    if t.recompute_batching != RECOMPUTE_BATCHINGS[0] and off_policy:
-        raise ConfigError(
-            "train.recompute_batching",
-            t.recompute_batching,
-            f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
         )
     n = cfg.samples_per_iteration
     if n % world_size:
