@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.distributed import init_world
-from lean.dtypes import DTYPES
+from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.metrics import PeakMemory, SavedBytes, live_bytes_heap, median, rss_mb
 from lean.models import family_module, meta_transformer
@@ -198,7 +198,8 @@ def published_size(cfg: RunConfig) -> dict:
     """The configured transformer with its adapter, built on the meta device (no memory, no initialisation): its
     parameters, the MiB its weights take at ``model.dtype``, the trainable parameters P (LoRA factors, or all under
     full fine-tuning) and the MiB of their state: values, gradients and AdamW's two moments (torch keeps them in the
-    parameter's dtype), 4 P. Reweight adds (B + 1) P of buffers."""
+    parameter's dtype: float32 masters in half precision, :func:`lean.dtypes.master_dtype`), 4 P. Reweight adds
+    (B + 1) P of buffers."""
     from peft import LoraConfig, get_peft_model  # local: peft imports transformers (seconds)
 
     m = cfg.model
@@ -211,12 +212,12 @@ def published_size(cfg: RunConfig) -> dict:
             model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=spec.lora_targets(m.lora_ffn))
         )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    size = DTYPES[m.dtype].itemsize
+    dtype = DTYPES[m.dtype]
     return {
         "transformer_parameters": total,
-        "weight_mb": total * size / 2**20,
+        "weight_mb": total * dtype.itemsize / 2**20,
         "trainable_parameters": trainable,
-        "trainable_state_mb": 4 * trainable * size / 2**20,
+        "trainable_state_mb": 4 * trainable * master_dtype(dtype).itemsize / 2**20,
     }
 
 

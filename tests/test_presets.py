@@ -250,4 +250,5 @@ def test_plan_reports_the_published_size_without_building_it(name, published, tm
     itemsize = 4 if cfg.model.dtype == "float32" else 2
     assert report["weight_mb"] == pytest.approx(report["transformer_parameters"] * itemsize / 2**20)
     assert 0 < report["trainable_parameters"] < 0.03 * report["transformer_parameters"]  # LoRA
+    assert report["trainable_state_mb"] == pytest.approx(4 * report["trainable_parameters"] * 4 / 2**20)  # float32
     assert json.loads((tmp_path / "plan.json").read_text())["published_size"] == report

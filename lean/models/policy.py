@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lean.dtypes import HALF
+from lean.dtypes import HALF, master_dtype
 from lean.models.precision import float64_scope
 from lean.models.text import PromptEmbeds
 from lean.sde import compute_dtype
@@ -48,22 +48,29 @@ class Family(Protocol):
     def decode(self, vae, x: Tensor) -> Tensor: ...
 
 
-def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str, Tensor]]:
     """Every floating parameter and buffer to ``dtype``, except, in half precision, those a diffusers class lists in
     ``_keep_in_fp32_modules`` (Wan: RoPE tables, time embedding, modulation tables, norms), which stay float32 as
-    its ``from_pretrained`` keeps them: a name component matches. They are never rounded on the way."""
+    its ``from_pretrained`` keeps them: a name component matches. They are never rounded on the way. Trainable
+    parameters (``requires_grad``) are kept at :func:`lean.dtypes.master_dtype` (float32 in half precision); those
+    this makes wider than they compute in are returned as (module, name, master)."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or []) if dtype in HALF else set()
+    masters = []
     for module_name, module in model.named_modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is None or not tensor.is_floating_point():
                     continue
                 target = torch.float32 if keep & set(f"{module_name}.{name}".split(".")) else dtype
+                if tensor.requires_grad and master_dtype(target) != target:
+                    target = master_dtype(target)
+                    masters.append((module, name, tensor))
                 if tensor.dtype != target:
                     if isinstance(tensor, torch.nn.Parameter):
                         tensor.data = tensor.data.to(target)
                     else:
                         table[name] = tensor.to(target)
+    return masters
 
 
 class Policy(torch.nn.Module):
@@ -72,6 +79,12 @@ class Policy(torch.nn.Module):
     ``transformer`` is the peft-wrapped transformer (LoRA), or the bare one under full fine-tuning; then
     ``reference_transformer`` is a frozen copy of the initial weights (the only case that needs a second copy).
     Every part is cast to ``dtype`` on ``device`` here, which are then fixed for the policy's life.
+
+    Precision: the network computes in ``dtype``, but the trainable parameters (LoRA factors, or the whole trained
+    transformer), hence their gradients and the optimizer state, are float32 masters in half precision
+    (:func:`lean.dtypes.master_dtype`); each forward reads them cast to ``dtype`` (:meth:`_compute_weights`), so
+    gradients land on the masters in float32. The frozen base, the reference copy, VAE and text encoders are
+    ``dtype``. float32 and float64 runs have no masters: nothing is cast.
     """
 
     def __init__(
@@ -98,9 +111,10 @@ class Policy(torch.nn.Module):
         self._use_reference = False
         self.device, self.dtype = torch.device(device), dtype
         self.to(device=device).eval()
-        for part in (transformer, reference_transformer, vae, self.text_encoders):
+        for part in (reference_transformer, vae, self.text_encoders):
             if part is not None:
                 cast_floating(part, dtype)
+        self._masters = cast_floating(transformer, dtype)  # (module, name, float32 master) read at ``dtype``
 
     @property
     def full_finetune(self) -> bool:
@@ -147,8 +161,31 @@ class Policy(torch.nn.Module):
         return self.reference_transformer if self._use_reference else self.transformer
 
     def _forward(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
-        with float64_scope(self.dtype == torch.float64):
+        with float64_scope(self.dtype == torch.float64), self._compute_weights():
             return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
+
+    @contextmanager
+    def _compute_weights(self) -> Iterator[None]:
+        """Inside the block each float32 master reads as its cast to ``dtype`` (an autograd op: the gradient flows
+        back to the master and accumulates there in float32); swapped in ``_parameters`` under the same name, as
+        ``torch.func.functional_call`` does. Without masters (float32, float64) this does nothing.
+
+        Why not ``torch.autocast`` (FlowGRPO's Accelerate set-up): it also changes how the frozen network computes,
+        and differently per device: CUDA runs layer_norm, softmax, pow, rsqrt in float32 and CPU does not, so the
+        CPU certificate would not certify what a GPU runs; and it would compute the Linear layers diffusers keeps in
+        float32 (Wan's time embedder) in bfloat16. Casting the trainable weights alone keeps the forward exactly
+        the one a ``dtype`` model computes; peft then sees ``dtype`` LoRA weights and does not upcast the input.
+        """
+        if not self._masters or self._use_reference:
+            yield
+            return
+        for module, name, p in self._masters:
+            module._parameters[name] = p.to(self.dtype)
+        try:
+            yield
+        finally:
+            for module, name, p in self._masters:
+                module._parameters[name] = p
 
     def velocity(
         self,
@@ -243,8 +280,8 @@ class Policy(torch.nn.Module):
             p.copy_(state[n])
 
     def save_lora(self, path: str | Path, state: dict[str, Tensor] | None = None) -> None:
-        """The trainable parameters as safetensors; ``state`` (keyed as :meth:`lora_state_dict`, e.g. the EMA
-        weights) instead of the current ones."""
+        """The trainable parameters as safetensors, in their own dtype (float32 masters in half precision); ``state``
+        (keyed as :meth:`lora_state_dict`, e.g. the EMA weights) instead of the current ones."""
         state = self.lora_state_dict() if state is None else state
         if set(state) != {n for n, _ in self.trainable_parameters()}:
             raise KeyError("save_lora: state must be keyed as the trainable parameters")
