@@ -166,7 +166,13 @@ def test_lean_schedules_name_the_on_policy_change(name, schedule):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"train.schedule={schedule}"], preset=name)
     assert f"train.optimizer_steps_per_iteration={steps} (set 1)" in str(err.value)
-    load_config(None, [f"train.schedule={schedule}", "train.optimizer_steps_per_iteration=1"], preset=name)
+    on_policy = [f"train.schedule={schedule}", "train.optimizer_steps_per_iteration=1"]
+    cfg = load_config(None, [*on_policy, "train.skip_zero_advantage=false"], preset=name)
+    if schedule == "reweight" and cfg.train.beta > 0 and load_config(None, [], preset=name).train.skip_zero_advantage:
+        with pytest.raises(ConfigError, match="train.skip_zero_advantage"):  # Reweight sums the KL in the rollout
+            load_config(None, on_policy, preset=name)
+    else:
+        load_config(None, on_policy, preset=name)
 
 
 @pytest.mark.timeout(120)

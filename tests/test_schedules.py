@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MATRIX = {
     "flux-cfg": [],
-    "flux-kl": ["train.beta=0.04"],
+    "flux-kl": ["train.beta=0.04", "train.kl_form=flow_grpo"],  # FlowGRPO's form; the exact one: uncond-grad, wan
     "flux-nocfg": ["sample.cfg=false"],
     "flux-uncond-grad": ["sample.uncond_grad=true", "train.beta=0.04"],
     "flux-window-cps": ["sample.sde_window=2", "sample.sde_kind=cps", "sample.noise_level=0.8", "sample.num_steps=6"],
@@ -27,7 +27,6 @@ MATRIX = {
     ],
     "flux-guidance-embed": ["sample.cfg=false", "sample.guidance_embed=3.5"],
     "flux-adv-clip": ["train.adv_clip_max=0.5"],
-    "flux-kl-flow-grpo-form": ["train.beta=0.04", "train.kl_form=flow_grpo"],
     "flux-dance-recipe": [  # DanceGRPO's keys (#13): x0 decode, shared x_0, truncated timestep, its K and its std
         "sample.timestep_selection=random",
         "sample.timestep_fraction=0.6",

@@ -117,7 +117,7 @@ class Recompute(Schedule):
             order = samples[torch.randperm(len(samples), generator=gen)] if t.shuffle_update else samples
             for chunk in _chunks(order, t.optimizer_steps_per_iteration):
                 update = []
-                for rows in chunk.split(t.train_batch_size):  # host-side sample ids; on the device below
+                for rows in chunk.split(t.train_batch_size) if len(chunk) else ():  # host-side ids; device below
                     on_device = rows.to(device)
                     for j in range(ctx.steps_per_sample):
                         steps = torch.stack([trained_steps[int(b)][j] for b in rows])
