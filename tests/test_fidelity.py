@@ -6,13 +6,15 @@ trainable tensor theta. The test then writes the published objective itself, fro
 source (cited per term below), on the same x_j, x_{j+1}, rewards and theta, and compares loss and gradient: to 1e-6 in
 float32 and 1e-12 in float64. The formulas are re-derived here, not imported from lean.
 
-Sources (yifan123/flow_grpo at 74db691, XueZeyue/DanceGRPO at 15cc71d):
+Sources (yifan123/flow_grpo at 879042c, whose loss, KL and advantage code the indexed copy at 74db691 shares;
+XueZeyue/DanceGRPO at 15cc71d):
   F1  flow_grpo/diffusers_patch/sd3_sde_with_logprob.py  sde_step_with_logprob: the "sde" and "cps" steps, log-probs
   F2  scripts/train_sd3.py, train_flux.py  compute_log_prob (CFG) and the loss: policy + beta kl, kl over std_dev_t^2
   F3  scripts/train_wan2_1.py  the KL over (std_dev_t sqrt(-dt))^2; its SDE with std_dev_t linear in sigma
   F4  flow_grpo/stat_tracking.py  PerPromptStatTracker: (r - mean) / (np.std + 1e-4), per prompt or global
   F5  flow_grpo/rewards.py  jpeg_compressibility = -kB / 500
-  D1  fastvideo/train_grpo_flux.py  flux_step (the dance SDE); use_group advantages (torch std, + 1e-8); clipped loss
+  D1  fastvideo/train_grpo_flux_lora.py (as train_grpo_flux.py)  flux_step, the dance SDE (:69-108); use_group
+      advantages, torch's std + 1e-8 (:477-490); the clamped advantage and clipped loss (:533-547)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lean.advantage import run_advantages
 from lean.config import load_config
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
@@ -179,7 +182,7 @@ def fixed_inputs(dtype: torch.dtype, j: int, cfg, sigmas):
 
 
 def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
-    """One on-the-books Recompute update of step j for every sample: (loss, theta's gradient)."""
+    """One Recompute update that trains step j of every sample: (loss, theta's gradient)."""
     n = x.shape[0]
     trained = torch.zeros(n, cfg.sample.num_steps, dtype=torch.bool)
     trained[:, j] = True
@@ -187,8 +190,6 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
     ctx = IterationContext(policy, cfg, sigmas, policy.encode_prompts(["p"] * n), steps)
     schedule = Recompute(ctx)
     schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, None, None))
-    from lean.advantage import run_advantages
-
     advantages = run_advantages(rewards, GROUPS, cfg.train).to(x.dtype)
     stats = schedule.finish(advantages, lambda: {})
     loss = stats["policy_loss"] + cfg.train.beta * stats.get("kl", 0.0)
@@ -258,10 +259,9 @@ def test_the_fixture_exercises_each_term():
     assert not torch.allclose(base, grad(dataclasses.replace(cfg.sample, uncond_grad=False), cfg.train))
     assert not torch.allclose(base, grad(cfg.sample, dataclasses.replace(cfg.train, beta=0.0)))
     assert (adv == 0).sum() == 3  # the constant group: dropped where the source drops it
-    v_old_ratio = torch.exp(
-        published_step(published_velocity(theta, x, c, cfg.sample), x, x_next, sigmas, 2, cfg.sample)[1] - old_log_p
-    )
-    assert ((v_old_ratio - 1).abs() > cfg.train.clip_range).any()  # some terms are clipped
+    log_p = published_step(published_velocity(theta, x, c, cfg.sample), x, x_next, sigmas, 2, cfg.sample)[1]
+    ratio = torch.exp(log_p - old_log_p)
+    assert ((ratio - 1).abs() > cfg.train.clip_range).any()  # some terms are clipped
 
 
 def test_kl_forms_differ_by_the_step_size():
