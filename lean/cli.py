@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="GRPO training with the configured schedule")
     _add_run_options(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--force", action="store_true", help="with --resume: continue even if the config has changed")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (sets train.threads)")
     _add_run_options(sub.add_parser("plan", help="predicted peak memory and time per iteration of each schedule"))
     _add_run_options(
@@ -81,7 +82,8 @@ def _params(args) -> str | None:
 
 def _train(args) -> int:
     overrides = [*args.overrides, *([f"train.threads={args.threads}"] if args.threads is not None else [])]
-    train(load_config(_params(args), overrides, preset=args.preset), out=args.out, resume=args.resume)
+    cfg = load_config(_params(args), overrides, preset=args.preset)
+    train(cfg, out=args.out, resume=args.resume, force=args.force)
     return 0
 
 

@@ -142,13 +142,9 @@ class ModelConfig:
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
         if self.pretrained is not None:
-            folder = Path(self.pretrained)
-            if not (folder / "model_index.json").exists() and not (folder / "transformer" / "config.json").exists():
-                raise ConfigError(
-                    "model.pretrained",
-                    self.pretrained,
-                    "must be a local diffusers folder (with model_index.json or transformer/config.json)",
-                )
+            problem = models.pretrained_problem(self.family, self.pretrained)
+            if problem is not None:
+                raise ConfigError("model.pretrained", self.pretrained, problem)
 
     @property
     def torch_dtype(self):

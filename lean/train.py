@@ -109,11 +109,13 @@ def needed_flops(flops: dict[str, int]) -> int:
 # ---------------------------------------------------------------- lean train
 
 
-def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[dict]:
+def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: bool = False) -> list[dict]:
     """``lean train``: ``cfg.train.iterations`` iterations; metrics, LoRA weights and checkpoints under ``out``.
 
     ``resume`` continues from the newest complete checkpoint in ``out/checkpoints`` (bit-identical to a run that was
-    never interrupted: every iteration's trajectories are a function of (seed, iteration) alone).
+    never interrupted: every iteration's trajectories are a function of (seed, iteration) alone). A checkpoint
+    written under a config that differs in anything but :data:`RESUMABLE_CHANGES` is refused before any model is
+    built (a :class:`ConfigError` naming the keys), unless ``force``.
 
     FLOPs per region are counted during the first iteration this process runs (``FlopCounterMode``; every iteration
     does the same work, so the count is any iteration's). Counting slows that iteration down, so its row says
@@ -123,10 +125,13 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
     """
     t = cfg.train
     set_threads(t.threads)
-    trainer = Trainer(cfg)
     out_dir = Path(out or t.out)
+    saved = checkpoint.latest(out_dir / "checkpoints") if resume else None
+    if saved is not None and not force:
+        check_resumable(saved.get("config"), cfg, out_dir)
+    trainer = Trainer(cfg)
     schedule, decision = resolve_schedule(trainer)
-    start, history, run_id = resume_point(trainer, out_dir) if resume else (0, [], None)
+    start, history, run_id = resume_point(trainer, saved)
     if trainer.world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(
@@ -156,7 +161,12 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
             checkpoint.save(
                 out_dir / "checkpoints",
                 it,
-                {"trainer": trainer.state.state_dict(), "history": history, "tracking_run_id": run.run_id},
+                {
+                    "trainer": trainer.state.state_dict(),
+                    "history": history,
+                    "tracking_run_id": run.run_id,
+                    "config": cfg.to_dict(),  # as given (sample.shift unresolved): what --resume compares
+                },
                 keep=t.keep_checkpoints,
             )
     if flops is None:
@@ -172,9 +182,50 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False) -> list[
     return history
 
 
-def resume_point(trainer: Trainer, out_dir: Path) -> tuple[int, list[dict], str | None]:
-    """(first iteration to run, history so far, tracking run id) from the newest complete checkpoint."""
-    state = checkpoint.latest(out_dir / "checkpoints")
+RESUMABLE_CHANGES = frozenset(
+    {
+        "train.iterations",
+        "train.out",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.dist_timeout_s",
+        "train.threads",
+    }
+)  # the run's length, where it writes and how it runs; everything else changes what the resumed run computes
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> list[str]:
+    """``key: saved -> now`` for every dotted key (outside :data:`RESUMABLE_CHANGES`) whose value differs."""
+    now = cfg.to_dict()
+    changes = []
+    for section in sorted(set(saved) | set(now)):
+        before, after = saved.get(section) or {}, now.get(section) or {}
+        for key in sorted(set(before) | set(after)):
+            dotted = f"{section}.{key}"
+            if dotted not in RESUMABLE_CHANGES and before.get(key) != after.get(key):
+                changes.append(f"{dotted}: {_short(before.get(key))} -> {_short(after.get(key))}")
+    return changes
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resumable(saved: dict | None, cfg: RunConfig, out_dir: Path) -> None:
+    """Refuse to resume a checkpoint written under another config (checkpoints from before configs were saved pass)."""
+    changes = config_changes(saved, cfg) if saved is not None else []
+    if changes:
+        raise ConfigError(
+            "--resume",
+            str(out_dir),
+            f"the checkpoint was written with another config ({'; '.join(changes)}); resume with the same config, "
+            "or pass --force to continue with this one",
+        )
+
+
+def resume_point(trainer: Trainer, state: dict | None) -> tuple[int, list[dict], str | None]:
+    """(first iteration to run, history so far, tracking run id) from a checkpoint (nothing: a fresh start)."""
     if state is None:
         return 0, [], None
     trainer.state.load_state_dict(state["trainer"])

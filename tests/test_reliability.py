@@ -56,6 +56,12 @@ def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path):
     a, b = load_file(full / "lora.safetensors"), load_file(killed / "lora.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # A changed objective is refused before anything is built, naming the key; --force takes it.
+    changed = [*cmd, "--out", str(killed), "--resume", "--set", "train.lr=2e-4", "--set", "train.iterations=9"]
+    refused = subprocess.run(changed, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "train.lr: " in refused.stderr and "-> 0.0002" in refused.stderr
+    assert "train.iterations" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
 
 def test_corrupted_checkpoint_is_skipped(tmp_path):
     folder = tmp_path / "ckpt"
@@ -171,3 +177,40 @@ def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
         if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
     ]
     assert not leftover
+
+
+def test_resume_guard_names_what_changed_and_ignores_the_run_length():
+    from lean.config import load_config
+    from lean.train import config_changes
+
+    saved = load_config(None, ["train.lr=1e-4"]).to_dict()
+    longer = load_config(None, ["train.lr=1e-4", "train.iterations=50", "train.out=elsewhere", "train.threads=2"])
+    assert config_changes(saved, longer) == []
+    changed = load_config(None, ["train.lr=3e-4", "train.group_size=8"])
+    assert config_changes(saved, changed) == ["train.group_size: 4 -> 8", "train.lr: 0.0001 -> 0.0003"]
+
+
+def test_a_broken_pretrained_folder_is_one_config_error(tmp_path):
+    import json
+
+    from lean.config import ConfigError, load_config
+
+    def problem(folder):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"model.pretrained={folder}", "model.family=sd3"])
+        assert len(str(err.value).splitlines()) == 1 and "model.pretrained" in str(err.value)
+        return str(err.value)
+
+    assert "no model_index.json" in problem(tmp_path)
+    (tmp_path / "model_index.json").write_text("{not json")
+    assert "not readable JSON" in problem(tmp_path)
+    index = {"transformer": ["diffusers", "FluxTransformer2DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert "vae" in problem(tmp_path)  # components missing from the index
+    names = ["vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"]
+    index.update({n: ["diffusers", "X"] for n in names})
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert "FluxTransformer2DModel, not model.family=sd3's SD3Transformer2DModel" in problem(tmp_path)
+    index["transformer"] = ["diffusers", "SD3Transformer2DModel"]
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    assert "no transformer/config.json" in problem(tmp_path)

@@ -165,6 +165,35 @@ def _random_components(spec: ModuleType, size: str, tokenizer, device: torch.dev
     return modules
 
 
+def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
+    """What keeps ``folder`` from loading as a ``family`` pipeline (one line), or None. Reads only JSON: the checks
+    :func:`_load_components` relies on, made before any model is built."""
+    spec, folder = family_module(family), Path(folder)
+    if not folder.is_dir():
+        return "is not a folder (a local diffusers pipeline folder, as save_pretrained writes it)"
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except FileNotFoundError:
+        return "has no model_index.json: not a diffusers pipeline folder"
+    except (OSError, ValueError) as err:
+        return f"model_index.json is not readable JSON ({str(err).splitlines()[0]})"
+    needed = [*spec.COMPONENTS, *spec.TOKENIZERS.values()]
+    malformed = [n for n in needed if not (isinstance(index.get(n), list) and len(index[n]) == 2)]
+    if malformed:
+        return f"model_index.json has no [library, class] for {', '.join(malformed)} (a {spec.DISPLAY_NAME} pipeline)"
+    expected = spec.COMPONENTS["transformer"][1]
+    if index["transformer"][1] != expected:
+        return f"holds a {index['transformer'][1]}, not model.family={family}'s {expected}"
+    for name in spec.COMPONENTS:
+        try:
+            json.loads((folder / name / "config.json").read_text())
+        except FileNotFoundError:
+            return f"has no {name}/config.json"
+        except (OSError, ValueError) as err:
+            return f"{name}/config.json is not readable JSON ({str(err).splitlines()[0]})"
+    return None
+
+
 def _load_components(spec: ModuleType, folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
     """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``."""
     index = json.loads((folder / "model_index.json").read_text())
