@@ -92,6 +92,16 @@ def run_advantages(rewards: Tensor, group_ids: Tensor, t: TrainConfig) -> Tensor
     )
 
 
+def update_samples(advantages: Tensor, skip_zero: bool) -> tuple[Tensor | None, int | Tensor]:
+    """(which samples an update keeps [B], or None for all; how many, the N of its 1/(N K)): with ``skip_zero``
+    (``train.skip_zero_advantage``, FlowGRPO's SD3/Fast/Wan scripts) the samples whose advantage is 0 leave the
+    update. The count stays on the advantages' device (no host read); an all-dropped batch counts 1 and weighs 0."""
+    if not skip_zero:
+        return None, advantages.shape[0]
+    kept = advantages != 0
+    return kept, kept.sum().clamp_min(1)
+
+
 def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]:
     """For logging: ``group_ids`` [G] (sorted unique ids), per-group ``mean``, population ``std`` and ``size`` [G],
     and ``zero_std_fraction``, the share of groups whose rewards are all equal (they carry no GRPO signal)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lean.advantage import update_samples
 from lean.config import RunConfig
 from lean.dtypes import HALF, dtype_name
 from lean.loss import kl_step_weights, step_loss
@@ -123,10 +124,9 @@ class Float64Reference:
         kept = batch.steps.trained
         if mask is not None:
             kept = kept & mask
-        n = kept.shape[0]
-        if self.cfg.train.skip_zero_advantage:  # the samples with A = 0 leave the objective, N counts the others
-            nonzero = (advantages != 0).cpu()
-            kept, n = kept & nonzero[:, None], max(1, int(nonzero.sum()))
+        nonzero, n = update_samples(advantages.cpu(), self.cfg.train.skip_zero_advantage)
+        if nonzero is not None:  # the samples with A = 0 leave the objective, N counts the others
+            kept, n = kept & nonzero[:, None], int(n)
         trained = kept.double()
         scale = 1.0 / (n * int(batch.steps.trained[0].sum()))
         emb = self.twin.encode_prompts(batch.prompts)

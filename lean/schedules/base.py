@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lean.advantage import update_samples
 from lean.loss import kl_step_weights
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
@@ -84,10 +85,7 @@ class IterationContext:
     def kept_samples(self, advantages: torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
         """(which local samples the update keeps [B] or None for all, how many): with ``train.skip_zero_advantage``
         the samples whose advantage is 0 leave the update, and N counts the others (FlowGRPO's SD3/Wan scripts)."""
-        if not self.cfg.train.skip_zero_advantage:
-            return None, self.batch
-        kept = advantages != 0
-        return kept, kept.sum().clamp_min(1)  # on the device: no host read; an all-dropped batch weighs 0
+        return update_samples(advantages, self.cfg.train.skip_zero_advantage)
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
         """The reference policy's transition mean at the step's x_i (None when the KL term is off)."""
