@@ -263,7 +263,8 @@ class TrainConfig:
     """The GRPO run: schedule, batch, optimizer, loss, checkpoints and faults."""
 
     schedule: str = SCHEDULES.default
-    """Update schedule: a name of ``lean.schedules.SCHEDULES``, or auto (chosen from the predicted memory)."""
+    """Update schedule: a name of ``lean.schedules.SCHEDULES``, or auto (the fastest predicted schedule that fits
+    ``memory_budget_mb``)."""
     iterations: int = 3
     prompts_per_iteration: int = 2
     """Groups per iteration, across all processes."""

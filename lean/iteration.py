@@ -210,13 +210,17 @@ class IterationPipeline:
                 decode=self.cfg.reward.decode,
             )
 
+    def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
+        total, parts = compute_rewards(self.cfg.reward.weights, images, prompts)
+        return total.to(torch.float64), parts
+
     def score(self, ctx: IterationContext, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """Decode x_T and score it: (total float64 [B_local], each reward's component)."""
         with ctx.timer("reward"):
             with ctx.tally.region("decode"):
                 images = self.policy.decode(final)
-            total, parts = compute_rewards(self.cfg.reward.weights, images, prompts)
-        return total.to(torch.float64), parts
+            return self.reward(images, prompts)
 
     def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(every sample's reward [N] on the host, this process's advantages [B_local] on the device), float64.

@@ -7,12 +7,15 @@ The probe runs the first trained step of a real local batch and measures:
   * ``backward_transient_mb``: the peak of one tracked step and its backward beyond its saved activations (the
     activation gradients in flight); ``decode_mb`` (scaled to the local batch): the VAE decoder's working set; both
     from a trimmed heap (CPU) or the caching allocator's statistics (CUDA);
-  * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes.
+  * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes;
+    ``t_decode`` and ``t_reward``: decoding the probe batch and scoring it (every schedule pays them once per sample;
+    on video they are the largest phase).
 A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
 schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
 
-``auto`` takes the first Lean schedule (Retain, then Reweight) whose predicted peak fits ``train.memory_budget_mb``
-(default: the device's memory), else the one predicted smallest, and logs the figures. Retain and Reweight run the
+``auto`` takes the schedule predicted fastest among those whose predicted peak fits ``train.memory_budget_mb``
+(default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
+Recompute. When none fits, it takes the one predicted smallest. It logs the figures. Retain and Reweight run the
 on-policy variant of an off-policy recipe (one optimizer step per rollout); the report says so. The published sizes
 are not built on a CPU: ``lean plan`` then reports the transformer's parameters and the memory its weights,
 trainable parameters and AdamW moments take, counted on the meta device (:func:`published_size`).
@@ -21,6 +24,7 @@ trainable parameters and AdamW moments take, counted on the meta device (:func:`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,17 +55,24 @@ class PlanInput:
     cfg: RunConfig
     sigmas: torch.Tensor
     batch: LocalBatch
+    reward: Callable[[torch.Tensor, list[str]], object]  # decoded images, prompts -> scores (the run's rewards)
 
 
 def plan_input(pipeline: IterationPipeline) -> PlanInput:
-    """A run's :class:`PlanInput`: its policy and trainable parameters, config, sigma grid, and a fresh local batch of
-    iteration 0."""
+    """A run's :class:`PlanInput`: its policy and trainable parameters, config, sigma grid, rewards, and a fresh
+    local batch of iteration 0."""
     trainable = [p for _, p in pipeline.policy.trainable_parameters()]
-    return PlanInput(pipeline.policy, trainable, pipeline.cfg, pipeline.sigmas, pipeline.local_batch(0))
+    return PlanInput(
+        pipeline.policy, trainable, pipeline.cfg, pipeline.sigmas, pipeline.local_batch(0), pipeline.reward
+    )
 
 
-def _timed(fn, repeats: int = 3) -> float:
+def _timed(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` discarded ones (first calls at a new shape pay
+    one-time set-up: kernel selection, allocator growth)."""
     times = []
+    for _ in range(warmup):
+        fn()
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
@@ -111,7 +122,7 @@ def probe(inp: PlanInput) -> dict:
         with PeakMemory(policy.device) as tracked:  # one tracked step and its backward, from a trimmed heap
             step(full, backward=True)()
         with PeakMemory(policy.device) as decoding:
-            policy.decode(x)
+            images = policy.decode(x)
     saved = SavedBytes()
     with saved.watching():
         step(full, grad=True)()
@@ -125,6 +136,8 @@ def probe(inp: PlanInput) -> dict:
         "t_forward": _timed(step(full)),
         "t_forward_backward": _timed(step(full, backward=True)),
         "t_forward_backward_one": _timed(step(one, backward=True)),
+        "t_decode": _timed(lambda: policy.decode(x), repeats=1, warmup=0),  # warm: the memory pass decoded once
+        "t_reward": _timed(lambda: inp.reward(images, inp.batch.prompts[:batch]), repeats=1),
         "param_mb": sum(p.numel() * p.element_size() for p in inp.trainable) / 2**20,
         "base_mb": tracked.start_mb,
     }
@@ -151,6 +164,7 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
         fb=measured["t_forward_backward"] * rounds,
         fb_one=measured["t_forward_backward_one"],
         ref=k * f if cfg.train.beta else 0.0,
+        score=(measured["t_decode"] + measured["t_reward"]) * local / probed,
         base_mb=measured["base_mb"],
         act_mb=measured["activation_mb"] * rounds,
         act_one_mb=measured["activation_one_mb"],
@@ -174,13 +188,18 @@ def prediction_table(costs: IterationCosts) -> dict:
 
 
 def choose(predictions: dict[str, Prediction], budget_mb: float) -> dict:
-    """``auto``: the first Lean schedule whose predicted peak fits ``budget_mb``, else the smallest."""
-    fitting = [s for s in LEAN_SCHEDULES if predictions[s].peak_memory_mb <= budget_mb]
-    choice = fitting[0] if fitting else min(LEAN_SCHEDULES, key=lambda s: predictions[s].peak_memory_mb)
+    """``auto``: the schedule predicted fastest among those predicted to fit ``budget_mb`` (the baseline is one of
+    them: a Lean schedule predicted slower than it is never taken), else the one predicted smallest."""
+    fitting = [s for s in predictions if predictions[s].peak_memory_mb <= budget_mb]
+    if fitting:
+        choice = min(fitting, key=lambda s: predictions[s].time_iteration_s)
+    else:
+        choice = min(predictions, key=lambda s: predictions[s].peak_memory_mb)
     return {
         "choice": choice,
         "budget_mb": budget_mb,
-        **{f"{s}_predicted_peak_mb": predictions[s].peak_memory_mb for s in LEAN_SCHEDULES},
+        **{f"{s}_predicted_peak_mb": p.peak_memory_mb for s, p in predictions.items()},
+        **{f"{s}_predicted_time_s": p.time_iteration_s for s, p in predictions.items()},
     }
 
 
@@ -262,6 +281,10 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
         f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.sample.num_steps} steps, "
         f"{costs.k} trained, one step saves {measured['activation_mb']:.1f} MiB of activations at batch "
         f"{measured['batch']}"
+    )
+    print(
+        f"decode + reward of the {costs.local} local samples: {costs.score:.3f} s "
+        f"(decode {measured['t_decode']:.3f} s + reward {measured['t_reward']:.3f} s at batch {measured['batch']})"
     )
     print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
     predictions = predict(costs)

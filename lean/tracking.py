@@ -11,9 +11,10 @@ repository when ``dvc exp run --temp/--queue`` runs the stage in a temporary cop
 cwd.
 
 Every run of the workbench's one experiment is tagged with the git commit, the stage (``$DVC_STAGE`` under DVC), the
-schedule, and the DVC experiment name when there is one; a stage that runs several schedules opens one child run per
-schedule (``Run.child``). A store that cannot be reached never stops a run: the first failure is reported once as a
-warning, tracking stays off for the rest of the process, and the local JSON/CSV outputs are written as always.
+schedule, and the DVC experiment (name, baseline commit, params hash) when there is one; a stage that runs several
+schedules opens one child run per schedule (``Run.child``). A store that cannot be reached never stops a run: the
+first failure is reported once as a warning, tracking stays off for the rest of the process, and the local JSON/CSV
+outputs are written as always.
 
 A run given a ``spool`` file (``lean train`` uses ``<out>/tracking_pending.jsonl``) loses nothing when its store goes
 away mid-run: a metrics/params/tags batch or the final status that fails is appended there as one JSON line (warned
@@ -24,6 +25,7 @@ store already holds, so iterations re-run after the last checkpoint are logged o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -350,6 +352,28 @@ class Run:
         return False
 
 
+def params_hash(path: str | os.PathLike = "params.yaml") -> str | None:
+    """The first 12 hex digits of the SHA-256 of a params file (None when there is none): runs of the same
+    configuration share it, whichever experiment made them."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    except OSError:
+        return None
+
+
+def dvc_tags() -> dict[str, str | None]:
+    """What DVC says of the stage this process runs (its environment): the stage, and under ``dvc exp run`` the
+    experiment's name and baseline commit, plus the hash of the ``params.yaml`` the stage reads (DVC runs stages at
+    the repository root, or its temporary copy's), so that an MLflow run is found from ``dvc exp show`` and back."""
+    stage = os.environ.get("DVC_STAGE")
+    return {
+        "dvc.stage": stage,
+        "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
+        "dvc.exp_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+        "dvc.params_hash": params_hash() if stage else None,
+    }
+
+
 def start_run(
     name: str,
     *,
@@ -363,7 +387,7 @@ def start_run(
     """Open a run named ``name`` in the workbench experiment (a no-op :class:`Run` when tracking is off).
 
     Tags: ``lean.stage`` (``stage``, else ``$DVC_STAGE``, else ``name``), ``lean.schedule``, ``lean.git_commit`` (also
-    as MLflow's own source-commit tag), ``dvc.stage`` and ``dvc.exp_name`` when DVC runs the stage, plus ``tags``.
+    as MLflow's own source-commit tag), the DVC experiment (:func:`dvc_tags`) when DVC runs the stage, plus ``tags``.
     ``params`` (a nested mapping, e.g. ``RunConfig.to_dict()``) are logged flattened. ``spool``: where calls that
     fail wait for the store (see the module docstring); without one a failure turns tracking off.
     """
@@ -378,8 +402,7 @@ def start_run(
             "lean.schedule": schedule,
             "lean.git_commit": commit,
             "mlflow.source.git.commit": commit,
-            "dvc.stage": os.environ.get("DVC_STAGE"),
-            "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
+            **dvc_tags(),
             "mlflow.parentRunId": parent.run_id if parent is not None else None,
             **(tags or {}),
         }

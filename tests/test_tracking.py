@@ -79,6 +79,9 @@ def test_run_with_tags_params_metrics_child_and_figure(monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.setenv("DVC_STAGE", "train@retain")
+    monkeypatch.setenv("DVC_EXP_NAME", "wan-video")  # what `dvc exp run -n wan-video` puts in a stage's environment
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "0123abcd")
+    monkeypatch.chdir(ROOT)  # DVC runs a stage at the repository root, beside params.yaml
     tracking.configure(enabled=True, experiment="lean-test")
     with tracking.start_run("train[retain]", schedule="retain", params={"train": {"lr": 0.001}}) as run:
         for step in range(3):
@@ -93,6 +96,8 @@ def test_run_with_tags_params_metrics_child_and_figure(monkeypatch):
     got = client.get_run(run_id)
     assert got.info.status == "FINISHED"
     assert got.data.tags["lean.stage"] == "train@retain" and got.data.tags["lean.schedule"] == "retain"
+    assert got.data.tags["dvc.exp_name"] == "wan-video" and got.data.tags["dvc.exp_baseline_rev"] == "0123abcd"
+    assert got.data.tags["dvc.params_hash"] == tracking.params_hash(ROOT / "params.yaml")
     assert got.data.params["train.lr"] == "0.001"
     history = client.get_metric_history(run_id, "reward_mean")
     assert [m.step for m in history] == [0, 1, 2] and history[-1].value == pytest.approx(0.7)

@@ -357,3 +357,74 @@ def test_pipeline_runs_arrive_in_the_mlflow_server(smoke):
     assert "reward_mean" in by_name["train[reweight]"][1]
     assert "max_rel_grad_diff_reweight" in by_name["notebook[equivalence]"][1]
     assert "overlap_hidden_fraction_flash" in by_name["notebook[overlap]"][1]
+
+
+def declared_outputs() -> dict[str, bool]:
+    """Every output path dvc.yaml declares (matrix stages expanded) -> whether DVC caches it."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    declared = {}
+    for stage in stages.values():
+        items = [{}]
+        for key, values in (stage.get("matrix") or {}).items():
+            items = [{**item, key: v} for item in items for v in values]
+        for kind in ("outs", "metrics", "plots"):
+            for entry in stage.get(kind, []):
+                path, options = next(iter(entry.items())) if isinstance(entry, dict) else (entry, {})
+                for item in items:
+                    expanded = path
+                    for key, value in item.items():
+                        expanded = expanded.replace(f"${{item.{key}}}", str(value))
+                    declared[expanded] = options.get("cache", True)
+    return declared
+
+
+def test_git_keeps_exactly_the_uncached_outputs():
+    """DVC experiments compare what git holds: every `cache: false` metric, plot and report of dvc.yaml is tracked
+    (.gitignore lets it through), every cached output and anything undeclared under outputs/ is ignored."""
+    declared = declared_outputs()
+    undeclared = ["outputs/train/retain/checkpoints/iter_000001/state.pt", "outputs/bench/measured.jsonl"]
+    paths = [*declared, *undeclared]
+    out = subprocess.run(
+        ["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    ignored = set(out.stdout.split())
+    assert [p for p, cached in declared.items() if not cached and p in ignored] == []
+    assert [p for p, cached in declared.items() if cached and p not in ignored] == []
+    assert all(p in ignored for p in undeclared)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
+    """After a repro is committed (as main is, with dvc.lock and the uncached figures), two `dvc exp run --temp`
+    experiments appear in `dvc exp show` beside the baseline, each with its metrics, and `dvc metrics diff` /
+    `dvc plots diff` compare the baseline with one of them."""
+    repo = smoke["repo"]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "LEAN_TRACKING": "0"}
+    env.pop("DVC_ROOT", None)
+    git = ["git", "-c", "user.email=smoke@lean", "-c", "user.name=smoke"]
+    for cmd in (["add", "-A"], ["commit", "-qm", "baseline figures"]):
+        subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
+    tracked = subprocess.run(["git", "ls-files", "outputs"], cwd=repo, capture_output=True, text=True).stdout
+    assert "outputs/train/retain/metrics.json" in tracked and "lora.safetensors" not in tracked
+    names = []
+    for lr in ("1.0e-3", "2.0e-2"):
+        name = f"lr-{lr}"
+        run = ["exp", "run", "--temp", "-n", name, "-S", f"rl.run.train.lr={lr}", "train@retain"]
+        dvc(repo, *run, env=env, timeout=300)
+        names.append(name)
+    shown = json.loads(dvc(repo, "exp", "show", "--json", env=env, timeout=120).stdout)
+    baseline = shown[0]
+    assert baseline["rev"] == "workspace" or baseline.get("experiments") is not None
+    experiments = {
+        e["name"]: e["revs"][0]["data"] for row in shown for e in (row.get("experiments") or []) if e.get("name")
+    }
+    assert set(names) <= set(experiments)
+    for name in names:
+        metrics = experiments[name]["metrics"]
+        assert "final_reward_mean" in metrics["outputs/train/retain/metrics.json"]["data"], name
+        assert "passes" in json.dumps(metrics["outputs/equivalence/metrics.json"]["data"])  # the baseline's, carried
+    diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", names[1], "--json", env=env, timeout=120).stdout)
+    assert "outputs/train/retain/metrics.json" in diff
+    plots = dvc(repo, "plots", "diff", "HEAD", names[1], "--json", "--split", env=env, timeout=120).stdout
+    assert "outputs/train/retain/metrics.csv" in plots

@@ -136,6 +136,7 @@ def bench_schedules(
                 "plan_peak_memory_mb": prediction[s]["peak_memory_mb"],
                 "plan_peak_memory_error": prediction[s]["peak_memory_mb"] / memory[s]["peak_memory_mb"] - 1,
                 "plan_time_iteration_s": prediction[s]["time_iteration_s"],
+                "plan_time_error": prediction[s]["time_iteration_s"] / t - 1,
                 "flops_per_iteration": sum(flops.values()),
                 "flops_needed_per_iteration": needed_flops(flops),
                 "flops_by_region": flops,
@@ -192,6 +193,7 @@ def flat_metrics(result: dict) -> dict[str, float]:
                 f"hfu_{s}": e["hfu"],
                 f"peak_memory_mb_{s}": e["peak_memory_mb"],
                 f"time_iteration_s_{s}": e["time_iteration_s"],
+                f"plan_time_error_{s}": e["plan_time_error"],
             }
         )
         if "speedup" in e:
@@ -207,7 +209,8 @@ def format_table(result: dict) -> str:
         f"{c['samples_per_process']} samples/process x {c['world_size']} process(es) x {c.get('threads', '?')} "
         f"thread(s), median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, "
         f"{result['peak_flops_source']})",
-        f"{'schedule':10} {'iter s':>8} {'rollout s':>10} {'update s':>9} {'peak MiB':>9} {'plan MiB':>9} "
+        f"{'schedule':10} {'iter s':>8} {'plan s':>7} {'rollout s':>10} {'reward s':>9} {'update s':>9} "
+        f"{'peak MiB':>9} {'plan MiB':>9} "
         f"{'GFLOP':>8} {'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}",
     ]
     for s in SCHEDULES:
@@ -218,7 +221,8 @@ def format_table(result: dict) -> str:
             else f"{'1.000':>8} {'':6} {'':9}"
         )
         lines.append(
-            f"{s:10} {e['time_iteration_s']:8.3f} {e['time_rollout_s']:10.3f} {e['time_update_s']:9.3f} "
+            f"{s:10} {e['time_iteration_s']:8.3f} {e['plan_time_iteration_s']:7.2f} {e['time_rollout_s']:10.3f} "
+            f"{e['time_reward_s']:9.3f} {e['time_update_s']:9.3f} "
             f"{e['peak_memory_mb']:9.1f} {e['plan_peak_memory_mb']:9.1f} "
             f"{e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} {e['hfu']:6.3f} {extra}"
         )

@@ -112,7 +112,8 @@ class IterationCosts:
 
     n steps, K trained per sample, B local samples; f / fb: one untracked step / one tracked step plus its backward
     over the local batch (all rollout micro-batches); fb_one: the same for one trajectory; ref: the reference
-    forwards of the KL term (0 without it). Memory: base (resident now), act / act_one: activations one tracked step
+    forwards of the KL term (0 without it); score: decoding and scoring the local batch, which every schedule pays
+    once. Memory: base (resident now), act / act_one: activations one tracked step
     saves at the local batch / one trajectory; transient: what a backward needs beyond them; decode: the VAE's
     working set for the local batch; trainable: the trainable parameters (MiB).
     """
@@ -124,6 +125,7 @@ class IterationCosts:
     fb: float
     fb_one: float
     ref: float
+    score: float
     base_mb: float
     act_mb: float
     act_one_mb: float

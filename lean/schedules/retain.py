@@ -12,7 +12,7 @@ and one ``L.backward()`` replaces Recompute's K forward + backward passes: no se
 activations of (trained steps x local batch) forward passes stay alive until the backward; ``lean plan`` predicts it
 (``predict``, in the terms of ``base.IterationCosts``):
 
-    memory = base + K act + max(decode, transient)      time = (n - K) f + K fb + ref
+    memory = base + K act + max(decode, transient)      time = (n - K) f + K fb + score + ref
 """
 
 from __future__ import annotations
@@ -62,5 +62,6 @@ class Retain(Schedule):
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         return Prediction(
-            c.base_mb + c.k * c.act_mb + max(c.decode_mb, c.transient_mb), (c.n - c.k) * c.f + c.k * c.fb + c.ref
+            c.base_mb + c.k * c.act_mb + max(c.decode_mb, c.transient_mb),
+            (c.n - c.k) * c.f + c.k * c.fb + c.score + c.ref,
         )

@@ -27,8 +27,10 @@ one backward per trained step.
 
 Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1):
 
-    batched     memory = base + (B + kl - 1) P + max(decode, act + transient)      time = n f + K kl (fb - f) + ref
-    one by one  memory = base + (B + kl - 1) P + max(decode, act_one + transient)  time = (n-K) f + K B kl fb_one + ref
+    batched     memory = base + (B + kl - 1) P + max(decode, act + transient)
+                time   = n f + K kl (fb - f) + score + ref
+    one by one  memory = base + (B + kl - 1) P + max(decode, act_one + transient)
+                time   = (n - K) f + K B kl fb_one + score + ref
 """
 
 from __future__ import annotations
@@ -145,9 +147,9 @@ class Reweight(Schedule):
         if c.per_row_grads:
             return Prediction(
                 c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb),
-                c.n * c.f + c.k * backwards * (c.fb - c.f) + c.ref,
+                c.n * c.f + c.k * backwards * (c.fb - c.f) + c.score + c.ref,
             )
         return Prediction(
             c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb),
-            (c.n - c.k) * c.f + c.k * c.local * c.fb_one * backwards + c.ref,
+            (c.n - c.k) * c.f + c.k * c.local * c.fb_one * backwards + c.score + c.ref,
         )
