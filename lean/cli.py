@@ -1,4 +1,4 @@
-"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch, sync.
+"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch, sync, export, sample.
 
 Configuration errors print one line and exit with status 2, before any model is built.
 """
@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch.distributed as dist
 
-from lean import equivalence, plan, tracking
+from lean import equivalence, export, plan, sampling, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
 from lean.config import ConfigError, load_config
@@ -70,6 +71,41 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sync", help="send a run's MLflow calls that waited for an unreachable store")
     p.add_argument("--out", required=True, help="the run's output folder (holds tracking_pending.jsonl)")
+
+    p = sub.add_parser(
+        "export",
+        help="a run's trained weights for diffusers: a LoRA folder (load_lora_weights), or a merged pipeline folder",
+    )
+    p.add_argument("--run", required=True, help="the output folder of lean train (config.json, lora.safetensors)")
+    p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    p.add_argument("--ema", action="store_true", help="the EMA weights (lora_ema.safetensors) instead")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a whole diffusers pipeline folder: the base with the trained weights merged (from_pretrained loads it)",
+    )
+
+    p = sub.add_parser("sample", help="images (video frames) from a diffusers pipeline folder and a LoRA folder")
+    p.add_argument("--pretrained", required=True, help="a diffusers pipeline folder (e.g. lean export --merge's)")
+    p.add_argument("--lora", default=None, help="a diffusers LoRA folder (e.g. <run>/lora): load_lora_weights")
+    p.add_argument("--prompts-file", required=True, help="one prompt per line, or a .jsonl with a prompt field")
+    p.add_argument("--out", required=True, help="output folder: <k>.png per prompt (video: <k>/ frames, <k>.gif)")
+    p.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the pipeline's)")
+    p.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help="the pipeline's guidance_scale: CFG for SD3 and Wan, the distilled guidance for FLUX",
+    )
+    p.add_argument(
+        "--true-cfg-scale", type=float, default=None, help="FLUX: CFG against the empty prompt (lean's sample.cfg)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="prompt k is drawn with seed + k")
+    p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the pipeline's)")
+    p.add_argument("--num-frames", type=int, default=None, help="video: frames (default: the pipeline's)")
+    p.add_argument("--shift", type=float, default=None, help="a static sigma shift (e.g. the run's sample.shift)")
+    p.add_argument("--dtype", default=None, help="precision (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--device", default=None, help="default: cuda if there is a GPU, else cpu")
     return top
 
 
@@ -125,6 +161,19 @@ def _sync(args) -> int:
     return 1 if pending else 0
 
 
+def _export(args) -> int:
+    what = export.export_run(args.run, args.out, ema=args.ema, merge=args.merge)
+    print(f"lean export: {args.out}: {what}")
+    return 0
+
+
+def _sample(args) -> int:
+    options = sampling.SampleOptions(**{f.name: getattr(args, f.name) for f in fields(sampling.SampleOptions)})
+    files = sampling.sample(args.pretrained, args.lora, args.prompts_file, args.out, options)
+    print(f"lean sample: {len(files)} sample(s) in {args.out}")
+    return 0
+
+
 COMMANDS = {
     "train": _train,
     "plan": _plan,
@@ -132,6 +181,8 @@ COMMANDS = {
     "bench": _bench,
     "launch": _launch,
     "sync": _sync,
+    "export": _export,
+    "sample": _sample,
 }
 
 

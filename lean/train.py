@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from lean import checkpoint, tracking
+from lean import checkpoint, export, tracking
 from lean.config import ConfigError, RunConfig
 from lean.distributed import World, init_world, set_threads
 from lean.iteration import IterationResult, NonFiniteError, build_pipeline
@@ -303,7 +303,8 @@ def write_outputs(
     out_dir: Path, trainer: Trainer, history: list[dict], flops: dict, schedule: str, decision: dict
 ) -> None:
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
-    ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors)."""
+    ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
+    ``lora/`` (``lora_ema/``) and a random base's fingerprint (``lean.export.write_run_exports``)."""
     keys = sorted({k for row in history for k in row if isinstance(row[k], (int, float))})
     # the iteration that counted FLOPs ran slower; its times count only when no other iteration was timed
     timed = [row for row in history if not row.get("flops_counted")] or history
@@ -329,6 +330,7 @@ def write_outputs(
     trainer.policy.save_lora(out_dir / "lora.safetensors")
     if (ema := trainer.state.ema_state_dict()) is not None:
         trainer.policy.save_lora(out_dir / "lora_ema.safetensors", ema)
+    export.write_run_exports(out_dir, trainer.policy, ema, trainer.cfg.model)
     write_json(out_dir / "config.json", trainer.cfg.to_dict())
 
 

@@ -3,7 +3,7 @@
 
 A family is a module (``lean/models/<family>.py``) declaring ``SIZES`` (per-size configs of each component),
 ``COMPONENTS`` (folder -> library, model class, config class, as ``model_index.json`` names them), ``TOKENIZERS``,
-``PIPELINE``, ``DISPLAY_NAME``, ``SCHEDULER`` (the published scheduler_config.json's shift settings),
+``PIPELINE``, ``DISPLAY_NAME``, ``SCHEDULER`` (the published scheduler_config.json: its class and shift settings),
 ``lora_targets(ffn)``, optional capabilities (``GUIDANCE_EMBED``, ``FRAME_STEP``)
 and ``ARCH``, a runtime class implementing :class:`lean.models.policy.Family`. Family modules import no diffusers
 at import time (config validation reads their ``SIZES``); the classes are imported when a model is built.
@@ -44,8 +44,11 @@ __all__ = [
     "Policy",
     "PromptEmbeds",
     "build_policy",
+    "build_scheduler",
     "count_parameters",
     "family_module",
+    "lora_config",
+    "pipeline_family",
     "scheduler_config",
     "time_shift",
 ]
@@ -66,6 +69,7 @@ LORA_INITS: Registry[str | bool] = Registry(
     ],
 )
 INIT_SEED = 20240601  # every process draws the same random weights
+DEVICE_INIT_SIZE = "full"  # the published size is drawn on the run's device, every other one on the CPU
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"  # in a diffusers pipeline folder
 
 
@@ -80,13 +84,15 @@ def component_classes(spec: ModuleType, name: str) -> tuple[type, type | None]:
     return getattr(module, model_class), (getattr(module, config_class) if config_class else None)
 
 
-def meta_transformer(spec: ModuleType, size: str) -> torch.nn.Module:
-    """The family's transformer at ``size`` on the meta device: no memory, no initialisation (buffers too: SD3.5's
-    384x384 position table takes 20 s on a CPU)."""
+def meta_transformer(spec: ModuleType, size: str, pretrained: str | os.PathLike | None = None) -> torch.nn.Module:
+    """The family's transformer at ``size`` (or as ``pretrained``'s ``transformer/config.json`` describes it) on the
+    meta device: no memory, no initialisation (buffers too: SD3.5's 384x384 position table takes 20 s on a CPU)."""
     from accelerate import init_empty_weights  # local: accelerate's import takes seconds
 
+    cls = component_classes(spec, "transformer")[0]
+    config = cls.load_config(Path(pretrained) / "transformer") if pretrained else spec.SIZES[size]["transformer"]
     with init_empty_weights(include_buffers=True):
-        return component_classes(spec, "transformer")[0](**spec.SIZES[size]["transformer"])
+        return cls.from_config(config)
 
 
 def count_parameters(family: str, size: str) -> int:
@@ -103,6 +109,20 @@ def scheduler_config(family: str, pretrained: str | os.PathLike | None) -> tuple
             return json.loads(path.read_text()), str(path)
     spec = family_module(family)
     return dict(spec.SCHEDULER), f"{spec.DISPLAY_NAME}'s published scheduler config"
+
+
+def build_scheduler(family: str, pretrained: str | os.PathLike | None, shift: float | None = None):
+    """The diffusers scheduler a pipeline of ``family`` samples with: the class and settings of
+    :func:`scheduler_config` (``_class_name`` names the class, as in a ``scheduler_config.json``); with ``shift``,
+    that static shift instead (``flow_shift`` of Wan's UniPC scheduler, else ``shift``; no dynamic shifting), e.g.
+    the shift a run sampled with (``sample.shift`` as resolved)."""
+    import diffusers  # local: diffusers takes seconds to import (see component_classes)
+
+    config, _ = scheduler_config(family, pretrained)
+    name = config.get("_class_name") or family_module(family).SCHEDULER["_class_name"]
+    if shift is not None:
+        config = {**config, ("flow_shift" if "flow_shift" in config else "shift"): shift, "use_dynamic_shifting": False}
+    return getattr(diffusers, name).from_config(config)
 
 
 def time_shift(
@@ -194,6 +214,17 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
     return None
 
 
+def pipeline_family(folder: str | os.PathLike) -> str | None:
+    """The family whose ``PIPELINE`` class a pipeline folder's ``model_index.json`` names, or None (no readable
+    index, or a pipeline class no family runs)."""
+    try:
+        index = json.loads((Path(folder) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    return next((family for family in FAMILIES if family_module(family).PIPELINE == name), None)
+
+
 def _load_components(spec: ModuleType, folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
     """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``."""
     index = json.loads((folder / "model_index.json").read_text())
@@ -231,6 +262,19 @@ def _cache_folder(cache_dir: str | Path, model_cfg: ModelConfig, prompts: list[s
     return Path(cache_dir) / f"{model_cfg.family}-{model_cfg.size}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def lora_config(model_cfg: ModelConfig):
+    """The peft ``LoraConfig`` of a LoRA run: rank, alpha, initialisation, targets (the family's set by default)."""
+    from peft import LoraConfig  # local: peft imports transformers (seconds)
+
+    return LoraConfig(
+        r=model_cfg.lora_rank,
+        lora_alpha=model_cfg.lora_alpha,
+        lora_dropout=0.0,
+        init_lora_weights=LORA_INITS[model_cfg.lora_init],
+        target_modules=model_cfg.lora_targets or family_module(model_cfg.family).lora_targets(model_cfg.lora_ffn),
+    )
+
+
 def build_policy(
     model_cfg: ModelConfig, prompts: list[str], device: torch.device | str = "cpu", cache_dir: str | Path | None = None
 ) -> Policy:
@@ -253,7 +297,7 @@ def build_policy(
         tokenizer = train_tokenizer([*prompts, ""], model_cfg.text_max_length)
         # Weights are drawn on the CPU (identical on every machine), except the published size: 12B parameters
         # take minutes to initialise on a CPU, so it is drawn on its device directly.
-        init_device = device if model_cfg.size == "full" else torch.device("cpu")
+        init_device = device if model_cfg.size == DEVICE_INIT_SIZE else torch.device("cpu")
         modules = _random_components(spec, model_cfg.size, tokenizer, init_device)
         tokenizers = {name: tokenizer for name in spec.TOKENIZERS.values()}
 
@@ -265,18 +309,11 @@ def build_policy(
         transformer.requires_grad_(True)
         reference = copy.deepcopy(transformer).requires_grad_(False)
     else:
-        from peft import LoraConfig, get_peft_model  # local: peft imports transformers (seconds)
+        from peft import get_peft_model  # local: peft imports transformers (seconds)
 
         transformer.requires_grad_(False)
-        lora = LoraConfig(
-            r=model_cfg.lora_rank,
-            lora_alpha=model_cfg.lora_alpha,
-            lora_dropout=0.0,
-            init_lora_weights=LORA_INITS[model_cfg.lora_init],
-            target_modules=model_cfg.lora_targets or spec.lora_targets(model_cfg.lora_ffn),
-        )
         with _seeded(INIT_SEED - 1, transformer.device):  # LoRA A is drawn at random (B = 0)
-            transformer = get_peft_model(transformer, lora, autocast_adapter_dtype=False)
+            transformer = get_peft_model(transformer, lora_config(model_cfg), autocast_adapter_dtype=False)
     vae.requires_grad_(False)
     for encoder in modules.values():
         encoder.requires_grad_(False)

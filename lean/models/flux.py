@@ -29,6 +29,7 @@ TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 # FLUX.1-dev's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): FluxPipeline shifts by e^mu, mu
 # linear in the image token count (lean.models.time_shift); the static shift is unused
 SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
     "shift": 3.0,
     "use_dynamic_shifting": True,
     "base_shift": 0.5,

@@ -33,7 +33,7 @@ COMPONENTS = {  # see lean/models/flux.py
     "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),  # T5 v1.1 XXL encoder
 }
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
-SCHEDULER = {"shift": 3.0}  # SD3.5-M's scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler, static shift
+SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}  # SD3.5-M's scheduler_config.json
 
 # FlowGRPO's SD3 targets ("attn.to_q", ... matched as module-name suffixes) reach the joint attention `attn` of every
 # block, not the SD3.5 dual-attention `attn2`; the regex below selects exactly those modules.

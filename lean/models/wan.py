@@ -23,7 +23,12 @@ COMPONENTS = {  # see lean/models/flux.py
 FRAME_STEP = 4  # the causal 3D VAE compresses time 4x: videos have 4k + 1 frames
 TOKENIZERS = {"text_encoder": "tokenizer"}
 # Wan2.1-T2V-1.3B-Diffusers' scheduler/scheduler_config.json: UniPCMultistepScheduler(use_flow_sigmas, flow_shift=3)
-SCHEDULER = {"flow_shift": 3.0}
+SCHEDULER = {
+    "_class_name": "UniPCMultistepScheduler",
+    "flow_shift": 3.0,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+}
 
 # Self-attention (attn1) and cross-attention (attn2; its to_k/to_v are the text-context projections; add_k/v_proj
 # exist only in the image-conditioned variants).

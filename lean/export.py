@@ -1,0 +1,236 @@
+"""Trained weights out of lean in diffusers' formats: ``<out>/lora/`` at the end of ``lean train``; ``lean export``.
+
+A LoRA run's adapter is written as diffusers' training scripts write theirs (``train_dreambooth_lora_flux.py``,
+``_sd3.py``): the pipeline class's ``save_lora_weights(folder, transformer_lora_layers=..., transformer_lora_adapter_
+metadata=...)`` with peft's ``get_peft_model_state_dict``. That gives ``<folder>/pytorch_lora_weights.safetensors``
+with keys ``transformer.<module>.lora_A.weight`` / ``lora_B.weight`` and the peft ``LoraConfig`` (rank, alpha, target
+modules) as JSON in the safetensors header (``lora_adapter_metadata``), so that ``pipe.load_lora_weights(folder)``
+rebuilds the adapter with its alpha: the layer computes W x + (alpha / r) B A x, as lean's policy does, also when
+alpha != r (diffusers would otherwise infer alpha = r from the shapes).
+
+``lean export --run <out> --out DIR`` writes that folder again from a run's ``lora.safetensors`` (``--ema``:
+``lora_ema.safetensors``) and ``config.json``, without loading the base weights; a full fine-tune gives the trained
+transformer instead (a diffusers model folder). ``--merge`` writes a whole diffusers pipeline folder: the base
+pipeline (``model.pretrained``, or the random base rebuilt from the run's config) with W <- W + (alpha / r) B A in
+every adapted layer (peft's ``merge_and_unload``) and a scheduler with the run's ``sample.shift`` (static), loadable
+with ``<Pipeline>.from_pretrained``.
+
+A random base (``model.pretrained: null``) is drawn from fixed seeds on the CPU (``lean.models.build_policy``), so it is
+rebuilt exactly, as long as torch and diffusers draw it as they did in the run: ``lean train`` records a SHA-256 of
+the base weights in ``<out>/base.json``, and ``--merge`` refuses (one line) a rebuild that does not match it. The
+``full`` size is drawn on the run's device and is never rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lean.config import ConfigError, ModelConfig, RunConfig, load_config
+from lean.models import (
+    DEVICE_INIT_SIZE,
+    Policy,
+    build_policy,
+    build_scheduler,
+    family_module,
+    lora_config,
+    meta_transformer,
+)
+
+LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
+RUN_WEIGHTS, RUN_EMA_WEIGHTS = "lora.safetensors", "lora_ema.safetensors"  # lean train's trainable parameters
+BASE_RECORD = "base.json"  # a random base's fingerprint, written by lean train
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel in front of the transformer's module names
+
+
+# ---------------------------------------------------------------- diffusers' LoRA format
+
+
+def diffusers_lora_layers(peft_transformer, state: dict[str, Tensor] | None = None) -> tuple[dict, dict]:
+    """(transformer LoRA layers keyed by the transformer's module names, the adapter's ``LoraConfig`` as a dict):
+    what ``<Pipeline>.save_lora_weights`` takes. ``state`` (keyed as ``Policy.lora_state_dict``, e.g. the EMA
+    weights) replaces the adapter's current weights."""
+    from peft import get_peft_model_state_dict  # local: peft imports transformers (seconds)
+
+    layers = get_peft_model_state_dict(peft_transformer, state_dict=state)
+    layers = {k.removeprefix(PEFT_PREFIX): v.detach().cpu().contiguous() for k, v in layers.items()}
+    return layers, peft_transformer.peft_config["default"].to_dict()
+
+
+def save_diffusers_lora(
+    pipeline_class: str, peft_transformer, folder: str | Path, state: dict[str, Tensor] | None = None
+) -> Path:
+    """``folder/pytorch_lora_weights.safetensors`` for ``<pipeline_class>.load_lora_weights(folder)``."""
+    import diffusers  # local: diffusers takes seconds to import
+
+    layers, metadata = diffusers_lora_layers(peft_transformer, state)
+    getattr(diffusers, pipeline_class).save_lora_weights(
+        str(folder), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
+    )
+    return Path(folder)
+
+
+def write_run_exports(out_dir: Path, policy: Policy, ema: dict[str, Tensor] | None, model_cfg: ModelConfig) -> None:
+    """What ``lean train`` adds to its outputs: ``lora/`` (and ``lora_ema/`` with EMA weights) in diffusers' format
+    for a LoRA run, and for a random base that can be rebuilt (``model.pretrained`` null, not the ``full`` size) the
+    fingerprint ``--merge`` checks a rebuild against."""
+    if not policy.full_finetune:
+        save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_DIR)
+        if ema is not None:
+            save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_EMA_DIR, ema)
+    if model_cfg.pretrained is None and model_cfg.size != DEVICE_INIT_SIZE:
+        record = {"base_sha256": base_fingerprint(policy), "diffusers": diffusers_version()}
+        (out_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def diffusers_version() -> str:
+    from diffusers import __version__  # local: diffusers takes seconds to import
+
+    return __version__
+
+
+def base_fingerprint(policy: Policy) -> str:
+    """SHA-256 over the base weights (names, dtypes, shapes, bytes) of the transformer (adapter excluded; under full
+    fine-tuning its frozen initial copy), the VAE and the text encoders."""
+    if policy.full_finetune:
+        transformer = policy.reference_transformer.state_dict()
+    else:
+        transformer = policy.base_transformer_state_dict()
+    parts = {"transformer": transformer, "vae": policy.vae.state_dict(), "text": policy.text_encoders.state_dict()}
+    digest = hashlib.sha256()
+    for part, state in parts.items():
+        for name in sorted(state):
+            tensor = state[name].detach().cpu().contiguous()
+            digest.update(f"{part}.{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- lean export
+
+
+def run_config(run: str | Path) -> RunConfig:
+    """The config a run was trained with (``<run>/config.json``), validated. Its prompts are already read, so the
+    prompts file need not exist any more."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ConfigError("--run", str(run), "has no config.json: not the output folder of lean train")
+    tree = json.loads(path.read_text())
+    tree.get("train", {})["prompts_file"] = None
+    return load_config(tree=tree)
+
+
+def run_weights(run: str | Path, ema: bool) -> Path:
+    """The run's trained parameters: ``lora.safetensors``, or ``lora_ema.safetensors`` with ``ema``."""
+    path = Path(run) / (RUN_EMA_WEIGHTS if ema else RUN_WEIGHTS)
+    if not path.is_file():
+        why = "has no lora_ema.safetensors (the run had train.ema: false)" if ema else f"has no {RUN_WEIGHTS}"
+        raise ConfigError("--run", str(run), why)
+    return path
+
+
+def adapter_skeleton(cfg: RunConfig):
+    """The run's peft-wrapped transformer on the meta device (no weights read, nothing allocated): enough for
+    peft to name and configure the adapter's layers."""
+    from peft import get_peft_model  # local: peft imports transformers (seconds)
+
+    m = cfg.model
+    transformer = meta_transformer(family_module(m.family), m.size, m.pretrained)
+    return get_peft_model(transformer, lora_config(m), autocast_adapter_dtype=False)
+
+
+def rebuild_policy(cfg: RunConfig, run: str | Path, weights: Path) -> Policy:
+    """The run's policy on the CPU with its trained weights: the base from ``model.pretrained``, or the random base
+    rebuilt and checked against the run's ``base.json``."""
+    m = cfg.model
+    if m.pretrained is None and m.size == DEVICE_INIT_SIZE:
+        raise ConfigError(
+            "model.pretrained",
+            None,
+            "the run's random full-size base was drawn on its device and cannot be rebuilt; export without --merge",
+        )
+    policy = build_policy(m, cfg.train.prompts)
+    if m.pretrained is None:
+        record = Path(run) / BASE_RECORD
+        recorded = json.loads(record.read_text()).get("base_sha256") if record.is_file() else None
+        if recorded != base_fingerprint(policy):
+            why = (
+                "base.json records no fingerprint"
+                if recorded is None
+                else "a rebuild here differs from the fingerprint in base.json (another torch or diffusers?)"
+            )
+            raise ConfigError(
+                "--run",
+                str(run),
+                f"its random base (model.pretrained: null) cannot be rebuilt exactly: {why}; export without --merge",
+            )
+    policy.load_lora_state_dict(matching_weights(weights, trained_shapes(policy.trainable_parameters()), run))
+    return policy
+
+
+def trained_shapes(parameters) -> dict[str, torch.Size]:
+    return {name: p.shape for name, p in parameters}
+
+
+def matching_weights(weights: Path, expected: dict[str, torch.Size], run: str | Path) -> dict[str, Tensor]:
+    """The tensors of ``weights``, which must be exactly the parameters (names and shapes) the run's config trains."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    wrong = sorted(set(state) ^ set(expected)) or [n for n in sorted(state) if state[n].shape != expected[n]]
+    if wrong:
+        raise ConfigError(
+            "--run",
+            str(run),
+            f"{weights.name} does not hold the parameters config.json trains ({len(wrong)} differ, e.g. {wrong[0]})",
+        )
+    return state
+
+
+def assemble_pipeline(policy: Policy, transformer: torch.nn.Module, scheduler):
+    """A diffusers pipeline of ``policy``'s class from its parts, with ``transformer`` and ``scheduler``."""
+    import diffusers  # local: diffusers takes seconds to import
+
+    parts = {**policy.text_encoders, **policy.tokenizers, "vae": policy.vae, "transformer": transformer}
+    return getattr(diffusers, policy.pipeline_class)(scheduler=scheduler, **parts)
+
+
+def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool = False) -> str:
+    """``lean export``: the run's trained weights as a diffusers LoRA folder (a transformer folder for a full
+    fine-tune) or, with ``merge``, a whole pipeline folder with them merged. Returns what was written, in words.
+    ``out`` is written atomically (a temporary sibling renamed into place); an existing ``out`` is replaced."""
+    cfg = run_config(run)
+    weights = run_weights(run, ema)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        if merge or cfg.model.full_finetune:
+            policy = rebuild_policy(cfg, run, weights)
+            transformer = policy.transformer if policy.full_finetune else policy.transformer.merge_and_unload()
+            if merge:
+                # the shift the run sampled with, static: its images' sigma grid at model.resolution
+                scheduler = build_scheduler(cfg.model.family, cfg.model.pretrained, cfg.sample.shift)
+                assemble_pipeline(policy, transformer, scheduler).save_pretrained(tmp)
+                what = f"a {policy.pipeline_class} folder with the trained weights merged into its transformer"
+            else:
+                transformer.save_pretrained(tmp)
+                what = "the fully fine-tuned transformer (a diffusers model folder)"
+        else:
+            spec, skeleton = family_module(cfg.model.family), adapter_skeleton(cfg)
+            shapes = trained_shapes((n, p) for n, p in skeleton.named_parameters() if p.requires_grad)
+            save_diffusers_lora(spec.PIPELINE, skeleton, tmp, matching_weights(weights, shapes, run))
+            what = f"a diffusers LoRA folder for {spec.PIPELINE}.load_lora_weights"
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return what
