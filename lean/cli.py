@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from lean import equivalence, plan, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
-from lean.config import ConfigError, load_config, suggest
+from lean.config import ConfigError, RewardModelConfig, load_config, suggest
 from lean.launch import launch
 from lean.rewards import RewardServerError
 from lean.train import train
@@ -69,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
     )
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
 
-    reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(dest="reward", required=True)
+    reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(
+        dest="reward_command", required=True
+    )
     p = reward.add_parser("serve", help="host a registered reward over HTTP (lean.rewards.server)")
     _add_run_options(p)
     p.add_argument("--reward", required=True, help="the registered reward to serve (its reward.models entry if any)")
@@ -133,13 +135,13 @@ def _reward(args) -> int:
     from lean import rewards
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    for module in getattr(args, "imports", []):
+    for module in getattr(args, "imports", []):  # before the config is read: they register reward names
         try:
             importlib.import_module(module)
         except ImportError as err:
             raise ConfigError("--import", module, str(err)) from None
     cfg = load_config(_params(args), args.overrides, preset=args.preset)
-    if args.reward == "score":
+    if args.reward_command == "score":
         rollout = Path(args.rollout)
         if not rollout.is_file() or not rollout.with_suffix(".json").is_file():
             raise ConfigError("--rollout", args.rollout, "needs the .safetensors file and its .json beside it")
@@ -153,10 +155,9 @@ def _reward(args) -> int:
         raise ConfigError(
             "--reward", args.reward, f"unknown reward; known: {', '.join(known)}" + suggest(args.reward, known)
         )
-    if args.reward in rewards.MODEL_REWARDS and args.reward not in cfg.reward.models:
-        raise ConfigError(
-            f"reward.models.{args.reward}.folder", None, f"set the local model folder of reward {args.reward}"
-        )
+    if args.reward in rewards.MODEL_REWARDS:  # checked here even when the config's reward.remote names it
+        entry = cfg.reward.models.get(args.reward, RewardModelConfig())
+        entry.validate(f"reward.models.{args.reward}", args.reward)
     if args.token_env is not None and not os.environ.get(args.token_env):
         raise ConfigError("--token-env", args.token_env, "this environment variable is not set")
     reward = rewards.build_reward(args.reward, cfg.reward, device, remote=False)

@@ -290,7 +290,8 @@ class RewardConfig:
     """What is decoded and scored: a name of ``lean.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
     models: dict[str, RewardModelConfig] = field(default_factory=dict)
-    """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked."""
+    """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
+    reward ``remote`` names: ``lean reward serve`` checks it on the server)."""
     remote: dict[str, RemoteRewardConfig] = field(default_factory=dict)
     """reward name -> the server that computes it (the name need not be registered in this process)."""
 
@@ -310,7 +311,8 @@ class RewardConfig:
             remote.validate(f"reward.remote.{name}")
         for name, entry in self.models.items():
             check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
-            entry.validate(f"reward.models.{name}", name)
+            if name not in self.remote:  # a served reward's folder is on the server's machine
+                entry.validate(f"reward.models.{name}", name)
         for name in self.weights:
             if name in MODEL_REWARDS and name not in self.remote and name not in self.models:
                 raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")

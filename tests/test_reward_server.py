@@ -179,3 +179,20 @@ def test_remote_entries_are_checked():
         )
     with pytest.raises(ConfigError, match="reward.weights.ocr=1.0: unknown reward"):
         tiny("reward.weights={ocr: 1.0}")
+    # a served reward's folder lives on the server: the run does not check it, `lean reward serve` does
+    served = ["reward.weights={pickscore: 1.0}", "reward.models.pickscore.folder=/nowhere"]
+    assert tiny(*served, "reward.remote.pickscore.url=http://h:1").reward.remote["pickscore"].url == "http://h:1"
+
+
+def test_lean_reward_serve_checks_its_reward_first(capsys):
+    serve = ["reward", "serve", "--params", "/dev/null", "--port", str(free_port())]
+    assert main([*serve, "--reward", "pickscore", "--set", "reward.remote.pickscore.url=http://h:1"]) == 2
+    assert main([*serve, "--reward", "colour_match"]) == 2
+    assert main([*serve, "--reward", "color_match", "--import", "no_such_module"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "lean: config error: reward.models.pickscore.folder=None: set the local model folder of reward pickscore",
+        "lean: config error: --reward='colour_match': unknown reward; known: jpeg_compressibility, "
+        "jpeg_incompressibility, color_match, position_match, clip_score, pickscore, hps, aesthetic "
+        "(did you mean 'color_match'?)",
+        "lean: config error: --import='no_such_module': No module named 'no_such_module'",
+    ]
