@@ -1,4 +1,5 @@
-"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, launch, sync, export, sample.
+"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, reward {serve, score}, launch, sync,
+export, sample.
 
 Configuration errors print one line and exit with status 2, before any model is built.
 """
@@ -6,21 +7,26 @@ Configuration errors print one line and exit with status 2, before any model is 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from lean import equivalence, export, plan, sampling, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
-from lean.config import ConfigError, load_config
+from lean.config import ConfigError, RewardModelConfig, load_config, suggest
 from lean.launch import launch
+from lean.rewards import RewardServerError
 from lean.train import train
 
-EXIT_CONFIG, EXIT_NONFINITE, EXIT_COLLECTIVE = 2, 3, 4
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_COLLECTIVE, EXIT_REWARD_SERVER = 2, 3, 4, 5
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -64,6 +70,24 @@ def parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="torch threads, 0: torch's default (default: bench.threads)"
     )
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
+
+    reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(
+        dest="reward_command", required=True
+    )
+    p = reward.add_parser("serve", help="host a registered reward over HTTP (lean.rewards.server)")
+    _add_run_options(p)
+    p.add_argument("--reward", required=True, help="the registered reward to serve (its reward.models entry if any)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--token-env", default=None, help="environment variable holding the bearer token requests need")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE", help="a module registering rewards"
+    )
+    p = reward.add_parser("score", help="score a saved rollout (<out>/failed_rollouts/<iteration>.safetensors)")
+    _add_run_options(p)
+    p.add_argument("--rollout", required=True, help="a .safetensors file lean train kept when a reward server failed")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
     p = sub.add_parser("launch", help="run a lean command on N processes through Accelerate (gloo on CPU)")
     p.add_argument("-n", "--num-processes", type=int, required=True)
@@ -144,6 +168,42 @@ def _bench(args) -> int:
     return 0
 
 
+def _reward(args) -> int:
+    from lean import rewards
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for module in getattr(args, "imports", []):  # before the config is read: they register reward names
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError("--import", module, str(err)) from None
+    cfg = load_config(_params(args), args.overrides, preset=args.preset)
+    if args.reward_command == "score":
+        rollout = Path(args.rollout)
+        if not rollout.is_file() or not rollout.with_suffix(".json").is_file():
+            raise ConfigError("--rollout", args.rollout, "needs the .safetensors file and its .json beside it")
+        images = load_file(rollout)["images"]
+        prompts = json.loads(rollout.with_suffix(".json").read_text())["prompts"]
+        total, parts = rewards.Scorer(cfg.reward, device)(images, prompts)
+        print(json.dumps({"total": total.tolist(), **{k: v.tolist() for k, v in parts.items()}}))
+        return 0
+    if args.reward not in rewards.reward_names():
+        known = rewards.reward_names()
+        raise ConfigError(
+            "--reward", args.reward, f"unknown reward; known: {', '.join(known)}" + suggest(args.reward, known)
+        )
+    if args.reward in rewards.MODEL_REWARDS:  # checked here even when the config's reward.remote names it
+        entry = cfg.reward.models.get(args.reward, RewardModelConfig())
+        entry.validate(f"reward.models.{args.reward}", args.reward)
+    if args.token_env is not None and not os.environ.get(args.token_env):
+        raise ConfigError("--token-env", args.token_env, "this environment variable is not set")
+    reward = rewards.build_reward(args.reward, cfg.reward, device, remote=False)
+    from lean.rewards.server import serve  # local: fastapi and uvicorn are optional
+
+    serve(args.reward, reward, args.host, args.port, args.token_env)
+    return 0
+
+
 def _launch(args) -> int:
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if not rest:
@@ -179,6 +239,7 @@ COMMANDS = {
     "plan": _plan,
     "equivalence": _equivalence,
     "bench": _bench,
+    "reward": _reward,
     "launch": _launch,
     "sync": _sync,
     "export": _export,
@@ -194,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"lean: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except RewardServerError as e:  # the rollout was kept under <out>/failed_rollouts (lean train)
+        print(f"lean: rank {rank}: {e}", file=sys.stderr)
+        return EXIT_REWARD_SERVER
     except FloatingPointError as e:  # lean.iteration.NonFiniteError with train.on_nonfinite=abort
         print(f"lean: rank {rank}: stopped: {e}", file=sys.stderr)
         return EXIT_NONFINITE

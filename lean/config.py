@@ -28,7 +28,7 @@ from lean.data import read_prompts
 from lean.dtypes import DTYPES
 from lean.loss import KL_FORMS
 from lean.presets import PRESETS
-from lean.rewards import REWARDS
+from lean.rewards import MODEL_REWARDS, reward_names
 from lean.rollout import DECODE_TARGETS
 from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS
@@ -233,26 +233,89 @@ class SampleConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """``reward.models.<name>``: where a model reward (``lean.rewards.MODEL_REWARDS``) loads from and how it runs."""
+
+    folder: str | None = None
+    """A local model folder (the layout each reward needs: ``lean.rewards.models``, README "Rewards")."""
+    batch_size: int = 32
+    """Images (video frames) per forward."""
+    dtype: str = DTYPES.default
+    """What the reward model computes in: a name of ``lean.dtypes.DTYPES``."""
+    device: str | None = None
+    """Where it runs (``cuda:1``, ``cpu``); None: the run's device."""
+
+    def validate(self, key: str, name: str) -> None:
+        check_positive(f"{key}.batch_size", self.batch_size)
+        check_choice(f"{key}.dtype", self.dtype, DTYPES)
+        if self.folder is None:
+            raise ConfigError(f"{key}.folder", None, f"set the local model folder of reward {name}")
+        problem = MODEL_REWARDS[name].folder_problem(Path(self.folder))
+        if problem is not None:
+            raise ConfigError(f"{key}.folder", self.folder, problem)
+
+
+@dataclass
+class RemoteRewardConfig:
+    """``reward.remote.<name>``: the reward is computed by a ``lean reward serve`` server (``lean.rewards.remote``)."""
+
+    url: str = ""
+    """The server's base URL, e.g. http://10.0.0.5:8100 (the client posts to <url>/score)."""
+    token_env: str | None = None
+    """An environment variable holding the server's bearer token (None: no token)."""
+    timeout_s: float = 120.0
+    """Per request."""
+    retries: int = 3
+    """Attempts after the first; then a RewardServerError naming the URL."""
+    backoff_s: float = 1.0
+    """The wait after failed attempt k is backoff_s * 2^k."""
+
+    def validate(self, key: str) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}.url", self.url, "must be an http:// or https:// URL of a lean reward server")
+        if self.token_env is not None and not os.environ.get(self.token_env):
+            raise ConfigError(f"{key}.token_env", self.token_env, "this environment variable is not set")
+        check_positive(f"{key}.timeout_s", self.timeout_s)
+        check_positive(f"{key}.retries", self.retries, strict=False)
+        check_positive(f"{key}.backoff_s", self.backoff_s, strict=False)
+
+
+@dataclass
 class RewardConfig:
-    """What a sample scores: a weighted sum of registered rewards."""
+    """What a sample scores: a weighted sum of registered rewards (``lean.rewards``)."""
 
     weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
-    """reward name (``lean.rewards.REWARDS``) -> weight."""
+    """reward name (``lean.rewards.REWARDS`` or ``MODEL_REWARDS``, or one of ``remote``) -> weight."""
     decode: str = DECODE_TARGETS.default
     """What is decoded and scored: a name of ``lean.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
+    models: dict[str, RewardModelConfig] = field(default_factory=dict)
+    """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
+    reward ``remote`` names: ``lean reward serve`` checks it on the server)."""
+    remote: dict[str, RemoteRewardConfig] = field(default_factory=dict)
+    """reward name -> the server that computes it (the name need not be registered in this process)."""
 
     def validate(self) -> None:
         check_choice("reward.decode", self.decode, DECODE_TARGETS)
         if not self.weights:
             raise ConfigError("reward.weights", self.weights, "name at least one reward")
+        known = reward_names()
         for name, weight in self.weights.items():
-            if name not in REWARDS:
+            if name not in known and name not in self.remote:
                 raise ConfigError(
                     f"reward.weights.{name}",
                     weight,
-                    f"unknown reward; known: {', '.join(sorted(REWARDS))}" + suggest(name, REWARDS),
+                    f"unknown reward; known: {', '.join(sorted(known))}" + suggest(name, known),
                 )
+        for name, remote in self.remote.items():
+            remote.validate(f"reward.remote.{name}")
+        for name, entry in self.models.items():
+            check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
+            if name not in self.remote:  # a served reward's folder is on the server's machine
+                entry.validate(f"reward.models.{name}", name)
+        for name in self.weights:
+            if name in MODEL_REWARDS and name not in self.remote and name not in self.models:
+                raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
 
 
 ON_NONFINITE = ("abort", "skip")
@@ -499,19 +562,20 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, value, "must be a mapping")
         return {_coerce(f"{key} key", k, args[0]): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):  # a section, or an entry of one (reward.models.<name>)
+        value = {} if value is None else value
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "must be a mapping of keys")
+        hints = typing.get_type_hints(tp)
+        for k, v in value.items():
+            if k not in hints:
+                raise ConfigError(f"{key}.{k}", v, "unknown key" + suggest(k, hints))
+        return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
     raise TypeError(f"unsupported annotation {tp} for {key}")
 
 
 def _build_section(name: str, raw: Any):
-    cls = SECTIONS[name]
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ConfigError(name, raw, "must be a mapping of keys")
-    hints = typing.get_type_hints(cls)
-    for key, value in raw.items():
-        if key not in hints:
-            raise ConfigError(f"{name}.{key}", value, "unknown key" + suggest(key, hints))
-    return cls(**{key: _coerce(f"{name}.{key}", value, hints[key]) for key, value in raw.items()})
+    return _coerce(name, raw, SECTIONS[name])
 
 
 def _parse_scalar(text: str) -> Any:

@@ -21,12 +21,16 @@ of the same prompt differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from lean.advantage import local_slice, run_advantages
@@ -35,7 +39,7 @@ from lean.distributed import World
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer
 from lean.models import build_policy, time_shift
 from lean.models.precision import set_matmul_precision
-from lean.rewards import compute_rewards
+from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
@@ -149,6 +153,12 @@ class IterationPipeline:
         self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
         self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
         self.world = world or World(device=policy.device)
+        self.failed_rollouts: Path | None = None  # where score() keeps a batch no reward server scored (lean train)
+
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """The run's rewards, built at the first score (a model reward loads its model once)."""
+        return Scorer(self.cfg.reward, self.world.device)
 
     # ------------------------------------------------------------ phases
 
@@ -212,15 +222,36 @@ class IterationPipeline:
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
-        total, parts = compute_rewards(self.cfg.reward.weights, images, prompts)
+        total, parts = self.scorer(images, prompts)
         return total.to(torch.float64), parts
 
     def score(self, ctx: IterationContext, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Decode x_T and score it: (total float64 [B_local], each reward's component)."""
+        """Decode x_T and score it: (total float64 [B_local], each reward's component). When a reward server fails,
+        the batch is kept under :attr:`failed_rollouts` (:meth:`keep_failed_rollout`) before the error propagates."""
         with ctx.timer("reward"):
             with ctx.tally.region("decode"):
                 images = self.policy.decode(final)
-            return self.reward(images, prompts)
+            try:
+                return self.reward(images, prompts)
+            except RewardServerError as err:
+                self.keep_failed_rollout(ctx.iteration, final, images, prompts, err)
+                raise
+
+    def keep_failed_rollout(
+        self, iteration: int, final: Tensor, images: Tensor, prompts: list[str], err: Exception
+    ) -> None:
+        """``<failed_rollouts>/<iteration>[.rank<r>].safetensors`` (``latents`` x_T, ``images`` in [0, 1]) and a
+        ``.json`` beside it (iteration, rank, prompts, the error), so the batch can be re-scored (README "Rewards")."""
+        if self.failed_rollouts is None:
+            return
+        stem = f"{iteration}" + (f".rank{self.world.rank}" if self.world.size > 1 else "")
+        self.failed_rollouts.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {"latents": final.detach().cpu().contiguous(), "images": images.detach().cpu().contiguous()},
+            self.failed_rollouts / f"{stem}.safetensors",
+        )
+        meta = {"iteration": iteration, "rank": self.world.rank, "prompts": list(prompts), "error": str(err)}
+        (self.failed_rollouts / f"{stem}.json").write_text(json.dumps(meta, indent=1))
 
     def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(every sample's reward [N] on the host, this process's advantages [B_local] on the device), float64.

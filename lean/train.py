@@ -130,6 +130,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     if saved is not None and not force:
         check_resumable(saved.get("config"), cfg, out_dir)
     trainer = Trainer(cfg)
+    trainer.pipeline.failed_rollouts = out_dir / "failed_rollouts"  # a batch no reward server scored is kept
     schedule, decision = resolve_schedule(trainer)
     start, history, run_id = resume_point(trainer, saved)
     if trainer.world.is_main:
@@ -190,8 +191,9 @@ RESUMABLE_CHANGES = frozenset(
         "train.keep_checkpoints",
         "train.dist_timeout_s",
         "train.threads",
+        "reward.remote",
     }
-)  # the run's length, where it writes and how it runs; everything else changes what the resumed run computes
+)  # the run's length, where it writes, how it runs (a reward server's address); everything else changes the result
 
 
 def config_changes(saved: dict, cfg: RunConfig) -> list[str]:

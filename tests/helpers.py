@@ -27,3 +27,50 @@ QUICK = [
 def tiny(*overrides: str) -> RunConfig:
     """A fast run config: tiny model, 4 steps, 2 prompts x 2 samples."""
     return load_config(None, [*FAST, *overrides])
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (now) on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CLIP_PROMPTS = ["a red circle on a white background", "a blue square on the left", "a photo", "a cat"]
+
+
+def save_tiny_clip(folder, projection_dim: int = 16, image_size: int = 32, head: bool = True):
+    """A randomly initialised CLIP folder as the model rewards read it (``lean.rewards.models``): config.json and
+    model.safetensors (``CLIPModel.save_pretrained``), the repo's word-level tokenizer trained on
+    :data:`CLIP_PROMPTS` (``lean.models.text.train_tokenizer``), a CLIPImageProcessor config and, with
+    ``head``, a random LAION-format aesthetic head (``aesthetic_head.safetensors``). Returns ``folder``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from lean.models.text import train_tokenizer
+    from lean.rewards.models import aesthetic_head
+
+    tok = train_tokenizer(CLIP_PROMPTS, max_length=16)
+    ids = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = CLIPConfig(
+        text_config={"vocab_size": len(tok), "max_position_embeddings": 16, **small, **ids},
+        vision_config={"image_size": image_size, "patch_size": 8, **small},
+        projection_dim=projection_dim,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        CLIPModel(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    crop = {"height": image_size, "width": image_size}
+    CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=crop).save_pretrained(folder)
+    if head:
+        mlp = aesthetic_head(projection_dim)
+        save_file(
+            {f"layers.{k}": v.contiguous() for k, v in mlp.state_dict().items()},
+            f"{folder}/aesthetic_head.safetensors",
+        )
+    return folder

@@ -24,7 +24,7 @@ BAD = [
     ("model.family=wan ; model.num_frames=4", "model.num_frames"),
     ("train.schedle=retain", "train.schedle"),
     ("train.schedule=retain2", "train.schedule"),
-    ("reward.weights={aesthetic: 1.0}", "reward.weights.aesthetic"),
+    ("reward.weights={aesthetics: 1.0}", "reward.weights.aesthetics"),
     ("model.pretrained=/nonexistent", "model.pretrained"),
     ("trian.lr=1", "trian"),
     ("train.iterations=2.5", "train.iterations"),

@@ -104,5 +104,7 @@ def test_compute_rewards_weighted_sum():
     torch.testing.assert_close(parts["color_match"], REWARDS["color_match"](images, prompts))
     torch.testing.assert_close(total, 2.0 * parts["color_match"] - 0.5 * parts["jpeg_compressibility"])
     assert total.dtype == torch.float64
-    with pytest.raises(ValueError, match="aesthetic"):
+    with pytest.raises(ValueError, match="'sharpness': unknown"):
+        compute_rewards({"color_match": 1.0, "sharpness": 1.0}, images, prompts)
+    with pytest.raises(ValueError, match="'aesthetic': loads a model"):
         compute_rewards({"color_match": 1.0, "aesthetic": 1.0}, images, prompts)

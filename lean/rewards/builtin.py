@@ -1,8 +1,8 @@
-"""Reward functions: a registry of batched, deterministic, weight-free scores, and their weighted sum.
+"""The built-in rewards: batched, deterministic, weight-free scores (JPEG size, FlowGRPO's; colour and position
+matches, the workbench's synthetic task).
 
-A reward takes ``images`` in [0, 1] (float, [B, 3, H, W], or videos [B, 3, F, H, W]) and ``prompts`` (B strings) and
-returns float64 [B]. Each function is written for images; :func:`register` makes it accept videos by scoring every
-frame and averaging over frames.
+Each takes ``images`` in [0, 1] (float, [B, 3, H, W]) and ``prompts`` (B strings) and returns float64 [B];
+:func:`lean.rewards.base.register` makes it accept videos too (the mean over frames).
 """
 
 from __future__ import annotations
@@ -10,15 +10,13 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
-RewardFn = Callable[[Tensor, list[str]], Tensor]
-REWARDS: dict[str, RewardFn] = {}
+from lean.rewards.base import register
 
 # RGB in [0, 1]; "grey" is an alias of "gray".
 COLORS: dict[str, tuple[float, float, float]] = {
@@ -35,31 +33,6 @@ COLORS: dict[str, tuple[float, float, float]] = {
     "gray": (0.5, 0.5, 0.5),
     "grey": (0.5, 0.5, 0.5),
 }
-
-
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Register an image reward under ``name``; the stored function also accepts videos (mean over frames) and
-    checks shapes."""
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        def reward(images: Tensor, prompts: list[str]) -> Tensor:
-            if images.ndim not in (4, 5) or images.shape[1] != 3 or not images.is_floating_point():
-                shape = f"{images.dtype} {list(images.shape)}"
-                raise ValueError(f"images: need float [B,3,H,W] or [B,3,F,H,W] in [0, 1], got {shape}")
-            if len(prompts) != images.shape[0]:
-                raise ValueError(f"prompts: got {len(prompts)} prompts for {images.shape[0]} images")
-            if images.ndim == 4:
-                return fn(images, list(prompts)).to(torch.float64)
-            b, _, f = images.shape[:3]
-            frames = images.permute(0, 2, 1, 3, 4).reshape(b * f, 3, *images.shape[3:])
-            per_frame = fn(frames, [p for p in prompts for _ in range(f)]).to(torch.float64)
-            return per_frame.view(b, f).mean(dim=1)
-
-        reward.__name__, reward.__doc__ = fn.__name__, fn.__doc__
-        REWARDS[name] = reward
-        return reward
-
-    return decorate
 
 
 def to_uint8(images: Tensor) -> np.ndarray:
@@ -182,17 +155,3 @@ def position_match(images: Tensor, prompts: list[str]) -> Tensor:
         outside = masked_closeness(images[b : b + 1], ~region, obj)
         scores[b] = (inside - outside).squeeze(0).cpu()
     return scores
-
-
-def compute_rewards(
-    weights: Mapping[str, float], images: Tensor, prompts: list[str]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """``total = Σ_name weights[name] · REWARDS[name](images, prompts)`` (float64 [B]) and each unweighted component."""
-    unknown = [name for name in weights if name not in REWARDS]
-    if unknown:
-        raise ValueError(f"reward {unknown[0]!r}: unknown; known: {', '.join(sorted(REWARDS))}")
-    components = {name: REWARDS[name](images, prompts).cpu() for name in weights}
-    total = torch.zeros(images.shape[0], dtype=torch.float64)
-    for name, weight in weights.items():
-        total += weight * components[name]
-    return total, components

@@ -1,0 +1,112 @@
+"""The two reward registries and the input contract every reward shares.
+
+A reward scores ``images`` in [0, 1] (float, [B, 3, H, W], or videos [B, 3, F, H, W]) against ``prompts`` (B strings)
+and returns float64 [B]. Rewards are written for images; :func:`over_frames` makes one accept videos by scoring every
+frame as an image and averaging over the frames: ``r(video_b) = (1/F) Σ_f r(frame_{b,f})``.
+
+* :data:`REWARDS`: weight-free functions (``lean.rewards.builtin``), registered with :func:`register`.
+* :data:`MODEL_REWARDS`: rewards that load a model from a local folder (``lean.rewards.models``): a
+  :class:`ModelReward` class, built once per run from its ``reward.models.<name>`` settings and a device.
+
+A reward name is in at most one of them (:func:`reward_names` lists both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import RewardModelConfig
+
+RewardFn = Callable[[Tensor, list[str]], Tensor]
+
+
+def check_inputs(images: Tensor, prompts: list[str]) -> None:
+    """``ValueError`` unless ``images`` is float [B, 3, H, W] or [B, 3, F, H, W] with B prompts."""
+    if images.ndim not in (4, 5) or images.shape[1] != 3 or not images.is_floating_point():
+        raise ValueError(
+            f"images: need float [B,3,H,W] or [B,3,F,H,W] in [0, 1], got {images.dtype} {list(images.shape)}"
+        )
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"prompts: got {len(prompts)} prompts for {images.shape[0]} images")
+
+
+def over_frames(score_images: RewardFn, images: Tensor, prompts: list[str]) -> Tensor:
+    """``score_images`` (written for [B, 3, H, W]) applied to images or videos: float64 [B], a video's score the mean
+    over its frames (every frame is scored with its sample's prompt)."""
+    check_inputs(images, prompts)
+    if images.ndim == 4:
+        return score_images(images, list(prompts)).to(torch.float64)
+    b, _, f = images.shape[:3]
+    frames = images.permute(0, 2, 1, 3, 4).reshape(b * f, 3, *images.shape[3:])
+    per_frame = score_images(frames, [p for p in prompts for _ in range(f)]).to(torch.float64)
+    return per_frame.view(b, f).mean(dim=1)
+
+
+class ModelReward:
+    """A reward that loads a model from ``settings.folder`` once, onto ``device``; calling it scores a batch.
+
+    Subclasses define :meth:`folder_problem` (a cheap check of the folder's files: it runs at config validation,
+    before any model is built), ``__init__`` (the loading) and :meth:`score_images` ([B, 3, H, W] -> [B])."""
+
+    uses_prompts: ClassVar[bool] = True  # False: the score depends on the image alone (an aesthetic predictor)
+
+    @classmethod
+    def folder_problem(cls, folder: Path) -> str | None:
+        """What keeps ``folder`` from loading as this reward (one line, naming the missing file), or None."""
+        raise NotImplementedError
+
+    def __init__(self, settings: RewardModelConfig, device: torch.device | str):
+        self.settings = settings
+
+    def score_images(self, images: Tensor, prompts: list[str]) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return over_frames(self.score_images, images, prompts).cpu()
+
+
+REWARDS: Registry[RewardFn] = Registry("reward")
+MODEL_REWARDS: Registry[type[ModelReward]] = Registry("model reward")
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register an image reward function under ``name`` in :data:`REWARDS`; the stored function also accepts videos
+    (:func:`over_frames`) and checks shapes."""
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        def reward(images: Tensor, prompts: list[str]) -> Tensor:
+            return over_frames(fn, images, prompts)
+
+        reward.__name__, reward.__doc__ = fn.__name__, fn.__doc__
+        _check_unique(name)
+        return REWARDS.register(name)(reward)
+
+    return decorate
+
+
+def register_model(name: str) -> Callable[[type[ModelReward]], type[ModelReward]]:
+    """Register a :class:`ModelReward` subclass under ``name`` in :data:`MODEL_REWARDS`."""
+
+    def decorate(cls: type[ModelReward]) -> type[ModelReward]:
+        _check_unique(name)
+        return MODEL_REWARDS.register(name)(cls)
+
+    return decorate
+
+
+def _check_unique(name: str) -> None:
+    if name in REWARDS or name in MODEL_REWARDS:
+        raise ValueError(f"reward {name!r} is registered twice")
+
+
+def reward_names() -> list[str]:
+    """Every registered reward: the functions, then the model rewards."""
+    return [*REWARDS, *MODEL_REWARDS]
