@@ -66,6 +66,14 @@ def check_fraction(key: str, value: float) -> None:
         raise ConfigError(key, value, "must be in [0, 1)")
 
 
+def prompts_of_file(key: str, path: str) -> list[str]:
+    """``lean.data.read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
+    try:
+        return read_prompts(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, path, str(err)) from None
+
+
 # ---------------------------------------------------------------- sections
 
 
@@ -442,10 +450,7 @@ class TrainConfig:
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
         if self.prompts_file is not None:
-            try:
-                self.prompts = read_prompts(self.prompts_file)
-            except (OSError, ValueError) as err:
-                raise ConfigError("train.prompts_file", self.prompts_file, str(err)) from None
+            self.prompts = prompts_of_file("train.prompts_file", self.prompts_file)
         if not self.prompts:
             raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
 
@@ -457,11 +462,50 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation during ``lean train`` (``lean.evaluation``): deterministic ODE samples of fixed prompts from the
+    same noise at every evaluation, scored with the run's reward, written as image grids and logged to MLflow."""
+
+    every: int = 0
+    """Evaluate every N iterations, and before the first (the base model) and after the last; 0: never."""
+    prompts: list[str] | None = None
+    """The eval prompts; None: the training prompts (``train.prompts``). Replaced by ``prompts_file``'s when set."""
+    prompts_file: str | None = None
+    """A prompt file (``lean.data.read_prompts``: one prompt a line, or ``.jsonl`` with a ``prompt`` field)."""
+    samples_per_prompt: int = 2
+    """Samples of each eval prompt: the grid's columns."""
+    num_steps: int | None = None
+    """Euler (ODE) steps over the run's sigma grid; None: ``sample.num_steps``."""
+    guidance_scale: float | None = None
+    """CFG scale of the eval samples; None: ``sample.guidance_scale``."""
+    seed: int = 0
+    """Seed of the eval noise: every evaluation starts from the same x_1, so its images compare across iterations."""
+    batch_size: int = 8
+    """Samples per rollout, decode and reward call, per process."""
+    use_ema: bool = True
+    """With ``train.ema``: evaluate the EMA weights (those of ``lora_ema.safetensors``); false: the trained ones."""
+
+    def validate(self) -> None:
+        check_positive("eval.every", self.every, strict=False)
+        for key in ("samples_per_prompt", "batch_size"):
+            check_positive(f"eval.{key}", getattr(self, key))
+        if self.num_steps is not None:
+            check_positive("eval.num_steps", self.num_steps)
+        if self.guidance_scale is not None:
+            check_positive("eval.guidance_scale", self.guidance_scale, strict=False)
+        if self.prompts_file is not None:
+            self.prompts = prompts_of_file("eval.prompts_file", self.prompts_file)
+        if self.prompts is not None and not self.prompts:
+            raise ConfigError("eval.prompts", self.prompts, "needs at least one prompt (or null: the training prompts)")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -66,6 +66,25 @@ class TrainState:
         without ``train.ema``."""
         return None if self.ema is None else {n: e.detach().clone() for n, e in zip(self.names, self.ema)}
 
+    @contextlib.contextmanager
+    def ema_swapped_in(self, use_ema: bool = True) -> Iterator[bool]:
+        """Inside the block the trainable parameters hold the EMA weights (copied in place, so the policy's
+        forward reads them), and their own values again after it; yields whether it swapped (``use_ema`` and
+        ``train.ema`` on). The evaluation's weights (``lean.evaluation``)."""
+        if not use_ema or self.ema is None:
+            yield False
+            return
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self.params]
+            for p, e in zip(self.params, self.ema):
+                p.copy_(e)
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for p, v in zip(self.params, own):
+                    p.copy_(v)
+
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
     def state_dict(self) -> dict:

@@ -11,10 +11,10 @@ repository when ``dvc exp run --temp/--queue`` runs the stage in a temporary cop
 cwd.
 
 Every run of the workbench's one experiment is tagged with the git commit, the stage (``$DVC_STAGE`` under DVC), the
-schedule, and the DVC experiment (name, baseline commit, params hash) when there is one; a stage that runs several
-schedules opens one child run per schedule (``Run.child``). A store that cannot be reached never stops a run: the
-first failure is reported once as a warning, tracking stays off for the rest of the process, and the local JSON/CSV
-outputs are written as always.
+schedule, and the DVC experiment (name, baseline commit, params hash) when there is one (the experiment itself as
+model training, ``mlflow.experimentKind``); a stage that runs several schedules opens one child run per schedule
+(``Run.child``). A store that cannot be reached never stops a run: the first failure is reported once as a warning,
+tracking stays off for the rest of the process, and the local JSON/CSV outputs are written as always.
 
 A run given a ``spool`` file (``lean train`` uses ``<out>/tracking_pending.jsonl``) loses nothing when its store goes
 away mid-run: a metrics/params/tags batch or the final status that fails is appended there as one JSON line (warned
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "lean-workbench"
+# The MLflow UI opens an experiment of this kind on its runs (training curves, images), not on its GenAI views.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 SPOOL = "tracking_pending.jsonl"  # the spool's name inside a run's output folder
 RETRY_AFTER_S = 30.0  # after a failed call, spool without asking the store for this long (a hung server costs seconds)
 # Errors that say the store answered and refused the call: retrying cannot help, so they are not spooled.
@@ -136,11 +138,16 @@ def _client():
         found = client.get_experiment_by_name(name)
         if found is not None:
             _state["experiment_id"] = found.experiment_id
+            kind = found.tags.get(EXPERIMENT_KIND)
+            if kind is None or kind.endswith("inferred_type") or kind.endswith("_inferred"):  # a user's kind stays
+                client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         else:
             # Beside a SQLite store (MLflow's own default would be relative to the cwd); a server picks its own.
             db = uri.removeprefix("sqlite:///")
             artifacts = (Path(db).resolve().parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
-            _state["experiment_id"] = client.create_experiment(name, artifact_location=artifacts)
+            _state["experiment_id"] = client.create_experiment(
+                name, artifact_location=artifacts, tags={EXPERIMENT_KIND: MODEL_TRAINING}
+            )
     return client, _state["experiment_id"]
 
 
@@ -321,6 +328,16 @@ class Run:
             self._call("log_artifacts", str(path), artifact_path)
         elif path.exists():
             self._call("log_artifact", str(path), artifact_path)
+
+    def log_image(self, path: str | os.PathLike, key: str, step: int) -> None:
+        """An image file as MLflow's stepped image ``key`` at ``step``: the run page's images view shows how it
+        changes over the steps."""
+        if not self.active:
+            return
+        from PIL import Image  # local: only runs that log images read them
+
+        with Image.open(path) as image:
+            self._call("log_image", image.convert("RGB"), key=key, step=step, synchronous=True)
 
     def log_figure(self, figure, name: str) -> None:
         """A matplotlib figure as ``figures/<name>`` (PNG)."""

@@ -8,6 +8,7 @@ batch, advantages are computed over all of them, and gradients are averaged once
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import warnings
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from lean import checkpoint, export, tracking
-from lean.config import ConfigError, RunConfig
+from lean.config import SECTIONS, ConfigError, RunConfig
 from lean.distributed import World, init_world, set_threads
+from lean.evaluation import Evaluator
 from lean.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.metrics import FlopTally, median
 from lean.optimizer import TrainState
@@ -122,6 +124,9 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     ``flops_counted: 1`` and the summary's ``time_*`` medians leave it out when other iterations were timed. Only
     when no iteration completed (a resume with nothing left, every iteration skipped) is one more, undone,
     iteration run to count.
+
+    With ``eval.every`` the run evaluates (``lean.evaluation``) before the first iteration, after every
+    ``eval.every``-th and after the last: ``<out>/eval/<iteration>/``, ``<out>/eval.csv``, MLflow.
     """
     t = cfg.train
     set_threads(t.threads)
@@ -133,6 +138,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     trainer.pipeline.failed_rollouts = out_dir / "failed_rollouts"  # a batch no reward server scored is kept
     schedule, decision = resolve_schedule(trainer)
     start, history, run_id = resume_point(trainer, saved)
+    evaluations = list(saved.get("eval_history", [])) if saved is not None else []
     if trainer.world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(
@@ -141,6 +147,8 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
             flush=True,
         )
     run = tracking_run(trainer, out_dir, schedule, run_id)
+    evaluator = Evaluator(trainer.pipeline, out_dir) if cfg.eval.every else None
+    evaluate(trainer, evaluator, start, run, evaluations)  # iteration 0: the base model
     last, flops = None, None
     bar = tqdm(
         range(start, t.iterations),
@@ -158,6 +166,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
         history.append(row)
         run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
         bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
+        evaluate(trainer, evaluator, it + 1, run, evaluations)  # the weights after it + 1 updates
         if t.save_every and (it + 1) % t.save_every == 0 and trainer.world.is_main:
             checkpoint.save(
                 out_dir / "checkpoints",
@@ -165,6 +174,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
                 {
                     "trainer": trainer.state.state_dict(),
                     "history": history,
+                    "eval_history": evaluations,
                     "tracking_run_id": run.run_id,
                     "config": cfg.to_dict(),  # as given (sample.shift unresolved): what --resume compares
                 },
@@ -174,7 +184,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
         flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
     latents = trainer.world.gather(last.final.contiguous()) if last is not None else None  # every rank's x_T
     if trainer.world.is_main:
-        write_outputs(out_dir, trainer, history, flops, schedule, decision)
+        write_outputs(out_dir, trainer, history, flops, schedule, decision, evaluations)
         if last is not None:
             save_file({"latents": latents.cpu(), "rewards": last.rewards.cpu()}, out_dir / "rollout.safetensors")
         log_summary(run, out_dir)
@@ -192,16 +202,20 @@ RESUMABLE_CHANGES = frozenset(
         "train.dist_timeout_s",
         "train.threads",
         "reward.remote",
+        "eval.every",
+        "eval.batch_size",
     }
 )  # the run's length, where it writes, how it runs (a reward server's address); everything else changes the result
 
 
 def config_changes(saved: dict, cfg: RunConfig) -> list[str]:
-    """``key: saved -> now`` for every dotted key (outside :data:`RESUMABLE_CHANGES`) whose value differs."""
+    """``key: saved -> now`` for every dotted key (outside :data:`RESUMABLE_CHANGES`) whose value differs. A section
+    the saved config lacks (written before the section existed) ran with that section's defaults."""
     now = cfg.to_dict()
     changes = []
     for section in sorted(set(saved) | set(now)):
-        before, after = saved.get(section) or {}, now.get(section) or {}
+        default = dataclasses.asdict(SECTIONS[section]()) if section in SECTIONS else {}
+        before, after = saved.get(section, default) or {}, now.get(section) or {}
         for key in sorted(set(before) | set(after)):
             dotted = f"{section}.{key}"
             if dotted not in RESUMABLE_CHANGES and before.get(key) != after.get(key):
@@ -243,6 +257,29 @@ def tracking_run(trainer: Trainer, out_dir: Path, schedule: str, run_id: str | N
     if run_id is not None:
         return tracking.attach(run_id, spool=spool, resume=True)
     return tracking.start_run(f"train[{schedule}]", schedule=schedule, params=trainer.cfg.to_dict(), spool=spool)
+
+
+def evaluate(
+    trainer: Trainer, evaluator: Evaluator | None, iteration: int, run: tracking.Run, evaluations: list[dict]
+) -> None:
+    """The evaluation of ``iteration`` when it is due and not done yet (a resumed run has the earlier ones): with
+    the EMA weights when ``train.ema`` and ``eval.use_ema``; its row appended to ``evaluations`` and
+    ``<out>/eval.csv``, logged to MLflow at step ``iteration`` with its grid (a stepped image, ``eval_grid``) and
+    its folder (artifacts ``eval/<iteration>/``)."""
+    if evaluator is None or not evaluator.due(iteration) or any(e["iteration"] == iteration for e in evaluations):
+        return
+    with trainer.state.ema_swapped_in(trainer.cfg.eval.use_ema) as ema:
+        row = {**evaluator.evaluate(iteration), "eval_ema": int(ema)}
+    evaluations.append(row)
+    run.log_metrics({k: v for k, v in row.items() if k != "iteration"}, step=iteration)  # the step says it
+    if trainer.world.is_main:
+        tqdm.write(
+            f"lean eval at iteration {iteration}: reward {row['eval_reward_mean']:.4f} +- {row['eval_reward_std']:.4f} "
+            f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s) -> {evaluator.folder(iteration)}"
+        )
+        write_csv(evaluator.root.parent / "eval.csv", evaluations)
+        run.log_image(evaluator.folder(iteration) / "grid.png", "eval_grid", iteration)
+        run.log_artifact(evaluator.folder(iteration), f"eval/{iteration}")
 
 
 def guarded_iteration(
@@ -302,11 +339,19 @@ def flops_of_one_iteration(trainer: Trainer, schedule: str, iteration: int) -> d
 
 
 def write_outputs(
-    out_dir: Path, trainer: Trainer, history: list[dict], flops: dict, schedule: str, decision: dict
+    out_dir: Path,
+    trainer: Trainer,
+    history: list[dict],
+    flops: dict,
+    schedule: str,
+    decision: dict,
+    evaluations: list[dict],
 ) -> None:
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
     ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
-    ``lora/`` (``lora_ema/``) and a random base's fingerprint (``lean.export.write_run_exports``)."""
+    ``lora/`` (``lora_ema/``) and a random base's fingerprint (``lean.export.write_run_exports``). With evaluations,
+    the summary has the eval reward of each (``eval_reward_mean`` at ``eval_iterations``), the first, the last and
+    ``eval_reward_gain`` = last - first."""
     keys = sorted({k for row in history for k in row if isinstance(row[k], (int, float))})
     # the iteration that counted FLOPs ran slower; its times count only when no other iteration was timed
     timed = [row for row in history if not row.get("flops_counted")] or history
@@ -327,6 +372,7 @@ def write_outputs(
                 (row["peak_memory_mb"] for row in history if "peak_memory_mb" in row), default=float("nan")
             ),
             **({AUTO: decision} if decision else {}),
+            **eval_summary(evaluations),
         },
     )
     trainer.policy.save_lora(out_dir / "lora.safetensors")
@@ -334,6 +380,21 @@ def write_outputs(
         trainer.policy.save_lora(out_dir / "lora_ema.safetensors", ema)
     export.write_run_exports(out_dir, trainer.policy, ema, trainer.cfg.model)
     write_json(out_dir / "config.json", trainer.cfg.to_dict())
+
+
+def eval_summary(evaluations: list[dict]) -> dict:
+    """The evaluations' part of metrics.json (nothing without evaluations)."""
+    if not evaluations:
+        return {}
+    ordered = sorted(evaluations, key=lambda e: e["iteration"])
+    first, last = ordered[0]["eval_reward_mean"], ordered[-1]["eval_reward_mean"]
+    return {
+        "eval_iterations": [e["iteration"] for e in ordered],
+        "eval_reward_mean": [e["eval_reward_mean"] for e in ordered],
+        "eval_reward_first": first,
+        "eval_reward_last": last,
+        "eval_reward_gain": last - first,
+    }
 
 
 def log_summary(run: tracking.Run, out_dir: Path) -> None:

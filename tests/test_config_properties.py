@@ -57,6 +57,7 @@ KEYS = {
         "dist_timeout_s",
     ],
     "reward": ["weights"],
+    "eval": ["every", "prompts", "prompts_file", "samples_per_prompt", "num_steps", "guidance_scale", "batch_size"],
     "rewrad": ["x"],
 }
 

@@ -1,5 +1,6 @@
 """Real gloo ranks through `lean launch`: world size changes neither the trajectories nor the update."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -28,19 +29,35 @@ def _lean(*args, timeout=280):
     return proc
 
 
+EVAL_PROMPTS = ("a red circle on a white background", "a green square on a black background", "a blue circle")
+# evaluations 0 and 1 of three prompts: shares of 2 and 1 samples on two processes
+EVAL = ["--set", "eval.every=1", "--set", "eval.num_steps=2", "--set", "eval.samples_per_prompt=1"]
+EVAL += ["--set", f"eval.prompts=[{', '.join(EVAL_PROMPTS)}]"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12)])  # the strict one; float32 runs the same code path
 def test_two_processes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
     one, two = tmp_path / "one", tmp_path / "two"
-    _lean("train", *SMALL, "--set", f"model.dtype={dtype}", "--out", str(one))
-    proc = _lean("launch", "-n", "2", "--", "train", *SMALL, "--set", f"model.dtype={dtype}", "--out", str(two))
+    _lean("train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(one))
+    proc = _lean("launch", "-n", "2", "--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two))
     assert "2 CPU processes, gloo" in proc.stderr
     a, b = load_file(one / "rollout.safetensors"), load_file(two / "rollout.safetensors")
     assert a["latents"].shape == b["latents"].shape
     assert (a["latents"] - b["latents"]).abs().max().item() < tol
     assert torch.allclose(a["rewards"], b["rewards"], rtol=0, atol=tol)
     assert json.loads((two / "metrics.json").read_text())["world_size"] == 2
+    for it in (0, 1):  # every sample of the evaluation, written by the process that owns it, scored the same
+        rewards = [_column(run / "eval" / str(it) / "samples.csv", "reward") for run in (one, two)]
+        assert len(rewards[0]) == 3 and rewards[1] == pytest.approx(rewards[0], rel=0, abs=1e-9)
+        written = sorted(p.name for p in (two / "eval" / str(it)).iterdir())
+        assert written == ["grid.png", "p000_s00.png", "p001_s00.png", "p002_s00.png", "samples.csv"]
+
+
+def _column(path, name):
+    with open(path) as f:
+        return [float(row[name]) for row in csv.DictReader(f)]
 
 
 @pytest.mark.slow

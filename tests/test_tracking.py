@@ -107,6 +107,29 @@ def test_run_with_tags_params_metrics_child_and_figure(monkeypatch):
     assert [a.path for a in client.list_artifacts(run_id, "figures")] == ["figures/curve.png"]
 
 
+def test_experiments_are_tagged_as_model_training():
+    """New experiments, and existing ones without a kind (or with one MLflow inferred), open on their runs in the
+    MLflow UI; a kind a user chose stays."""
+    client = _client()
+    for name, kind in [("lean-kind-none", None), ("lean-kind-inferred", "genai_development_inferred")]:
+        client.create_experiment(name, tags={} if kind is None else {tracking.EXPERIMENT_KIND: kind})
+    client.create_experiment("lean-kind-user", tags={tracking.EXPERIMENT_KIND: "genai_development"})
+    for name in ("lean-kind-new", "lean-kind-none", "lean-kind-inferred", "lean-kind-user"):
+        tracking.reset()
+        tracking.configure(enabled=True, experiment=name)
+        tracking.start_run("x").finish()
+    kinds = {
+        name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind")
+        for name in ("lean-kind-new", "lean-kind-none", "lean-kind-inferred", "lean-kind-user")
+    }
+    assert kinds == {
+        "lean-kind-new": "custom_model_development",
+        "lean-kind-none": "custom_model_development",
+        "lean-kind-inferred": "custom_model_development",
+        "lean-kind-user": "genai_development",
+    }
+
+
 def test_unreachable_store_warns_once_and_continues(monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,253 @@
+"""Evaluation during ``lean train``: deterministic samples of fixed prompts from fixed noise, scored and drawn.
+
+For each eval prompt p (``eval.prompts``, default the training prompts) and sample k < ``eval.samples_per_prompt``:
+
+    x_1 ~ N(0, I)                         from the stream (eval.seed, p, k): the same x_1 at every evaluation
+    x_{i+1} = x_i + (σ_{i+1} − σ_i) v_θ(x_i, σ_i)      Euler (ODE) steps, i < eval.num_steps, over the run's sigma
+                                          grid (``sample.sigma_grid``, ``sample.shift``), CFG at eval.guidance_scale
+    images = decode(x_N)                  (the last ODE step lands on DanceGRPO's x̂_0 too: σ_N = 0)
+    reward = Σ_name w_name r_name(images, prompts)     the run's ``reward.weights``
+
+The loop is the rollout's own (``lean.rollout.rollout``) with a step selection that marks no step stochastic, under
+the weights the caller swaps in (``TrainState.ema_swapped_in``: the EMA ones with ``train.ema`` and
+``eval.use_ema``). With the same weights two evaluations give the same images, so the grids of a run show what
+training changed and nothing else.
+
+Metrics of an evaluation (one row of ``<out>/eval.csv``, MLflow metrics at step = the iteration): ``eval_reward_mean``
+and ``eval_reward_std`` (population std over all P x S samples), ``eval_reward_<name>`` (each unweighted reward's
+mean), ``eval_samples``, ``eval_time_s``. The iteration of an evaluation is the number of updates applied before it:
+0 is the base model, and iteration i's rollout samples the same weights as evaluation i.
+
+Files under ``<out>/eval/<iteration>/``: ``p<prompt>_s<sample>.png`` (video: an animated ``.gif`` of all frames),
+``grid.png`` (rows = prompts with their text, columns = samples with their reward; video: first frames) and
+``samples.csv`` (each sample's prompt and rewards).
+
+Data parallel: the P x S samples are split into contiguous shares, one per process (the last ones may hold fewer);
+each process samples, scores and writes its own, the rewards are gathered (``World.gather``), and the main process
+draws the grid from the written files. Every process works, so none waits idle in a collective whose timeout
+(``train.dist_timeout_s``) an evaluation by the main process alone could exceed.
+
+Random-weight policies train their tokenizer on the training prompts (``lean.models.build_policy``): words of eval
+prompts that no training prompt has read as unknown tokens (a pretrained folder brings its own tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import textwrap
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lean.models import family_module
+from lean.outputs import write_csv
+from lean.rewards import compute_rewards
+from lean.rollout import rollout, sample_generator
+from lean.sde import StepSelection, sigma_schedule
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from lean.distributed import World
+    from lean.iteration import IterationPipeline
+
+EVAL_STREAM = 2**32 - 2  # the iteration key of the eval noise streams: no training iteration has it
+GIF_FRAME_MS = 62  # 16 frames per second, Wan's rate
+GRID_CELL_TARGET, GRID_CELL_MAX = 128, 256  # small samples are magnified (nearest) towards 128 px, large cut to 256
+CAPTION_CHARS = 36  # characters per line of a row's prompt in the grid
+
+
+def eval_iterations(every: int, iterations: int) -> list[int]:
+    """The iterations evaluated: 0 (the base model), every ``every``-th, and ``iterations`` (the trained model);
+    none when ``every`` is 0."""
+    if not every:
+        return []
+    return sorted({0, iterations, *range(every, iterations + 1, every)})
+
+
+def share(n: int, rank: int, size: int) -> slice:
+    """Process ``rank``'s contiguous share of ``n`` items: ``ceil(n / size)`` each, the last shares shorter (or
+    empty)."""
+    per = math.ceil(n / size)
+    return slice(min(rank * per, n), min((rank + 1) * per, n))
+
+
+def pad_share(local: Tensor, n: int, size: int) -> Tensor:
+    """A share's rows [len(share), K] padded with NaN to the longest share's length (a collective needs equal
+    shapes)."""
+    padded = torch.full((math.ceil(n / size), local.shape[1]), math.nan, dtype=local.dtype)
+    padded[: local.shape[0]] = local
+    return padded
+
+
+def unpad_shares(rows: Tensor, n: int, size: int) -> Tensor:
+    """The padded shares of all processes, concatenated in rank order -> the ``n`` rows, in order."""
+    rows = rows.view(size, math.ceil(n / size), -1)
+    shares = [share(n, r, size) for r in range(size)]
+    return torch.cat([rows[r, : s.stop - s.start] for r, s in enumerate(shares)])
+
+
+def gather_shares(world: World, local: Tensor, n: int) -> Tensor:
+    """Every process's rows ``local`` [len(share), K] (float64, on the host) -> all ``n`` rows, in order."""
+    gathered = world.gather(pad_share(local, n, world.size).to(world.device)).cpu()
+    return unpad_shares(gathered, n, world.size)
+
+
+class Evaluator:
+    """The evaluation of one run: its prompts, sampler, noise streams and output folder (``<out>/eval``)."""
+
+    def __init__(self, pipeline: IterationPipeline, out_dir: str | Path):
+        cfg = pipeline.cfg  # sample.shift resolved (build_pipeline)
+        e = cfg.eval
+        self.policy, self.world, self.cfg = pipeline.policy, pipeline.world, cfg
+        self.prompts = list(e.prompts or cfg.train.prompts)
+        self.sample_cfg = dataclasses.replace(
+            cfg.sample,
+            num_steps=e.num_steps or cfg.sample.num_steps,
+            guidance_scale=cfg.sample.guidance_scale if e.guidance_scale is None else e.guidance_scale,
+        )
+        grid = sigma_schedule(self.sample_cfg.num_steps, cfg.sample.shift, cfg.sample.sigma_grid)
+        self.sigmas = grid.to(self.world.device)
+        self.keys = [(p, k) for p in range(len(self.prompts)) for k in range(e.samples_per_prompt)]
+        self.local = share(len(self.keys), self.world.rank, self.world.size)
+        self.video = getattr(family_module(cfg.model.family), "FRAME_STEP", None) is not None
+        self.root = Path(out_dir) / "eval"
+
+    def folder(self, iteration: int) -> Path:
+        return self.root / str(iteration)
+
+    def due(self, iteration: int) -> bool:
+        return iteration in eval_iterations(self.cfg.eval.every, self.cfg.train.iterations)
+
+    def file(self, prompt_index: int, sample_index: int) -> str:
+        return f"p{prompt_index:03d}_s{sample_index:02d}.{'gif' if self.video else 'png'}"
+
+    @torch.no_grad()
+    def sample(self, keys: list[tuple[int, int]]) -> Tensor:
+        """Decoded ODE samples of ``keys`` ((prompt index, sample index) pairs): ``[B, 3, H, W]`` (video ``[B, 3,
+        F, H, W]``) in [0, 1]."""
+        n = self.sample_cfg.num_steps
+        generators = [sample_generator(self.cfg.eval.seed, EVAL_STREAM, 0, p, k) for p, k in keys]
+        deterministic = StepSelection(
+            stochastic=torch.zeros(n, dtype=torch.bool), trained=torch.zeros(len(keys), n, dtype=torch.bool)
+        )
+        emb = self.policy.encode_prompts([self.prompts[p] for p, _ in keys])
+        final = rollout(self.policy, emb, generators, deterministic, self.sample_cfg, self.sigmas)
+        return self.policy.decode(final)
+
+    def evaluate(self, iteration: int) -> dict:
+        """Sample, score and write this process's share; gather the rewards; the main process writes the grid and
+        ``samples.csv``. Returns the metrics row (the same on every process)."""
+        start = time.perf_counter()
+        folder = self.folder(iteration)
+        folder.mkdir(parents=True, exist_ok=True)
+        names = list(self.cfg.reward.weights)
+        local_keys = self.keys[self.local]
+        scores = torch.empty(len(local_keys), 1 + len(names), dtype=torch.float64)  # total, then each reward
+        for lo in range(0, len(local_keys), self.cfg.eval.batch_size):
+            keys = local_keys[lo : lo + self.cfg.eval.batch_size]
+            images = self.sample(keys)
+            total, parts = compute_rewards(self.cfg.reward.weights, images, [self.prompts[p] for p, _ in keys])
+            scores[lo : lo + len(keys)] = torch.stack([total, *(parts[name] for name in names)], dim=1).double()
+            for (p, k), image in zip(keys, images):
+                write_sample(folder / self.file(p, k), image)
+        scores = gather_shares(self.world, scores, len(self.keys))  # after it, every process has written its files
+        if self.world.is_main:
+            self.write_summary(folder, scores, names)
+        rewards = scores[:, 0]
+        return {
+            "iteration": iteration,
+            "eval_reward_mean": rewards.mean().item(),
+            "eval_reward_std": rewards.std(unbiased=False).item(),
+            **{f"eval_reward_{name}": scores[:, j].mean().item() for j, name in enumerate(names, 1)},
+            "eval_samples": len(self.keys),
+            "eval_time_s": time.perf_counter() - start,
+        }
+
+    def write_summary(self, folder: Path, scores: Tensor, names: list[str]) -> None:
+        """``samples.csv`` and ``grid.png`` of an evaluation whose sample files are all written."""
+        rows = [
+            {
+                "prompt_index": p,
+                "sample_index": k,
+                "prompt": self.prompts[p],
+                "file": self.file(p, k),
+                "reward": row[0],
+                **{f"reward_{name}": v for name, v in zip(names, row[1:])},
+            }
+            for (p, k), row in zip(self.keys, scores.tolist())
+        ]
+        write_csv(folder / "samples.csv", rows)
+        columns = self.cfg.eval.samples_per_prompt
+        write_grid(
+            folder / "grid.png",
+            self.prompts,
+            [[folder / self.file(p, k) for k in range(columns)] for p in range(len(self.prompts))],
+            scores[:, 0].view(len(self.prompts), columns).tolist(),
+        )
+
+
+# ---------------------------------------------------------------- files
+
+
+def to_uint8(image: Tensor) -> Tensor:
+    """[3, ...] in [0, 1] -> uint8 [..., 3] (channels last) on the host."""
+    return (image.float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).movedim(0, -1)
+
+
+def write_sample(path: Path, image: Tensor) -> None:
+    """An image [3, H, W] as PNG, or a video [3, F, H, W] as an animated GIF (every frame, looping)."""
+    from PIL import Image  # local: only evaluations draw
+
+    pixels = to_uint8(image).numpy()
+    if image.ndim == 3:
+        Image.fromarray(pixels).save(path)
+        return
+    frames = [Image.fromarray(frame) for frame in pixels]
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
+
+
+def cell(path: Path) -> Image.Image:
+    """A grid cell: the sample's (first) frame, magnified (nearest) towards ``GRID_CELL_TARGET`` px when small,
+    shrunk to ``GRID_CELL_MAX`` px when large."""
+    from PIL import Image
+
+    with Image.open(path) as opened:
+        image = opened.convert("RGB")  # a GIF opens at its first frame
+    side = max(image.size)
+    scale = GRID_CELL_MAX / side if side > GRID_CELL_MAX else max(1, GRID_CELL_TARGET // side)
+    if scale == 1:
+        return image
+    size = (round(image.width * scale), round(image.height * scale))
+    return image.resize(size, Image.Resampling.NEAREST if scale > 1 else Image.Resampling.LANCZOS)
+
+
+def write_grid(path: Path, prompts: list[str], files: list[list[Path]], rewards: list[list[float]]) -> None:
+    """``grid.png``: one row per prompt (its text on the left), one column per sample (its reward below)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    cells = [[cell(f) for f in row] for row in files]
+    font = ImageFont.load_default()
+    captions = ["\n".join(textwrap.wrap(prompt, CAPTION_CHARS)) or " " for prompt in prompts]
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    pad = 4
+    caption_w = max(measure.multiline_textbbox((0, 0), c, font=font)[2] for c in captions) + 2 * pad
+    caption_h = max(measure.multiline_textbbox((0, 0), c, font=font)[3] for c in captions)
+    line_h = measure.textbbox((0, 0), "0.0", font=font)[3] + pad
+    cell_w = max(c.width for row in cells for c in row)
+    cell_h = max(c.height for row in cells for c in row)
+    row_h = max(cell_h + line_h, caption_h) + pad
+    grid = Image.new("RGB", (caption_w + len(cells[0]) * (cell_w + pad) + pad, len(cells) * row_h + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, (caption, row, scores) in enumerate(zip(captions, cells, rewards)):
+        y = pad + r * row_h
+        draw.multiline_text((pad, y), caption, fill="black", font=font)
+        for c, (image, score) in enumerate(zip(row, scores)):
+            x = caption_w + pad + c * (cell_w + pad)
+            grid.paste(image, (x, y))
+            draw.text((x, y + cell_h + 2), f"{score:.4f}", fill="black", font=font)
+    grid.save(path)

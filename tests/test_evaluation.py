@@ -1,0 +1,164 @@
+"""Evaluation during `lean train` (lean/evaluation.py): when it runs, what it writes and logs, fixed noise, the EMA
+weights, video GIFs, the shares of data-parallel processes, and its config keys."""
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny
+from PIL import Image
+
+from lean import checkpoint, tracking
+from lean.config import ConfigError, load_config
+from lean.distributed import World
+from lean.evaluation import Evaluator, eval_iterations, pad_share, share, unpad_shares
+from lean.iteration import build_pipeline
+from lean.train import Trainer, config_changes, evaluate, train
+
+# two prompts x two samples, two Euler steps: an evaluation of the tiny model takes about a second
+EVAL = (
+    "eval.every=1",
+    "eval.prompts=[a red circle on a white background, a green square on a black background]",
+    "eval.samples_per_prompt=2",
+    "eval.num_steps=2",
+    "eval.batch_size=3",  # not a multiple of the 4 samples: the last batch is short
+)
+
+FASTER = ("sample.num_steps=2",)  # two rollout steps for the tests that train
+
+
+def _pixels(folder, name="p001_s01.png"):
+    with Image.open(folder / name) as image:
+        return torch.tensor(list(image.getdata()))
+
+
+def test_eval_iterations_and_shares():
+    assert eval_iterations(0, 5) == []
+    assert eval_iterations(2, 5) == [0, 2, 4, 5]
+    assert eval_iterations(1, 2) == [0, 1, 2]
+    assert eval_iterations(7, 3) == [0, 3]
+    for n in range(1, 8):
+        for size in (1, 2, 3):
+            shares = [share(n, r, size) for r in range(size)]
+            assert [i for s in shares for i in range(n)[s]] == list(range(n))  # contiguous, in rank order
+            rows = torch.arange(n * 2, dtype=torch.float64).view(n, 2)
+            padded = torch.cat([pad_share(rows[s], n, size) for s in shares])  # what World.gather returns
+            assert torch.equal(unpad_shares(padded, n, size), rows)
+
+
+def test_bad_eval_keys_are_one_line_errors(tmp_path):
+    for override, key in [
+        ("eval.every=-1", "eval.every"),
+        ("eval.samples_per_prompt=0", "eval.samples_per_prompt"),
+        ("eval.num_steps=0", "eval.num_steps"),
+        ("eval.prompts=[]", "eval.prompts"),
+        (f"eval.prompts_file={tmp_path / 'missing.txt'}", "eval.prompts_file"),
+        ("eval.evry=1", "eval.evry"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert key in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "eval.txt").write_text("a blue circle on a red background\n\n")
+    assert load_config(None, [f"eval.prompts_file={tmp_path / 'eval.txt'}"]).eval.prompts == [
+        "a blue circle on a red background"
+    ]
+
+
+def test_resume_guard_reads_eval_keys():
+    cfg = tiny("eval.every=2")
+    before_eval = {k: v for k, v in cfg.to_dict().items() if k != "eval"}  # a checkpoint from before the section
+    assert config_changes(before_eval, tiny()) == []
+    assert config_changes(before_eval, cfg) == []  # eval.every changes where the run evaluates, not what it trains
+    assert config_changes(cfg.to_dict(), tiny("eval.every=2", "eval.seed=1")) == ["eval.seed: 0 -> 1"]
+
+
+@pytest.mark.timeout(240)
+def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
+    """One iteration (evaluations 0 and 1), then --resume to two iterations (evaluation 2 only): eval.csv, the
+    folders, metrics.json and MLflow hold each evaluation once."""
+    monkeypatch.delenv("LEAN_TRACKING", raising=False)
+    tracking.reset()
+    tracking.configure(enabled=True, experiment="lean-test-eval")
+    try:
+        train(tiny(*EVAL, *FASTER, "train.save_every=1"), out="out")
+        assert [row["iteration"] for row in checkpoint.latest(Path("out/checkpoints"))["eval_history"]] == [0, 1]
+        train(tiny(*EVAL, *FASTER, "train.save_every=1", "train.iterations=2"), out="out", resume=True)
+    finally:
+        tracking.reset()
+    with open("out/eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["iteration"]) for r in rows] == [0, 1, 2]
+    assert all(int(r["eval_samples"]) == 4 and 0 <= float(r["eval_reward_color_match"]) <= 1 for r in rows)
+    for it in (0, 1, 2):
+        folder = f"out/eval/{it}"
+        assert sorted(os.listdir(folder)) == sorted(
+            ["grid.png", "samples.csv", *(f"p{p:03d}_s{k:02d}.png" for p in range(2) for k in range(2))]
+        )
+        with Image.open(f"{folder}/grid.png") as grid:
+            assert grid.width > 2 * 128 and grid.height > 2 * 128  # 32 px samples shown at 128 px, captions
+    metrics = json.loads(open("out/metrics.json").read())
+    assert metrics["eval_iterations"] == [0, 1, 2]
+    assert metrics["eval_reward_gain"] == pytest.approx(
+        float(rows[2]["eval_reward_mean"]) - float(rows[0]["eval_reward_mean"])
+    )
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("lean-test-eval")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    (run,) = client.search_runs([experiment.experiment_id])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_reward_mean"))
+    assert history == [(i, pytest.approx(float(r["eval_reward_mean"]))) for i, r in enumerate(rows)]
+    for it in (0, 1, 2):
+        logged = {a.path for a in client.list_artifacts(run.info.run_id, f"eval/{it}")}
+        assert {f"eval/{it}/grid.png", f"eval/{it}/p000_s00.png", f"eval/{it}/samples.csv"} <= logged
+    images = client.list_artifacts(run.info.run_id, "images")
+    assert len([a for a in images if a.path.endswith(".png") and "eval_grid" in a.path]) >= 3  # one per step
+
+
+@pytest.mark.timeout(180)
+def test_fixed_noise_and_the_ema_weights(tmp_path):
+    """The same weights give the same images at every evaluation; after a step with EMA the evaluation sees the EMA
+    weights (lean train's evaluate), which differ from the trained ones, and the trained ones are back after it."""
+    cfg = tiny(*EVAL, *FASTER, "train.ema=true", "train.ema_every=1", "train.lr=1e-2")
+    trainer = Trainer(cfg, World())
+    evaluator = Evaluator(trainer.pipeline, tmp_path)
+    first = evaluator.evaluate(0)
+    trainer.iteration(0, "recompute")
+    trained = [p.detach().clone() for p in trainer.params]
+    rows = []
+    evaluate(trainer, evaluator, 1, tracking.Run(), rows)  # eval.use_ema: true
+    assert rows[0]["eval_ema"] == 1 and all(torch.equal(p, q) for p, q in zip(trainer.params, trained))
+    with trainer.state.ema_swapped_in(False) as swapped:
+        raw = evaluator.evaluate(2)
+    assert not swapped and raw["eval_reward_mean"] != rows[0]["eval_reward_mean"]
+    assert not torch.equal(_pixels(tmp_path / "eval" / "1"), _pixels(tmp_path / "eval" / "2"))
+
+    trainer.policy.load_lora_state_dict(trainer.state.ema_state_dict())  # the EMA weights as the trained ones
+    assert evaluator.evaluate(3)["eval_reward_mean"] == rows[0]["eval_reward_mean"]
+    with trainer.state.ema_swapped_in(True):  # EMA = trained: the images of evaluation 1 again
+        evaluator.evaluate(4)
+    for it in (3, 4):
+        for name in ("p000_s00.png", "p001_s01.png", "grid.png"):
+            assert torch.equal(_pixels(tmp_path / "eval" / "1", name), _pixels(tmp_path / "eval" / str(it), name))
+    assert first["eval_reward_mean"] != raw["eval_reward_mean"]  # training changed the samples
+
+
+@pytest.mark.timeout(120)
+def test_video_samples_are_gifs_and_the_grid_shows_first_frames(tmp_path):
+    cfg = tiny("model.family=wan", *EVAL, "eval.samples_per_prompt=1")
+    evaluator = Evaluator(build_pipeline(cfg, World()), tmp_path)
+    row = evaluator.evaluate(0)
+    folder = tmp_path / "eval" / "0"
+    assert sorted(os.listdir(folder)) == ["grid.png", "p000_s00.gif", "p001_s00.gif", "samples.csv"]
+    with Image.open(folder / "p000_s00.gif") as gif:
+        assert gif.is_animated and gif.n_frames == cfg.model.num_frames and gif.size == (32, 32)
+    with Image.open(folder / "grid.png") as grid:
+        assert grid.height >= 2 * 128
+    with open(folder / "samples.csv") as f:
+        rewards = [float(r["reward"]) for r in csv.DictReader(f)]
+    assert sum(rewards) / 2 == pytest.approx(row["eval_reward_mean"])
