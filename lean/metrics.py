@@ -119,11 +119,13 @@ def keep_freed_memory() -> bool:
 
     By default large blocks are mmap'ed and handed back on free, so a step that keeps its activations alive (Retain)
     pays fresh page faults on every allocation while a no-grad step reuses warm pages: an allocator artefact, not a
-    property of the schedule (the CUDA caching allocator has no such cost). Memory is measured under
-    :func:`live_bytes_heap` instead.
+    property of the schedule (the CUDA caching allocator has no such cost). Trimming is off altogether (-1): with the
+    largest positive threshold (2 GiB), the heap top that Retain's backward frees on Wan (its kept graphs, > 2 GiB)
+    went back to the kernel every iteration, and the next decode page-faulted it in again (~0.5 M faults, +3 s).
+    Memory is measured under :func:`live_bytes_heap` instead.
     """
     global _heap_keeps_freed
-    _heap_keeps_freed = _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    _heap_keeps_freed = _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     return _heap_keeps_freed
 
 

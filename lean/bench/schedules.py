@@ -96,11 +96,11 @@ def bench_schedules(
             trainer.state.load_state_dict(state)
             memory[s] = trainer.iteration(0, s).metrics
             log.append({"pass": "memory", **memory[s]})
+    if trainer.world.device.type == "cpu":
+        keep_freed_memory()  # before the probe too: its step times are then taken as the rounds' are
     plan_input = trainer.plan_input()
     measured = probe(plan_input)
     prediction = prediction_table(iteration_costs(plan_input, measured))
-    if trainer.world.device.type == "cpu":
-        keep_freed_memory()
     rows = timed_rounds(trainer, state, options, log)
     peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
 
