@@ -295,6 +295,19 @@ def smoke_repo(tmp_root: Path) -> dict:
             url, "/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]], "max_results": 500}
         )["runs"]
         metrics_show = dvc(repo, "metrics", "show", "--json", env=env, timeout=120).stdout
+        from mlflow.tracking import MlflowClient
+
+        notebook_runs = {}  # the report stage's notebook runs: metrics and artifact paths, read while the server is up
+        for r in runs:
+            tags = {t["key"]: t["value"] for t in r["data"].get("tags", [])}
+            if "lean.notebook" in tags:
+                run_id = r["info"]["run_id"]
+                client = MlflowClient(url)
+                artifacts = [
+                    a.path for folder in ("figures", "notebook") for a in client.list_artifacts(run_id, folder)
+                ]
+                metrics = {m["key"]: m["value"] for m in r["data"].get("metrics", [])}
+                notebook_runs[tags["lean.notebook"]] = {"run_id": run_id, "metrics": metrics, "artifacts": artifacts}
     finally:
         stop(server)
     _SMOKE.update(
@@ -305,6 +318,7 @@ def smoke_repo(tmp_root: Path) -> dict:
         runs=runs,
         seconds=seconds,
         metrics_show=metrics_show,
+        notebook_runs=notebook_runs,
     )
     return _SMOKE
 
