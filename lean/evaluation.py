@@ -45,7 +45,6 @@ from torch import Tensor
 
 from lean.models import family_module
 from lean.outputs import write_csv
-from lean.rewards import compute_rewards
 from lean.rollout import rollout, sample_generator
 from lean.sde import StepSelection, sigma_schedule
 
@@ -104,6 +103,7 @@ class Evaluator:
         cfg = pipeline.cfg  # sample.shift resolved (build_pipeline)
         e = cfg.eval
         self.policy, self.world, self.cfg = pipeline.policy, pipeline.world, cfg
+        self.reward = pipeline.reward  # the run's rewards, built once (model and remote rewards included)
         self.prompts = list(e.prompts or cfg.train.prompts)
         self.sample_cfg = dataclasses.replace(
             cfg.sample,
@@ -151,7 +151,7 @@ class Evaluator:
         for lo in range(0, len(local_keys), self.cfg.eval.batch_size):
             keys = local_keys[lo : lo + self.cfg.eval.batch_size]
             images = self.sample(keys)
-            total, parts = compute_rewards(self.cfg.reward.weights, images, [self.prompts[p] for p, _ in keys])
+            total, parts = self.reward(images, [self.prompts[p] for p, _ in keys])
             scores[lo : lo + len(keys)] = torch.stack([total, *(parts[name] for name in names)], dim=1).double()
             for (p, k), image in zip(keys, images):
                 write_sample(folder / self.file(p, k), image)
