@@ -43,6 +43,7 @@ from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
+from lean.scoring import RolloutScoring, ScoredBatch
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
 
 if TYPE_CHECKING:
@@ -194,9 +195,10 @@ class IterationPipeline:
         *,
         on_step: Callable[[StepOutput], None] | None = None,
         progress: Callable[[int], None] | None = None,
+        on_finished: Callable[[slice, Tensor], None] | None = None,
     ) -> Tensor:
         """Sample the local trajectories; ``on_step`` (a check or a recorder), then the schedule, see every SDE
-        step."""
+        step; ``on_finished(rows, x_T)`` every finished micro-batch."""
 
         def hook(step: StepOutput) -> None:
             if on_step is not None:
@@ -218,6 +220,7 @@ class IterationPipeline:
                 progress=progress,
                 init_generators=batch.init_generators,
                 decode=self.cfg.reward.decode,
+                on_finished=on_finished,
             )
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -225,17 +228,43 @@ class IterationPipeline:
         total, parts = self.scorer(images, prompts)
         return total.to(torch.float64), parts
 
-    def score(self, ctx: IterationContext, final: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """Decode x_T and score it: (total float64 [B_local], each reward's component). When a reward server fails,
-        the batch is kept under :attr:`failed_rollouts` (:meth:`keep_failed_rollout`) before the error propagates."""
-        with ctx.timer("reward"):
-            with ctx.tally.region("decode"):
-                images = self.policy.decode(final)
-            try:
-                return self.reward(images, prompts)
-            except RewardServerError as err:
-                self.keep_failed_rollout(ctx.iteration, final, images, prompts, err)
-                raise
+    def decode_and_score(self, final: Tensor, prompts: list[str]) -> ScoredBatch:
+        """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images."""
+        images = self.policy.decode(final)
+        try:
+            rewards, parts = self.reward(images, prompts)
+        except RewardServerError as err:
+            return ScoredBatch(images, error=err)
+        return ScoredBatch(images, rewards, parts)
+
+    def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring | None:
+        """The rollout's concurrent scoring (``lean.scoring``), or None when it scores afterwards: with
+        ``reward.async_scoring`` off, with a single rollout micro-batch (nothing to overlap with), and while FLOPs
+        are counted (the counter sees only the thread it runs in)."""
+        micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
+        if not self.cfg.reward.async_scoring or micro_batches < 2 or ctx.tally.counting:
+            return None
+        _ = self.scorer  # build the rewards (a model reward loads here) before the worker needs them
+        return RolloutScoring(self.decode_and_score)
+
+    def score(
+        self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The rewards of x_T: (total float64 [B_local], each reward's component). ``scoring`` holds the micro-batches
+        scored during the rollout; without it the batch is decoded and scored now. The ``reward`` phase is the scoring
+        work, ``reward_exposed`` what of it the iteration waited for. When a reward server fails, the batch is kept
+        under :attr:`failed_rollouts` (:meth:`keep_failed_rollout`) before the error propagates."""
+        if scoring is None:
+            with ctx.timer("reward"), ctx.timer("reward_exposed"), ctx.tally.region("decode"):
+                scored = self.decode_and_score(final, prompts)
+        else:
+            with ctx.timer("reward_exposed"):
+                scored = scoring.collect()
+            ctx.timer.seconds["reward"] += scored.busy_s
+        if scored.error is not None:
+            self.keep_failed_rollout(ctx.iteration, final, scored.images, prompts, scored.error)
+            raise scored.error
+        return scored.rewards, scored.parts
 
     def keep_failed_rollout(
         self, iteration: int, final: Tensor, images: Tensor, prompts: list[str], err: Exception
@@ -301,11 +330,18 @@ class IterationPipeline:
             if on_step is not None:
                 on_step(step)
 
-        final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress)
-        if finite and not torch.stack(list(finite.values())).all():
-            first = next(i for i, ok in finite.items() if not ok)
-            raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
-        rewards, parts = self.score(ctx, final, batch.prompts)
+        scoring = self.scoring(ctx, batch)
+        on_finished = None if scoring is None else lambda rows, final: scoring.submit(final, batch.prompts[rows])
+        try:
+            final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=on_finished)
+            if finite and not torch.stack(list(finite.values())).all():
+                first = next(i for i, ok in finite.items() if not ok)
+                raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
+        except BaseException:
+            if scoring is not None:
+                scoring.cancel()
+            raise
+        rewards, parts = self.score(ctx, final, batch.prompts, scoring)
         return Rollout(batch, ctx, schedule, final, rewards, parts)
 
     def run(

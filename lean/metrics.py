@@ -255,6 +255,11 @@ class FlopTally:
             self.flops[self._stack[-1]] += total - self._seen
         self._seen = total
 
+    @property
+    def counting(self) -> bool:
+        """Inside ``measuring()``: the counter sees only this thread's work."""
+        return self._mode is not None
+
     @contextlib.contextmanager
     def region(self, name: str):
         if self._mode is None:

@@ -156,6 +156,10 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
     k = int(steps.trained[0].sum())
+    # With reward.async_scoring and several micro-batches, each is decoded and scored on its own while the next rolls
+    # out (lean.scoring): the iteration waits for the last one's, and the decoder holds one micro-batch at a time.
+    concurrent = cfg.reward.async_scoring and rounds > 1
+    scored_at_once = probed if concurrent else local
     return IterationCosts(
         n=cfg.sample.num_steps,
         k=k,
@@ -164,12 +168,12 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
         fb=measured["t_forward_backward"] * rounds,
         fb_one=measured["t_forward_backward_one"],
         ref=k * f if cfg.train.beta else 0.0,
-        score=(measured["t_decode"] + measured["t_reward"]) * local / probed,
+        score=(measured["t_decode"] + measured["t_reward"]) * scored_at_once / probed,
         base_mb=measured["base_mb"],
         act_mb=measured["activation_mb"] * rounds,
         act_one_mb=measured["activation_one_mb"],
         transient_mb=measured["backward_transient_mb"],
-        decode_mb=measured["decode_mb"] * local / probed,
+        decode_mb=measured["decode_mb"] * scored_at_once / probed,
         trainable_mb=measured["param_mb"],
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
         kl=bool(cfg.train.beta),
@@ -283,7 +287,7 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
         f"{measured['batch']}"
     )
     print(
-        f"decode + reward of the {costs.local} local samples: {costs.score:.3f} s "
+        f"decode + reward the iteration waits for: {costs.score:.3f} s "
         f"(decode {measured['t_decode']:.3f} s + reward {measured['t_reward']:.3f} s at batch {measured['batch']})"
     )
     print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")

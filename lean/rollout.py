@@ -188,46 +188,79 @@ def rollout(
     progress: Callable[[int], None] | None = None,
     init_generators: list[torch.Generator] | None = None,
     decode: str = "sample",
+    on_finished: Callable[[slice, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Roll out ``len(generators)`` trajectories; return what is decoded (``decode``, a name of
     ``DECODE_TARGETS``): the final latents x_N, or the last step's x̂_0.
 
-    Steps run in contiguous micro-batches of ``micro_batch`` trajectories (all at once when None). ``track_grad(i)``
-    says whether step i runs with autograd on; tracked steps use ``grad_micro_batch`` when given, and ``on_step`` may
-    backpropagate or keep the graph. The next step always starts from a detached x_{i+1}: as in the recomputed loss,
-    every step's input is a constant. Nothing in the loop reads a value back from the device: the schedule's
-    decisions come from the host-side step selection, and the noise is drawn ahead (:class:`StepNoise`).
+    The trajectories run in contiguous micro-batches of ``micro_batch`` (all at once when None), each through all
+    its steps before the next starts, so that ``on_finished(rows, target)`` can hand a finished micro-batch to the
+    decoder and the rewards while the next one rolls out (``lean.scoring``). ``track_grad(i)`` says whether step i
+    runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given, and
+    ``on_step`` may backpropagate or keep the graph. The next step always starts from a detached x_{i+1}: as in the
+    recomputed loss, every step's input is a constant. Nothing in the loop reads a value back from the device: the
+    schedule's decisions come from the host-side step selection, and the noise is drawn ahead (:class:`StepNoise`).
     ``init_generators`` draw the initial noise instead of the samples' own streams (``sample.init_same_noise``).
+    ``progress(i)`` is called after step i of every micro-batch (``num_steps`` calls per micro-batch).
     """
     if decode not in DECODE_TARGETS:
         raise ValueError(f"decode={decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
-    x = policy.init_latents(init_generators or generators)
+    x = policy.init_latents(init_generators or generators)  # every sample's first draw, before any step's
     batch = x.shape[0]
+    target = torch.empty_like(x)
+    for start in range(0, batch, micro_batch or batch):
+        rows = slice(start, min(start + (micro_batch or batch), batch))
+        target[rows] = _roll_out_rows(
+            policy,
+            emb,
+            generators,
+            steps,
+            cfg,
+            sigmas,
+            x[rows],
+            rows,
+            on_step,
+            track_grad,
+            grad_micro_batch,
+            progress,
+            decode,
+        )
+        if on_finished is not None:
+            on_finished(rows, target[rows])
+    return target
+
+
+def _roll_out_rows(
+    policy, emb, generators, steps, cfg, sigmas, x, rows, on_step, track_grad, grad_micro_batch, progress, decode
+) -> torch.Tensor:
+    """All steps of the trajectories ``rows`` of the local batch, from their x_0 ``x``; returns their decode target."""
     stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
     upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
-    noise = StepNoise(generators, tuple(x.shape[1:]), compute_dtype(x), x.device)
+    noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
     noise.prefetch(next((j for j in range(cfg.num_steps) if stochastic[j]), None))
     last = cfg.num_steps - 1
-    x0 = torch.empty_like(x) if decode == "x0_prediction" else None
+    x0 = None
     for i in range(cfg.num_steps):
         tracked = stochastic[i] and track_grad(i)
-        size = (grad_micro_batch if tracked and grad_micro_batch else micro_batch) or batch
+        size = (grad_micro_batch if tracked and grad_micro_batch else None) or x.shape[0]
         eps = noise.take(i) if stochastic[i] else None
         x_next = torch.empty_like(x)
-        for start in range(0, batch, size):
-            rows = slice(start, min(start + size, batch))
+        for start in range(0, x.shape[0], size):
+            local = slice(start, min(start + size, x.shape[0]))
+            batch_rows = slice(rows.start + local.start, rows.start + local.stop)  # rows of the whole local batch
             with torch.set_grad_enabled(tracked):
-                v = velocity(policy, x[rows], sigmas[i], emb.index(rows), cfg)
-            if i == last and x0 is not None:
-                x0[rows] = predicted_x0(v.detach(), x[rows], sigmas, i)
+                v = velocity(policy, x[local], sigmas[i], emb.index(batch_rows), cfg)
+            if i == last and decode == "x0_prediction":
+                x0 = torch.empty_like(x) if x0 is None else x0
+                x0[local] = predicted_x0(v.detach(), x[local], sigmas, i)
             if not stochastic[i]:
-                x_next[rows] = ode_step(v, x[rows], sigmas, i)
+                x_next[local] = ode_step(v, x[local], sigmas, i)
                 continue
             with torch.set_grad_enabled(tracked):
-                nxt, log_prob, mean, std = sde_step(v, x[rows], i, cfg, sigmas, noise=eps[rows])
-            x_next[rows] = nxt.detach()
+                nxt, log_prob, mean, std = sde_step(v, x[local], i, cfg, sigmas, noise=eps[local])
+            x_next[local] = nxt.detach()
             if on_step is not None:
-                on_step(StepOutput(i, rows, x[rows], nxt.detach(), log_prob, mean, std))
+                on_step(StepOutput(i, batch_rows, x[local], nxt.detach(), log_prob, mean, std))
         noise.prefetch(upcoming[i])  # host draws step i+1's noise while the device works on step i
         x = x_next
         if progress is not None:

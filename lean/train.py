@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -289,7 +290,13 @@ def guarded_iteration(
     non-finite value aborts the run (``train.on_nonfinite: abort``) or undoes the iteration (``skip``: weights and
     optimizer restored)."""
     before = trainer.state.state_dict() if trainer.cfg.train.on_nonfinite == "skip" else None
-    steps = tqdm(total=trainer.cfg.sample.num_steps, desc="rollout", leave=False, disable=not trainer.world.is_main)
+    local = len(trainer.pipeline.local_batch(it).prompts)
+    steps = tqdm(  # every rollout micro-batch takes all the sampling steps
+        total=trainer.cfg.sample.num_steps * math.ceil(local / trainer.cfg.train.rollout_batch_size),
+        desc="rollout",
+        leave=False,
+        disable=not trainer.world.is_main,
+    )
     if tally is not None:  # prompts (and CFG's empty one) are encoded once per run, not per iteration: cache them
         trainer.policy.encode_prompts([*trainer.pipeline.local_batch(it).prompts, ""])  # outside the count
     try:

@@ -45,6 +45,8 @@ MATRIX = {
         "train.skip_zero_advantage=true",
         "train.prompts=[a red circle on a white background, plain]",
     ],
+    # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.scoring)
+    "flux-micro-batches": ["train.rollout_batch_size=1", "train.beta=0.04", "reward.decode=x0_prediction"],
     "wan-cfg-kl": ["model.family=wan", "train.beta=0.04"],
     "wan-nocfg-window": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6"],
 }

@@ -44,6 +44,7 @@ PHASES = (
     "time_backward_s",
     "time_recompute_forward_s",
     "time_reward_s",
+    "time_reward_exposed_s",
     "time_advantage_s",
 )
 
@@ -143,6 +144,8 @@ def bench_schedules(
                 "mfu": needed_flops(flops) / (t * peak),
                 "hfu": sum(flops.values()) / (t * peak),
                 "time_iteration_all_s": [row["time_iteration_s"] for row in rows[s]],
+                # decode + rewards done while the rollout went on (reward.async_scoring): the median round's
+                "reward_hidden_s": median(r["time_reward_s"] - r.get("time_reward_exposed_s", 0.0) for r in rows[s]),
             }
         )
         if "reweight_buffer_mb" in rows[s][0]:
@@ -194,6 +197,7 @@ def flat_metrics(result: dict) -> dict[str, float]:
                 f"peak_memory_mb_{s}": e["peak_memory_mb"],
                 f"time_iteration_s_{s}": e["time_iteration_s"],
                 f"plan_time_error_{s}": e["plan_time_error"],
+                f"reward_hidden_s_{s}": e["reward_hidden_s"],
             }
         )
         if "speedup" in e:
@@ -209,7 +213,8 @@ def format_table(result: dict) -> str:
         f"{c['samples_per_process']} samples/process x {c['world_size']} process(es) x {c.get('threads', '?')} "
         f"thread(s), median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, "
         f"{result['peak_flops_source']})",
-        f"{'schedule':10} {'iter s':>8} {'plan s':>7} {'rollout s':>10} {'reward s':>9} {'update s':>9} "
+        f"{'schedule':10} {'iter s':>8} {'plan s':>7} {'rollout s':>10} {'reward s':>9} {'hidden s':>9} "
+        f"{'update s':>9} "
         f"{'peak MiB':>9} {'plan MiB':>9} "
         f"{'GFLOP':>8} {'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}",
     ]
@@ -222,7 +227,7 @@ def format_table(result: dict) -> str:
         )
         lines.append(
             f"{s:10} {e['time_iteration_s']:8.3f} {e['plan_time_iteration_s']:7.2f} {e['time_rollout_s']:10.3f} "
-            f"{e['time_reward_s']:9.3f} {e['time_update_s']:9.3f} "
+            f"{e['time_reward_s']:9.3f} {e['reward_hidden_s']:9.3f} {e['time_update_s']:9.3f} "
             f"{e['peak_memory_mb']:9.1f} {e['plan_peak_memory_mb']:9.1f} "
             f"{e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} {e['hfu']:6.3f} {extra}"
         )

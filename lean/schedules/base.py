@@ -112,10 +112,12 @@ class IterationCosts:
 
     n steps, K trained per sample, B local samples; f / fb: one untracked step / one tracked step plus its backward
     over the local batch (all rollout micro-batches); fb_one: the same for one trajectory; ref: the reference
-    forwards of the KL term (0 without it); score: decoding and scoring the local batch, which every schedule pays
-    once. Memory: base (resident now), act / act_one: activations one tracked step
+    forwards of the KL term (0 without it); score: the decoding and scoring the iteration waits for, which every
+    schedule pays once (the local batch's, or with ``reward.async_scoring`` the last rollout micro-batch's: the others
+    are scored while the rollout goes on). Memory: base (resident now), act / act_one: activations one tracked step
     saves at the local batch / one trajectory; transient: what a backward needs beyond them; decode: the VAE's
-    working set for the local batch; trainable: the trainable parameters (MiB).
+    working set for what it decodes at once (the local batch, or one micro-batch); trainable: the trainable
+    parameters (MiB).
     """
 
     n: int

@@ -1,0 +1,96 @@
+"""Scoring a rollout while it runs: each micro-batch is decoded and scored as soon as its trajectories finish.
+
+The rollout (``lean.rollout``) takes its micro-batches one after the other, each through all its steps. With
+``reward.async_scoring`` a worker thread decodes and scores micro-batch k while micro-batch k+1 rolls out:
+
+    main thread   | roll out 0 | roll out 1 | roll out 2 | wait |  advantages -> update
+    worker        |            |  score 0   |  score 1   | score 2 |
+
+Only the last micro-batch's scoring (and whatever the worker had not finished) stays on the critical path. What is
+hidden depends on where the work runs: a host-side or remote reward (JPEG, OCR, a reward server) hides behind a GPU
+rollout; on a CPU, torch releases the GIL inside its kernels, so with one torch thread per process the decoder and the
+rewards run on a second core. Rewards are the same numbers as when scored after the rollout: each sample's score
+depends on its own image only (the rewards are per-sample functions; a model reward's batch size is its own key).
+
+The iteration's ``reward`` phase is the time the scoring itself took (decode + rewards, summed over micro-batches),
+its ``reward_exposed`` phase the time the rollout's thread waited for it; the difference was hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ScoredBatch:
+    """One micro-batch's decoded images and rewards; ``error`` when a reward failed (the images are kept)."""
+
+    images: Tensor  # [b, 3, H, W] (or [b, 3, F, H, W]) in [0, 1]
+    rewards: Tensor | None = None  # float64 [b]
+    parts: dict[str, Tensor] = field(default_factory=dict)  # each reward's component [b]
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
+ScoreFn = Callable[[Tensor, list[str]], ScoredBatch]
+
+
+@dataclass
+class ScoredRollout:
+    """The whole local batch, in row order."""
+
+    images: Tensor
+    rewards: Tensor | None
+    parts: dict[str, Tensor]
+    error: Exception | None
+    busy_s: float  # decode + rewards, summed over micro-batches
+
+
+def timed(score: ScoreFn) -> ScoreFn:
+    """``score`` with its wall time in ``seconds`` (the rewards come back to the host, so the device is done)."""
+
+    def run(final: Tensor, prompts: list[str]) -> ScoredBatch:
+        start = time.perf_counter()
+        with torch.no_grad():
+            scored = score(final, prompts)
+        scored.seconds = time.perf_counter() - start
+        return scored
+
+    return run
+
+
+class RolloutScoring:
+    """Scores a rollout's micro-batches in one worker thread as they are ``submit``-ted (in row order), while the
+    caller goes on rolling out; ``collect`` waits and returns them concatenated in row order."""
+
+    def __init__(self, score: ScoreFn):
+        self.score = timed(score)
+        threads = torch.get_num_threads()  # torch's thread count is per thread (OpenMP): the worker takes the caller's
+        self.pool = ThreadPoolExecutor(1, "lean-score", initializer=torch.set_num_threads, initargs=(threads,))
+        self.pending: list[Future] = []
+
+    def submit(self, final: Tensor, prompts: list[str]) -> None:
+        self.pending.append(self.pool.submit(self.score, final.detach(), list(prompts)))
+
+    def collect(self) -> ScoredRollout:
+        """Wait for every micro-batch; the first reward error is returned (not raised) with all images, so the caller
+        can keep the rollout before it raises."""
+        try:
+            batches = [p.result() for p in self.pending]
+        finally:
+            self.pool.shutdown(wait=True)
+        error = next((b.error for b in batches if b.error is not None), None)
+        rewards = None if error is not None else torch.cat([b.rewards for b in batches])
+        parts = {} if error is not None else {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
+        images = torch.cat([b.images for b in batches])
+        return ScoredRollout(images, rewards, parts, error, busy_s=sum(b.seconds for b in batches))
+
+    def cancel(self) -> None:
+        """The rollout failed: drop what has not started (the running micro-batch finishes in the background)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,79 @@
+"""Scoring during the rollout (``lean.scoring``, ``reward.async_scoring``): the same rewards and trajectories as
+scoring afterwards, the scoring time split into its hidden and exposed parts, and a failed reward server still
+keeps the whole rollout."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import free_port, tiny
+
+from lean.distributed import World
+from lean.iteration import build_pipeline
+from lean.rewards import RewardServerError
+from lean.schedules import SCHEDULES
+
+# 2 prompts x 4 samples in micro-batches of 2: four micro-batches, three of them scored while the next rolls out
+CHUNKED = ["train.group_size=4", "train.rollout_batch_size=2", "train.train_batch_size=8"]
+
+
+def roll_out(schedule: str, *overrides: str):
+    pipeline = build_pipeline(tiny(*CHUNKED, *overrides), World())
+    return pipeline, pipeline.roll_out(0, SCHEDULES[schedule])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["recompute", "retain", "reweight"])
+def test_async_scoring_gives_the_rewards_of_synchronous_scoring(schedule):
+    _, sync = roll_out(schedule, "reward.async_scoring=false")
+    pipeline, concurrent = roll_out(schedule)
+    assert pipeline.scoring(concurrent.ctx, concurrent.batch) is not None  # the run above did score concurrently
+    assert torch.equal(sync.final, concurrent.final)
+    assert torch.equal(sync.rewards, concurrent.rewards) and sync.rewards.dtype == torch.float64
+    assert sync.parts.keys() == concurrent.parts.keys()
+    for name in sync.parts:
+        assert torch.equal(sync.parts[name], concurrent.parts[name])
+    seconds = concurrent.ctx.timer.seconds
+    assert seconds["reward"] > 0 and 0 < seconds["reward_exposed"]
+    assert sync.ctx.timer.seconds["reward_exposed"] == pytest.approx(sync.ctx.timer.seconds["reward"], rel=0.2)
+
+
+@pytest.mark.timeout(120)
+def test_scoring_runs_in_a_worker_thread_while_the_next_micro_batch_rolls_out():
+    pipeline = build_pipeline(tiny(*CHUNKED), World())
+    decode, seen = pipeline.policy.decode, []
+
+    def recording_decode(final):
+        seen.append((threading.current_thread().name, final.shape[0]))
+        return decode(final)
+
+    pipeline.policy.decode = recording_decode
+    pipeline.roll_out(0, SCHEDULES["retain"])
+    assert [size for _, size in seen] == [2, 2, 2, 2]
+    assert all(name.startswith("lean-score") for name, _ in seen)
+
+
+@pytest.mark.timeout(120)
+def test_scoring_is_synchronous_with_one_micro_batch_or_when_switched_off():
+    pipeline = build_pipeline(tiny(), World())  # 4 samples, rollout micro-batch 4
+    batch = pipeline.local_batch(0)
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch) is None
+    pipeline = build_pipeline(tiny(*CHUNKED, "reward.async_scoring=false"), World())
+    batch = pipeline.local_batch(0)
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_server_during_async_scoring_keeps_the_whole_rollout(tmp_path):
+    from safetensors.torch import load_file
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = tiny(*CHUNKED, "reward.weights={ocr: 1.0}", f"reward.remote.ocr.url={url}", "reward.remote.ocr.retries=0")
+    pipeline = build_pipeline(cfg, World())
+    pipeline.failed_rollouts = tmp_path
+    with pytest.raises(RewardServerError, match=f"reward ocr: server {url}/score"):
+        pipeline.roll_out(0, SCHEDULES["retain"])
+    saved = load_file(tmp_path / "0.safetensors")
+    assert saved["latents"].shape[0] == saved["images"].shape[0] == cfg.samples_per_iteration
