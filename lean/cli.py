@@ -23,6 +23,7 @@ from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
 from lean.config import ConfigError, RewardModelConfig, load_config, suggest
 from lean.launch import launch
+from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
 from lean.train import train
 
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"lean: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except Preempted as e:  # SIGTERM: stopped after a whole iteration, checkpoint written
+        print(f"lean: rank {rank}: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except RewardServerError as e:  # the rollout was kept under <out>/failed_rollouts (lean train)
         print(f"lean: rank {rank}: {e}", file=sys.stderr)
         return EXIT_REWARD_SERVER

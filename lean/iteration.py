@@ -228,39 +228,33 @@ class IterationPipeline:
         total, parts = self.scorer(images, prompts)
         return total.to(torch.float64), parts
 
-    def decode_and_score(self, final: Tensor, prompts: list[str]) -> ScoredBatch:
+    def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally | None = None) -> ScoredBatch:
         """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images."""
-        images = self.policy.decode(final)
+        with (tally or FlopTally()).region("decode"):
+            images = self.policy.decode(final)
         try:
             rewards, parts = self.reward(images, prompts)
         except RewardServerError as err:
             return ScoredBatch(images, error=err)
         return ScoredBatch(images, rewards, parts)
 
-    def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring | None:
-        """The rollout's concurrent scoring (``lean.scoring``), or None when it scores afterwards: with
-        ``reward.async_scoring`` off, with a single rollout micro-batch (nothing to overlap with), and while FLOPs
-        are counted (the counter sees only the thread it runs in)."""
+    def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
+        """How the rollout's micro-batches are scored (``lean.scoring``): in a worker thread while the next rolls out
+        (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter sees
+        only its own thread), else after the rollout, in this thread."""
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
-        if not self.cfg.reward.async_scoring or micro_batches < 2 or ctx.tally.counting:
-            return None
-        _ = self.scorer  # build the rewards (a model reward loads here) before the worker needs them
-        return RolloutScoring(self.decode_and_score)
+        concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
+        _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
+        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally), concurrent)
 
-    def score(
-        self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The rewards of x_T: (total float64 [B_local], each reward's component). ``scoring`` holds the micro-batches
-        scored during the rollout; without it the batch is decoded and scored now. The ``reward`` phase is the scoring
-        work, ``reward_exposed`` what of it the iteration waited for. When a reward server fails, the batch is kept
-        under :attr:`failed_rollouts` (:meth:`keep_failed_rollout`) before the error propagates."""
-        if scoring is None:
-            with ctx.timer("reward"), ctx.timer("reward_exposed"), ctx.tally.region("decode"):
-                scored = self.decode_and_score(final, prompts)
-        else:
-            with ctx.timer("reward_exposed"):
-                scored = scoring.collect()
-            ctx.timer.seconds["reward"] += scored.busy_s
+    def score(self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring) -> tuple:
+        """The rewards of the micro-batches ``scoring`` was handed: (total float64 [B_local], each reward's component).
+        The ``reward`` phase is the scoring work, ``reward_exposed`` what of it the iteration waited for (all of it
+        when scored after the rollout). When a reward server fails, the batch is kept under :attr:`failed_rollouts`
+        (:meth:`keep_failed_rollout`) before the error propagates."""
+        with ctx.timer("reward_exposed"):
+            scored = scoring.collect()
+        ctx.timer.seconds["reward"] += scored.busy_s
         if scored.error is not None:
             self.keep_failed_rollout(ctx.iteration, final, scored.images, prompts, scored.error)
             raise scored.error
@@ -331,15 +325,14 @@ class IterationPipeline:
                 on_step(step)
 
         scoring = self.scoring(ctx, batch)
-        on_finished = None if scoring is None else lambda rows, final: scoring.submit(final, batch.prompts[rows])
+        on_finished = lambda rows, final: scoring.submit(final, batch.prompts[rows])  # noqa: E731
         try:
             final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=on_finished)
             if finite and not torch.stack(list(finite.values())).all():
                 first = next(i for i, ok in finite.items() if not ok)
                 raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
         except BaseException:
-            if scoring is not None:
-                scoring.cancel()
+            scoring.cancel()
             raise
         rewards, parts = self.score(ctx, final, batch.prompts, scoring)
         return Rollout(batch, ctx, schedule, final, rewards, parts)

@@ -5,7 +5,7 @@ The probe runs the first trained step of a real local batch and measures:
   * ``activation_mb``: bytes autograd saves for the backward of one tracked step at the rollout batch (counted with
     ``saved_tensors_hooks``, each storage once), and ``activation_one_mb`` at one trajectory;
   * ``backward_transient_mb``: the peak of one tracked step and its backward beyond its saved activations (the
-    activation gradients in flight); ``decode_mb`` (scaled to the local batch): the VAE decoder's working set; both
+    activation gradients in flight); ``decode_mb``: the VAE decoder's working set for one micro-batch; both
     from a trimmed heap (CPU) or the caching allocator's statistics (CUDA);
   * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes;
     ``t_decode`` and ``t_reward``: decoding the probe batch and scoring it (every schedule pays them once per sample;
@@ -156,10 +156,9 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
     k = int(steps.trained[0].sum())
-    # With reward.async_scoring and several micro-batches, each is decoded and scored on its own while the next rolls
-    # out (lean.scoring): the iteration waits for the last one's, and the decoder holds one micro-batch at a time.
-    concurrent = cfg.reward.async_scoring and rounds > 1
-    scored_at_once = probed if concurrent else local
+    # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
+    # reward.async_scoring while the next rolls out (lean.scoring), so the iteration waits for the last one's only.
+    waited_for = probed if cfg.reward.async_scoring and rounds > 1 else local
     return IterationCosts(
         n=cfg.sample.num_steps,
         k=k,
@@ -168,12 +167,12 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
         fb=measured["t_forward_backward"] * rounds,
         fb_one=measured["t_forward_backward_one"],
         ref=k * f if cfg.train.beta else 0.0,
-        score=(measured["t_decode"] + measured["t_reward"]) * scored_at_once / probed,
+        score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
         base_mb=measured["base_mb"],
         act_mb=measured["activation_mb"] * rounds,
         act_one_mb=measured["activation_one_mb"],
         transient_mb=measured["backward_transient_mb"],
-        decode_mb=measured["decode_mb"] * scored_at_once / probed,
+        decode_mb=measured["decode_mb"],
         trainable_mb=measured["param_mb"],
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
         kl=bool(cfg.train.beta),

@@ -66,25 +66,32 @@ def timed(score: ScoreFn) -> ScoreFn:
 
 
 class RolloutScoring:
-    """Scores a rollout's micro-batches in one worker thread as they are ``submit``-ted (in row order), while the
-    caller goes on rolling out; ``collect`` waits and returns them concatenated in row order."""
+    """Scores a rollout micro-batch by micro-batch, as each is ``submit``-ted (in row order).
 
-    def __init__(self, score: ScoreFn):
+    ``concurrent``: in one worker thread, while the caller goes on rolling out; else in the caller's thread when it
+    calls ``collect``. Either way every micro-batch is decoded and scored on its own, so the rewards are the same
+    numbers (a decoder's result can depend on its batch size in the last bits)."""
+
+    def __init__(self, score: ScoreFn, concurrent: bool):
         self.score = timed(score)
-        threads = torch.get_num_threads()  # torch's thread count is per thread (OpenMP): the worker takes the caller's
-        self.pool = ThreadPoolExecutor(1, "lean-score", initializer=torch.set_num_threads, initargs=(threads,))
-        self.pending: list[Future] = []
+        self.pool = None
+        if concurrent:  # torch's thread count is per thread (OpenMP): the worker takes the caller's
+            threads = torch.get_num_threads()
+            self.pool = ThreadPoolExecutor(1, "lean-score", initializer=torch.set_num_threads, initargs=(threads,))
+        self.pending: list[Future | tuple[Tensor, list[str]]] = []
 
     def submit(self, final: Tensor, prompts: list[str]) -> None:
-        self.pending.append(self.pool.submit(self.score, final.detach(), list(prompts)))
+        final, prompts = final.detach(), list(prompts)
+        self.pending.append((final, prompts) if self.pool is None else self.pool.submit(self.score, final, prompts))
 
     def collect(self) -> ScoredRollout:
-        """Wait for every micro-batch; the first reward error is returned (not raised) with all images, so the caller
-        can keep the rollout before it raises."""
+        """Every micro-batch's score, in row order; the first reward error is returned (not raised) with all images,
+        so the caller can keep the rollout before it raises."""
         try:
-            batches = [p.result() for p in self.pending]
+            batches = [p.result() if isinstance(p, Future) else self.score(*p) for p in self.pending]
         finally:
-            self.pool.shutdown(wait=True)
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
         error = next((b.error for b in batches if b.error is not None), None)
         rewards = None if error is not None else torch.cat([b.rewards for b in batches])
         parts = {} if error is not None else {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
@@ -92,5 +99,6 @@ class RolloutScoring:
         return ScoredRollout(images, rewards, parts, error, busy_s=sum(b.seconds for b in batches))
 
     def cancel(self) -> None:
-        """The rollout failed: drop what has not started (the running micro-batch finishes in the background)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """The rollout failed: drop what has not started (a running micro-batch finishes in the background)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)

@@ -27,6 +27,7 @@ from lean.metrics import FlopTally, median
 from lean.optimizer import TrainState
 from lean.outputs import numbers, write_csv, write_json
 from lean.plan import PlanInput, decide, plan_input
+from lean.preemption import Preempted, StopOnSigterm
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES
 
 RECOMPUTE_FORWARD = "recompute_forward"  # the FLOP region a Lean schedule does not need
@@ -129,9 +130,13 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     With ``eval.every`` the run evaluates (``lean.evaluation``) before the first iteration, after every
     ``eval.every``-th and after the last: ``<out>/eval/<iteration>/``, ``<out>/eval.csv``, MLflow.
     """
+    with StopOnSigterm() as stop:  # from the start: a SIGTERM during set-up stops after the first iteration
+        return _train(cfg, Path(out or cfg.train.out), resume, force, stop)
+
+
+def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopOnSigterm) -> list[dict]:
     t = cfg.train
     set_threads(t.threads)
-    out_dir = Path(out or t.out)
     saved = checkpoint.latest(out_dir / "checkpoints") if resume else None
     if saved is not None and not force:
         check_resumable(saved.get("config"), cfg, out_dir)
@@ -168,18 +173,17 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
         run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
         bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
         evaluate(trainer, evaluator, it + 1, run, evaluations)  # the weights after it + 1 updates
-        if t.save_every and (it + 1) % t.save_every == 0 and trainer.world.is_main:
-            checkpoint.save(
-                out_dir / "checkpoints",
-                it,
-                {
-                    "trainer": trainer.state.state_dict(),
-                    "history": history,
-                    "eval_history": evaluations,
-                    "tracking_run_id": run.run_id,
-                    "config": cfg.to_dict(),  # as given (sample.shift unresolved): what --resume compares
-                },
-                keep=t.keep_checkpoints,
+        saved_now = t.save_every and (it + 1) % t.save_every == 0
+        preempted = stop.requested(trainer.world)  # the safe point: every rank agrees
+        if (saved_now or preempted) and trainer.world.is_main:
+            save_checkpoint(out_dir, it, trainer, history, evaluations, run.run_id, cfg)
+        if preempted:
+            bar.close()
+            run.finish()
+            trainer.world.wait_for_everyone()  # the checkpoint is written before any process exits
+            raise Preempted(
+                f"SIGTERM: stopped after iteration {it} ({it + 1} of {t.iterations} done), checkpoint in "
+                f"{out_dir / 'checkpoints'}; continue with --resume"
             )
     if flops is None:
         flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
@@ -192,6 +196,21 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     run.finish()
     trainer.world.wait_for_everyone()
     return history
+
+
+def save_checkpoint(
+    out_dir: Path, it: int, trainer: Trainer, history: list, evaluations: list, run_id, cfg: RunConfig
+) -> Path:
+    """``<out>/checkpoints/iter-<it>``: the trainer's state after iteration ``it``, the metrics so far, the MLflow run
+    and the config as given (sample.shift unresolved: what ``--resume`` compares)."""
+    state = {
+        "trainer": trainer.state.state_dict(),
+        "history": history,
+        "eval_history": evaluations,
+        "tracking_run_id": run_id,
+        "config": cfg.to_dict(),
+    }
+    return checkpoint.save(out_dir / "checkpoints", it, state, keep=cfg.train.keep_checkpoints)
 
 
 RESUMABLE_CHANGES = frozenset(

@@ -63,6 +63,42 @@ def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path):
     assert "train.iterations" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.timeout(400)
+def test_sigterm_stops_at_the_next_safe_point_with_a_checkpoint_then_resume_is_bit_identical(tmp_path):
+    """What a scheduler's preemption does: SIGTERM mid-run, a checkpoint after the current iteration, exit 143 with
+    one line; --resume ends with the weights of a run that was never stopped."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lean.cli",
+        "train",
+        *RUN,
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.iterations=6",
+    ]
+    subprocess.run([*cmd, "--out", str(full)], check=True, capture_output=True, timeout=300)
+
+    proc = subprocess.Popen([*cmd, "--out", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("lean train:")  # set up; the first iteration starts
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    lines = err.strip().splitlines()
+    assert "SIGTERM: stopped after iteration" in lines[-1] and "--resume" in lines[-1], lines[-1]
+    saved = checkpoint.latest(stopped / "checkpoints")
+    assert saved is not None and not (stopped / "lora.safetensors").exists()
+    done = len(saved["history"])
+    assert 1 <= done < 6, done
+
+    subprocess.run([*cmd, "--out", str(stopped), "--resume"], check=True, capture_output=True, timeout=300)
+    a, b = load_file(full / "lora.safetensors"), load_file(stopped / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_corrupted_checkpoint_is_skipped(tmp_path):
     folder = tmp_path / "ckpt"
     checkpoint.save(folder, 0, {"w": torch.ones(3)}, keep=3)

@@ -29,7 +29,7 @@ def roll_out(schedule: str, *overrides: str):
 def test_async_scoring_gives_the_rewards_of_synchronous_scoring(schedule):
     _, sync = roll_out(schedule, "reward.async_scoring=false")
     pipeline, concurrent = roll_out(schedule)
-    assert pipeline.scoring(concurrent.ctx, concurrent.batch) is not None  # the run above did score concurrently
+    assert pipeline.scoring(concurrent.ctx, concurrent.batch).pool is not None  # the run above scored concurrently
     assert torch.equal(sync.final, concurrent.final)
     assert torch.equal(sync.rewards, concurrent.rewards) and sync.rewards.dtype == torch.float64
     assert sync.parts.keys() == concurrent.parts.keys()
@@ -37,7 +37,7 @@ def test_async_scoring_gives_the_rewards_of_synchronous_scoring(schedule):
         assert torch.equal(sync.parts[name], concurrent.parts[name])
     seconds = concurrent.ctx.timer.seconds
     assert seconds["reward"] > 0 and 0 < seconds["reward_exposed"]
-    assert sync.ctx.timer.seconds["reward_exposed"] == pytest.approx(sync.ctx.timer.seconds["reward"], rel=0.2)
+    assert sync.ctx.timer.seconds["reward_exposed"] >= sync.ctx.timer.seconds["reward"]  # scored after the rollout
 
 
 @pytest.mark.timeout(120)
@@ -59,10 +59,10 @@ def test_scoring_runs_in_a_worker_thread_while_the_next_micro_batch_rolls_out():
 def test_scoring_is_synchronous_with_one_micro_batch_or_when_switched_off():
     pipeline = build_pipeline(tiny(), World())  # 4 samples, rollout micro-batch 4
     batch = pipeline.local_batch(0)
-    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch) is None
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).pool is None
     pipeline = build_pipeline(tiny(*CHUNKED, "reward.async_scoring=false"), World())
     batch = pipeline.local_batch(0)
-    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch) is None
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).pool is None
 
 
 @pytest.mark.timeout(120)

@@ -116,8 +116,7 @@ class IterationCosts:
     schedule pays once (the local batch's, or with ``reward.async_scoring`` the last rollout micro-batch's: the others
     are scored while the rollout goes on). Memory: base (resident now), act / act_one: activations one tracked step
     saves at the local batch / one trajectory; transient: what a backward needs beyond them; decode: the VAE's
-    working set for what it decodes at once (the local batch, or one micro-batch); trainable: the trainable
-    parameters (MiB).
+    working set for one rollout micro-batch (each is decoded on its own); trainable: the trainable parameters (MiB).
     """
 
     n: int
