@@ -487,9 +487,16 @@ class EvalConfig:
     """Samples per rollout, decode and reward call, per process."""
     use_ema: bool = True
     """With ``train.ema``: evaluate the EMA weights (those of ``lora_ema.safetensors``); false: the trained ones."""
+    noise_seeds: int = 0
+    """The base model's evaluation (iteration 0) is repeated with this many eval seeds (``seed``, ``seed + 1``, ...;
+    no files written) and ``eval_reward_noise_std`` is the unbiased std of their mean eval rewards: how much the eval
+    reward moves with the noise alone, the yardstick of a gain. 0: off; 1 is refused (no spread)."""
 
     def validate(self) -> None:
         check_positive("eval.every", self.every, strict=False)
+        check_positive("eval.noise_seeds", self.noise_seeds, strict=False)
+        if self.noise_seeds == 1:
+            raise ConfigError("eval.noise_seeds", self.noise_seeds, "must be 0 (off) or >= 2: one seed has no spread")
         for key in ("samples_per_prompt", "batch_size"):
             check_positive(f"eval.{key}", getattr(self, key))
         if self.num_steps is not None:

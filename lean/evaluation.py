@@ -18,6 +18,11 @@ and ``eval_reward_std`` (population std over all P x S samples), ``eval_reward_<
 mean), ``eval_samples``, ``eval_time_s``. The iteration of an evaluation is the number of updates applied before it:
 0 is the base model, and iteration i's rollout samples the same weights as evaluation i.
 
+The noise of a gain: with ``eval.noise_seeds`` J > 0 the base model's evaluation is repeated under J eval seeds
+(``Evaluator.noise_std``; the first is the evaluation itself) and its row gets ``eval_reward_noise_std``, the
+unbiased std of the J mean eval rewards. The eval reward of one fixed noise is a lottery over which x_1 it drew; a
+gain of the trained model over the base counts when it is well above that spread (the workbench asks for 5 times).
+
 Files under ``<out>/eval/<iteration>/``: ``p<prompt>_s<sample>.png`` (video: an animated ``.gif`` of all frames),
 ``grid.png`` (rows = prompts with their text, columns = samples with their reward; video: first frames) and
 ``samples.csv`` (each sample's prompt and rewards).
@@ -127,17 +132,48 @@ class Evaluator:
         return f"p{prompt_index:03d}_s{sample_index:02d}.{'gif' if self.video else 'png'}"
 
     @torch.no_grad()
-    def sample(self, keys: list[tuple[int, int]]) -> Tensor:
-        """Decoded ODE samples of ``keys`` ((prompt index, sample index) pairs): ``[B, 3, H, W]`` (video ``[B, 3,
-        F, H, W]``) in [0, 1]."""
+    def sample(self, keys: list[tuple[int, int]], seed: int | None = None) -> Tensor:
+        """Decoded ODE samples of ``keys`` ((prompt index, sample index) pairs) from the noise of ``seed`` (default
+        ``eval.seed``): ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1]."""
         n = self.sample_cfg.num_steps
-        generators = [sample_generator(self.cfg.eval.seed, EVAL_STREAM, 0, p, k) for p, k in keys]
+        seed = self.cfg.eval.seed if seed is None else seed
+        generators = [sample_generator(seed, EVAL_STREAM, 0, p, k) for p, k in keys]
         deterministic = StepSelection(
             stochastic=torch.zeros(n, dtype=torch.bool), trained=torch.zeros(len(keys), n, dtype=torch.bool)
         )
         emb = self.policy.encode_prompts([self.prompts[p] for p, _ in keys])
         final = rollout(self.policy, emb, generators, deterministic, self.sample_cfg, self.sigmas)
         return self.policy.decode(final)
+
+    def score(self, seed: int | None = None, folder: Path | None = None) -> Tensor:
+        """Sample and score this process's share from the noise of ``seed`` (default ``eval.seed``), writing each
+        sample into ``folder`` if given; gather the shares. Returns every sample's rewards ``[P x S, 1 + R]`` (the
+        total, then each reward of ``reward.weights``), the same on every process."""
+        names = list(self.cfg.reward.weights)
+        local_keys = self.keys[self.local]
+        scores = torch.empty(len(local_keys), 1 + len(names), dtype=torch.float64)
+        for lo in range(0, len(local_keys), self.cfg.eval.batch_size):
+            keys = local_keys[lo : lo + self.cfg.eval.batch_size]
+            images = self.sample(keys, seed)
+            total, parts = self.reward(images, [self.prompts[p] for p, _ in keys])
+            scores[lo : lo + len(keys)] = torch.stack([total, *(parts[name] for name in names)], dim=1).double()
+            if folder is not None:
+                for (p, k), image in zip(keys, images):
+                    write_sample(folder / self.file(p, k), image)
+        return gather_shares(self.world, scores, len(self.keys))  # after it, every process has written its files
+
+    def noise_std(self, mean_at_seed: float) -> dict:
+        """How much the mean eval reward of the current weights moves with the eval noise alone: their mean eval
+        reward ``m_j`` under ``eval.noise_seeds`` seeds j = ``eval.seed``, ``eval.seed + 1``, ... (the first is
+        ``mean_at_seed``, the evaluation already made; the others write no files) and ``eval_reward_noise_std`` =
+        sqrt(Σ_j (m_j − m̄)² / (J − 1)), the unbiased std. A gain of the eval reward is noise unless it is several
+        of these."""
+        seed, count = self.cfg.eval.seed, self.cfg.eval.noise_seeds
+        means = [mean_at_seed, *(self.score(seed + j)[:, 0].mean().item() for j in range(1, count))]
+        return {
+            "eval_reward_noise_std": torch.tensor(means, dtype=torch.float64).std(unbiased=True).item(),
+            "eval_noise_seeds": count,
+        }
 
     def evaluate(self, iteration: int) -> dict:
         """Sample, score and write this process's share; gather the rewards; the main process writes the grid and
@@ -146,16 +182,7 @@ class Evaluator:
         folder = self.folder(iteration)
         folder.mkdir(parents=True, exist_ok=True)
         names = list(self.cfg.reward.weights)
-        local_keys = self.keys[self.local]
-        scores = torch.empty(len(local_keys), 1 + len(names), dtype=torch.float64)  # total, then each reward
-        for lo in range(0, len(local_keys), self.cfg.eval.batch_size):
-            keys = local_keys[lo : lo + self.cfg.eval.batch_size]
-            images = self.sample(keys)
-            total, parts = self.reward(images, [self.prompts[p] for p, _ in keys])
-            scores[lo : lo + len(keys)] = torch.stack([total, *(parts[name] for name in names)], dim=1).double()
-            for (p, k), image in zip(keys, images):
-                write_sample(folder / self.file(p, k), image)
-        scores = gather_shares(self.world, scores, len(self.keys))  # after it, every process has written its files
+        scores = self.score(folder=folder)
         if self.world.is_main:
             self.write_summary(folder, scores, names)
         rewards = scores[:, 0]

@@ -230,12 +230,12 @@ RESUMABLE_CHANGES = frozenset(
 
 def config_changes(saved: dict, cfg: RunConfig) -> list[str]:
     """``key: saved -> now`` for every dotted key (outside :data:`RESUMABLE_CHANGES`) whose value differs. A section
-    the saved config lacks (written before the section existed) ran with that section's defaults."""
+    or key the saved config lacks (written before it existed) ran with its default."""
     now = cfg.to_dict()
     changes = []
     for section in sorted(set(saved) | set(now)):
         default = dataclasses.asdict(SECTIONS[section]()) if section in SECTIONS else {}
-        before, after = saved.get(section, default) or {}, now.get(section) or {}
+        before, after = {**default, **(saved.get(section) or {})}, now.get(section) or {}  # a key added since: default
         for key in sorted(set(before) | set(after)):
             dotted = f"{section}.{key}"
             if dotted not in RESUMABLE_CHANGES and before.get(key) != after.get(key):
@@ -285,17 +285,21 @@ def evaluate(
     """The evaluation of ``iteration`` when it is due and not done yet (a resumed run has the earlier ones): with
     the EMA weights when ``train.ema`` and ``eval.use_ema``; its row appended to ``evaluations`` and
     ``<out>/eval.csv``, logged to MLflow at step ``iteration`` with its grid (a stepped image, ``eval_grid``) and
-    its folder (artifacts ``eval/<iteration>/``)."""
+    its folder (artifacts ``eval/<iteration>/``). With ``eval.noise_seeds`` the row of iteration 0 (the base
+    model) also holds ``eval_reward_noise_std`` (``Evaluator.noise_std``), which the checkpoints keep with it."""
     if evaluator is None or not evaluator.due(iteration) or any(e["iteration"] == iteration for e in evaluations):
         return
     with trainer.state.ema_swapped_in(trainer.cfg.eval.use_ema) as ema:
         row = {**evaluator.evaluate(iteration), "eval_ema": int(ema)}
+        if iteration == 0 and trainer.cfg.eval.noise_seeds:  # the base model: the yardstick of the run's gain
+            row.update(evaluator.noise_std(row["eval_reward_mean"]))
     evaluations.append(row)
     run.log_metrics({k: v for k, v in row.items() if k != "iteration"}, step=iteration)  # the step says it
     if trainer.world.is_main:
+        noise = f", noise std {row['eval_reward_noise_std']:.4f}" if "eval_reward_noise_std" in row else ""
         tqdm.write(
             f"lean eval at iteration {iteration}: reward {row['eval_reward_mean']:.4f} +- {row['eval_reward_std']:.4f} "
-            f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s) -> {evaluator.folder(iteration)}"
+            f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s{noise}) -> {evaluator.folder(iteration)}"
         )
         write_csv(evaluator.root.parent / "eval.csv", evaluations)
         run.log_image(evaluator.folder(iteration) / "grid.png", "eval_grid", iteration)
@@ -376,8 +380,8 @@ def write_outputs(
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
     ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
     ``lora/`` (``lora_ema/``) and a random base's fingerprint (``lean.export.write_run_exports``). With evaluations,
-    the summary has the eval reward of each (``eval_reward_mean`` at ``eval_iterations``), the first, the last and
-    ``eval_reward_gain`` = last - first."""
+    the summary has the eval reward of each (``eval_reward_mean`` at ``eval_iterations``), the first, the last,
+    ``eval_reward_gain`` = last - first and, with ``eval.noise_seeds``, the base model's ``eval_reward_noise_std``."""
     keys = sorted({k for row in history for k in row if isinstance(row[k], (int, float))})
     # the iteration that counted FLOPs ran slower; its times count only when no other iteration was timed
     timed = [row for row in history if not row.get("flops_counted")] or history
@@ -414,12 +418,14 @@ def eval_summary(evaluations: list[dict]) -> dict:
         return {}
     ordered = sorted(evaluations, key=lambda e: e["iteration"])
     first, last = ordered[0]["eval_reward_mean"], ordered[-1]["eval_reward_mean"]
+    noise = ordered[0].get("eval_reward_noise_std")  # the base model's, when eval.noise_seeds measured it
     return {
         "eval_iterations": [e["iteration"] for e in ordered],
         "eval_reward_mean": [e["eval_reward_mean"] for e in ordered],
         "eval_reward_first": first,
         "eval_reward_last": last,
         "eval_reward_gain": last - first,
+        **({"eval_reward_noise_std": noise} if noise is not None else {}),
     }
 
 

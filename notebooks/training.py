@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -12,13 +14,19 @@
 # ---
 
 # %% [markdown]
-# # Training: the reward curves of the three schedules
+# # Training: the reward curves of the three schedules, and what the model learned
 #
 # The `train@<schedule>` stages ran GRPO from the pretrained base with the `rl` settings of `params.yaml`. Same seed,
 # same trajectories, and the same update (see the equivalence notebook): the three curves must coincide, up to the
 # floating-point rounding that separates their gradients (it grows slowly over iterations in float32; run
 # `dvc exp run -S 'rl.run.model.dtype=float64'` to see it vanish). The reward is measured on the images each
 # iteration generates (prompt alignment: `lean.rewards`).
+#
+# The training reward is that of the exploring (SDE) samples. Whether the model itself got better is the evaluation's
+# question (`rl.run.eval`, `lean/evaluation.py`): deterministic (ODE) samples of the prompts from the same noise at
+# every evaluation, scored with the same reward. The run *visibly learns* when its eval reward rises by at least
+# 0.15 and by more than 5 times `eval_reward_noise_std`, the std of the base model's mean eval reward over eval
+# seeds (`eval.noise_seeds`): a gain the choice of noise alone could not make.
 
 # %% tags=["parameters"]
 outputs = "../outputs"  # the DVC pipeline's outputs folder
@@ -29,22 +37,33 @@ summary_path = None  # set by the report stage: where this notebook's metrics go
 # %%
 import csv
 import json
+import math
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from PIL import Image
 
 from lean.schedules import BASELINE, SCHEDULES
 from lean.workbench.notebook import NotebookLog
 
 schedules = list(SCHEDULES)
+MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN and > NOISE_MULTIPLE x its noise std
 
 
-def read_curve(schedule: str) -> list[dict]:
-    with open(Path(outputs) / "train" / schedule / "metrics.csv") as f:
+def read_rows(schedule: str, name: str) -> list[dict]:
+    """A run's CSV (metrics.csv, eval.csv) as numbers; no rows when the file is missing (a run without evaluation)."""
+    path = Path(outputs) / "train" / schedule / name
+    if not path.exists():
+        return []
+    with open(path) as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
-curves = {s: read_curve(s) for s in schedules}
+curves = {s: read_rows(s, "metrics.csv") for s in schedules}
+evals = {s: read_rows(s, "eval.csv") for s in schedules}
+summaries = {s: json.loads((Path(outputs) / "train" / s / "metrics.json").read_text()) for s in schedules}
+evaluated = all(evals.values()) and all("eval_reward_gain" in summaries[s] for s in schedules)
 config = json.loads((Path(outputs) / "train" / BASELINE / "config.json").read_text())
 log = NotebookLog("training", track=track, parent_run_id=parent_run_id)
 print(
@@ -85,6 +104,77 @@ ax.legend()
 log.figure(fig, "training_time.png")
 plt.show()
 
+# %% [markdown]
+# ## The base model beside the trained one
+#
+# Per prompt, the eval samples of the base model (iteration 0) and of the trained model (the last evaluation) of the
+# baseline schedule, from the same noise: what changed is what training changed. Each title is the sample's reward.
+
+# %%
+if not evaluated:
+    print("no evaluations in these runs (rl.run.eval.every: 0): nothing to show")
+else:
+    folder = Path(outputs) / "train" / BASELINE / "eval"
+    last = int(evals[BASELINE][-1]["iteration"])
+
+    def samples(iteration: int) -> list[dict]:
+        with open(folder / str(iteration) / "samples.csv") as f:
+            return list(csv.DictReader(f))
+
+    shown = [("base", 0, samples(0)), (f"iteration {last}", last, samples(last))]
+    prompts = {int(r["prompt_index"]): r["prompt"] for r in shown[0][2]}
+    per_prompt = 1 + max(int(r["sample_index"]) for r in shown[0][2])
+    fig, axes = plt.subplots(
+        len(prompts), 2 * per_prompt, figsize=(1.5 * 2 * per_prompt + 1.5, 1.7 * len(prompts)), squeeze=False
+    )
+    for half, (label, iteration, rows) in enumerate(shown):
+        for r in rows:
+            p, k = int(r["prompt_index"]), int(r["sample_index"])
+            ax = axes[p, half * per_prompt + k]
+            with Image.open(folder / str(iteration) / r["file"]) as image:  # a video's GIF opens at its first frame
+                ax.imshow(image.convert("RGB"), interpolation="nearest")
+            ax.set_title(f"{label}: {float(r['reward']):.3f}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    for p, prompt in prompts.items():
+        axes[p, 0].set_ylabel("\n".join(textwrap.wrap(prompt, 18)), fontsize=8)
+    fig.suptitle(f"{BASELINE}: base model (left) | after {last} iterations (right), the same eval noise", fontsize=10)
+    fig.tight_layout()
+    log.figure(fig, "training_eval_base_vs_trained.png")
+    plt.show()
+
+# %% [markdown]
+# ## The eval-reward curves
+#
+# The mean eval reward of each evaluation, per schedule (the curves coincide as the training ones do), with the band
+# of ± the noise std around the base model's and the line the trained model must reach.
+
+# %%
+if evaluated:
+    gain = min(summaries[s]["eval_reward_gain"] for s in schedules)
+    noises = [summaries[s]["eval_reward_noise_std"] for s in schedules if "eval_reward_noise_std" in summaries[s]]
+    noise = max(noises) if noises else math.nan  # the base model's: the same in every run
+    needed = max(MIN_GAIN, NOISE_MULTIPLE * noise) if noises else MIN_GAIN
+    learns = gain >= MIN_GAIN and gain > NOISE_MULTIPLE * noise  # False without a noise figure
+    base = evals[BASELINE][0]["eval_reward_mean"]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for s, style in zip(schedules, ("-o", "--s", ":^")):
+        ax.plot([r["iteration"] for r in evals[s]], [r["eval_reward_mean"] for r in evals[s]], style, ms=4, label=s)
+    if noises:
+        ax.axhspan(base - noise, base + noise, color="grey", alpha=0.25, label="base ± noise std")
+    ax.axhline(base + needed, color="green", ls="--", lw=1, label=f"base + {needed:.3f} (criterion)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean eval reward")
+    ax.set_title("eval (ODE, fixed noise) reward per evaluation")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    log.figure(fig, "training_eval_reward_curves.png")
+    plt.show()
+    print(
+        f"eval reward gain {gain:.4f} (the smallest of the three) against >= {MIN_GAIN} and > {NOISE_MULTIPLE} x "
+        f"noise std {noise:.4f} = {NOISE_MULTIPLE * noise:.4f}: " + ("learns" if learns else "does NOT visibly learn")
+    )
+
 # %%
 metrics = {
     "max_reward_curve_diff": max(
@@ -94,7 +184,13 @@ metrics = {
 for s in schedules:
     r = [row["reward_mean"] for row in curves[s]]
     metrics.update({f"reward_first_{s}": r[0], f"reward_final_{s}": r[-1], f"reward_gain_{s}": r[-1] - r[0]})
+if evaluated:
+    for s in schedules:
+        metrics.update({f"eval_reward_{k}_{s}": summaries[s][f"eval_reward_{k}"] for k in ("first", "last", "gain")})
+    if noises:
+        metrics["eval_reward_noise_std"] = noise
+    metrics["eval_learning_passes"] = float(learns)
 log.log(metrics)
 for k, v in metrics.items():
-    print(f"{k:24s} {v:.6f}")
+    print(f"{k:28s} {v:.6f}")
 log.close(summary_path)

@@ -3,6 +3,7 @@ weights, video GIFs, the shares of data-parallel processes, and its config keys.
 
 import csv
 import json
+import math
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from lean.config import ConfigError, load_config
 from lean.distributed import World
 from lean.evaluation import Evaluator, eval_iterations, pad_share, share, unpad_shares
 from lean.iteration import build_pipeline
-from lean.train import Trainer, config_changes, evaluate, train
+from lean.train import Trainer, config_changes, eval_summary, evaluate, train
 
 # two prompts x two samples, two Euler steps: an evaluation of the tiny model takes about a second
 EVAL = (
@@ -55,6 +56,8 @@ def test_bad_eval_keys_are_one_line_errors(tmp_path):
         ("eval.samples_per_prompt=0", "eval.samples_per_prompt"),
         ("eval.num_steps=0", "eval.num_steps"),
         ("eval.prompts=[]", "eval.prompts"),
+        ("eval.noise_seeds=1", "eval.noise_seeds"),  # one seed has no spread
+        ("eval.noise_seeds=-1", "eval.noise_seeds"),
         (f"eval.prompts_file={tmp_path / 'missing.txt'}", "eval.prompts_file"),
         ("eval.evry=1", "eval.evry"),
     ]:
@@ -73,6 +76,8 @@ def test_resume_guard_reads_eval_keys():
     assert config_changes(before_eval, tiny()) == []
     assert config_changes(before_eval, cfg) == []  # eval.every changes where the run evaluates, not what it trains
     assert config_changes(cfg.to_dict(), tiny("eval.every=2", "eval.seed=1")) == ["eval.seed: 0 -> 1"]
+    before_noise = {**cfg.to_dict(), "eval": {k: v for k, v in cfg.to_dict()["eval"].items() if k != "noise_seeds"}}
+    assert config_changes(before_noise, cfg) == []  # a key added since the checkpoint: it ran with the default
 
 
 @pytest.mark.timeout(240)
@@ -83,9 +88,14 @@ def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
     tracking.reset()
     tracking.configure(enabled=True, experiment="lean-test-eval")
     try:
-        train(tiny(*EVAL, *FASTER, "train.save_every=1"), out="out")
-        assert [row["iteration"] for row in checkpoint.latest(Path("out/checkpoints"))["eval_history"]] == [0, 1]
-        train(tiny(*EVAL, *FASTER, "train.save_every=1", "train.iterations=2"), out="out", resume=True)
+        train(tiny(*EVAL, *FASTER, "train.save_every=1", "eval.noise_seeds=2"), out="out")
+        saved = checkpoint.latest(Path("out/checkpoints"))["eval_history"]
+        assert [row["iteration"] for row in saved] == [0, 1] and saved[0]["eval_reward_noise_std"] > 0
+        train(
+            tiny(*EVAL, *FASTER, "train.save_every=1", "eval.noise_seeds=2", "train.iterations=2"),
+            out="out",
+            resume=True,
+        )
     finally:
         tracking.reset()
     with open("out/eval.csv") as f:
@@ -104,6 +114,9 @@ def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
     assert metrics["eval_reward_gain"] == pytest.approx(
         float(rows[2]["eval_reward_mean"]) - float(rows[0]["eval_reward_mean"])
     )
+    # the base model's noise figure, measured before the first iteration, survives the resume
+    assert metrics["eval_reward_noise_std"] == pytest.approx(saved[0]["eval_reward_noise_std"])
+    assert float(rows[0]["eval_reward_noise_std"]) == pytest.approx(saved[0]["eval_reward_noise_std"])
 
     from mlflow.tracking import MlflowClient
 
@@ -116,8 +129,34 @@ def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
     for it in (0, 1, 2):
         logged = {a.path for a in client.list_artifacts(run.info.run_id, f"eval/{it}")}
         assert {f"eval/{it}/grid.png", f"eval/{it}/p000_s00.png", f"eval/{it}/samples.csv"} <= logged
+    assert client.get_run(run.info.run_id).data.metrics["eval_reward_noise_std"] == pytest.approx(
+        saved[0]["eval_reward_noise_std"]
+    )
     images = client.list_artifacts(run.info.run_id, "images")
     assert len([a for a in images if a.path.endswith(".png") and "eval_grid" in a.path]) >= 3  # one per step
+
+
+@pytest.mark.timeout(120)
+def test_the_base_models_noise_std_over_eval_seeds(tmp_path):
+    """eval.noise_seeds=3: the base model's row holds the unbiased std of its mean eval reward under eval seeds 0, 1,
+    2 (the evaluator's own score, seed by seed), finite and > 0, and the other seeds write no files; with 0 there is
+    no noise figure at all."""
+    cfg = tiny(*EVAL, "eval.noise_seeds=3")
+    trainer = Trainer(cfg, World())
+    evaluator = Evaluator(trainer.pipeline, tmp_path)
+    rows = []
+    evaluate(trainer, evaluator, 0, tracking.Run(), rows)
+    noise = rows[0]["eval_reward_noise_std"]
+    means = torch.tensor([evaluator.score(seed)[:, 0].mean().item() for seed in (0, 1, 2)], dtype=torch.float64)
+    assert means[0].item() == pytest.approx(rows[0]["eval_reward_mean"])  # seed eval.seed is the evaluation itself
+    assert math.isfinite(noise) and noise > 0 and noise == pytest.approx(means.std(unbiased=True).item())
+    assert rows[0]["eval_noise_seeds"] == 3 and eval_summary(rows)["eval_reward_noise_std"] == noise
+    assert os.listdir(tmp_path / "eval") == ["0"] and len(os.listdir(tmp_path / "eval" / "0")) == 2 + 4
+
+    off, base = [], Trainer(tiny(*EVAL), World())  # eval.noise_seeds: 0
+    evaluate(base, Evaluator(base.pipeline, tmp_path / "off"), 0, tracking.Run(), off)
+    assert "eval_reward_noise_std" not in off[0] and "eval_reward_noise_std" not in eval_summary(off)
+    assert all(math.isfinite(v) for v in eval_summary(off).values() if isinstance(v, float))
 
 
 @pytest.mark.timeout(180)

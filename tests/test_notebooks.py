@@ -29,7 +29,16 @@ REQUIRED = {
         "bf16_rel_l2_retain",
         "bf16_clipped_fraction",
     ),
-    "training": ("reward_final_recompute", "reward_gain_retain", "max_reward_curve_diff"),
+    "training": (
+        "reward_final_recompute",
+        "reward_gain_retain",
+        "max_reward_curve_diff",
+        "eval_reward_gain_recompute",
+        "eval_reward_first_retain",
+        "eval_reward_last_reweight",
+        "eval_reward_noise_std",
+        "eval_learning_passes",
+    ),
     "overlap": ("overlap_hidden_fraction_flash", "overlap_hidden_fraction_collective"),
 }
 

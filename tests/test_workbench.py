@@ -169,6 +169,9 @@ TINY = {
                 "rollout_batch_size": 4,
                 "train_batch_size": 4,
             },
+            # evaluated (the training notebook's base-vs-trained images and eval-reward curves are drawn): 2 prompts x
+            # 2 samples, 2 Euler steps, after every iteration; the base model also under a second eval seed
+            "eval": {"every": 1, "samples_per_prompt": 2, "num_steps": 2, "noise_seeds": 2},
         }
     },
     "bench": {
@@ -350,8 +353,13 @@ def test_dvc_repro_end_to_end(smoke):
         "max_rel_grad_diff_reweight",
         "overlap_hidden_fraction_flash",
         "reward_final_retain",
+        "eval_reward_gain_retain",
+        "eval_reward_noise_std",
+        "eval_learning_passes",
     ):
         assert key in report, key
+    for schedule in ("recompute", "retain", "reweight"):  # evaluated at 0, 1 and 2: the images of each
+        assert sorted(os.listdir(outputs / "train" / schedule / "eval")) == ["0", "1", "2"]
     assert "max_rel_grad_diff_retain" in smoke["metrics_show"]  # `dvc metrics show` reads the stages' metrics
 
 
