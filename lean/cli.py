@@ -22,7 +22,7 @@ from lean import equivalence, export, plan, sampling, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
 from lean.config import ConfigError, RewardModelConfig, load_config, suggest
-from lean.launch import launch
+from lean.launch import Nodes, launch
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
 from lean.train import train
@@ -91,7 +91,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
     p = sub.add_parser("launch", help="run a lean command on N processes through Accelerate (gloo on CPU)")
-    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("-n", "--num-processes", type=int, required=True, help="processes on this machine")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (run lean launch on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..nnodes-1")
+    p.add_argument("--master-addr", default=None, help="node 0's address (multi-node)")
+    p.add_argument("--master-port", type=int, default=None, help="a free port on node 0 (multi-node)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- <lean command and its options>")
 
     p = sub.add_parser("sync", help="send a run's MLflow calls that waited for an unreachable store")
@@ -211,7 +215,10 @@ def _launch(args) -> int:
         raise ConfigError("launch", "", "give the lean command to run after --")
     if args.num_processes < 1:
         raise ConfigError("--num-processes", args.num_processes, "must be >= 1")
-    return launch(args.num_processes, rest)
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    if (problem := nodes.problem()) is not None:
+        raise ConfigError(*problem)
+    return launch(args.num_processes, rest, nodes=nodes)
 
 
 def _sync(args) -> int:

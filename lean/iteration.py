@@ -25,6 +25,7 @@ import functools
 import json
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,7 @@ from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
-from lean.scoring import RolloutScoring, ScoredBatch
+from lean.scoring import RolloutScoring, ScoredBatch, score_worker
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
 
 if TYPE_CHECKING:
@@ -161,6 +162,11 @@ class IterationPipeline:
         """The run's rewards, built at the first score (a model reward loads its model once)."""
         return Scorer(self.cfg.reward, self.world.device)
 
+    @functools.cached_property
+    def score_worker(self) -> ThreadPoolExecutor:
+        """The thread that scores rollout micro-batches during the rollout (``lean.scoring``), started once."""
+        return score_worker()
+
     # ------------------------------------------------------------ phases
 
     def local_batch(self, iteration: int) -> LocalBatch:
@@ -245,7 +251,8 @@ class IterationPipeline:
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
         concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
         _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
-        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally), concurrent)
+        worker = self.score_worker if concurrent else None
+        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally), worker)
 
     def score(self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring) -> tuple:
         """The rewards of the micro-batches ``scoring`` was handed: (total float64 [B_local], each reward's component).

@@ -102,7 +102,7 @@ def rss_mb() -> float:
 
 
 # glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 _heap_keeps_freed = False
 
 
@@ -122,10 +122,12 @@ def keep_freed_memory() -> bool:
     property of the schedule (the CUDA caching allocator has no such cost). Trimming is off altogether (-1): with the
     largest positive threshold (2 GiB), the heap top that Retain's backward frees on Wan (its kept graphs, > 2 GiB)
     went back to the kernel every iteration, and the next decode page-faulted it in again (~0.5 M faults, +3 s).
+    One arena for all threads: a thread's own arena is a heap of at most 64 MiB, so without mmap the scoring
+    worker's (``lean.scoring``) large blocks would first fail there and go to the main arena every time.
     Memory is measured under :func:`live_bytes_heap` instead.
     """
     global _heap_keeps_freed
-    _heap_keeps_freed = _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    _heap_keeps_freed = _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     return _heap_keeps_freed
 
 

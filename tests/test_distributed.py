@@ -79,3 +79,35 @@ def test_equivalence_on_two_processes(tmp_path):
     )
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["world_size"] == 2 and report["passes"], report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_on_localhost_train_as_two_processes_of_one_node(tmp_path):
+    """`lean launch --nnodes 2`: two "machines" of one process each, rendezvous on 127.0.0.1, give the run of
+    `lean launch -n 2` on one machine."""
+    from helpers import free_port
+
+    one_node, two_nodes = tmp_path / "one_node", tmp_path / "two_nodes"
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", port]
+    run = ["--", "train", *SMALL, "--set", "model.dtype=float64", "--out", str(two_nodes)]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), *run], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errors = [node.communicate(timeout=240)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    assert "node 1 of 2: 1 process(es) here, 2 in all, gloo" in errors[1]
+    _lean("launch", "-n", "2", "--", "train", *SMALL, "--set", "model.dtype=float64", "--out", str(one_node))
+    assert json.loads((two_nodes / "metrics.json").read_text())["world_size"] == 2
+    a, b = load_file(one_node / "lora.safetensors"), load_file(two_nodes / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_launch_flags_are_checked():
+    bad = subprocess.run(
+        [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--", "train"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--master-addr" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -29,7 +29,7 @@ def roll_out(schedule: str, *overrides: str):
 def test_async_scoring_gives_the_rewards_of_synchronous_scoring(schedule):
     _, sync = roll_out(schedule, "reward.async_scoring=false")
     pipeline, concurrent = roll_out(schedule)
-    assert pipeline.scoring(concurrent.ctx, concurrent.batch).pool is not None  # the run above scored concurrently
+    assert pipeline.scoring(concurrent.ctx, concurrent.batch).worker is not None  # the run above scored concurrently
     assert torch.equal(sync.final, concurrent.final)
     assert torch.equal(sync.rewards, concurrent.rewards) and sync.rewards.dtype == torch.float64
     assert sync.parts.keys() == concurrent.parts.keys()
@@ -59,10 +59,10 @@ def test_scoring_runs_in_a_worker_thread_while_the_next_micro_batch_rolls_out():
 def test_scoring_is_synchronous_with_one_micro_batch_or_when_switched_off():
     pipeline = build_pipeline(tiny(), World())  # 4 samples, rollout micro-batch 4
     batch = pipeline.local_batch(0)
-    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).pool is None
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).worker is None
     pipeline = build_pipeline(tiny(*CHUNKED, "reward.async_scoring=false"), World())
     batch = pipeline.local_batch(0)
-    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).pool is None
+    assert pipeline.scoring(pipeline.context(batch, pipeline.embed(batch)), batch).worker is None
 
 
 @pytest.mark.timeout(120)
