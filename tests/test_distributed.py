@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import free_port
 from safetensors.torch import load_file
 
 SMALL = [
@@ -36,9 +37,9 @@ EVAL += ["--set", f"eval.prompts=[{', '.join(EVAL_PROMPTS)}]"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12)])  # the strict one; float32 runs the same code path
-def test_two_processes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
+def test_two_processes_or_two_nodes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
     one, two = tmp_path / "one", tmp_path / "two"
     _lean("train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(one))
     proc = _lean("launch", "-n", "2", "--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two))
@@ -53,6 +54,19 @@ def test_two_processes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
         assert len(rewards[0]) == 3 and rewards[1] == pytest.approx(rewards[0], rel=0, abs=1e-9)
         written = sorted(p.name for p in (two / "eval" / str(it)).iterdir())
         assert written == ["grid.png", "p000_s00.png", "p001_s00.png", "p002_s00.png", "samples.csv"]
+
+    # `lean launch --nnodes 2`: two "machines" of one process each, rendezvous on 127.0.0.1: the same run
+    two_nodes = tmp_path / "two_nodes"
+    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(free_port())]
+    run = ["--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two_nodes)]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), *run], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errors = [node.communicate(timeout=240)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    assert "node 1 of 2: 1 process(es) here, 2 in all, gloo" in errors[1]
+    assert json.loads((two_nodes / "metrics.json").read_text())["world_size"] == 2
+    a, b = load_file(two / "lora.safetensors"), load_file(two_nodes / "lora.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _column(path, name):
@@ -81,33 +95,9 @@ def test_equivalence_on_two_processes(tmp_path):
     assert report["world_size"] == 2 and report["passes"], report
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_nodes_on_localhost_train_as_two_processes_of_one_node(tmp_path):
-    """`lean launch --nnodes 2`: two "machines" of one process each, rendezvous on 127.0.0.1, give the run of
-    `lean launch -n 2` on one machine."""
-    from helpers import free_port
+def test_launch_flags_are_checked(capsys):
+    from lean.cli import main
 
-    one_node, two_nodes = tmp_path / "one_node", tmp_path / "two_nodes"
-    port = str(free_port())
-    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", port]
-    run = ["--", "train", *SMALL, "--set", "model.dtype=float64", "--out", str(two_nodes)]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), *run], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    errors = [node.communicate(timeout=240)[1] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
-    assert "node 1 of 2: 1 process(es) here, 2 in all, gloo" in errors[1]
-    _lean("launch", "-n", "2", "--", "train", *SMALL, "--set", "model.dtype=float64", "--out", str(one_node))
-    assert json.loads((two_nodes / "metrics.json").read_text())["world_size"] == 2
-    a, b = load_file(one_node / "lora.safetensors"), load_file(two_nodes / "lora.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_launch_flags_are_checked():
-    bad = subprocess.run(
-        [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--", "train"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "--master-addr" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert main(["launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "--master-addr" in err and len(err.strip().splitlines()) == 1
