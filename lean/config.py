@@ -299,7 +299,7 @@ class RewardConfig:
     prediction of x_0 at the last step)."""
     async_scoring: bool = True
     """Decode and score each rollout micro-batch in a worker thread while the next one rolls out (``lean.scoring``);
-    false: score the whole batch after the rollout. The rewards are the same."""
+    false: score each micro-batch after the rollout, in the training thread. The rewards are the same."""
     models: dict[str, RewardModelConfig] = field(default_factory=dict)
     """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
     reward ``remote`` names: ``lean reward serve`` checks it on the server)."""

@@ -234,9 +234,9 @@ class IterationPipeline:
         total, parts = self.scorer(images, prompts)
         return total.to(torch.float64), parts
 
-    def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally | None = None) -> ScoredBatch:
+    def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
         """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images."""
-        with (tally or FlopTally()).region("decode"):
+        with tally.region("decode"):
             images = self.policy.decode(final)
         try:
             rewards, parts = self.reward(images, prompts)

@@ -207,62 +207,47 @@ def rollout(
         raise ValueError(f"decode={decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
     x = policy.init_latents(init_generators or generators)  # every sample's first draw, before any step's
     batch = x.shape[0]
+    stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
+    upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
+    first_stochastic = next((j for j in range(cfg.num_steps) if stochastic[j]), None)
+    last = cfg.num_steps - 1
+
+    def roll_out_rows(rows: slice) -> torch.Tensor:
+        """All steps of the trajectories ``rows``; returns their decode target."""
+        x_rows = x[rows]
+        noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
+        noise.prefetch(first_stochastic)
+        x0 = torch.empty_like(x_rows) if decode == "x0_prediction" else None
+        for i in range(cfg.num_steps):
+            tracked = stochastic[i] and track_grad(i)
+            size = (grad_micro_batch if tracked and grad_micro_batch else None) or x_rows.shape[0]
+            eps = noise.take(i) if stochastic[i] else None
+            x_next = torch.empty_like(x_rows)
+            for start in range(0, x_rows.shape[0], size):
+                sub = slice(start, min(start + size, x_rows.shape[0]))  # rows of this micro-batch
+                at = slice(rows.start + sub.start, rows.start + sub.stop)  # the same rows of the local batch
+                with torch.set_grad_enabled(tracked):
+                    v = velocity(policy, x_rows[sub], sigmas[i], emb.index(at), cfg)
+                if i == last and x0 is not None:
+                    x0[sub] = predicted_x0(v.detach(), x_rows[sub], sigmas, i)
+                if not stochastic[i]:
+                    x_next[sub] = ode_step(v, x_rows[sub], sigmas, i)
+                    continue
+                with torch.set_grad_enabled(tracked):
+                    nxt, log_prob, mean, std = sde_step(v, x_rows[sub], i, cfg, sigmas, noise=eps[sub])
+                x_next[sub] = nxt.detach()
+                if on_step is not None:
+                    on_step(StepOutput(i, at, x_rows[sub], nxt.detach(), log_prob, mean, std))
+            noise.prefetch(upcoming[i])  # host draws step i+1's noise while the device works on step i
+            x_rows = x_next
+            if progress is not None:
+                progress(i)
+        return x_rows if x0 is None else x0
+
     target = torch.empty_like(x)
     for start in range(0, batch, micro_batch or batch):
         rows = slice(start, min(start + (micro_batch or batch), batch))
-        target[rows] = _roll_out_rows(
-            policy,
-            emb,
-            generators,
-            steps,
-            cfg,
-            sigmas,
-            x[rows],
-            rows,
-            on_step,
-            track_grad,
-            grad_micro_batch,
-            progress,
-            decode,
-        )
+        target[rows] = roll_out_rows(rows)
         if on_finished is not None:
             on_finished(rows, target[rows])
     return target
-
-
-def _roll_out_rows(
-    policy, emb, generators, steps, cfg, sigmas, x, rows, on_step, track_grad, grad_micro_batch, progress, decode
-) -> torch.Tensor:
-    """All steps of the trajectories ``rows`` of the local batch, from their x_0 ``x``; returns their decode target."""
-    stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
-    upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
-    noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
-    noise.prefetch(next((j for j in range(cfg.num_steps) if stochastic[j]), None))
-    last = cfg.num_steps - 1
-    x0 = None
-    for i in range(cfg.num_steps):
-        tracked = stochastic[i] and track_grad(i)
-        size = (grad_micro_batch if tracked and grad_micro_batch else None) or x.shape[0]
-        eps = noise.take(i) if stochastic[i] else None
-        x_next = torch.empty_like(x)
-        for start in range(0, x.shape[0], size):
-            local = slice(start, min(start + size, x.shape[0]))
-            batch_rows = slice(rows.start + local.start, rows.start + local.stop)  # rows of the whole local batch
-            with torch.set_grad_enabled(tracked):
-                v = velocity(policy, x[local], sigmas[i], emb.index(batch_rows), cfg)
-            if i == last and decode == "x0_prediction":
-                x0 = torch.empty_like(x) if x0 is None else x0
-                x0[local] = predicted_x0(v.detach(), x[local], sigmas, i)
-            if not stochastic[i]:
-                x_next[local] = ode_step(v, x[local], sigmas, i)
-                continue
-            with torch.set_grad_enabled(tracked):
-                nxt, log_prob, mean, std = sde_step(v, x[local], i, cfg, sigmas, noise=eps[local])
-            x_next[local] = nxt.detach()
-            if on_step is not None:
-                on_step(StepOutput(i, batch_rows, x[local], nxt.detach(), log_prob, mean, std))
-        noise.prefetch(upcoming[i])  # host draws step i+1's noise while the device works on step i
-        x = x_next
-        if progress is not None:
-            progress(i)
-    return x if x0 is None else x0

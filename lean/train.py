@@ -313,15 +313,15 @@ def guarded_iteration(
     non-finite value aborts the run (``train.on_nonfinite: abort``) or undoes the iteration (``skip``: weights and
     optimizer restored)."""
     before = trainer.state.state_dict() if trainer.cfg.train.on_nonfinite == "skip" else None
-    local = len(trainer.pipeline.local_batch(it).prompts)
+    prompts = trainer.pipeline.local_batch(it).prompts
     steps = tqdm(  # every rollout micro-batch takes all the sampling steps
-        total=trainer.cfg.sample.num_steps * math.ceil(local / trainer.cfg.train.rollout_batch_size),
+        total=trainer.cfg.sample.num_steps * math.ceil(len(prompts) / trainer.cfg.train.rollout_batch_size),
         desc="rollout",
         leave=False,
         disable=not trainer.world.is_main,
     )
     if tally is not None:  # prompts (and CFG's empty one) are encoded once per run, not per iteration: cache them
-        trainer.policy.encode_prompts([*trainer.pipeline.local_batch(it).prompts, ""])  # outside the count
+        trainer.policy.encode_prompts([*prompts, ""])  # outside the count
     try:
         with tally.measuring() if tally is not None else contextlib.nullcontext():
             result = trainer.iteration(it, schedule, tally=tally, progress=lambda i: steps.update(1))

@@ -144,8 +144,11 @@ def bench_schedules(
                 "mfu": needed_flops(flops) / (t * peak),
                 "hfu": sum(flops.values()) / (t * peak),
                 "time_iteration_all_s": [row["time_iteration_s"] for row in rows[s]],
-                # decode + rewards done while the rollout went on (reward.async_scoring): the median round's
-                "reward_hidden_s": median(r["time_reward_s"] - r.get("time_reward_exposed_s", 0.0) for r in rows[s]),
+                # decode + rewards done while the rollout went on (reward.async_scoring): the median round's. Scored
+                # after the rollout, the exposed time is the work plus its timer's overhead: nothing hidden (0)
+                "reward_hidden_s": median(
+                    max(r["time_reward_s"] - r.get("time_reward_exposed_s", 0.0), 0.0) for r in rows[s]
+                ),
             }
         )
         if "reweight_buffer_mb" in rows[s][0]:
