@@ -143,3 +143,27 @@ def test_peak_flops_by_exact_device_name():
 def test_collective_timeout_defaults_by_backend():
     assert tiny().train.dist_timeout_s is None and CPU_TIMEOUT_S == 60
     assert tiny("train.dist_timeout_s=5").train.dist_timeout_s == 5
+
+
+def test_float64_scope_keeps_float64_in_its_own_thread_only():
+    import threading
+
+    from lean.models.precision import float64_scope
+
+    x = torch.ones(2, dtype=torch.float64)
+    entered, done, seen = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        entered.wait(10)
+        seen["other"] = x.float().dtype
+        done.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with float64_scope():
+        entered.set()
+        done.wait(10)
+        seen["own"] = x.float().dtype
+    worker.join(10)
+    assert seen == {"own": torch.float64, "other": torch.float32}
+    assert x.float().dtype == torch.float32  # nothing left behind
