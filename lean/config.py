@@ -26,6 +26,7 @@ from lean import models, sde
 from lean.advantage import STD_ESTIMATORS
 from lean.data import read_prompts
 from lean.dtypes import DTYPES
+from lean.layout import LAYOUTS, group_layout_problem
 from lean.loss import KL_FORMS
 from lean.presets import PRESETS
 from lean.rewards import MODEL_REWARDS, reward_names
@@ -346,6 +347,10 @@ class TrainConfig:
     """Samples per prompt (k); advantages are relative to the group."""
     rollout_batch_size: int = 8
     """Samples per forward during the rollout, per process."""
+    layout: str = LAYOUTS.default
+    """Which samples a process holds and when its schedule finishes them: a name of ``lean.layout.LAYOUTS`` (group:
+    whole prompt groups, each finished as soon as it is scored, so Retain holds one group's graphs; slice: a
+    contiguous share, finished after the whole rollout; auto: group where it applies)."""
     train_batch_size: int = 8
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
@@ -447,6 +452,7 @@ class TrainConfig:
             check_fraction(f"train.{key}", getattr(self, key))
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
+        check_choice("train.layout", self.layout, LAYOUTS)
         check_choice("train.adv_std", self.adv_std, STD_ESTIMATORS)
         check_choice("train.kl_form", self.kl_form, KL_FORMS)
         check_positive("train.adv_eps", self.adv_eps, strict=False)
@@ -572,6 +578,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             t.prompts_per_iteration,
             f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} processes",
         )
+    if t.layout == "group" and (problem := group_layout_problem(t, world_size)):
+        raise ConfigError("train.layout", t.layout, problem)
     if (n // world_size) % t.optimizer_steps_per_iteration:
         raise ConfigError(
             "train.optimizer_steps_per_iteration",

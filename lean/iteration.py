@@ -37,6 +37,7 @@ from torch import Tensor
 from lean.advantage import local_slice, run_advantages
 from lean.config import validate
 from lean.distributed import World
+from lean.layout import finish_unit
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer
 from lean.models import build_policy, time_shift
 from lean.models.precision import set_matmul_precision
@@ -189,6 +190,7 @@ class IterationPipeline:
             emb,
             batch.steps,
             batch.iteration,
+            finish_unit(self.cfg.train, self.world.size),
             tally or FlopTally(),
             timer or PhaseTimer(self.world.device),
         )
@@ -332,9 +334,9 @@ class IterationPipeline:
                 on_step(step)
 
         scoring = self.scoring(ctx, batch)
-        on_finished = lambda rows, final: scoring.submit(final, batch.prompts[rows])  # noqa: E731
+        early = EarlyFinish(self, ctx, batch, schedule, scoring)
         try:
-            final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=on_finished)
+            final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=early)
             if finite and not torch.stack(list(finite.values())).all():
                 first = next(i for i, ok in finite.items() if not ok)
                 raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
@@ -375,3 +377,31 @@ class IterationPipeline:
             **stats,
         }
         return IterationResult(metrics, rolled.final, rewards)
+
+
+class EarlyFinish:
+    """The rollout's ``on_finished`` hook: hand each finished micro-batch to the scoring and, in the group layout
+    (``ctx.finish_unit``, ``lean.layout``), once a unit of whole groups is rolled out, wait for its rewards, compute
+    its advantages (a group's depend on its own rewards only) and let the schedule finish those rows before the next
+    group rolls out. The advantages are the ones :meth:`IterationPipeline.advantages` computes later from the whole
+    batch: the same per-group formula on the same numbers."""
+
+    def __init__(self, pipeline: IterationPipeline, ctx: IterationContext, batch: LocalBatch, schedule, scoring):
+        self.pipeline, self.ctx, self.batch, self.schedule, self.scoring = pipeline, ctx, batch, schedule, scoring
+        self.finished = 0  # local rows [0, finished) are finished
+        self.advantages = torch.zeros(len(batch.prompts), dtype=torch.float64)
+
+    def __call__(self, rows: slice, final: Tensor) -> None:
+        self.scoring.submit(final, self.batch.prompts[rows])
+        unit = self.ctx.finish_unit
+        if unit is None or rows.stop % unit:
+            return
+        with self.ctx.timer("reward_exposed"):
+            rewards = self.scoring.rewards()  # rows [0, rows.stop)
+        if rewards is None:
+            return  # a reward failed: the whole rollout is kept and the error raised after it (score)
+        done = slice(self.finished, rows.stop)
+        groups = self.batch.group_ids()[self.batch.local][done]
+        self.advantages[done] = run_advantages(rewards[done], groups, self.pipeline.cfg.train)
+        self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
+        self.finished = rows.stop

@@ -23,6 +23,7 @@ trainable parameters and AdamW moments take, counted on the meta device (:func:`
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from lean.distributed import init_world
 from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
+from lean.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
 from lean.metrics import PeakMemory, SavedBytes, live_bytes_heap, median, rss_mb
 from lean.models import family_module, meta_transformer
 from lean.outputs import write_json
@@ -56,6 +58,7 @@ class PlanInput:
     sigmas: torch.Tensor
     batch: LocalBatch
     reward: Callable[[torch.Tensor, list[str]], object]  # decoded images, prompts -> scores (the run's rewards)
+    world_size: int = 1
 
 
 def plan_input(pipeline: IterationPipeline) -> PlanInput:
@@ -63,7 +66,13 @@ def plan_input(pipeline: IterationPipeline) -> PlanInput:
     local batch of iteration 0."""
     trainable = [p for _, p in pipeline.policy.trainable_parameters()]
     return PlanInput(
-        pipeline.policy, trainable, pipeline.cfg, pipeline.sigmas, pipeline.local_batch(0), pipeline.reward
+        pipeline.policy,
+        trainable,
+        pipeline.cfg,
+        pipeline.sigmas,
+        pipeline.local_batch(0),
+        pipeline.reward,
+        pipeline.world.size,
     )
 
 
@@ -149,16 +158,21 @@ def probe(inp: PlanInput) -> dict:
     return result
 
 
-def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
-    """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`)."""
+def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -> IterationCosts:
+    """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`), in the run's
+    layout or in ``layout`` (``lean.layout``)."""
     cfg, steps = inp.cfg, inp.batch.steps
+    t = cfg.train if layout is None else dataclasses.replace(cfg.train, layout=layout)
     local, probed = len(inp.batch.prompts), measured["batch"]
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
     k = int(steps.trained[0].sum())
+    unit = finish_unit(t, inp.world_size) or local  # trajectories held at once (group layout: one unit)
     # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
-    # reward.async_scoring while the next rolls out (lean.scoring), so the iteration waits for the last one's only.
-    waited_for = probed if cfg.reward.async_scoring and rounds > 1 else local
+    # reward.async_scoring while the next rolls out (lean.scoring), so a unit waits for its last one's only. The
+    # group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
+    concurrent = cfg.reward.async_scoring and rounds > 1
+    waited_for = (local // unit) * (min(probed, unit) if concurrent else unit)
     return IterationCosts(
         n=cfg.sample.num_steps,
         k=k,
@@ -177,7 +191,22 @@ def iteration_costs(inp: PlanInput, measured: dict) -> IterationCosts:
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
         kl=bool(cfg.train.beta),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
+        held_fraction=unit / local,
     )
+
+
+def applicable_layouts(inp: PlanInput) -> list[str]:
+    """The layouts this run can take (slice always; group where ``lean.layout`` allows it)."""
+    return [
+        name
+        for name in LAYOUTS
+        if name != "auto" and (name != "group" or group_layout_problem(inp.cfg.train, inp.world_size) is None)
+    ]
+
+
+def layout_table(inp: PlanInput, measured: dict) -> dict:
+    """Every applicable layout's :func:`prediction_table`."""
+    return {layout: prediction_table(iteration_costs(inp, measured, layout)) for layout in applicable_layouts(inp)}
 
 
 def predict(costs: IterationCosts) -> dict[str, Prediction]:
@@ -259,12 +288,15 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))
     report = {
         "probe": measured,
+        "layout": resolve_layout(cfg.train, inp.world_size),
         "prediction": prediction_table(costs),
+        "layouts": layout_table(inp, measured),
         "budget_mb": decision["budget_mb"],
         "auto_choice": decision["choice"],
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
+        print_layouts(report)
         if out:
             write_json(f"{out}/plan.json", report)
     return report
@@ -277,6 +309,18 @@ def print_published_size(cfg: RunConfig, r: dict) -> None:
         f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
         f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)"
     )
+
+
+def print_layouts(report: dict) -> None:
+    """Peak memory and time of every schedule in every applicable layout (the run's is marked)."""
+    layouts = report["layouts"]
+    print(f"per layout (this run: {report['layout']}):  " + "  ".join(f"{name:>22}" for name in layouts))
+    for schedule in SCHEDULES:
+        cells = [
+            f"{t[schedule]['peak_memory_mb']:9.1f} MiB {t[schedule]['time_iteration_s']:8.3f} s"
+            for t in layouts.values()
+        ]
+        print(f"{schedule:10}" + " " * 24 + "  ".join(f"{c:>22}" for c in cells))
 
 
 def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:

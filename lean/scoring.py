@@ -78,25 +78,41 @@ class RolloutScoring:
 
     With a ``worker`` (:func:`score_worker`) while the caller goes on rolling out; else in the caller's thread when
     it calls ``collect``. Either way every micro-batch is decoded and scored on its own, so the rewards are the same
-    numbers (a decoder's result can depend on its batch size in the last bits)."""
+    numbers (a decoder's result can depend on its batch size in the last bits). ``collect`` may be called again after
+    more submits (the group layout scores each group before the next rolls out): it returns every batch so far."""
 
     def __init__(self, score: ScoreFn, worker: ThreadPoolExecutor | None):
         self.score = timed(score)
         self.worker = worker
-        self.pending: list[Future | tuple[Tensor, list[str]]] = []
+        self.batches: list[ScoredBatch | Future | tuple[Tensor, list[str]]] = []
 
     def submit(self, final: Tensor, prompts: list[str]) -> None:
         final, prompts = final.detach(), list(prompts)
-        self.pending.append((final, prompts) if self.worker is None else self.worker.submit(self.score, final, prompts))
+        self.batches.append((final, prompts) if self.worker is None else self.worker.submit(self.score, final, prompts))
 
-    def collect(self) -> ScoredRollout:
-        """Every micro-batch's score, in row order; the first reward error is returned (not raised) with all images,
-        so the caller can keep the rollout before it raises."""
+    def _scored(self, batch) -> ScoredBatch:
+        if isinstance(batch, ScoredBatch):
+            return batch
+        return batch.result() if isinstance(batch, Future) else self.score(*batch)
+
+    def rewards(self) -> Tensor | None:
+        """The rewards of every micro-batch so far (float64, row order), waiting for them; None if a reward failed
+        (``collect`` then returns the error with the images)."""
+        batches = self._resolve()
+        return None if any(b.error is not None for b in batches) else torch.cat([b.rewards for b in batches])
+
+    def _resolve(self) -> list[ScoredBatch]:
         try:
-            batches = [p.result() if isinstance(p, Future) else self.score(*p) for p in self.pending]
+            self.batches = [self._scored(b) for b in self.batches]
         except BaseException:
             self.cancel()
             raise
+        return self.batches
+
+    def collect(self) -> ScoredRollout:
+        """Every micro-batch's score so far, in row order; the first reward error is returned (not raised) with all
+        images, so the caller can keep the rollout before it raises."""
+        batches = self._resolve()
         error = next((b.error for b in batches if b.error is not None), None)
         rewards = None if error is not None else torch.cat([b.rewards for b in batches])
         parts = {} if error is not None else {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
@@ -105,6 +121,6 @@ class RolloutScoring:
 
     def cancel(self) -> None:
         """The rollout failed: drop what has not started (a running micro-batch finishes in the background)."""
-        for pending in self.pending:
-            if isinstance(pending, Future):
-                pending.cancel()
+        for batch in self.batches:
+            if isinstance(batch, Future):
+                batch.cancel()

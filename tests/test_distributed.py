@@ -76,23 +76,30 @@ def _column(path, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_equivalence_on_two_processes(tmp_path):
+@pytest.mark.parametrize("processes", [2, 4])
+def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
+    """Each process holds two groups and finishes each as soon as it is scored (``lean.layout``): Retain and Reweight
+    still give Recompute's synchronised gradient."""
+    groups = ["--set", f"train.prompts_per_iteration={2 * processes}", "--set", "train.rollout_batch_size=2"]
     _lean(
         "launch",
         "-n",
-        "2",
+        str(processes),
         "--",
         "equivalence",
         *SMALL,
+        *groups,
         "--set",
         "model.dtype=float64",
         "--set",
         "train.beta=0.04",
+        "--set",
+        "train.layout=group",
         "--out",
         str(tmp_path),
     )
     report = json.loads((tmp_path / "equivalence.json").read_text())
-    assert report["world_size"] == 2 and report["passes"], report
+    assert report["world_size"] == processes and report["passes"], report
 
 
 def test_launch_flags_are_checked(capsys):

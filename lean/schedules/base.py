@@ -5,7 +5,10 @@ A schedule decides three things and nothing else:
   * ``track_grad(i)`` / ``grad_micro_batch``: which rollout steps run with autograd on, in which micro-batches;
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
-    ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update.
+    ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update;
+  * ``finish_rows(rows, advantages)`` (group layout, ``lean.layout``): the trajectories ``rows`` are scored and their
+    advantages known before the rollout goes on; a schedule may turn them into gradients now (and free what it
+    held for them). ``finish`` then does the rest.
 Its class also states what it costs: ``predict(costs)``, the peak memory and time per iteration that ``lean plan``
 reports, from the step costs ``lean.plan.probe`` measures.
 """
@@ -40,6 +43,7 @@ class IterationContext:
     emb: object  # PromptEmbeds of the local samples
     steps: StepSelection  # trained: BoolTensor [B_local, num_steps]
     iteration: int = 0
+    finish_unit: int | None = None  # rows finished together before the rollout goes on (lean.layout); None: all
     tally: FlopTally = field(default_factory=FlopTally)  # counts only inside tally.measuring()
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
@@ -136,6 +140,7 @@ class IterationCosts:
     train_rows_fraction: float  # Recompute's update micro-batch / the local batch
     kl: bool  # the KL term is on
     per_row_grads: bool  # every trainable parameter sits in an nn.Linear (Reweight stays batched)
+    held_fraction: float = 1.0  # share of the local batch a schedule holds at once: one finishing unit / B (layout)
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,9 @@ class Schedule:
 
     def on_step(self, step: StepOutput) -> None:
         raise NotImplementedError
+
+    def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
+        """``advantages`` [B] hold the true values at ``rows`` (whole groups); by default nothing happens early."""
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         raise NotImplementedError

@@ -25,11 +25,16 @@ the trainable parameters: small with LoRA; their size is reported as ``reweight_
 step takes a second backward (the two parts need separate vector-Jacobian products); with beta = 0 there is exactly
 one backward per trained step.
 
-Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1):
+In the group layout (``lean.layout``) the buffers cover one finishing unit of U trajectories (a group): when its
+advantages are known, sum_b (A_b / Â_b) P_b is added to one folded buffer and the unit's buffers are reused, so
+B buffers become U + 1.
 
-    batched     memory = base + (B + kl - 1) P + max(decode, act + transient)
+Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1; U = B
+in the slice layout, where the folded buffer is not needed):
+
+    batched     memory = base + (U + kl - 1 [+ 1]) P + max(decode, act + transient)
                 time   = n f + K kl (fb - f) + score + ref
-    one by one  memory = base + (B + kl - 1) P + max(decode, act_one + transient)
+    one by one  memory = base + (U + kl - 1 [+ 1]) P + max(decode, act_one + transient)
                 time   = (n - K) f + K B kl fb_one + score + ref
 """
 
@@ -63,11 +68,16 @@ class Reweight(Schedule):
         self.params = trainable(ctx.policy)
         n = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype
-        self.policy_buffers = TrajectoryBuffers(self.params, ctx.batch)
-        self.kl_buffer = torch.zeros(n, dtype=dtype, device=self.params[0].device) if ctx.beta else None
+        # Buffers for one finishing unit (lean.layout): the whole local batch, or in the group layout the groups
+        # scored together, whose buffers are folded into ``folded`` (sum_b (A_b / Â_b) P_b) and reused.
+        self.unit = ctx.finish_unit or ctx.batch
+        self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
         device = self.params[0].device
+        self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.beta else None
+        self.folded = torch.zeros(n, dtype=dtype, device=device) if self.unit < ctx.batch else None
+        self.finished = 0  # rows [0, finished) are folded
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
-        self.trajectory_ids = torch.arange(ctx.batch, device=device)  # rows -> buffers, sliced per micro-batch
+        self.trajectory_ids = torch.arange(ctx.batch, device=device) % self.unit  # row -> its buffer in the unit
         self.kept_stats: list[tuple[slice, StepLoss]] = []  # (rows, detached loss terms) for logging
         self.per_sample = None
         if linear_owners(ctx.policy, self.params) is not None:
@@ -77,8 +87,8 @@ class Reweight(Schedule):
 
     @property
     def buffer_mb(self) -> float:
-        kl = 0 if self.kl_buffer is None else self.kl_buffer.numel() * self.kl_buffer.element_size()
-        return (self.policy_buffers.nbytes + kl) / 2**20
+        flat = [b for b in (self.kl_buffer, self.folded) if b is not None]
+        return (self.policy_buffers.nbytes + sum(b.numel() * b.element_size() for b in flat)) / 2**20
 
     def on_step(self, step: StepOutput) -> None:
         if not step.log_prob.requires_grad:
@@ -110,7 +120,7 @@ class Reweight(Schedule):
         """Add each trajectory's gradient of ``loss`` to its own buffer."""
         if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            self.policy_buffers.add(rows.start, grads)
+            self.policy_buffers.add(rows.start % self.unit, grads)
             return
         self.per_sample.trajectories = self.trajectory_ids[rows]
         self.per_sample.accumulating = True
@@ -119,16 +129,31 @@ class Reweight(Schedule):
         finally:
             self.per_sample.accumulating = False
 
+    def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
+        """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
+        advantages and free the buffers for the next unit."""
+        folded = self._combine(rows, advantages.to(torch.float64) / self.provisional)
+        self.folded += folded
+        self.policy_buffers.storage.zero_()
+        self.finished = rows.stop
+
+    def _combine(self, rows: slice, coefficients: torch.Tensor) -> torch.Tensor:
+        """sum_{b in rows} coefficients[b] P_b, the buffers of ``rows`` (whole units) in their slots."""
+        weights = torch.zeros(self.unit, dtype=torch.float64, device=coefficients.device)
+        weights.index_add_(0, self.trajectory_ids[rows], coefficients[rows])
+        return self.policy_buffers.combine(weights)
+
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         if self.per_sample is not None:
             self.per_sample.close()
         # The buffers hold each trajectory's gradient at weight 1/(N K) and the provisional advantage: rescale both.
         # A dropped sample (skip_zero_advantage) has A = 0, and the others' N is the kept count.
         kept, n = self.ctx.kept_samples(advantages)
-        coefficients = advantages.to(torch.float64) / self.provisional
-        if kept is not None:
-            coefficients = coefficients * (self.ctx.batch / n)
-        grad = self.policy_buffers.combine(coefficients)
+        scale = self.ctx.batch / n if kept is not None else 1.0
+        coefficients = advantages.to(torch.float64) / self.provisional * scale
+        grad = self._combine(slice(self.finished, self.ctx.batch), coefficients)  # what no early finish folded
+        if self.folded is not None:
+            grad = grad + self.folded * scale
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
@@ -143,7 +168,8 @@ class Reweight(Schedule):
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
-        buffers = (c.local + backwards - 1) * c.trainable_mb
+        unit = c.local * c.held_fraction  # trajectories with a buffer: the local batch, or one unit (group layout)
+        buffers = (unit + backwards - 1 + (unit < c.local)) * c.trainable_mb  # + the folded sum of finished units
         if c.per_row_grads:
             return Prediction(
                 c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb),

@@ -1,0 +1,96 @@
+"""The data-parallel layout (``lean.layout``, ``train.layout``): the group layout finishes each prompt group as soon
+as it is scored (Retain frees its graphs, Reweight folds its buffers) and gives the slice layout's update."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import tiny
+
+from lean.config import ConfigError, validate
+from lean.equivalence import one_update
+from lean.layout import finish_unit, resolve_layout
+from lean.schedules import SCHEDULES
+from lean.train import Trainer
+
+# 3 groups of 2 in rollout micro-batches of one group: the group layout finishes 3 times during the rollout
+GROUPS = ["model.dtype=float64", "train.prompts_per_iteration=3", "train.group_size=2", "train.rollout_batch_size=2"]
+CASES = {
+    "cfg": [],
+    "kl": ["train.beta=0.04"],
+    "half-group-micro-batches": ["train.group_size=4", "train.rollout_batch_size=2", "sample.cfg=false"],
+    "two-groups-per-micro-batch": ["train.prompts_per_iteration=4", "train.rollout_batch_size=4"],
+    "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update
+        "train.skip_zero_advantage=true",
+        "train.prompts=[a red circle on a white background, plain, a blue square on a green background]",
+    ],
+}
+
+
+def in_layout(trainer: Trainer, layout: str) -> Trainer:
+    """``trainer`` set to ``layout`` (the pipeline reads it at every iteration: no rebuild)."""
+    cfg = trainer.pipeline.cfg
+    trainer.pipeline.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, layout=layout))
+    return trainer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_group_layout_gives_the_slice_layouts_gradients(case):
+    cfg = tiny(*GROUPS, "train.train_batch_size=8", *CASES[case])
+    assert finish_unit(dataclasses.replace(cfg.train, layout="group"), 1) is not None  # groups finish early
+    trainer = Trainer(cfg)
+    trainer.policy.perturb_lora_(0.02, torch.Generator().manual_seed(0))
+    start = trainer.state.state_dict()
+    grads = {}
+    for layout in ("slice", "group"):
+        for schedule in ("recompute", "retain", "reweight"):
+            trainer.state.load_state_dict(start)
+            grads[layout, schedule] = one_update(in_layout(trainer, layout), schedule).grads
+    reference = grads["slice", "recompute"]
+    for key, got in grads.items():
+        diff = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, reference))
+        assert diff <= 1e-10, (key, diff)
+
+
+def most_groups_retain_holds(trainer: Trainer) -> int:
+    """The most rollout micro-batches (here: groups) whose graphs Retain holds at once during one iteration."""
+    schedules, most = [], [0]
+
+    def retain(ctx):
+        schedules.append(SCHEDULES["retain"](ctx))
+        return schedules[-1]
+
+    def count(step):  # runs before the schedule sees the step
+        most[0] = max(most[0], len({kept.rows.start for kept, _ in schedules[0].kept}))
+
+    rolled = trainer.pipeline.roll_out(0, retain, on_step=count)
+    trainer.pipeline.finish(rolled, trainer.pipeline.advantages(rolled)[1], trainer.state.step)
+    return most[0]
+
+
+@pytest.mark.timeout(120)
+def test_retain_holds_one_groups_graphs_and_reweight_one_groups_buffers():
+    trainer = Trainer(tiny(*GROUPS))
+    held = {layout: most_groups_retain_holds(in_layout(trainer, layout)) for layout in ("slice", "group")}
+    assert held == {"slice": 3, "group": 1}
+    buffer_mb = {
+        layout: one_update(in_layout(trainer, layout), "reweight").metrics["reweight_buffer_mb"]
+        for layout in ("slice", "group")
+    }
+    # Reweight: one buffer per local trajectory (6) against one group's (2) and the folded sum (1)
+    assert buffer_mb["group"] == pytest.approx(buffer_mb["slice"] * 3 / 6)
+
+
+def test_layout_resolution_and_refusals():
+    assert resolve_layout(tiny(*GROUPS).train, 1) == "group"
+    assert resolve_layout(tiny(*GROUPS).train, 2) == "slice"  # 3 groups do not divide over 2 processes
+    assert finish_unit(tiny(*GROUPS, "train.global_std=true").train, 1) is None  # every advantage needs all groups
+    assert finish_unit(tiny(*GROUPS, "train.rollout_batch_size=6").train, 1) is None  # one unit: the whole batch
+    with pytest.raises(ConfigError, match="divisible by the 2 processes"):
+        validate(tiny(*GROUPS, "train.layout=group"), world_size=2)
+    with pytest.raises(ConfigError, match="must divide group_size=2 or be a multiple of it"):
+        validate(tiny(*GROUPS, "train.layout=group", "train.rollout_batch_size=3"))
+    validate(tiny(*GROUPS, "train.layout=slice", "train.rollout_batch_size=3"))
