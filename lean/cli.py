@@ -70,6 +70,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--threads", type=int, default=None, help="torch threads, 0: torch's default (default: bench.threads)"
     )
+    m = bench.add_parser("memory", help="peak memory and time per schedule x layout x activation checkpointing")
+    _add_run_options(m)
+    m.add_argument("--repeats", type=int, default=None, help="timed rounds (default: params.yaml bench.repeats)")
+    m.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
+    m.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
 
     reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(
@@ -169,7 +174,12 @@ def _bench(args) -> int:
     cfg, options = bench_config(
         _params(args), args.overrides, args.preset, repeats=args.repeats, warmup=args.warmup, threads=args.threads
     )
-    bench_schedules(cfg, out=args.out, options=options)
+    if args.bench == "memory":
+        from lean.bench.memory import bench_memory
+
+        bench_memory(cfg, out=args.out, options=options)
+    else:
+        bench_schedules(cfg, out=args.out, options=options)
     return 0
 
 

@@ -121,6 +121,11 @@ class ModelConfig:
     family's own set (every attention projection, with ``lora_ffn`` the feed-forward ones too)."""
     full_finetune: bool = False
     """Train every transformer weight instead of a LoRA adapter (the reference becomes a frozen copy)."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the transformer blocks (diffusers' own, ``enable_gradient_checkpointing``): a
+    tracked forward keeps each block's input only and recomputes the block in the backward. Less memory for every
+    schedule's tracked steps (Recompute's update, Retain's kept graphs, Reweight's per-step backward), one more
+    forward of the trained steps in time."""
     text_max_length: int = 16
     """T5 / UMT5 tokens per prompt."""
 

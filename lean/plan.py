@@ -204,9 +204,29 @@ def applicable_layouts(inp: PlanInput) -> list[str]:
     ]
 
 
-def layout_table(inp: PlanInput, measured: dict) -> dict:
-    """Every applicable layout's :func:`prediction_table`."""
-    return {layout: prediction_table(iteration_costs(inp, measured, layout)) for layout in applicable_layouts(inp)}
+def probe_checkpointing(inp: PlanInput) -> dict[bool, dict]:
+    """The probe with activation checkpointing (``model.gradient_checkpointing``) off and on; the run's own setting
+    is probed first and restored."""
+    own = inp.cfg.model.gradient_checkpointing
+    measured = {}
+    for on in (own, not own):
+        inp.policy.set_gradient_checkpointing(on)
+        measured[on] = probe(inp)
+    inp.policy.set_gradient_checkpointing(own)
+    measured[not own]["base_mb"] = measured[own]["base_mb"]  # resident weights: the second probe's start has more
+    return measured
+
+
+def combinations(inp: PlanInput, by_checkpointing: dict[bool, dict]) -> list[dict]:
+    """Every schedule's predicted peak memory and time in every applicable layout, with checkpointing off and on."""
+    rows = []
+    for layout in applicable_layouts(inp):
+        for checkpointing, measured in sorted(by_checkpointing.items()):
+            for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
+                rows.append(
+                    {"schedule": schedule, "layout": layout, "gradient_checkpointing": checkpointing, **vars(p)}
+                )
+    return rows
 
 
 def predict(costs: IterationCosts) -> dict[str, Prediction]:
@@ -283,20 +303,21 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
         return report
     pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s))
     inp = plan_input(pipeline)
-    measured = probe(inp)
+    by_checkpointing = probe_checkpointing(inp)
+    measured = by_checkpointing[cfg.model.gradient_checkpointing]
     costs = iteration_costs(inp, measured)
     decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))
     report = {
         "probe": measured,
         "layout": resolve_layout(cfg.train, inp.world_size),
         "prediction": prediction_table(costs),
-        "layouts": layout_table(inp, measured),
+        "combinations": combinations(inp, by_checkpointing),
         "budget_mb": decision["budget_mb"],
         "auto_choice": decision["choice"],
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        print_layouts(report)
+        print_combinations(report["combinations"], report["layout"], cfg.model.gradient_checkpointing)
         if out:
             write_json(f"{out}/plan.json", report)
     return report
@@ -311,16 +332,15 @@ def print_published_size(cfg: RunConfig, r: dict) -> None:
     )
 
 
-def print_layouts(report: dict) -> None:
-    """Peak memory and time of every schedule in every applicable layout (the run's is marked)."""
-    layouts = report["layouts"]
-    print(f"per layout (this run: {report['layout']}):  " + "  ".join(f"{name:>22}" for name in layouts))
-    for schedule in SCHEDULES:
-        cells = [
-            f"{t[schedule]['peak_memory_mb']:9.1f} MiB {t[schedule]['time_iteration_s']:8.3f} s"
-            for t in layouts.values()
-        ]
-        print(f"{schedule:10}" + " " * 24 + "  ".join(f"{c:>22}" for c in cells))
+def print_combinations(rows: list[dict], layout: str, checkpointing: bool) -> None:
+    """The :func:`combinations` table; * marks this run's layout and checkpointing."""
+    print(f"{'schedule':10} {'layout':7} {'checkpointing':>13} {'peak memory MiB':>16} {'time/iteration s':>17}")
+    for r in rows:
+        mark = "*" if (r["layout"], r["gradient_checkpointing"]) == (layout, checkpointing) else " "
+        print(
+            f"{r['schedule']:10} {r['layout']:7} {'on' if r['gradient_checkpointing'] else 'off':>13} "
+            f"{r['peak_memory_mb']:16.1f} {r['time_iteration_s']:17.3f} {mark}"
+        )
 
 
 def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:

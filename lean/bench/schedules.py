@@ -22,7 +22,9 @@ live tensor bytes as ``max_memory_allocated`` does on GPU, and keeps freed pages
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,16 +165,25 @@ def bench_schedules(
     return result
 
 
-def timed_rounds(trainer: Trainer, state: dict, options: BenchOptions, log: JsonLines) -> dict[str, list[dict]]:
-    """Per schedule, the metrics of its timed iterations: every round runs each schedule once from ``state``, in
-    alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up rounds are dropped."""
-    names = list(SCHEDULES)
+def timed_rounds(
+    trainer: Trainer,
+    state: dict,
+    options: BenchOptions,
+    log: JsonLines,
+    variants: dict[str, Callable[[], dict]] | None = None,
+) -> dict[str, list[dict]]:
+    """Per variant (default: each schedule's iteration), the metrics of its timed iterations: every round runs each
+    variant once from ``state``, in alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up
+    rounds are dropped."""
+    if variants is None:
+        variants = {s: functools.partial(trainer.iteration, 0, s, measure_memory=False) for s in SCHEDULES}
+    names = list(variants)
     rows: dict[str, list[dict]] = {s: [] for s in names}
     for r in tqdm(range(options.warmup + options.repeats), desc="bench rounds", disable=not trainer.world.is_main):
         for s in names[:: 1 if r % 2 == 0 else -1]:
             trainer.state.load_state_dict(state)
-            metrics = trainer.iteration(0, s, measure_memory=False).metrics
-            log.append({"pass": "warm-up" if r < options.warmup else "timed", "round": r, **metrics})
+            metrics = variants[s]()
+            log.append({"pass": "warm-up" if r < options.warmup else "timed", "round": r, "variant": s, **metrics})
             if r >= options.warmup:
                 rows[s].append(metrics)
     return rows

@@ -335,6 +335,7 @@ def build_policy(
         policy.load_lora(folder / LORA_FILE)
     if dtype == torch.float64:
         keep_rms_norm_dtype(policy)
+    policy.set_gradient_checkpointing(model_cfg.gradient_checkpointing)
     return policy
 
 

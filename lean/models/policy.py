@@ -10,13 +10,15 @@ Everything family-specific (latent layout, timestep scale, text conditioning, VA
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.utils.checkpoint
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -71,6 +73,20 @@ def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torc
                     else:
                         table[name] = tensor.to(target)
     return masters
+
+
+class _Reentrant:
+    """A context manager entered anew each time (a graph backpropagated twice recomputes its blocks twice)."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make, self.open = make, []
+
+    def __enter__(self):
+        self.open.append(self.make())
+        return self.open[-1].__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
 
 
 class Policy(torch.nn.Module):
@@ -161,8 +177,31 @@ class Policy(torch.nn.Module):
         return self.reference_transformer if self._use_reference else self.transformer
 
     def _forward(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
-        with float64_scope(self.dtype == torch.float64), self._compute_weights():
+        with self._forward_scope():
             return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
+
+    @contextmanager
+    def _forward_scope(self) -> Iterator[None]:
+        """What every transformer forward runs under: float64 kept, trainable weights read at ``dtype``."""
+        with float64_scope(self.dtype == torch.float64), self._compute_weights():
+            yield
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Activation checkpointing of the trained transformer's blocks (``model.gradient_checkpointing``), through
+        diffusers' own switch. The recompute in the backward runs outside :meth:`_forward`, so it re-enters the
+        same scope (``context_fn``): otherwise a float64 model would recompute in float32 and a half-precision one
+        would read its float32 masters, and the recomputed activations would not be the saved ones."""
+        net = self.transformer.get_base_model() if hasattr(self.transformer, "get_base_model") else self.transformer
+        if not enabled:
+            if net.is_gradient_checkpointing:
+                net.disable_gradient_checkpointing()
+            return
+
+        def checkpointed(block, *args):
+            scopes = lambda: (contextlib.nullcontext(), _Reentrant(self._forward_scope))  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False, context_fn=scopes)
+
+        net.enable_gradient_checkpointing(gradient_checkpointing_func=checkpointed)
 
     @contextmanager
     def _compute_weights(self) -> Iterator[None]:
