@@ -35,11 +35,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lean.advantage import local_slice, run_advantages
-from lean.config import validate
+from lean.config import ConfigError, validate
 from lean.distributed import World
 from lean.layout import finish_unit
-from lean.metrics import FlopTally, PeakMemory, PhaseTimer
-from lean.models import build_policy, time_shift
+from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
+from lean.models import build_policy, family_module, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
 from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
@@ -139,6 +139,7 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     value, the pretrained folder's scheduler config, or the family's published one); ``pipeline.shift_source`` says
     which."""
     validate(cfg, world_size=world.size)
+    refuse_what_cannot_fit(cfg, world.device)
     set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
     shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
@@ -147,6 +148,22 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     pipeline = IterationPipeline(policy, cfg, sigmas, world)
     pipeline.shift_source = source
     return pipeline
+
+
+def refuse_what_cannot_fit(cfg: RunConfig, device: torch.device) -> None:
+    """A config error before anything is built when even one trajectory's tracked step cannot fit: its activations
+    alone (a lower bound from the configs, ``lean.models.tracked_step_floor``) exceed ``train.memory_budget_mb`` or
+    what the device has (``lean.metrics.device_memory_mb``)."""
+    floor, how = tracked_step_floor(cfg.model)
+    available_mb = cfg.train.memory_budget_mb or device_memory_mb(device)
+    if floor / 2**20 > available_mb:
+        frames = ", with model.num_frames" if hasattr(family_module(cfg.model.family), "FRAME_STEP") else ""
+        raise ConfigError(
+            "model.resolution",
+            cfg.model.resolution,
+            f"one trajectory's tracked step keeps at least {floor / 2**30:,.1f} GiB of activations ({how}{frames}), "
+            f"more than the {available_mb / 1024:,.1f} GiB this process may use",
+        )
 
 
 class IterationPipeline:

@@ -101,6 +101,21 @@ def rss_mb() -> float:
     return kb / 1024 if kb is not None else float("nan")
 
 
+MEMORY_MARGIN = 0.9  # of what the device has: room for fragmentation and what the prediction does not see
+
+
+def device_memory_mb(device: torch.device) -> float:
+    """What this process may still use: on a GPU, the free memory plus what torch's allocator already holds (the CUDA
+    context and other processes are not in it), times :data:`MEMORY_MARGIN`; on a CPU, the available RAM plus this
+    process's resident set."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return (free + torch.cuda.memory_reserved(device)) * MEMORY_MARGIN / 2**20
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()
+
+
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 _heap_keeps_freed = False

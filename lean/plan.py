@@ -35,7 +35,7 @@ from lean.distributed import init_world
 from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
-from lean.metrics import PeakMemory, SavedBytes, live_bytes_heap, median, rss_mb
+from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.models import family_module, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
@@ -89,21 +89,6 @@ def _timed(fn, repeats: int = 3, warmup: int = 1) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return median(times)
-
-
-MEMORY_MARGIN = 0.9  # of what the device has: room for fragmentation and what the prediction does not see
-
-
-def device_memory_mb(device: torch.device) -> float:
-    """What this process may still use: on a GPU, the free memory plus what torch's allocator already holds (the CUDA
-    context and other processes are not in it), times :data:`MEMORY_MARGIN`; on a CPU, the available RAM plus this
-    process's resident set."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device)) * MEMORY_MARGIN / 2**20
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()
 
 
 def probe(inp: PlanInput) -> dict:

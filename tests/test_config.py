@@ -88,3 +88,16 @@ def test_cli_prints_one_line_and_exits_2():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "sample.sde_kind" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_built(capsys):
+    """One trajectory's tracked step keeps at least [tokens, width] per block (``tracked_step_floor``): at 1M pixels
+    a side that is terabytes, refused in one line before a model is built (it used to die in the time shift)."""
+    from lean.cli import main
+
+    assert main(["train", "--set", "model.resolution=1048576"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lean: config error: model.resolution=1048576: one trajectory's")
+    assert "GiB of activations (17,179,869,184 tokens x width 32 x 2 blocks x 4 bytes)" in err[0]
+    # the budget counts as the device: a small model at 256 px does not fit in 0.01 MiB either
+    assert main(["plan", "--set", "model.resolution=256", "--set", "train.memory_budget_mb=0.01"]) == 2

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -123,6 +124,32 @@ def build_scheduler(family: str, pretrained: str | os.PathLike | None, shift: fl
     if shift is not None:
         config = {**config, ("flow_shift" if "flow_shift" in config else "shift"): shift, "use_dynamic_shifting": False}
     return getattr(diffusers, name).from_config(config)
+
+
+def component_config(spec: ModuleType, name: str, size: str, pretrained: str | os.PathLike | None = None):
+    """Component ``name``'s config with its class's defaults filled in (attribute access): the pretrained folder's
+    ``<name>/config.json`` or the family's ``SIZES[size]``; nothing is built."""
+    from diffusers.configuration_utils import FrozenDict  # local: diffusers takes seconds to import
+
+    config = json.loads((Path(pretrained) / name / "config.json").read_text()) if pretrained else spec.SIZES[size][name]
+    signature = inspect.signature(component_classes(spec, name)[0].__init__).parameters.values()
+    defaults = {p.name: p.default for p in signature if p.default is not inspect.Parameter.empty}
+    return FrozenDict({**defaults, **config})
+
+
+def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
+    """A lower bound of the bytes one trajectory's tracked transformer step saves for its backward, from the configs
+    alone: every block keeps at least its input, [tokens, width] at ``model.dtype``. Every schedule tracks at least
+    one such step (Recompute in its update). Returns (bytes, the product spelled out)."""
+    spec = family_module(model_cfg.family)
+    t = component_config(spec, "transformer", model_cfg.size, model_cfg.pretrained)
+    vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
+    arch = spec.ARCH(t, vae, model_cfg.resolution, model_cfg.num_frames)
+    width = t["num_attention_heads"] * t["attention_head_dim"]
+    blocks = t.get("num_layers", 0) + t.get("num_single_layers", 0)
+    size = DTYPES[model_cfg.dtype].itemsize
+    tokens = arch.image_seq_len
+    return tokens * width * blocks * size, f"{tokens:,} tokens x width {width} x {blocks} blocks x {size} bytes"
 
 
 def time_shift(
