@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from lean import equivalence, export, plan, sampling, tracking
+from lean import equivalence, export, meta_plan, plan, sampling, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
 from lean.config import ConfigError, RewardModelConfig, load_config, suggest
@@ -57,7 +57,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument("--force", action="store_true", help="with --resume: continue even if the config has changed")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (sets train.threads)")
-    _add_run_options(sub.add_parser("plan", help="predicted peak memory and time per iteration of each schedule"))
+    p = sub.add_parser("plan", help="predicted peak memory and time per iteration of each schedule")
+    _add_run_options(p)
+    p.add_argument(
+        "--gpu-mem-gb",
+        type=float,
+        default=None,
+        help="plan for GPUs of this memory, counted on the meta device (the default for a published size on a CPU: 80)",
+    )
+    p.add_argument("--gpus", type=int, default=8, help="with --gpu-mem-gb: the number of GPUs (processes)")
+    p.add_argument("--mfu", type=float, default=None, help="with --gpu-mem-gb: the assumed model FLOP utilisation")
     _add_run_options(
         sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
     )
@@ -158,7 +167,18 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    plan.main(load_config(_params(args), args.overrides, preset=args.preset), out=args.out)
+    cfg = load_config(_params(args), args.overrides, preset=args.preset)
+    published_on_cpu = cfg.model.size == "full" and not torch.cuda.is_available()
+    if args.gpu_mem_gb is None and not published_on_cpu:
+        plan.main(cfg, out=args.out)
+        return 0
+    if args.gpus < 1:
+        raise ConfigError("--gpus", args.gpus, "must be at least 1")
+    if args.gpu_mem_gb is not None and args.gpu_mem_gb <= 0:
+        raise ConfigError("--gpu-mem-gb", args.gpu_mem_gb, "must be positive")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError("--mfu", args.mfu, "must be in (0, 1]: the share of the peak FLOP/s a step reaches")
+    meta_plan.meta_plan(cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, out=args.out)
     return 0
 
 

@@ -36,7 +36,7 @@ from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
 from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
-from lean.models import family_module, meta_transformer
+from lean.models import family_module, lora_config, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
 from lean.schedules import LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
@@ -256,7 +256,7 @@ def published_size(cfg: RunConfig) -> dict:
     full fine-tuning) and the MiB of their state: values, gradients and AdamW's two moments (torch keeps them in the
     parameter's dtype: float32 masters in half precision, :func:`lean.dtypes.master_dtype`), 4 P. Reweight adds
     (B + 1) P of buffers."""
-    from peft import LoraConfig, get_peft_model  # local: peft imports transformers (seconds)
+    from peft import get_peft_model  # local: peft imports transformers (seconds)
 
     m = cfg.model
     spec = family_module(m.family)
@@ -264,9 +264,7 @@ def published_size(cfg: RunConfig) -> dict:
     total = sum(p.numel() for p in model.parameters())
     if not m.full_finetune:
         model.requires_grad_(False)
-        model = get_peft_model(
-            model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=spec.lora_targets(m.lora_ffn))
-        )
+        model = get_peft_model(model, lora_config(m))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dtype = DTYPES[m.dtype]
     return {

@@ -4,12 +4,13 @@ as it is scored (Retain frees its graphs, Reweight folds its buffers) and gives 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from helpers import tiny
 
-from lean.config import ConfigError, validate
+from lean.config import ConfigError, load_config, validate
 from lean.equivalence import one_update
 from lean.layout import finish_unit, resolve_layout
 from lean.schedules import SCHEDULES
@@ -116,3 +117,36 @@ def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp
     assert len(result["variants"]) == 12 and (tmp_path / "memory.json").exists()
     assert 0 < result["retain_held_ratio"] < 1  # measured: Retain holds one group's graphs in the group layout
     assert all(e["time_iteration_s"] > 0 and e["peak_memory_mb"] > 0 for e in result["variants"])
+
+
+@pytest.mark.timeout(180)
+def test_meta_device_counts_agree_with_the_cpu_measurement():
+    """The published-size plan counts memory on the meta device; at the small size, where both can run, its counts
+    of the activations one tracked step keeps and of the decode's working set are the CPU's to 15%."""
+    from lean.distributed import World
+    from lean.iteration import build_pipeline
+    from lean.meta_plan import meta_input, meta_probe
+    from lean.plan import plan_input, probe
+
+    cfg = load_config(None, ["model.size=small", "model.resolution=256"])
+    counted = meta_probe(meta_input(cfg, 1), flops_per_s=1e12)
+    measured = probe(plan_input(build_pipeline(cfg, World())))
+    for key in ("activation_mb", "decode_mb"):
+        assert counted[key] == pytest.approx(measured[key], rel=0.15), key
+
+
+@pytest.mark.timeout(240)
+def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
+    from lean.cli import main
+
+    assert main(["plan", "--preset", "dancegrpo-flux", "--gpu-mem-gb", "80", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "counted on the meta device for 8 GPUs of 80 GB (24 samples per GPU" in out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert len(report["combinations"]) == 12 and report["published_size"]["transformer_parameters"] > 11e9
+    fits = {(r["schedule"], r["layout"], r["gradient_checkpointing"]) for r in report["combinations"] if r["fits"]}
+    assert ("recompute", "group", True) in fits  # DanceGRPO's own set-up (checkpointing on) fits 80 GB
+    assert ("retain", "slice", False) not in fits  # 144 trajectory-steps of a 12B model's activations do not
+    assert report["fastest_fitting"]["time_iteration_s"] <= min(
+        r["time_iteration_s"] for r in report["combinations"] if r["fits"]
+    )
