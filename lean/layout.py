@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lean.registry import Registry
+from lean.schedules import AUTO  # the same word as train.schedule's: lean chooses
 
 if TYPE_CHECKING:
     from lean.config import TrainConfig
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 LAYOUTS: Registry[str] = Registry(
     "layout",
     [
-        ("auto", "group where the groups divide over the processes and the rollout micro-batches, else slice"),
+        (AUTO, "group where the groups divide over the processes and the rollout micro-batches, else slice"),
         ("group", "each process holds whole prompt groups and finishes each as soon as it is scored"),
         ("slice", "each process holds a contiguous slice of the batch and finishes it after the whole rollout"),
     ],
@@ -55,7 +56,7 @@ def group_layout_problem(t: TrainConfig, world_size: int) -> str | None:
 
 def resolve_layout(t: TrainConfig, world_size: int) -> str:
     """``train.layout`` with auto resolved: group where :func:`group_layout_problem` finds none, else slice."""
-    if t.layout != "auto":
+    if t.layout != AUTO:
         return t.layout
     return "slice" if group_layout_problem(t, world_size) else "group"
 

@@ -39,7 +39,7 @@ from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_he
 from lean.models import family_module, lora_config, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
-from lean.schedules import LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
+from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
 from lean.schedules.per_sample import linear_owners
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ def applicable_layouts(inp: PlanInput) -> list[str]:
     return [
         name
         for name in LAYOUTS
-        if name != "auto" and (name != "group" or group_layout_problem(inp.cfg.train, inp.world_size) is None)
+        if name != AUTO and (name != "group" or group_layout_problem(inp.cfg.train, inp.world_size) is None)
     ]
 
 

@@ -8,7 +8,7 @@ weights. Reported per variant, beside ``lean plan``'s predictions of the same:
 
     extra       = peak(schedule) - peak(recompute)              what the schedule holds beyond the baseline, in the
                                                                 same layout and checkpointing
-    held ratio  = extra(retain, group) / extra(retain, slice)   ~ one group / the groups a process holds
+    held ratio  = extra(group layout) / extra(slice layout)     Retain: ~ one group / the groups a process holds
     speedup     = T(recompute) / T(schedule),  bound = T(recompute) / (T(recompute) - recompute forward), both in the
                   same layout and checkpointing (``lean.bench.schedules``)
 """
@@ -26,7 +26,7 @@ from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median
 from lean.outputs import JsonLines, write_json
 from lean.plan import applicable_layouts, combinations, probe_checkpointing
-from lean.schedules import BASELINE, SCHEDULES
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.train import Trainer
 
 CHECKPOINTING = (False, True)
@@ -111,11 +111,12 @@ def bench_memory(
         },
         "variants": add_relative(entries),
     }
-    retain = {(e["layout"], e["gradient_checkpointing"]): e for e in result["variants"] if e["schedule"] == "retain"}
-    if ("group", False) in retain and ("slice", False) in retain and retain["slice", False]["extra_memory_mb"] > 0:
-        result["retain_held_ratio"] = (
-            retain["group", False]["extra_memory_mb"] / retain["slice", False]["extra_memory_mb"]
-        )
+    for s in LEAN_SCHEDULES:  # what the schedule holds beyond Recompute: group layout / slice layout
+        extra = {
+            (e["layout"], e["gradient_checkpointing"]): e["extra_memory_mb"] for e in entries if e["schedule"] == s
+        }
+        if extra.get(("slice", False), 0) > 0 and ("group", False) in extra:
+            result[f"held_ratio_{s}"] = extra["group", False] / extra["slice", False]
     if trainer.world.is_main:
         print(format_table(result))
         if out:
@@ -151,6 +152,7 @@ def format_table(result: dict) -> str:
             f"{e['peak_memory_mb']:9.1f} {e['extra_memory_mb']:10.1f} {e['plan_peak_memory_mb']:9.1f} "
             f"{e['time_iteration_s']:8.3f} {e['plan_time_iteration_s']:7.2f} {relative}"
         )
-    if "retain_held_ratio" in result:
-        lines.append(f"Retain's memory above Recompute's, group / slice layout: {result['retain_held_ratio']:.3f}")
+    for s in LEAN_SCHEDULES:
+        if f"held_ratio_{s}" in result:
+            lines.append(f"{s}: memory above Recompute's, group / slice layout: {result[f'held_ratio_{s}']:.3f}")
     return "\n".join(lines)

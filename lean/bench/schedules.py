@@ -165,6 +165,11 @@ def bench_schedules(
     return result
 
 
+def iteration_metrics(trainer: Trainer, schedule: str) -> dict:
+    """One timed iteration's metrics (memory is measured in its own pass)."""
+    return trainer.iteration(0, schedule, measure_memory=False).metrics
+
+
 def timed_rounds(
     trainer: Trainer,
     state: dict,
@@ -176,7 +181,7 @@ def timed_rounds(
     variant once from ``state``, in alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up
     rounds are dropped."""
     if variants is None:
-        variants = {s: functools.partial(trainer.iteration, 0, s, measure_memory=False) for s in SCHEDULES}
+        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in SCHEDULES}
     names = list(variants)
     rows: dict[str, list[dict]] = {s: [] for s in names}
     for r in tqdm(range(options.warmup + options.repeats), desc="bench rounds", disable=not trainer.world.is_main):
