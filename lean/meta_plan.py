@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from lean.config import validate
 from lean.iteration import local_batch
 from lean.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
 from lean.models import build_policy, component_config, family_module
@@ -109,7 +110,9 @@ def blocks(cfg) -> int:
 
 
 def meta_input(cfg, gpus: int) -> PlanInput:
-    """The run's policy on the meta device and the local batch of one of ``gpus`` processes."""
+    """The run's policy on the meta device and the local batch of one of ``gpus`` processes (the config is checked
+    for that many processes first: the batch must divide over them)."""
+    validate(cfg, world_size=gpus)
     policy = build_policy(dataclasses.replace(cfg.model, pretrained=None), cfg.train.prompts, device="meta")
     shift = cfg.sample.shift if cfg.sample.shift is not None else 1.0  # timing and memory do not depend on it
     sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to("meta")

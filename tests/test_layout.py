@@ -151,3 +151,6 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     assert report["fastest_fitting"]["time_iteration_s"] <= min(
         r["time_iteration_s"] for r in report["combinations"] if r["fits"]
     )
+    capsys.readouterr()
+    assert main(["plan", "--preset", "flowgrpo-wan", "--gpus", "3"]) == 2  # 16 samples do not divide over 3 GPUs
+    assert "must divide over 3 processes" in capsys.readouterr().err
