@@ -407,6 +407,7 @@ class EarlyFinish:
         self.pipeline, self.ctx, self.batch, self.schedule, self.scoring = pipeline, ctx, batch, schedule, scoring
         self.finished = 0  # local rows [0, finished) are finished
         self.advantages = torch.zeros(len(batch.prompts), dtype=torch.float64)
+        self.groups = batch.group_ids()[batch.local]  # of the local rows
 
     def __call__(self, rows: slice, final: Tensor) -> None:
         self.scoring.submit(final, self.batch.prompts[rows])
@@ -418,7 +419,6 @@ class EarlyFinish:
         if rewards is None:
             return  # a reward failed: the whole rollout is kept and the error raised after it (score)
         done = slice(self.finished, rows.stop)
-        groups = self.batch.group_ids()[self.batch.local][done]
-        self.advantages[done] = run_advantages(rewards[done], groups, self.pipeline.cfg.train)
+        self.advantages[done] = run_advantages(rewards[done], self.groups[done], self.pipeline.cfg.train)
         self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
         self.finished = rows.stop

@@ -40,12 +40,17 @@ LAYOUTS: Registry[str] = Registry(
 )
 
 
+def _local_and_micro_batch(t: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(samples a process holds when the groups divide over the processes, its rollout micro-batch)."""
+    local = t.prompts_per_iteration // world_size * t.group_size
+    return local, min(t.rollout_batch_size, local)
+
+
 def group_layout_problem(t: TrainConfig, world_size: int) -> str | None:
     """Why the group layout cannot hold this run (None when it can)."""
     if t.prompts_per_iteration % world_size:
         return f"needs prompts_per_iteration={t.prompts_per_iteration} divisible by the {world_size} processes"
-    local = t.prompts_per_iteration // world_size * t.group_size
-    m = min(t.rollout_batch_size, local)
+    _, m = _local_and_micro_batch(t, world_size)
     if m % t.group_size and t.group_size % m:
         return (
             f"needs rollout micro-batches that do not straddle groups: train.rollout_batch_size={t.rollout_batch_size} "
@@ -66,7 +71,6 @@ def finish_unit(t: TrainConfig, world_size: int) -> int | None:
     its whole batch after the rollout (slice layout, ``global_std``, or one unit that is the whole local batch)."""
     if resolve_layout(t, world_size) != "group" or t.global_std:
         return None
-    local = t.prompts_per_iteration // world_size * t.group_size
-    m = min(t.rollout_batch_size, local)
+    local, m = _local_and_micro_batch(t, world_size)
     unit = m if m % t.group_size == 0 else t.group_size
     return unit if unit < local else None

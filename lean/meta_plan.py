@@ -31,9 +31,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from lean.config import validate
 from lean.iteration import local_batch
 from lean.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
-from lean.models import build_policy, component_config, family_module
+from lean.models import build_policy, transformer_blocks
 from lean.outputs import write_json
-from lean.plan import PlanInput, combinations, print_published_size, published_size
+from lean.plan import PlanInput, combinations, print_published_size, probe_checkpointing, published_size
 from lean.rollout import policy_step
 from lean.sde import sigma_schedule
 
@@ -101,12 +101,6 @@ def fused_attention():
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
-
-
-def blocks(cfg) -> int:
-    """Transformer blocks of the configured model (FLUX: double- and single-stream)."""
-    t = component_config(family_module(cfg.model.family), "transformer", cfg.model.size, cfg.model.pretrained)
-    return t.get("num_layers", 0) + t.get("num_single_layers", 0)
 
 
 def meta_input(cfg, gpus: int) -> PlanInput:
@@ -182,26 +176,23 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
     time per iteration, whether it fits, and the fastest that does; printed and returned (``out/plan.json``)."""
     peak = GPU_PEAK_TFLOPS[REFERENCE_GPU][cfg.model.torch_dtype] * 1e12
     inp = meta_input(cfg, gpus)
-    own = cfg.model.gradient_checkpointing
-    by_checkpointing = {}
-    for on in (own, not own):
-        inp.policy.set_gradient_checkpointing(on)
-        by_checkpointing[on] = meta_probe(inp, peak * mfu)
+    by_checkpointing = probe_checkpointing(inp, lambda inp: meta_probe(inp, peak * mfu))
     # A checkpointed backward recomputes one block at a time and frees it; on the meta device the recomputed storages
     # are only seen freed at the end of the backward, so its transient is modelled instead: the plain backward's plus
     # one block's share of the plain step's activations (small FLUX on a CPU: 27 MiB modelled, 30 measured).
     plain, checkpointed = by_checkpointing[False], by_checkpointing[True]
-    checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks(cfg)
+    blocks = transformer_blocks(inp.policy.transformer.config)
+    checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks
     budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
     rows = [{**r, "fits": r["peak_memory_mb"] <= budget_mb} for r in combinations(inp, by_checkpointing)]
     fitting = [r for r in rows if r["fits"]]
     report = {
-        "published_size": published_size(cfg),
+        "published_size": published_size(cfg, inp.policy.transformer),
         "gpus": gpus,
         "gpu_mem_gb": gpu_mem_gb,
         "budget_mb": budget_mb,
         "assumed": {"gpu": REFERENCE_GPU, "peak_tflops": peak / 1e12, "mfu": mfu},
-        "probe": by_checkpointing[own],
+        "probe": by_checkpointing[cfg.model.gradient_checkpointing],
         "local_samples": len(inp.batch.prompts),
         "combinations": rows,
         "fastest_fitting": min(fitting, key=lambda r: r["time_iteration_s"]) if fitting else None,

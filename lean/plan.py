@@ -157,7 +157,7 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
     # reward.async_scoring while the next rolls out (lean.scoring), so a unit waits for its last one's only. The
     # group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
     concurrent = cfg.reward.async_scoring and rounds > 1
-    waited_for = (local // unit) * (min(probed, unit) if concurrent else unit)
+    waited_for = -(-local // unit) * (min(probed, unit) if concurrent else unit)
     return IterationCosts(
         n=cfg.sample.num_steps,
         k=k,
@@ -189,14 +189,14 @@ def applicable_layouts(inp: PlanInput) -> list[str]:
     ]
 
 
-def probe_checkpointing(inp: PlanInput) -> dict[bool, dict]:
-    """The probe with activation checkpointing (``model.gradient_checkpointing``) off and on; the run's own setting
-    is probed first and restored."""
+def probe_checkpointing(inp: PlanInput, measure: Callable[[PlanInput], dict] = probe) -> dict[bool, dict]:
+    """``measure`` (:func:`probe`, or ``lean.meta_plan``'s count) with activation checkpointing
+    (``model.gradient_checkpointing``) off and on; the run's own setting is probed first and restored."""
     own = inp.cfg.model.gradient_checkpointing
     measured = {}
     for on in (own, not own):
         inp.policy.set_gradient_checkpointing(on)
-        measured[on] = probe(inp)
+        measured[on] = measure(inp)
     inp.policy.set_gradient_checkpointing(own)
     measured[not own]["base_mb"] = measured[own]["base_mb"]  # resident weights: the second probe's start has more
     return measured
@@ -250,21 +250,21 @@ def decide(inp: PlanInput) -> dict:
     return choose(predictions, budget_mb(inp.cfg, inp.policy.device))
 
 
-def published_size(cfg: RunConfig) -> dict:
-    """The configured transformer with its adapter, built on the meta device (no memory, no initialisation): its
-    parameters, the MiB its weights take at ``model.dtype``, the trainable parameters P (LoRA factors, or all under
-    full fine-tuning) and the MiB of their state: values, gradients and AdamW's two moments (torch keeps them in the
-    parameter's dtype: float32 masters in half precision, :func:`lean.dtypes.master_dtype`), 4 P. Reweight adds
-    (B + 1) P of buffers."""
-    from peft import get_peft_model  # local: peft imports transformers (seconds)
-
+def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict:
+    """The configured transformer with its adapter, built on the meta device (no memory, no initialisation) unless
+    ``model`` is that already: its parameters, the MiB its weights take at ``model.dtype``, the trainable parameters
+    P (LoRA factors, or all under full fine-tuning) and the MiB of their state: values, gradients and AdamW's two
+    moments (torch keeps them in the parameter's dtype: float32 masters in half precision,
+    :func:`lean.dtypes.master_dtype`), 4 P. Reweight adds (B + 1) P of buffers."""
     m = cfg.model
-    spec = family_module(m.family)
-    model = meta_transformer(spec, m.size)
-    total = sum(p.numel() for p in model.parameters())
-    if not m.full_finetune:
-        model.requires_grad_(False)
-        model = get_peft_model(model, lora_config(m))
+    if model is None:
+        model = meta_transformer(family_module(m.family), m.size)
+        if not m.full_finetune:
+            from peft import get_peft_model  # local: peft imports transformers (seconds)
+
+            model.requires_grad_(False)
+            model = get_peft_model(model, lora_config(m))
+    total = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)  # the base's weights
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dtype = DTYPES[m.dtype]
     return {

@@ -137,6 +137,11 @@ def component_config(spec: ModuleType, name: str, size: str, pretrained: str | o
     return FrozenDict({**defaults, **config})
 
 
+def transformer_blocks(config) -> int:
+    """Blocks of a transformer config (:func:`component_config`; FLUX: double- and single-stream)."""
+    return config.get("num_layers", 0) + config.get("num_single_layers", 0)
+
+
 def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     """A lower bound of the bytes one trajectory's tracked transformer step saves for its backward, from the configs
     alone: every block keeps at least its input, [tokens, width] at ``model.dtype``. Every schedule tracks at least
@@ -146,7 +151,7 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
     arch = spec.ARCH(t, vae, model_cfg.resolution, model_cfg.num_frames)
     width = t["num_attention_heads"] * t["attention_head_dim"]
-    blocks = t.get("num_layers", 0) + t.get("num_single_layers", 0)
+    blocks = transformer_blocks(t)
     size = DTYPES[model_cfg.dtype].itemsize
     tokens = arch.image_seq_len
     return tokens * width * blocks * size, f"{tokens:,} tokens x width {width} x {blocks} blocks x {size} bytes"

@@ -151,9 +151,12 @@ class Reweight(Schedule):
         kept, n = self.ctx.kept_samples(advantages)
         scale = self.ctx.batch / n if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
-        grad = self._combine(slice(self.finished, self.ctx.batch), coefficients)  # what no early finish folded
-        if self.folded is not None:
-            grad = grad + self.folded * scale
+        if self.folded is None:  # slice layout: every buffer is combined here
+            grad = self._combine(slice(0, self.ctx.batch), coefficients)
+        elif self.finished < self.ctx.batch:  # a last unit no early finish folded
+            grad = self._combine(slice(self.finished, self.ctx.batch), coefficients) + self.folded * scale
+        else:
+            grad = self.folded * scale
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
