@@ -25,7 +25,7 @@ import yaml
 from lean import models, sde
 from lean.advantage import STD_ESTIMATORS
 from lean.data import read_prompts
-from lean.dtypes import DTYPES
+from lean.dtypes import DTYPES, HALF
 from lean.layout import LAYOUTS, group_layout_problem
 from lean.loss import KL_FORMS
 from lean.presets import PRESETS
@@ -33,6 +33,7 @@ from lean.rewards import MODEL_REWARDS, reward_names
 from lean.rollout import DECODE_TARGETS
 from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS
+from lean.sharding import FSDP, SHARDS
 
 
 class ConfigError(ValueError):
@@ -356,6 +357,10 @@ class TrainConfig:
     """Which samples a process holds and when its schedule finishes them: a name of ``lean.layout.LAYOUTS`` (group:
     whole prompt groups, each finished as soon as it is scored, so Retain holds one group's graphs; slice: a
     contiguous share, finished after the whole rollout; auto: group where it applies)."""
+    shard: str = SHARDS.default
+    """How the policy is spread over the processes: a name of ``lean.sharding.SHARDS`` (none: a whole copy each;
+    fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained
+    weights, gradients and AdamW state)."""
     train_batch_size: int = 8
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
@@ -458,6 +463,7 @@ class TrainConfig:
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
         check_choice("train.layout", self.layout, LAYOUTS)
+        check_choice("train.shard", self.shard, SHARDS)
         check_choice("train.adv_std", self.adv_std, STD_ESTIMATORS)
         check_choice("train.kl_form", self.kl_form, KL_FORMS)
         check_positive("train.adv_eps", self.adv_eps, strict=False)
@@ -576,6 +582,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"drops samples' KL terms after the rollout, which train.schedule={t.schedule} cannot (it sums them during "
             "the rollout); use train.schedule=recompute or retain, or train.beta=0",
         )
+    if t.shard == FSDP and (problem := fsdp_problem(cfg)):
+        raise ConfigError("train.shard", t.shard, problem)
     n = cfg.samples_per_iteration
     if n % world_size:
         raise ConfigError(
@@ -591,6 +599,25 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             t.optimizer_steps_per_iteration,
             f"must divide the {n // world_size} samples each process holds",
         )
+
+
+def fsdp_problem(cfg: RunConfig) -> str | None:
+    """Why ``train.shard=fsdp`` cannot run ``cfg`` (``lean.sharding``), or None."""
+    m, t = cfg.model, cfg.train
+    if m.full_finetune and t.schedule == "reweight":
+        return (
+            "with model.full_finetune, Reweight's per-trajectory buffers would each be a gradient of the whole "
+            "unsharded transformer; use train.schedule=retain or recompute (or LoRA)"
+        )
+    if t.skip_zero_advantage and t.schedule in ("recompute", AUTO) and t.recompute_batching == RECOMPUTE_BATCHINGS[0]:
+        return (
+            "with train.skip_zero_advantage, Recompute's update runs as many forwards as a process keeps samples, "
+            "and sharded passes must run in lockstep; set train.skip_zero_advantage=false, or "
+            "train.recompute_batching=rollout, or train.schedule=retain"
+        )
+    if m.full_finetune and m.torch_dtype in HALF and getattr(models.family_module(m.family), "KEEPS_FLOAT32", False):
+        return f"a half-precision full fine-tune of {m.family} keeps float32 modules FSDP would gather at {m.dtype}"
+    return None
 
 
 # ---------------------------------------------------------------- reading: files, presets, stage sections, --set

@@ -36,6 +36,14 @@ class World:
             x /= self.size
         return x
 
+    def main_value(self, value):
+        """The main process's ``value`` on every process (a picklable object): one decision for all of them."""
+        if self.size == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def wait_for_everyone(self) -> None:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()

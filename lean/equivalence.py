@@ -29,6 +29,7 @@ from lean.outputs import write_json
 from lean.rollout import policy_step, reference_mean, velocity
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.schedules.base import flat_grad
+from lean.sharding import full, full_state_dict
 from lean.train import Trainer
 
 CLIP_RANGES = (1e-4, 1e-3, 1e-2)  # FlowGRPO's and DanceGRPO's 1e-4, and larger ones: how the drift compares
@@ -98,7 +99,8 @@ class Float64Reference:
         self.twin = build_policy(
             replace(cfg.model, dtype=dtype_name(torch.float64)), cfg.train.prompts, device=trainer.world.device
         )
-        self.twin.load_state_dict(trainer.policy.state_dict())  # the frozen weights, upcast, once
+        # the frozen weights, upcast, once (whole: a sharded policy's are gathered; the twin itself is not sharded)
+        self.twin.load_state_dict(full_state_dict(trainer.policy))
         self.policy, self.world = trainer.policy, trainer.world
         self.params = [p for _, p in self.twin.trainable_parameters()]
         self.sigmas = trainer.pipeline.sigmas.double()
@@ -108,7 +110,7 @@ class Float64Reference:
         """The trainable weights the run had (upcast)."""
         with torch.no_grad():
             for p, value in zip(self.params, trainable):
-                p.copy_(value)
+                p.copy_(full(value))
 
     def gradient(
         self,

@@ -52,6 +52,7 @@ from lean.models import family_module
 from lean.outputs import write_csv
 from lean.rollout import rollout, sample_generator
 from lean.sde import StepSelection, sigma_schedule
+from lean.sharding import FSDP
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -122,6 +123,14 @@ class Evaluator:
         self.video = getattr(family_module(cfg.model.family), "FRAME_STEP", None) is not None
         self.root = Path(out_dir) / "eval"
 
+    @property
+    def lockstep_batches(self) -> int:
+        """Under ``train.shard=fsdp`` every process samples as many batches as the largest share needs
+        (``lean.sharding``); else 0 (no padding)."""
+        if self.cfg.train.shard != FSDP or self.world.size < 2:
+            return 0
+        return math.ceil(math.ceil(len(self.keys) / self.world.size) / self.cfg.eval.batch_size)
+
     def folder(self, iteration: int) -> Path:
         return self.root / str(iteration)
 
@@ -160,6 +169,8 @@ class Evaluator:
             if folder is not None:
                 for (p, k), image in zip(keys, images):
                     write_sample(folder / self.file(p, k), image)
+        for _ in range(self.lockstep_batches - math.ceil(len(local_keys) / self.cfg.eval.batch_size)):
+            self.sample(self.keys[:1], seed)  # a sharded policy's passes are collectives: as many as the others run
         return gather_shares(self.world, scores, len(self.keys))  # after it, every process has written its files
 
     def noise_std(self, mean_at_seed: float) -> dict:

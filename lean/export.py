@@ -42,6 +42,7 @@ from lean.models import (
     lora_config,
     meta_transformer,
 )
+from lean.sharding import full_state_dict
 
 LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
@@ -77,17 +78,22 @@ def save_diffusers_lora(
     return Path(folder)
 
 
-def write_run_exports(out_dir: Path, policy: Policy, ema: dict[str, Tensor] | None, model_cfg: ModelConfig) -> None:
+def write_run_exports(out_dir: Path, policy: Policy, ema: dict[str, Tensor] | None, base_sha256: str | None) -> None:
     """What ``lean train`` adds to its outputs: ``lora/`` (and ``lora_ema/`` with EMA weights) in diffusers' format
-    for a LoRA run, and for a random base that can be rebuilt (``model.pretrained`` null, not the ``full`` size) the
-    fingerprint ``--merge`` checks a rebuild against."""
+    for a LoRA run (the adapter is never sharded), and for a random base that can be rebuilt (:func:`rebuildable`)
+    its fingerprint (:func:`base_fingerprint`), which ``--merge`` checks a rebuild against."""
     if not policy.full_finetune:
         save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_DIR)
         if ema is not None:
             save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_EMA_DIR, ema)
-    if model_cfg.pretrained is None and model_cfg.size != DEVICE_INIT_SIZE:
-        record = {"base_sha256": base_fingerprint(policy), "diffusers": diffusers_version()}
+    if base_sha256 is not None:
+        record = {"base_sha256": base_sha256, "diffusers": diffusers_version()}
         (out_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def rebuildable(model_cfg: ModelConfig) -> bool:
+    """A random base (``model.pretrained`` null) below the ``full`` size: rebuilt exactly from its seeds."""
+    return model_cfg.pretrained is None and model_cfg.size != DEVICE_INIT_SIZE
 
 
 def diffusers_version() -> str:
@@ -100,7 +106,7 @@ def base_fingerprint(policy: Policy) -> str:
     """SHA-256 over the base weights (names, dtypes, shapes, bytes) of the transformer (adapter excluded; under full
     fine-tuning its frozen initial copy), the VAE and the text encoders."""
     if policy.full_finetune:
-        transformer = policy.reference_transformer.state_dict()
+        transformer = full_state_dict(policy.reference_transformer)  # gathered when sharded
     else:
         transformer = policy.base_transformer_state_dict()
     parts = {"transformer": transformer, "vae": policy.vae.state_dict(), "text": policy.text_encoders.state_dict()}

@@ -47,6 +47,7 @@ from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
 from lean.scoring import RolloutScoring, ScoredBatch, score_worker
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
+from lean.sharding import FSDP, shard_policy
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -95,22 +96,38 @@ class LocalBatch:
 
 
 def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int = 1) -> LocalBatch:
-    """This process's samples of ``iteration``: prompts, random streams and trained-step selection."""
+    """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
+    ``train.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
     samples = global_samples(cfg, iteration)
     local = local_slice(len(samples), rank, world_size)
     generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
-    # The selection draws from the sample streams first, the rollout's noise comes after: a fixed order.
-    steps = select_steps_for(
-        cfg.sample,
-        len(generators),
-        window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
-        sample_generators=generators,
-    )
+    steps = select_local_steps(cfg, iteration, samples[local], generators)
+    if cfg.train.shard == FSDP and world_size > 1:  # every process tracks the same steps (lean.sharding)
+        everyone = [
+            select_local_steps(cfg, iteration, samples[other], None).grad_steps
+            for other in (local_slice(len(samples), r, world_size) for r in range(world_size))
+        ]
+        steps = dataclasses.replace(steps, shared_grad_steps=torch.stack(everyone).any(dim=0))
     prompts = [cfg.train.prompts[p] for _, p, _ in samples[local]]
     init_generators = None
     if cfg.sample.init_same_noise:  # one stream per group; every sample of the group draws the same x_0 from it
         init_generators = [group_init_generator(cfg.train.seed, iteration, g, p) for g, p, _ in samples[local]]
     return LocalBatch(iteration, samples, local, prompts, generators, init_generators, steps)
+
+
+def select_local_steps(
+    cfg: RunConfig, iteration: int, samples: list[SampleKey], generators: list[torch.Generator] | None
+) -> StepSelection:
+    """The trained-step selection of ``samples``, drawn from their streams (``generators``, or fresh ones). The
+    selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
+    if generators is None:
+        generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
+    return select_steps_for(
+        cfg.sample,
+        len(generators),
+        window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
+        sample_generators=generators,
+    )
 
 
 @dataclass
@@ -142,6 +159,8 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     refuse_what_cannot_fit(cfg, world.device)
     set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
+    if cfg.train.shard == FSDP:
+        shard_policy(policy, world, cfg.model.torch_dtype)
     shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
     sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)

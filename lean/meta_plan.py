@@ -12,9 +12,11 @@ device, and the probe of :mod:`lean.plan` runs there:
           The rewards are not modelled (0 s).
 
 These figures go through the same cost models as a measured probe (``Schedule.predict`` via
-:func:`lean.plan.combinations`) for every layout and activation-checkpointing setting, with the local batch of one
-of ``gpus`` processes, against ``gpu_mem_gb`` (times :data:`lean.metrics.MEMORY_MARGIN`). There is no sharding yet:
-every process holds a whole replica, so a full fine-tune's weights, gradients and moments are all on each GPU.
+:func:`lean.plan.combinations`) for every layout, ``train.shard`` and activation-checkpointing setting, with the
+local batch of one of ``gpus`` processes, against ``gpu_mem_gb`` (times :data:`lean.metrics.MEMORY_MARGIN`). The
+count is of a whole replica; ``train.shard=fsdp`` is modelled from it (:func:`lean.plan.shard_variant`): 1/``gpus``
+of the sharded weights and state plus the gathered units, and every pass's all-gather at
+:data:`ALLGATHER_GB_S`, hidden behind the pass's compute as FSDP's prefetch does (a pass takes max(compute, gather)).
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ from lean.iteration import local_batch
 from lean.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
 from lean.models import build_policy, transformer_blocks
 from lean.outputs import write_json
-from lean.plan import PlanInput, combinations, print_published_size, probe_checkpointing, published_size
+from lean.plan import (
+    PlanInput,
+    combinations,
+    print_published_size,
+    probe_checkpointing,
+    published_size,
+    shard_probes,
+)
 from lean.rollout import policy_step
 from lean.sde import sigma_schedule
 
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
+ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
 DEFAULT_MFU = 0.35  # an assumed share of that peak a DiT step reaches; the times scale with 1 / mfu
 
 
@@ -184,14 +194,15 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
     blocks = transformer_blocks(inp.policy.transformer.config)
     checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks
     budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
-    rows = [{**r, "fits": r["peak_memory_mb"] <= budget_mb} for r in combinations(inp, by_checkpointing)]
+    probes = shard_probes(inp, by_checkpointing, ALLGATHER_GB_S * 1e9 / 2**20, overlap=True)
+    rows = [{**r, "fits": r["peak_memory_mb"] <= budget_mb} for r in combinations(inp, probes)]
     fitting = [r for r in rows if r["fits"]]
     report = {
         "published_size": published_size(cfg, inp.policy.transformer),
         "gpus": gpus,
         "gpu_mem_gb": gpu_mem_gb,
         "budget_mb": budget_mb,
-        "assumed": {"gpu": REFERENCE_GPU, "peak_tflops": peak / 1e12, "mfu": mfu},
+        "assumed": {"gpu": REFERENCE_GPU, "peak_tflops": peak / 1e12, "mfu": mfu, "allgather_gb_s": ALLGATHER_GB_S},
         "probe": by_checkpointing[cfg.model.gradient_checkpointing],
         "local_samples": len(inp.batch.prompts),
         "combinations": rows,
@@ -209,22 +220,26 @@ def print_meta_plan(cfg, r: dict) -> None:
     print(
         f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.resolution} px {cfg.model.dtype}, counted on the "
         f"meta device for {r['gpus']} GPUs of {r['gpu_mem_gb']:g} GB ({r['local_samples']} samples per GPU, rollout "
-        f"micro-batch {p['batch']}): resident {p['base_mb'] / 1024:.1f} GiB (every weight; the trainable "
+        f"micro-batch {p['batch']}): a whole replica is {p['base_mb'] / 1024:.1f} GiB (every weight; the trainable "
         f"{p['param_mb'] / 1024:.2f} GiB also as gradients and two AdamW moments); one tracked step keeps "
         f"{p['activation_mb'] / 1024:.2f} GiB at the micro-batch. Times: FLOPs / ({a['peak_tflops']:.0f} TFLOP/s "
-        f"x MFU {a['mfu']:g}), rewards not included; no sharding (every GPU holds a replica)"
+        f"x MFU {a['mfu']:g}), rewards not included; fsdp: the transformer sharded over the {r['gpus']} GPUs, "
+        f"all-gathers at {a['allgather_gb_s']:g} GB/s behind the compute"
     )
-    print(f"{'schedule':10} {'layout':7} {'checkpointing':>13} {'peak GiB':>9} {'time/iteration s':>17}  fits")
+    print(
+        f"{'schedule':10} {'layout':7} {'shard':5} {'checkpointing':>13} {'peak GiB':>9} {'time/iteration s':>17}  fits"
+    )
     for row in r["combinations"]:
         print(
-            f"{row['schedule']:10} {row['layout']:7} {'on' if row['gradient_checkpointing'] else 'off':>13} "
-            f"{row['peak_memory_mb'] / 1024:9.1f} {row['time_iteration_s']:17.1f}  {'yes' if row['fits'] else 'no'}"
+            f"{row['schedule']:10} {row['layout']:7} {row['shard']:5} "
+            f"{'on' if row['gradient_checkpointing'] else 'off':>13} {row['peak_memory_mb'] / 1024:9.1f} "
+            f"{row['time_iteration_s']:17.1f}  {'yes' if row['fits'] else 'no'}"
         )
     best = r["fastest_fitting"]
     if best is None:
-        print(f"nothing fits in {r['budget_mb'] / 1024:.0f} GiB per GPU without sharding (FSDP2 is not built yet)")
+        print(f"nothing fits in {r['budget_mb'] / 1024:.0f} GiB per GPU")
     else:
         print(
             f"fastest that fits in {r['budget_mb'] / 1024:.0f} GiB: {best['schedule']}, layout {best['layout']}, "
-            f"checkpointing {'on' if best['gradient_checkpointing'] else 'off'}"
+            f"shard {best['shard']}, checkpointing {'on' if best['gradient_checkpointing'] else 'off'}"
         )

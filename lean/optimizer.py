@@ -16,6 +16,7 @@ from torch import Tensor
 from lean.distributed import World
 from lean.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
+from lean.sharding import full, is_sharded, like
 
 
 class TrainState:
@@ -33,18 +34,23 @@ class TrainState:
         self.ema_repeats = t.ema_repeats
         self.max_grad_norm = t.max_grad_norm
         self.world = world
+        self.sharded = any(is_sharded(p) for p in self.params)  # FSDP full fine-tune (lean.sharding)
         self.steps = 0
         self.iteration = 0  # for messages: the iteration whose update is being applied
         self.on_synced_grads: Callable[[list[torch.nn.Parameter]], None] | None = None  # see capture_synced_grads
 
     def step(self) -> dict:
         """Average gradients across processes, clip, AdamW, EMA."""
-        grads = self.world.all_reduce_mean_(flat_grad(self.params, [p.grad for p in self.params]))
-        for p in self.params:
-            p.grad = None
-        set_grads(self.params, grads)
-        if not torch.isfinite(grads).all():  # one read per update: a non-finite gradient is never applied
-            bad = [n for n, p in zip(self.names, self.params) if not torch.isfinite(p.grad).all()]
+        if self.sharded:  # FSDP reduce-scattered (and averaged) each backward's gradient into the shards already
+            finite = all_finite(self.params, self.world)
+        else:
+            grads = self.world.all_reduce_mean_(flat_grad(self.params, [p.grad for p in self.params]))
+            for p in self.params:
+                p.grad = None
+            set_grads(self.params, grads)
+            finite = bool(torch.isfinite(grads).all())  # one read per update: a non-finite gradient is never applied
+        if not finite:
+            bad = [n for n, p in zip(self.names, self.params) if not torch.isfinite(full(p.grad)).all()]
             raise NonFiniteError(
                 f"non-finite gradient of {bad[0]} (and {len(bad) - 1} more tensors) at iteration {self.iteration}"
             )
@@ -59,12 +65,12 @@ class TrainState:
             with torch.no_grad():  # applied ema_repeats times to the same weights: e <- p + decay^r (e - p)
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p, 1 - decay**self.ema_repeats)
-        return {"grad_norm": float(norm)}  # a read, once per update, for the logs
+        return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
 
     def ema_state_dict(self) -> dict[str, Tensor] | None:
-        """A copy of the EMA weights keyed as the trainable parameters (``Policy.lora_state_dict``'s keys), or None
-        without ``train.ema``."""
-        return None if self.ema is None else {n: e.detach().clone() for n, e in zip(self.names, self.ema)}
+        """A copy of the EMA weights keyed as the trainable parameters (``Policy.lora_state_dict``'s keys), whole
+        (gathered when sharded: then every process must call it), or None without ``train.ema``."""
+        return None if self.ema is None else {n: full(e).detach().clone() for n, e in zip(self.names, self.ema)}
 
     @contextlib.contextmanager
     def ema_swapped_in(self, use_ema: bool = True) -> Iterator[bool]:
@@ -87,21 +93,31 @@ class TrainState:
 
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, whole: bool = False) -> dict:
+        """Weights, AdamW state, EMA and step count, as copies. Sharded tensors stay shards unless ``whole``
+        (gathered: every process must call it; what a checkpoint file holds, loadable at any number of processes)."""
+        copy = (lambda t: full(t).detach().clone()) if whole else (lambda t: t.detach().clone())  # noqa: E731
         return {
-            "params": [p.detach().clone() for p in self.params],
-            "optimizer": _clone(self.optimizer.state_dict()),
-            "ema": None if self.ema is None else [e.clone() for e in self.ema],
+            "params": [copy(p) for p in self.params],
+            "optimizer": _map_tensors(self.optimizer.state_dict(), copy),
+            "ema": None if self.ema is None else [copy(e) for e in self.ema],
             "optimizer_steps": self.steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (whole or sharded tensors: each goes to its parameter's layout)."""
         with torch.no_grad():
             for p, v in zip(self.params, state["params"]):
-                p.copy_(v)
-        self.optimizer.load_state_dict(_clone(state["optimizer"]))
+                p.copy_(like(v, p))
+        optimizer = _map_tensors(state["optimizer"], lambda t: t.detach().clone())
+        for index, slots in optimizer["state"].items():  # AdamW's moments are laid out as their parameter
+            p = self.params[index]
+            for key, value in slots.items():
+                if value.shape == p.shape:
+                    slots[key] = like(value, p)
+        self.optimizer.load_state_dict(optimizer)
         if state["ema"] is not None:  # on this process's device, whatever device saved it
-            self.ema = [e.to(p.device, copy=True) for e, p in zip(state["ema"], self.params)]
+            self.ema = [like(e, p).clone() for e, p in zip(state["ema"], self.params)]
         self.steps = state["optimizer_steps"]
 
     def zero_grad(self) -> None:
@@ -137,7 +153,7 @@ def capture_synced_grads(state: TrainState) -> Iterator[list[Tensor]]:
     captured: list[Tensor] = []
 
     def keep(params: list[torch.nn.Parameter]) -> None:
-        captured[:] = [p.grad.detach().clone() for p in params]
+        captured[:] = [full(p.grad).detach().clone() for p in params]  # whole (gathered when sharded)
 
     state.on_synced_grads = keep
     try:
@@ -146,11 +162,19 @@ def capture_synced_grads(state: TrainState) -> Iterator[list[Tensor]]:
         state.on_synced_grads = None
 
 
-def _clone(tree):
+def all_finite(params: list[torch.nn.Parameter], world: World) -> bool:
+    """Whether every gradient is finite on every process (the gradients are shards: one small all-reduce)."""
+    local = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in params if p.grad is not None)
+    flag = torch.tensor([0.0 if local else 1.0], device=params[0].device)
+    return float(world.all_reduce_mean_(flag)) == 0.0
+
+
+def _map_tensors(tree, fn):
+    """``tree`` (dicts and lists) with ``fn`` applied to every tensor in it."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return fn(tree)
     if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_clone(v) for v in tree]
+        return [_map_tensors(v, fn) for v in tree]
     return tree

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lean.config import fsdp_problem
 from lean.distributed import init_world
 from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
@@ -41,6 +42,7 @@ from lean.outputs import write_json
 from lean.rollout import policy_step
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
 from lean.schedules.per_sample import linear_owners
+from lean.sharding import FSDP, SHARDS, ShardSizes, shard_sizes
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -202,14 +204,92 @@ def probe_checkpointing(inp: PlanInput, measure: Callable[[PlanInput], dict] = p
     return measured
 
 
-def combinations(inp: PlanInput, by_checkpointing: dict[bool, dict]) -> list[dict]:
-    """Every schedule's predicted peak memory and time in every applicable layout, with checkpointing off and on."""
+def link_speed(world, mb: float) -> float:
+    """MiB/s at which an all-gather of ``mb`` MiB (the whole tensor, 1/W from each process) completes, as
+    ``mb (W - 1) / W / seconds``: the median of 3 timed all-gathers on the run's processes (a collective)."""
+    if world.size < 2:
+        return float("inf")
+    size = max(int(mb * 2**20) // 4 // world.size, 1)
+    shard = torch.zeros(size, device=world.device)
+    gathered = torch.empty(size * world.size, device=world.device)
+    seconds = _timed(lambda: torch.distributed.all_gather_into_tensor(gathered, shard), repeats=3)
+    return size * 4 * (world.size - 1) / 2**20 / max(seconds, 1e-9)
+
+
+def shard_variant(
+    measured: dict, sizes: ShardSizes, world_size: int, shard: str, probed: str, link_mb_s: float, overlap: bool
+) -> dict:
+    """The probe's figures under ``train.shard=shard`` from figures measured (or counted) under ``probed``.
+
+    Memory: a process holds ``sizes.resident_saved(W)`` MiB less under fsdp (1 - 1/W of the sharded weights and
+    state, plus the gathered units). Time: every pass gathers the net's sharded weights once (a forward; a backward
+    gathers them again, and under full fine-tuning reduce-scatters their gradients), c = MiB (W - 1) / W / link
+    each. Measured on gloo, where the collectives share the CPU with the compute, the pass takes t + c; with
+    ``overlap`` (NCCL: FSDP prefetches the next unit while one computes) max(t, c)."""
+    if shard == probed or world_size < 2:
+        return measured
+    sign = 1 if shard == FSDP else -1
+    spread = (1 - 1 / world_size) / link_mb_s
+    gather, reduce = sizes.net * spread, sizes.state / 3 * spread
+
+    def passed(t: float, comm: float) -> float:
+        if sign < 0:
+            return max(t - comm, 0.0)
+        return max(t, comm) if overlap else t + comm
+
+    backward_comm = 2 * gather + reduce
+    return {
+        **measured,
+        "base_mb": measured["base_mb"] - sign * sizes.resident_saved(world_size),
+        "t_forward": passed(measured["t_forward"], gather),
+        "t_forward_backward": passed(measured["t_forward_backward"], backward_comm),
+        "t_forward_backward_one": passed(measured["t_forward_backward_one"], backward_comm),
+    }
+
+
+def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
+    """``cfg`` with ``train.schedule=schedule``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, schedule=schedule))
+
+
+def shard_settings(inp: PlanInput) -> list[str]:
+    """The ``train.shard`` settings a run of ``inp.world_size`` processes can take (fsdp from two)."""
+    return [name for name in SHARDS if name != FSDP or inp.world_size > 1]
+
+
+def shard_probes(
+    inp: PlanInput, by_checkpointing: dict[bool, dict], link_mb_s: float, overlap: bool = False
+) -> dict[tuple[str, bool], dict]:
+    """Probe figures for every (``train.shard``, checkpointing): the run's own shard as probed, the other modelled
+    (:func:`shard_variant`)."""
+    sizes, probed = shard_sizes(inp.policy), inp.cfg.train.shard if inp.world_size > 1 else SHARDS.default
+    return {
+        (shard, on): shard_variant(measured, sizes, inp.world_size, shard, probed, link_mb_s, overlap)
+        for shard in shard_settings(inp)
+        for on, measured in by_checkpointing.items()
+    }
+
+
+def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[dict]:
+    """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
+    checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.config.fsdp_problem``) is
+    left out of the fsdp rows."""
     rows = []
     for layout in applicable_layouts(inp):
-        for checkpointing, measured in sorted(by_checkpointing.items()):
+        for (shard, checkpointing), measured in sorted(
+            probes.items(), key=lambda kv: (SHARDS.names.index(kv[0][0]), kv[0][1])
+        ):
             for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
+                if shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule)):
+                    continue
                 rows.append(
-                    {"schedule": schedule, "layout": layout, "gradient_checkpointing": checkpointing, **vars(p)}
+                    {
+                        "schedule": schedule,
+                        "layout": layout,
+                        "shard": shard,
+                        "gradient_checkpointing": checkpointing,
+                        **vars(p),
+                    }
                 )
     return rows
 
@@ -288,19 +368,26 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     inp = plan_input(pipeline)
     by_checkpointing = probe_checkpointing(inp)
     measured = by_checkpointing[cfg.model.gradient_checkpointing]
+    link = link_speed(pipeline.world, shard_sizes(inp.policy).unit)
     costs = iteration_costs(inp, measured)
     decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))
     report = {
         "probe": measured,
         "layout": resolve_layout(cfg.train, inp.world_size),
         "prediction": prediction_table(costs),
-        "combinations": combinations(inp, by_checkpointing),
+        "link_mb_per_s": link,
+        "combinations": combinations(inp, shard_probes(inp, by_checkpointing, link)),
         "budget_mb": decision["budget_mb"],
         "auto_choice": decision["choice"],
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        print_combinations(report["combinations"], report["layout"], cfg.model.gradient_checkpointing)
+        own = (
+            report["layout"],
+            cfg.train.shard if inp.world_size > 1 else SHARDS.default,
+            cfg.model.gradient_checkpointing,
+        )
+        print_combinations(report["combinations"], own)
         if out:
             write_json(f"{out}/plan.json", report)
     return report
@@ -315,13 +402,15 @@ def print_published_size(cfg: RunConfig, r: dict) -> None:
     )
 
 
-def print_combinations(rows: list[dict], layout: str, checkpointing: bool) -> None:
-    """The :func:`combinations` table; * marks this run's layout and checkpointing."""
-    print(f"{'schedule':10} {'layout':7} {'checkpointing':>13} {'peak memory MiB':>16} {'time/iteration s':>17}")
+def print_combinations(rows: list[dict], own: tuple[str, str, bool]) -> None:
+    """The :func:`combinations` table; * marks this run's (layout, shard, checkpointing), whose figures are measured
+    (the other shard's are modelled from them)."""
+    head = f"{'schedule':10} {'layout':7} {'shard':5} {'checkpointing':>13}"
+    print(f"{head} {'peak memory MiB':>16} {'time/iteration s':>17}")
     for r in rows:
-        mark = "*" if (r["layout"], r["gradient_checkpointing"]) == (layout, checkpointing) else " "
+        mark = "*" if (r["layout"], r["shard"], r["gradient_checkpointing"]) == own else " "
         print(
-            f"{r['schedule']:10} {r['layout']:7} {'on' if r['gradient_checkpointing'] else 'off':>13} "
+            f"{r['schedule']:10} {r['layout']:7} {r['shard']:5} {'on' if r['gradient_checkpointing'] else 'off':>13} "
             f"{r['peak_memory_mb']:16.1f} {r['time_iteration_s']:17.3f} {mark}"
         )
 

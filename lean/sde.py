@@ -260,11 +260,14 @@ class StepSelection:
     stochastic: Tensor
     trained: Tensor
     window_start: int | None = None
+    shared_grad_steps: Tensor | None = None
+    """The steps some sample of *any* process trains, when the processes must track the same steps (a sharded
+    policy's passes are collectives: ``lean.sharding``); None: this process's own."""
 
     @property
     def grad_steps(self) -> Tensor:
         """BoolTensor [num_steps]: steps that at least one sample trains on (where a rollout needs a graph)."""
-        return self.trained.any(dim=0)
+        return self.trained.any(dim=0) if self.shared_grad_steps is None else self.shared_grad_steps
 
 
 def num_trained_steps(num_steps: int, timestep_fraction: float, base: str = "all") -> int:

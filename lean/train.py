@@ -70,8 +70,8 @@ def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
     """``auto`` -> a Lean schedule from the memory budget (``lean.plan``). An explicit Lean schedule with a
     ``train.memory_budget_mb`` is refused up front when its predicted peak exceeds the budget."""
     t = trainer.cfg.train
-    if t.schedule == AUTO:
-        decision = decide(trainer.plan_input())
+    if t.schedule == AUTO:  # each process times its own probe: they take the main process's choice
+        decision = trainer.world.main_value(decide(trainer.plan_input()))
         if trainer.world.is_main:
             print(
                 f"lean auto: {', '.join(f'{k} {v:.0f} MiB' for k, v in decision.items() if k.endswith('_mb'))} "
@@ -175,7 +175,7 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
         evaluate(trainer, evaluator, it + 1, run, evaluations)  # the weights after it + 1 updates
         saved_now = t.save_every and (it + 1) % t.save_every == 0
         preempted = stop.requested(trainer.world)  # the safe point: every rank agrees
-        if (saved_now or preempted) and trainer.world.is_main:
+        if saved_now or preempted:  # every process: sharded state is gathered for the file
             save_checkpoint(out_dir, it, trainer, history, evaluations, run.run_id, cfg)
         if preempted:
             bar.close()
@@ -188,8 +188,9 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
     if flops is None:
         flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
     latents = trainer.world.gather(last.final.contiguous()) if last is not None else None  # every rank's x_T
+    weights = trained_weights(trainer)  # every process: sharded weights are gathered
     if trainer.world.is_main:
-        write_outputs(out_dir, trainer, history, flops, schedule, decision, evaluations)
+        write_outputs(out_dir, trainer, history, flops, schedule, decision, evaluations, weights)
         if last is not None:
             save_file({"latents": latents.cpu(), "rewards": last.rewards.cpu()}, out_dir / "rollout.safetensors")
         log_summary(run, out_dir)
@@ -201,16 +202,21 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
 def save_checkpoint(
     out_dir: Path, it: int, trainer: Trainer, history: list, evaluations: list, run_id, cfg: RunConfig
 ) -> Path:
-    """``<out>/checkpoints/iter-<it>``: the trainer's state after iteration ``it``, the metrics so far, the MLflow run
-    and the config as given (sample.shift unresolved: what ``--resume`` compares)."""
+    """``<out>/checkpoints/iter-<it>``: the trainer's state after iteration ``it`` (whole tensors: a sharded state is
+    gathered, so every process calls this and the main one writes), the metrics so far, the MLflow run and the config
+    as given (sample.shift unresolved: what ``--resume`` compares)."""
+    trainer_state = trainer.state.state_dict(whole=True) if trainer.state.sharded else None
+    folder = out_dir / "checkpoints"
+    if not trainer.world.is_main:
+        return folder
     state = {
-        "trainer": trainer.state.state_dict(),
+        "trainer": trainer_state or trainer.state.state_dict(),
         "history": history,
         "eval_history": evaluations,
         "tracking_run_id": run_id,
         "config": cfg.to_dict(),
     }
-    return checkpoint.save(out_dir / "checkpoints", it, state, keep=cfg.train.keep_checkpoints)
+    return checkpoint.save(folder, it, state, keep=cfg.train.keep_checkpoints)
 
 
 RESUMABLE_CHANGES = frozenset(
@@ -368,6 +374,22 @@ def flops_of_one_iteration(trainer: Trainer, schedule: str, iteration: int) -> d
         return {}
 
 
+@dataclasses.dataclass
+class TrainedWeights:
+    """What ``lean train`` exports, as whole tensors on the main process (``trained_weights``)."""
+
+    params: dict  # keyed as Policy.lora_state_dict
+    ema: dict | None  # the same keys, with train.ema
+    base_sha256: str | None  # a random base's fingerprint (lean.export.base_fingerprint), where it can be rebuilt
+
+
+def trained_weights(trainer: Trainer) -> TrainedWeights:
+    """The trained weights, EMA and base fingerprint, gathered where sharded: every process calls it."""
+    m = trainer.cfg.model
+    fingerprint = export.base_fingerprint(trainer.policy) if export.rebuildable(m) else None
+    return TrainedWeights(trainer.policy.lora_state_dict(), trainer.state.ema_state_dict(), fingerprint)
+
+
 def write_outputs(
     out_dir: Path,
     trainer: Trainer,
@@ -376,6 +398,7 @@ def write_outputs(
     schedule: str,
     decision: dict,
     evaluations: list[dict],
+    weights: TrainedWeights,
 ) -> None:
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
     ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
@@ -405,10 +428,10 @@ def write_outputs(
             **eval_summary(evaluations),
         },
     )
-    trainer.policy.save_lora(out_dir / "lora.safetensors")
-    if (ema := trainer.state.ema_state_dict()) is not None:
-        trainer.policy.save_lora(out_dir / "lora_ema.safetensors", ema)
-    export.write_run_exports(out_dir, trainer.policy, ema, trainer.cfg.model)
+    trainer.policy.save_lora(out_dir / "lora.safetensors", weights.params)
+    if weights.ema is not None:
+        trainer.policy.save_lora(out_dir / "lora_ema.safetensors", weights.ema)
+    export.write_run_exports(out_dir, trainer.policy, weights.ema, weights.base_sha256)
     write_json(out_dir / "config.json", trainer.cfg.to_dict())
 
 

@@ -106,9 +106,9 @@ def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp
     # 2 groups of 4 in micro-batches of one group, as the README's bench memory table
     cfg = tiny("train.prompts_per_iteration=2", "train.group_size=4", "train.rollout_batch_size=4")
     rows = plan(cfg)["combinations"]
-    assert {(r["layout"], r["gradient_checkpointing"]) for r in rows} == {
-        (layout, ck) for layout in ("group", "slice") for ck in (False, True)
-    }
+    assert {(r["layout"], r["shard"], r["gradient_checkpointing"]) for r in rows} == {
+        (layout, "none", ck) for layout in ("group", "slice") for ck in (False, True)
+    }  # one process: nothing to shard over
     predicted = {(r["schedule"], r["layout"], r["gradient_checkpointing"]): r["peak_memory_mb"] for r in rows}
     assert predicted["retain", "group", False] < predicted["retain", "slice", False]  # half the graphs held
     assert predicted["retain", "slice", True] < predicted["retain", "slice", False]  # block inputs only
@@ -144,13 +144,34 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "counted on the meta device for 8 GPUs of 80 GB (24 samples per GPU" in out
     report = json.loads((tmp_path / "plan.json").read_text())
-    assert len(report["combinations"]) == 12 and report["published_size"]["transformer_parameters"] > 11e9
-    fits = {(r["schedule"], r["layout"], r["gradient_checkpointing"]) for r in report["combinations"] if r["fits"]}
-    assert ("recompute", "group", True) in fits  # DanceGRPO's own set-up (checkpointing on) fits 80 GB
-    assert ("retain", "slice", False) not in fits  # 144 trajectory-steps of a 12B model's activations do not
+    # 3 schedules x 2 layouts x 2 shards x checkpointing off/on
+    assert len(report["combinations"]) == 24 and report["published_size"]["transformer_parameters"] > 11e9
+    fits = {
+        (r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"])
+        for r in report["combinations"]
+        if r["fits"]
+    }
+    assert ("recompute", "group", "none", True) in fits  # DanceGRPO's own set-up (checkpointing on) fits 80 GB
+    assert ("retain", "slice", "none", False) not in fits  # 144 trajectory-steps of a 12B model's activations do not
     assert report["fastest_fitting"]["time_iteration_s"] <= min(
         r["time_iteration_s"] for r in report["combinations"] if r["fits"]
     )
+    by_shard = {
+        (r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]): r for r in report["combinations"]
+    }
+    for key, row in by_shard.items():  # the frozen base sharded over 8 GPUs: less memory, the same compute
+        if key[2] == "fsdp":
+            whole = by_shard[(*key[:2], "none", key[3])]
+            assert row["peak_memory_mb"] < whole["peak_memory_mb"] - 15 * 1024
+
+    # a full fine-tune of the 12B transformer fits 80 GB only sharded (weights, gradients and AdamW moments / 8)
+    capsys.readouterr()
+    sets = ["--set", "model.full_finetune=true"]
+    assert main(["plan", "--preset", "dancegrpo-flux", *sets, "--gpu-mem-gb", "80", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["combinations"]
+    assert {r["shard"] for r in rows if r["fits"]} == {"fsdp"}
+    assert not any(r["shard"] == "fsdp" and r["schedule"] == "reweight" for r in rows)  # refused: see fsdp_problem
+    assert "fastest that fits in 72 GiB: recompute" in capsys.readouterr().out
     capsys.readouterr()
     assert main(["plan", "--preset", "flowgrpo-wan", "--gpus", "3"]) == 2  # 16 samples do not divide over 3 GPUs
     assert "must divide over 3 processes" in capsys.readouterr().err

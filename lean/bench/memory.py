@@ -21,12 +21,20 @@ from pathlib import Path
 import torch
 
 from lean.bench.schedules import BenchOptions, timed_rounds
-from lean.config import RunConfig
+from lean.config import RunConfig, fsdp_problem
 from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median
 from lean.outputs import JsonLines, write_json
-from lean.plan import applicable_layouts, combinations, probe_checkpointing
+from lean.plan import (
+    applicable_layouts,
+    combinations,
+    link_speed,
+    probe_checkpointing,
+    shard_probes,
+    with_schedule,
+)
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.sharding import FSDP, SHARDS, shard_sizes
 from lean.train import Trainer
 
 CHECKPOINTING = (False, True)
@@ -57,7 +65,14 @@ def bench_memory(
     log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
-    variants = [(s, lay, ck) for lay in applicable_layouts(inp) for ck in CHECKPOINTING for s in SCHEDULES]
+    shard = cfg.train.shard if trainer.world.size > 1 else SHARDS.default  # what runs: the measured rows
+    variants = [
+        (s, lay, ck)
+        for lay in applicable_layouts(inp)
+        for ck in CHECKPOINTING
+        for s in SCHEDULES
+        if shard != FSDP or not fsdp_problem(with_schedule(cfg, s))
+    ]
 
     def run(schedule: str, layout: str, checkpointing: bool, measure_memory: bool) -> dict:
         configure(trainer, layout, checkpointing)
@@ -71,9 +86,11 @@ def bench_memory(
             log.append({"pass": "memory", "variant": variant_name(*v), **memory[v]})
     if trainer.world.device.type == "cpu":
         keep_freed_memory()
+    link = link_speed(trainer.world, shard_sizes(inp.policy).unit)
     predicted = {
         (r["schedule"], r["layout"], r["gradient_checkpointing"]): r
-        for r in combinations(inp, probe_checkpointing(inp))
+        for r in combinations(inp, shard_probes(inp, probe_checkpointing(inp), link))
+        if r["shard"] == shard
     }
     calls = {variant_name(*v): (lambda v=v: run(*v, measure_memory=False)) for v in variants}
     rows = timed_rounds(trainer, state, options, log, calls)
@@ -106,6 +123,8 @@ def bench_memory(
             "group_size": cfg.train.group_size,
             "rollout_batch_size": cfg.train.rollout_batch_size,
             "world_size": trainer.world.size,
+            "shard": shard,
+            "full_finetune": cfg.model.full_finetune,
             "repeats": options.repeats,
             "threads": torch.get_num_threads(),
         },
@@ -141,7 +160,8 @@ def format_table(result: dict) -> str:
     lines = [
         f"lean bench memory: {c['family']}/{c['size']} {c['resolution']} px {c['dtype']}, {c['samples_per_process']} "
         f"samples/process in groups of {c['group_size']}, rollout micro-batch {c['rollout_batch_size']}, "
-        f"{c['world_size']} process(es) x {c['threads']} thread(s), median of {c['repeats']}",
+        f"{c['world_size']} process(es) x {c['threads']} thread(s), shard {c['shard']}, "
+        f"{'full fine-tune' if c['full_finetune'] else 'LoRA'}, median of {c['repeats']}",
         f"{'schedule':10} {'layout':7} {'ckpt':>5} {'peak MiB':>9} {'extra MiB':>10} {'plan MiB':>9} {'iter s':>8} "
         f"{'plan s':>7} {'speedup':>8} {'of bound':>9}",
     ]

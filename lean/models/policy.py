@@ -26,6 +26,7 @@ from lean.dtypes import HALF, master_dtype
 from lean.models.precision import float64_scope
 from lean.models.text import PromptEmbeds
 from lean.sde import compute_dtype
+from lean.sharding import full, full_state_dict, like
 
 LORA_FILE = "lora.safetensors"
 
@@ -203,6 +204,12 @@ class Policy(torch.nn.Module):
 
         net.enable_gradient_checkpointing(gradient_checkpointing_func=checkpointed)
 
+    def drop_master_casts(self) -> bool:
+        """Stop casting the float32 masters to ``dtype`` in the forward (another owner casts them: FSDP's mixed
+        precision, ``lean.sharding``); returns whether there were any."""
+        had, self._masters = bool(self._masters), []
+        return had
+
     @contextmanager
     def _compute_weights(self) -> Iterator[None]:
         """Inside the block each float32 master reads as its cast to ``dtype`` (an autograd op: the gradient flows
@@ -302,11 +309,12 @@ class Policy(torch.nn.Module):
         """theta += std * N(0, I) on the trainable parameters (float32 CPU draws), e.g. to make a zero-initialised
         LoRA B non-trivial so the policy and its reference differ."""
         for _, p in self.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=generator).to(p) * std)
+            p.add_(like(torch.randn(p.shape, generator=generator), p).to(p.dtype) * std)
 
     def lora_state_dict(self) -> dict[str, Tensor]:
-        """A copy of the trainable parameters, keyed as :meth:`trainable_parameters`."""
-        return {n: p.detach().clone() for n, p in self.trainable_parameters()}
+        """A copy of the trainable parameters, keyed as :meth:`trainable_parameters`; whole tensors (sharded ones are
+        gathered: under ``train.shard=fsdp`` every process must call it)."""
+        return {n: full(p).detach().clone() for n, p in self.trainable_parameters()}
 
     @torch.no_grad()
     def load_lora_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -316,7 +324,7 @@ class Policy(torch.nn.Module):
             missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
             raise KeyError(f"LoRA state mismatch: missing {missing[:3]}..., unexpected {extra[:3]}...")
         for n, p in params.items():
-            p.copy_(state[n])
+            p.copy_(like(state[n], p))
 
     def save_lora(self, path: str | Path, state: dict[str, Tensor] | None = None) -> None:
         """The trainable parameters as safetensors, in their own dtype (float32 masters in half precision); ``state``
@@ -332,10 +340,11 @@ class Policy(torch.nn.Module):
     # ------------------------------------------------------------------ diffusers pipeline folder
 
     def base_transformer_state_dict(self) -> dict[str, Tensor]:
-        """The transformer's own weights, LoRA layers stripped (peft keeps the base Linear as ``base_layer``)."""
+        """The transformer's own weights, LoRA layers stripped (peft keeps the base Linear as ``base_layer``); whole
+        tensors (gathered when sharded: every process must call it)."""
         if self.full_finetune:
-            return self.transformer.state_dict()
-        state = self.transformer.get_base_model().state_dict()
+            return full_state_dict(self.transformer)
+        state = full_state_dict(self.transformer.get_base_model())
         return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
 
     def save_pretrained(self, folder: str | Path, adapter: bool = True) -> None:

@@ -20,6 +20,7 @@ COMPONENTS = {  # see lean/models/flux.py
     "vae": ("diffusers", "AutoencoderKLWan", None),
     "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
 }
+KEEPS_FLOAT32 = True  # WanTransformer3DModel._keep_in_fp32_modules: half-precision runs keep some modules float32
 FRAME_STEP = 4  # the causal 3D VAE compresses time 4x: videos have 4k + 1 frames
 TOKENIZERS = {"text_encoder": "tokenizer"}
 # Wan2.1-T2V-1.3B-Diffusers' scheduler/scheduler_config.json: UniPCMultistepScheduler(use_flow_sigmas, flow_shift=3)

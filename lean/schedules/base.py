@@ -58,6 +58,12 @@ class IterationContext:
         return self.steps.trained.shape[0]
 
     @property
+    def lockstep(self) -> bool:
+        """Every process must run the same passes (a sharded policy, ``lean.sharding``): no pass is skipped because
+        no local sample trains it."""
+        return self.steps.shared_grad_steps is not None
+
+    @property
     def steps_per_sample(self) -> int:
         """K: every sample trains the same number of steps."""
         return int(self.steps.trained[0].sum())

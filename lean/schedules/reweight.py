@@ -105,8 +105,8 @@ class Reweight(Schedule):
             std=step.std,
             kl_weight=ctx.kl_weights[step.index],
         )
-        if not ctx.steps.trained[step.rows, step.index].any():  # the host-side selection: no device read
-            return  # DanceGRPO-style selection: another trajectory trains this step, this one does not
+        if not ctx.lockstep and not ctx.steps.trained[step.rows, step.index].any():  # host-side: no device read
+            return  # DanceGRPO-style selection: another trajectory trains this step, these do not
         weights = ctx.term_weights(step.rows, step.index, ctx.batch)
         with ctx.region("backward"):
             self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)

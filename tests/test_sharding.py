@@ -1,0 +1,106 @@
+"""FSDP2 sharding (``lean.sharding``, ``train.shard=fsdp``) on real gloo processes: the update is the unsharded one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lean.config import ConfigError, load_config, validate
+from lean.iteration import local_batch
+
+SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
+SMALL += ["model.dtype=float64", "train.beta=0.04"]
+RANDOM_STEPS = ["sample.timestep_selection=random", "sample.timestep_fraction=0.5"]  # DanceGRPO: per-sample steps
+
+
+def _sets(values: list[str]) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def _lean(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "processes,family,extra",
+    [
+        (2, "flux", RANDOM_STEPS),  # every process tracks the union of the steps any process trains
+        (2, "sd3", ["model.gradient_checkpointing=true"]),
+        (2, "wan", ["train.layout=group", "train.prompts_per_iteration=4", "train.rollout_batch_size=2"]),
+        (4, "flux", [*RANDOM_STEPS, "train.prompts_per_iteration=4", "model.gradient_checkpointing=true"]),
+    ],
+)
+def test_lora_on_a_sharded_base_gives_the_same_gradients(tmp_path, processes, family, extra):
+    """The frozen base sharded, the adapter whole: Retain's and Reweight's gradients are Recompute's and the float64
+    on-policy gradient's (the certificate), under per-sample step selection, checkpointing and the group layout."""
+    cfg = [*SMALL, f"model.family={family}", "train.shard=fsdp", *extra]
+    _lean("launch", "-n", str(processes), "--", "equivalence", *_sets(cfg), "--out", str(tmp_path))
+    report = json.loads((tmp_path / "equivalence.json").read_text())
+    assert report["world_size"] == processes and report["passes"], report
+    for schedule in ("retain", "reweight"):
+        assert report[schedule]["max_rel_grad_diff"] < 1e-10, report[schedule]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("schedule", ["retain", "recompute"])
+def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, schedule):
+    """Weights, gradients and AdamW state sharded over 2 processes: the same trained weights and EMA as 1 unsharded
+    process (float64, 1e-10), with an evaluation whose shares are uneven (3 samples on 2 processes), checkpoints
+    of whole tensors and a resume from one of them."""
+    cfg = [*SMALL, "model.full_finetune=true", f"train.schedule={schedule}", "train.lr=1e-3"]
+    cfg += ["train.ema=true", "train.ema_every=1", "eval.every=2", "eval.num_steps=2", "eval.samples_per_prompt=1"]
+    cfg += ["eval.prompts=[a red circle, a green square, a blue circle]", "train.save_every=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _lean("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
+    sharded = [*cfg, "train.shard=fsdp"]
+    _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=2"]), "--out", str(two))
+    _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=3"]), "--out", str(two), "--resume")
+    for name in ("lora.safetensors", "lora_ema.safetensors"):
+        a, b = load_file(one / name), load_file(two / name)
+        assert len(a) > 50  # every weight of the transformer is trained
+        assert _max_rel_diff(a, b) < 1e-10, name
+    assert (one / "base.json").read_text() == (two / "base.json").read_text()  # the sharded reference, gathered
+    rewards = [json.loads((run / "metrics.json").read_text())["eval_reward_mean"] for run in (one, two)]
+    assert rewards[1] == pytest.approx(rewards[0], abs=1e-9)
+
+
+def test_processes_track_the_union_of_the_trained_steps():
+    """Under fsdp every process's selection carries the steps any process trains; the samples' own stay theirs."""
+    sets = [*SMALL, *RANDOM_STEPS, "train.prompts_per_iteration=4", "sample.num_steps=8"]
+    cfg, sharded = load_config(None, sets), load_config(None, [*sets, "train.shard=fsdp"])
+    own = [local_batch(cfg, 0, r, 4).steps for r in range(4)]
+    shared = [local_batch(sharded, 0, r, 4).steps for r in range(4)]
+    union = torch.stack([s.grad_steps for s in own]).any(dim=0)
+    assert any(not torch.equal(s.grad_steps, union) for s in own)  # the case matters: the processes differ
+    for mine, theirs in zip(own, shared):
+        assert torch.equal(theirs.grad_steps, union) and torch.equal(theirs.trained, mine.trained)
+
+
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["model.full_finetune=true", "train.schedule=reweight"], "per-trajectory buffers"),
+        (["train.skip_zero_advantage=true"], "lockstep"),
+        (["model.family=wan", "model.full_finetune=true", "model.dtype=bfloat16"], "float32 modules"),
+        (["train.shard=zero3"], "must be one of none, fsdp"),
+    ],
+)
+def test_what_fsdp_cannot_run_is_one_config_line(sets, words):
+    with pytest.raises(ConfigError, match="train.shard") as err:
+        validate(load_config(None, ["train.shard=fsdp", *sets]), world_size=2)
+    assert words in str(err.value)
