@@ -431,8 +431,8 @@ class EarlyFinish:
     def __call__(self, rows: slice, final: Tensor) -> None:
         self.scoring.submit(final, self.batch.prompts[rows])
         unit = self.ctx.finish_unit
-        if unit is None or rows.stop % unit:
-            return
+        if unit is None or rows.stop % unit or not self.schedule.finishes_early:
+            return  # nothing to finish (Recompute holds no graphs): the scoring goes on beside the rollout
         with self.ctx.timer("reward_exposed"):
             rewards = self.scoring.rewards()  # rows [0, rows.stop)
         if rewards is None:

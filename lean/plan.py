@@ -13,6 +13,11 @@ The probe runs the first trained step of a real local batch and measures:
 A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
 schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
 
+Under several processes the probe runs as the run would (``train.shard=fsdp``: sharded, its passes gathering), and
+the other shard setting is modelled from it (:func:`shard_variant`: what sharding moves, ``lean.sharding.ShardSizes``,
+and the all-gather speed timed on the processes, :func:`link_speed`). :func:`combinations` tabulates every schedule x
+layout x shard x checkpointing.
+
 ``auto`` takes the schedule predicted fastest among those whose predicted peak fits ``train.memory_budget_mb``
 (default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
 Recompute. When none fits, it takes the one predicted smallest. It logs the figures. Retain and Reweight run the
@@ -169,6 +174,9 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         fb_one=measured["t_forward_backward_one"],
         ref=k * f if cfg.train.beta else 0.0,
         score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
+        score_at_end=(measured["t_decode"] + measured["t_reward"])
+        * (min(probed, local) if concurrent else local)
+        / probed,
         base_mb=measured["base_mb"],
         act_mb=measured["activation_mb"] * rounds,
         act_one_mb=measured["activation_one_mb"],
@@ -258,11 +266,17 @@ def shard_settings(inp: PlanInput) -> list[str]:
 
 
 def shard_probes(
-    inp: PlanInput, by_checkpointing: dict[bool, dict], link_mb_s: float, overlap: bool = False
+    inp: PlanInput,
+    by_checkpointing: dict[bool, dict],
+    link_mb_s: float,
+    overlap: bool = False,
+    probed: str | None = None,
 ) -> dict[tuple[str, bool], dict]:
-    """Probe figures for every (``train.shard``, checkpointing): the run's own shard as probed, the other modelled
-    (:func:`shard_variant`)."""
-    sizes, probed = shard_sizes(inp.policy), inp.cfg.train.shard if inp.world_size > 1 else SHARDS.default
+    """Probe figures for every (``train.shard``, checkpointing): those of ``probed`` (default: the run's own
+    shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
+    sizes = shard_sizes(inp.policy)
+    if probed is None:
+        probed = inp.cfg.train.shard if inp.world_size > 1 else SHARDS.default
     return {
         (shard, on): shard_variant(measured, sizes, inp.world_size, shard, probed, link_mb_s, overlap)
         for shard in shard_settings(inp)

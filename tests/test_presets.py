@@ -117,6 +117,8 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "train.lr": 3e-4,
         "train.clip_range": 1e-4,
         "train.group_size": 12,
+        "model.gradient_checkpointing": True,
+        "train.shard": "fsdp",  # fsdp_util.py:88 FULL_SHARD, the default of --fsdp_sharding_startegy
     },
     "flowgrpo-wan": {
         "model.family": "wan",

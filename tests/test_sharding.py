@@ -104,3 +104,27 @@ def test_what_fsdp_cannot_run_is_one_config_line(sets, words):
     with pytest.raises(ConfigError, match="train.shard") as err:
         validate(load_config(None, ["train.shard=fsdp", *sets]), world_size=2)
     assert words in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
+    """``lean plan`` on 2 processes prints both shard settings (its own measured, the other modelled), and ``lean
+    bench memory`` under fsdp measures every schedule x layout x checkpointing beside the plan's figures."""
+    cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "train.shard=fsdp"]
+    cfg += ["model.full_finetune=true", "train.dist_timeout_s=60"]
+    _lean("launch", "-n", "2", "--", "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
+    rows = json.loads((tmp_path / "plan" / "plan.json").read_text())["combinations"]
+    assert {r["shard"] for r in rows} == {"none", "fsdp"}
+    by = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]): r["peak_memory_mb"] for r in rows}
+    assert by["recompute", "group", "fsdp", False] < by["recompute", "group", "none", False]  # sharded state
+    assert ("reweight", "group", "fsdp", False) not in by  # fsdp_problem: its buffers would be whole gradients
+
+    out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32"]  # not the bench section's size
+    bench = ["bench", "memory", *_sets([*cfg, *tiny]), "--repeats", "1", "--warmup", "0", "--out", str(out)]
+    _lean("launch", "-n", "2", "--", *bench)
+    result = json.loads((out / "memory.json").read_text())
+    assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 2
+    assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"} and len(result["variants"]) == 8
+    for e in result["variants"]:  # a tiny model: the peaks are mostly the process itself, but each is predicted
+        assert e["peak_memory_mb"] == pytest.approx(e["plan_peak_memory_mb"], rel=0.15)

@@ -124,9 +124,11 @@ class IterationCosts:
     over the local batch (all rollout micro-batches); fb_one: the same for one trajectory; ref: the reference
     forwards of the KL term (0 without it); score: the decoding and scoring the iteration waits for, which every
     schedule pays once (the local batch's, or with ``reward.async_scoring`` the last rollout micro-batch's: the others
-    are scored while the rollout goes on). Memory: base (resident now), act / act_one: activations one tracked step
-    saves at the local batch / one trajectory; transient: what a backward needs beyond them; decode: the VAE's
-    working set for one rollout micro-batch (each is decoded on its own); trainable: the trainable parameters (MiB).
+    are scored while the rollout goes on; in the group layout a schedule that finishes groups early waits for every
+    group's, one that does not waits for ``score_at_end``, the last's only). Memory: base (resident now), act /
+    act_one: activations one tracked step saves at the local batch / one trajectory; transient: what a backward needs
+    beyond them; decode: the VAE's working set for one rollout micro-batch (each is decoded on its own); trainable:
+    the trainable parameters (MiB).
     """
 
     n: int
@@ -147,6 +149,7 @@ class IterationCosts:
     kl: bool  # the KL term is on
     per_row_grads: bool  # every trainable parameter sits in an nn.Linear (Reweight stays batched)
     held_fraction: float = 1.0  # share of the local batch a schedule holds at once: one finishing unit / B (layout)
+    score_at_end: float | None = None  # what a schedule that finishes nothing early waits for (None: ``score``)
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ class Schedule:
 
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """``advantages`` [B] hold the true values at ``rows`` (whole groups); by default nothing happens early."""
+
+    @property
+    def finishes_early(self) -> bool:
+        """Whether :meth:`finish_rows` does anything: the group layout waits for a unit's rewards only then."""
+        return type(self).finish_rows is not Schedule.finish_rows
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         raise NotImplementedError

@@ -23,7 +23,8 @@ instead (on-policy only): one update, steps in rollout order.
 Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE decode or in one update backward,
 
     memory = base + max(decode, act x train_rows_fraction + transient)      time = n f + score + K fb + ref
-           (the K recomputed steps each cost a forward f beside the tracked forward + backward fb)
+           (the K recomputed steps each cost a forward f beside the tracked forward + backward fb; it finishes
+           nothing early, so in the group layout score is ``score_at_end``: the last micro-batch's wait)
 """
 
 from __future__ import annotations
@@ -187,5 +188,5 @@ class Recompute(Schedule):
     def predict(c: IterationCosts) -> Prediction:
         return Prediction(
             c.base_mb + max(c.decode_mb, c.act_mb * c.train_rows_fraction + c.transient_mb),
-            c.n * c.f + c.score + c.k * c.fb + c.ref,
+            c.n * c.f + (c.score if c.score_at_end is None else c.score_at_end) + c.k * c.fb + c.ref,
         )
