@@ -433,11 +433,12 @@ class EarlyFinish:
         unit = self.ctx.finish_unit
         if unit is None or rows.stop % unit or not self.schedule.finishes_early:
             return  # nothing to finish (Recompute holds no graphs): the scoring goes on beside the rollout
+        done = slice(self.finished, rows.stop)
+        self.schedule.unit_rolled_out(done)  # beside the scoring (Retain: its backward with a provisional advantage)
         with self.ctx.timer("reward_exposed"):
             rewards = self.scoring.rewards()  # rows [0, rows.stop)
         if rewards is None:
             return  # a reward failed: the whole rollout is kept and the error raised after it (score)
-        done = slice(self.finished, rows.stop)
         self.advantages[done] = run_advantages(rewards[done], self.groups[done], self.pipeline.cfg.train)
         self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
         self.finished = rows.stop

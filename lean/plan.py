@@ -187,6 +187,7 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         kl=bool(cfg.train.beta),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
         held_fraction=unit / local,
+        n_known=not cfg.train.skip_zero_advantage,
     )
 
 

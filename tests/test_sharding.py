@@ -42,16 +42,20 @@ def _max_rel_diff(a: dict, b: dict) -> float:
         (2, "sd3", ["model.gradient_checkpointing=true"]),
         (2, "wan", ["train.layout=group", "train.prompts_per_iteration=4", "train.rollout_batch_size=2"]),
         (4, "flux", [*RANDOM_STEPS, "train.prompts_per_iteration=4", "model.gradient_checkpointing=true"]),
+        (2, "flux", ["model.full_finetune=true"]),  # everything sharded: Retain certified, Reweight refused
     ],
 )
-def test_lora_on_a_sharded_base_gives_the_same_gradients(tmp_path, processes, family, extra):
-    """The frozen base sharded, the adapter whole: Retain's and Reweight's gradients are Recompute's and the float64
-    on-policy gradient's (the certificate), under per-sample step selection, checkpointing and the group layout."""
+def test_sharded_processes_give_the_same_gradients(tmp_path, processes, family, extra):
+    """The frozen base sharded, the adapter whole (or, under full fine-tuning, every weight sharded): Retain's and
+    Reweight's gradients are Recompute's and the float64 on-policy gradient's (the certificate), under per-sample
+    step selection, checkpointing and the group layout."""
     cfg = [*SMALL, f"model.family={family}", "train.shard=fsdp", *extra]
     _lean("launch", "-n", str(processes), "--", "equivalence", *_sets(cfg), "--out", str(tmp_path))
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["world_size"] == processes and report["passes"], report
-    for schedule in ("retain", "reweight"):
+    full_finetune = "model.full_finetune=true" in extra
+    assert ("reweight" in report.get("not_run", {})) == full_finetune
+    for schedule in ("retain",) if full_finetune else ("retain", "reweight"):
         assert report[schedule]["max_rel_grad_diff"] < 1e-10, report[schedule]
 
 

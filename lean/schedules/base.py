@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.advantage import update_samples
-from lean.loss import kl_step_weights
+from lean.loss import StepLoss, kl_step_weights, step_loss
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
 from lean.sde import StepSelection
@@ -97,6 +97,20 @@ class IterationContext:
         the samples whose advantage is 0 leave the update, and N counts the others (FlowGRPO's SD3/Wan scripts)."""
         return update_samples(advantages, self.cfg.train.skip_zero_advantage)
 
+    def on_policy_loss(self, step: StepOutput, ref_mean: torch.Tensor | None, advantages: torch.Tensor) -> StepLoss:
+        """The loss terms of a step whose graph is the rollout's own (Retain, Reweight): the ratio is
+        exp(log p - stopgrad(log p)) = 1, its gradient that of log p; ``advantages`` of the step's rows."""
+        return step_loss(
+            step.log_prob,
+            step.log_prob.detach(),
+            advantages,
+            self.cfg.train.clip_range,
+            mean=step.mean,
+            ref_mean=ref_mean,
+            std=step.std,
+            kl_weight=self.kl_weights[step.index],
+        )
+
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
         """The reference policy's transition mean at the step's x_i (None when the KL term is off)."""
         if self.beta == 0:
@@ -150,6 +164,7 @@ class IterationCosts:
     per_row_grads: bool  # every trainable parameter sits in an nn.Linear (Reweight stays batched)
     held_fraction: float = 1.0  # share of the local batch a schedule holds at once: one finishing unit / B (layout)
     score_at_end: float | None = None  # what a schedule that finishes nothing early waits for (None: ``score``)
+    n_known: bool = True  # the update's sample count N is known before the rewards (not with skip_zero_advantage)
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,10 @@ class Schedule:
 
     def on_step(self, step: StepOutput) -> None:
         raise NotImplementedError
+
+    def unit_rolled_out(self, rows: slice) -> None:
+        """Group layout: the rows ``rows`` (whole groups) are rolled out and being scored; what needs no advantage
+        can run now, beside the scoring. By default nothing."""
 
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """``advantages`` [B] hold the true values at ``rows`` (whole groups); by default nothing happens early."""

@@ -16,15 +16,32 @@ activations of (trained steps x local batch) forward passes stay alive until the
 
 where h is the share of the local batch whose graphs are held at once: 1 in the slice layout, one finishing unit
 (a group) / B in the group layout, where each group is backpropagated as soon as it is scored (``finish_rows``).
+
+Backward during the scoring (group layout). A group's graphs can be freed only by its backward, and the next group
+cannot roll out before (that would hold two groups' graphs). Instead of waiting for the group's rewards, Retain
+backpropagates it while it is decoded and scored (``unit_rolled_out``), with a provisional advantage Â_b = 1 and each
+trajectory's policy gradient kept apart (``per_sample``, as Reweight does; the KL part, which has no A, goes to the
+gradient directly), then folds it when the advantages arrive (``finish_rows``):
+
+    grad += sum_b (A_b / Â_b) P_b,     P_b = 1/(N K) sum_{j in T_b} (-Â_b dlog p_bj)
+
+exact on-policy for the reason Reweight is (the gradient is linear in A at r = 1). It needs every trainable parameter
+in an ``nn.Linear`` (LoRA) and N before the rewards (not with ``train.skip_zero_advantage``); otherwise the group
+waits for its rewards and is backpropagated with them. The scoring then costs max(0, score - K (fb - f)): the
+backward hides it, for (unit + 1) P of buffers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lean.loss import loss_stats, step_loss
+from lean.loss import StepLoss, loss_stats
 from lean.rollout import StepOutput
-from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, trainable
+from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
+from lean.schedules.per_sample import PerSampleGrads, TrajectoryBuffers, linear_owners
+from lean.sharding import is_sharded
+
+PROVISIONAL_ADVANTAGE = 1.0
 
 
 class Retain(Schedule):
@@ -34,18 +51,75 @@ class Retain(Schedule):
         super().__init__(ctx)
         self.kept: list[tuple[StepOutput, torch.Tensor | None]] = []  # (step with its graph, reference mean)
         self.losses = []  # every backpropagated step's loss terms, for the stats
+        self.provisional_stats: list[tuple[slice, StepLoss]] = []  # (rows, terms) backpropagated with Â
         self.unscaled = False  # an early finish under skip_zero_advantage used N = 1 (N is known only at the end)
+        self.provisional = self._provisional_buffers(ctx)  # (per-trajectory buffers, their hooks) or None
+
+    @staticmethod
+    def _provisional_buffers(ctx) -> tuple[TrajectoryBuffers, PerSampleGrads] | None:
+        """Buffers for one finishing unit's per-trajectory gradients where the backward can run during the scoring
+        (see the module docstring), else None."""
+        params = trainable(ctx.policy)
+        if ctx.finish_unit is None or ctx.cfg.train.skip_zero_advantage or any(is_sharded(p) for p in params):
+            return None
+        if linear_owners(ctx.policy, params) is None:
+            return None
+        buffers = TrajectoryBuffers(params, ctx.finish_unit)
+        return buffers, PerSampleGrads(ctx.policy, params, buffers)
 
     def on_step(self, step: StepOutput) -> None:
         if step.log_prob.requires_grad:
             self.kept.append((step, self.ctx.reference_mean(step)))
 
+    def _take(self, rows: slice) -> list:
+        """Remove and return the kept steps of the rows ``rows`` (whole micro-batches)."""
+        inside = [rows.start <= step.rows.start and step.rows.stop <= rows.stop for step, _ in self.kept]
+        taken = [e for e, yes in zip(self.kept, inside) if yes]
+        self.kept = [e for e, yes in zip(self.kept, inside) if not yes]
+        return taken
+
+    def unit_rolled_out(self, rows: slice) -> None:
+        """Group layout, while ``rows`` are scored: backpropagate their kept steps with Â = 1, each trajectory's
+        policy gradient into its buffer and the KL gradient into ``param.grad``, freeing their graphs."""
+        if self.provisional is None:
+            return
+        buffers, per_sample = self.provisional
+        ctx, params = self.ctx, buffers.params
+        unit = ctx.finish_unit
+        entries = self._take(rows)
+        for start in sorted({step.rows.start for step, _ in entries}):  # one backward per rollout micro-batch
+            mine = [(step, ref) for step, ref in entries if step.rows.start == start]
+            policy, kl = 0.0, 0.0
+            for step, ref in mine:
+                provisional = torch.full((step.rows.stop - step.rows.start,), PROVISIONAL_ADVANTAGE).to(step.log_prob)
+                loss = ctx.on_policy_loss(step, ref, provisional)
+                weights = ctx.term_weights(step.rows, step.index, ctx.batch)
+                policy = policy + (weights * loss.policy).sum()
+                if loss.kl is not None:
+                    kl = kl + (weights * ctx.beta * loss.kl).sum()
+                kl_term = None if loss.kl is None else loss.kl.detach()
+                self.provisional_stats.append((step.rows, StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())))
+            per_sample.trajectories = torch.arange(start, mine[0][0].rows.stop, device=params[0].device) % unit
+            per_sample.accumulating = True
+            with ctx.region("backward"):
+                try:
+                    torch.autograd.grad(policy, params, retain_graph=torch.is_tensor(kl), allow_unused=True)
+                finally:
+                    per_sample.accumulating = False
+                if torch.is_tensor(kl):
+                    kl.backward()
+
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: backpropagate the kept steps of the scored groups ``rows`` and free their graphs, so the
-        next group's rollout starts with none of them held."""
-        inside = [rows.start <= step.rows.start and step.rows.stop <= rows.stop for step, _ in self.kept]
-        done = [e for e, yes in zip(self.kept, inside) if yes]
-        self.kept = [e for e, yes in zip(self.kept, inside) if not yes]
+        next group's rollout starts with none of them held (or, when ``unit_rolled_out`` did, fold their buffers)."""
+        if self.provisional is not None:
+            buffers, _ = self.provisional
+            slots = torch.zeros(self.ctx.finish_unit, dtype=torch.float64, device=advantages.device)
+            slots[: rows.stop - rows.start] = advantages[rows].to(torch.float64) / PROVISIONAL_ADVANTAGE
+            set_grads(buffers.params, buffers.combine(slots))
+            buffers.storage.zero_()
+            return
+        done = self._take(rows)
         kept, n = self.ctx.kept_samples(advantages)
         if kept is not None:  # N counts the kept samples of every group, known after the last one: scale then
             self.unscaled, n = True, 1
@@ -59,22 +133,20 @@ class Retain(Schedule):
             for p in trainable(self.ctx.policy):
                 if p.grad is not None:
                     p.grad.div_(n)
-        return {**loss_stats(self.losses, self.ctx.beta), **optimizer_step()}
+        if self.provisional is not None:
+            self.provisional[1].close()
+        # terms backpropagated with Â are logged with the true A: on-policy the surrogate is -A r
+        logged = [
+            StepLoss(-advantages[rows].to(t.ratio.dtype) * t.ratio, t.kl, t.ratio) for rows, t in self.provisional_stats
+        ]
+        losses = self.losses + logged
+        return {**loss_stats(losses, self.ctx.beta), **optimizer_step()}
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
         ctx, total = self.ctx, 0.0
         for step, ref in entries:
-            loss = step_loss(
-                step.log_prob,
-                step.log_prob.detach(),
-                advantages[step.rows],
-                ctx.cfg.train.clip_range,
-                mean=step.mean,
-                ref_mean=ref,
-                std=step.std,
-                kl_weight=ctx.kl_weights[step.index],
-            )
+            loss = ctx.on_policy_loss(step, ref, advantages[step.rows])
             weights = ctx.term_weights(step.rows, step.index, n, kept)
             total = total + (weights * loss.total(ctx.beta)).sum()
             self.losses.append(loss)
@@ -84,7 +156,9 @@ class Retain(Schedule):
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
-        return Prediction(
-            c.base_mb + c.k * c.act_mb * c.held_fraction + max(c.decode_mb, c.transient_mb),
-            (c.n - c.k) * c.f + c.k * c.fb + c.score + c.ref,
-        )
+        memory = c.base_mb + c.k * c.act_mb * c.held_fraction + max(c.decode_mb, c.transient_mb)
+        score = c.score
+        if c.held_fraction < 1 and c.per_row_grads and c.n_known:  # the backward runs beside the scoring
+            memory += (c.local * c.held_fraction + 1) * c.trainable_mb
+            score = max(c.score - c.k * (c.fb - c.f), 0.0)
+        return Prediction(memory, (c.n - c.k) * c.f + c.k * c.fb + score + c.ref)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from lean.loss import StepLoss, loss_stats, step_loss
+from lean.loss import StepLoss, loss_stats
 from lean.rollout import StepOutput
 from lean.schedules.base import (
     IterationCosts,
@@ -95,16 +95,7 @@ class Reweight(Schedule):
             return
         ctx = self.ctx
         ref = ctx.reference_mean(step)
-        loss = step_loss(
-            step.log_prob,
-            step.log_prob.detach(),
-            self.provisional[step.rows],
-            ctx.cfg.train.clip_range,
-            mean=step.mean,
-            ref_mean=ref,
-            std=step.std,
-            kl_weight=ctx.kl_weights[step.index],
-        )
+        loss = ctx.on_policy_loss(step, ref, self.provisional[step.rows])
         if not ctx.lockstep and not ctx.steps.trained[step.rows, step.index].any():  # host-side: no device read
             return  # DanceGRPO-style selection: another trajectory trains this step, these do not
         weights = ctx.term_weights(step.rows, step.index, ctx.batch)
