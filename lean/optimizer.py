@@ -16,7 +16,7 @@ from torch import Tensor
 from lean.distributed import World
 from lean.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
-from lean.sharding import full, is_sharded, like
+from lean.sharding import full, is_sharded, like, local_mb
 
 
 class TrainState:
@@ -119,6 +119,13 @@ class TrainState:
         if state["ema"] is not None:  # on this process's device, whatever device saved it
             self.ema = [like(e, p).clone() for e, p in zip(state["ema"], self.params)]
         self.steps = state["optimizer_steps"]
+
+    def resident_mb(self, policy: torch.nn.Module) -> float:
+        """MiB this process holds of the policy's weights, the trained weights' gradients, AdamW's moments and the
+        EMA (its shards, under ``train.shard=fsdp``)."""
+        states = [t for slots in self.optimizer.state.values() for t in slots.values() if t.dim() > 0]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return local_mb([*policy.parameters(), *grads, *states, *(self.ema or [])])
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

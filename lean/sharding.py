@@ -157,6 +157,12 @@ def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 
 
+def local_mb(tensors) -> float:
+    """MiB this process holds of ``tensors`` (a DTensor: its own shard)."""
+    local = [t.to_local() if is_sharded(t) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded entry gathered (collective when anything is sharded)."""
     return {name: full(value) for name, value in module.state_dict().items()}

@@ -92,6 +92,7 @@ def bench_memory(
         for r in combinations(inp, shard_probes(inp, probe_checkpointing(inp), link))
         if r["shard"] == shard
     }
+    resident = trainer.state.resident_mb(trainer.policy)  # after the memory pass: AdamW's moments exist
     calls = {variant_name(*v): (lambda v=v: run(*v, measure_memory=False)) for v in variants}
     rows = timed_rounds(trainer, state, options, log, calls)
     trainer.pipeline.cfg = own
@@ -125,6 +126,7 @@ def bench_memory(
             "world_size": trainer.world.size,
             "shard": shard,
             "full_finetune": cfg.model.full_finetune,
+            "resident_mb": resident,
             "repeats": options.repeats,
             "threads": torch.get_num_threads(),
         },
@@ -161,7 +163,8 @@ def format_table(result: dict) -> str:
         f"lean bench memory: {c['family']}/{c['size']} {c['resolution']} px {c['dtype']}, {c['samples_per_process']} "
         f"samples/process in groups of {c['group_size']}, rollout micro-batch {c['rollout_batch_size']}, "
         f"{c['world_size']} process(es) x {c['threads']} thread(s), shard {c['shard']}, "
-        f"{'full fine-tune' if c['full_finetune'] else 'LoRA'}, median of {c['repeats']}",
+        f"{'full fine-tune' if c['full_finetune'] else 'LoRA'} ({c['resident_mb']:.1f} MiB of weights, gradients, "
+        f"moments and EMA per process), median of {c['repeats']}",
         f"{'schedule':10} {'layout':7} {'ckpt':>5} {'peak MiB':>9} {'extra MiB':>10} {'plan MiB':>9} {'iter s':>8} "
         f"{'plan s':>7} {'speedup':>8} {'of bound':>9}",
     ]
