@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from lean.overlap import projection as proj
+from lean.overlap.measure import fluid_slowdowns
 from lean.overlap.sim import (
     COMM,
     COMPUTE,
@@ -44,6 +45,12 @@ def test_streams_run_concurrently_and_contention_slows_the_overlapped_part():
     assert slowed == pytest.approx({"gemm": 2.5, "send": 1.0})
     chained = simulate([Task("gemm", COMPUTE, 2.0), Task("send", COMM, 1.0, deps=(0,))], UNIT)
     assert max(s.end for s in chained) == 3.0
+
+
+def test_contention_calibration_inverts_the_simulated_contention():
+    p = replace(UNIT, compute_slowdown=0.5, comm_slowdown=0.25)
+    together = {s.name: s.end for s in simulate([Task("loop", COMPUTE, 3.0), Task("ring step", COMM, 1.0)], p)}
+    assert fluid_slowdowns(3.0, 1.0, together["loop"], together["ring step"]) == pytest.approx((0.5, 0.25))
 
 
 def test_host_issues_ops_in_order_and_ops_wait_for_it():

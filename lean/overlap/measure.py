@@ -148,10 +148,10 @@ def _together_cuda(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, gemm_loo
 
 def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """compute_slowdown and comm_slowdown (:func:`fluid_slowdowns`): a GEMM loop lasting about three ring steps while
-    one ring step runs, against each alone. CPU: a 384x384 GEMM and 8 MiB (float32) transfers; GPU: an 8192x8192
+    one ring step runs, against each alone. CPU: a 384x384 GEMM and 8 MiB (float32) transfers; GPU: a 4096x4096
     GEMM and 64 MiB (bf16) transfers, the transfer on NCCL's kernels beside the GEMMs."""
     cuda = device.type == "cuda"
-    n, size = (2**25, 8192) if cuda else (2**21, 384)
+    n, size = (2**25, 4096) if cuda else (2**21, 384)
     send, recv = torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
     a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     alone = time_round_robin(
