@@ -140,8 +140,11 @@ def test_data_parallel_gather_slices_the_contraction():
     assert (gather.pattern, gather.split, gather.chunk_rows) == ("all_gather", "k", 32 // 4)
     assert gather.full_gemm == (2 * 64, 32, 128) and gather.chunk_gemm == (2 * 64, 32 // 4, 128)
     assert gather.slice_gemm(2) == (128, 16, 128) and ops["mlp.fc1"].slice_gemm(2) == (64, 32, 128 // 4)
-    sliced_gemms = [t for t in schedule(gather, "sliced", UNIT, slices=2) if t.stream == COMPUTE]
-    assert len(sliced_gemms) == 2
+    # gather_linear keeps the gathered weight for the backward: a copy of every arrived block, not in comm-only
+    assert gather.keeps_blocks and not ops["mlp.fc1"].keeps_blocks
+    sliced = [(t.kind, t.name) for t in schedule(gather, "sliced", UNIT, slices=2) if t.stream == COMPUTE]
+    assert sliced == [("memory", "keep gemm 0"), ("gemm", "gemm 0"), ("memory", "keep gemm 1"), ("gemm", "gemm 1")]
+    assert not [t for t in schedule(gather, "flash", UNIT, compute=False) if t.stream == COMPUTE and t.launched]
     # SwiGLU: fc2 contracts over half of fc1's width
     assert layer_ops(4, 2, 64, 32, 128, gated=True)[1].full_gemm == (128, 128 // 2 // 4, 32)
 

@@ -137,6 +137,7 @@ class OpSpec:
     gemm_side: Literal["produce", "consume"]
     element_bytes: int = 4
     split: Literal["m", "k"] = "m"
+    keeps_blocks: bool = False  # the consuming callback also copies each arrived block (a gathered weight kept)
 
     @property
     def flops(self) -> int:
@@ -259,20 +260,26 @@ def schedule(
     op: OpSpec, method: str, p: Profile, slices: int | None = None, bidirectional: bool = False, compute: bool = True
 ) -> list[Task]:
     """The task graph ``p2p.py`` runs for ``op`` with ``method``, in its issue order; ``compute=False`` drops the
-    GEMMs (comm-only)."""
+    GEMMs and what the GEMMs' callbacks do besides (comm-only)."""
     world, chunk, e = op.world, op.chunk_bytes, op.element_bytes
     tasks: list[Task] = []
 
-    def add(name: str, stream: str, seconds: float, deps=(), kind: str = "gemm") -> int:
-        dropped = not compute and kind == "gemm"
+    def add(name: str, stream: str, seconds: float, deps=(), kind: str = "gemm", callback: bool = False) -> int:
+        dropped = not compute and (kind == "gemm" or callback)
         tasks.append(Task(name, stream, 0.0 if dropped else seconds, tuple(deps), kind, not dropped))
         return len(tasks) - 1
 
     def gemm(name: str, shape: tuple[int, int, int], deps=()) -> int:
         return add(name, COMPUTE, gemm_seconds(*shape, e, p), deps)
 
-    def memory(name: str, nbytes: float, passes: int, deps=()) -> int:
-        return add(name, COMPUTE, p.launch + passes * nbytes / p.mem_bw, deps, "memory")
+    def memory(name: str, nbytes: float, passes: int, deps=(), callback: bool = False) -> int:
+        return add(name, COMPUTE, p.launch + passes * nbytes / p.mem_bw, deps, "memory", callback)
+
+    def consume(name: str, shape: tuple[int, int, int], nbytes: float, deps=()) -> int:
+        """The GEMM on arrived blocks of ``nbytes``, after copying them where the op keeps them (``keeps_blocks``)."""
+        if op.keeps_blocks:
+            deps = [memory(f"keep {name}", nbytes, 2, deps, callback=True)]
+        return gemm(name, shape, deps)
 
     def transfer(name: str, nbytes: float, deps=()) -> int:
         return add(name, COMM, p.p2p_latency + nbytes / p.beta, deps, "transfer")
@@ -289,7 +296,7 @@ def schedule(
             collective(op.pattern, chunk, [gemm("gemm", op.full_gemm)])
         else:
             c = collective(op.pattern, chunk, [])
-            gemm("gemm", op.full_gemm, [c])
+            consume("gemm", op.full_gemm, world * chunk, [c])
         return tasks
     if method == "sliced":
         n_slices = max(1, min(slices or world, op.chunk_rows))
@@ -300,7 +307,7 @@ def schedule(
             pending.append(collective(f"{op.pattern} {i}", chunk / n_slices, [g] if g is not None else []))
         for i, c in enumerate(pending):
             if not produce_side:
-                gemm(f"gemm {i}", part, [c])
+                consume(f"gemm {i}", part, world * chunk / n_slices, [c])
             elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
         if op.pattern == "reduce_scatter":
@@ -314,10 +321,10 @@ def schedule(
             messages = 2 if t <= from_right else 1
             x = transfer(f"step {t}", messages * chunk, [d for d in (prev_transfer, prev_compute) if d is not None])
             for name in ready:
-                prev_compute = gemm(f"gemm {name}", op.chunk_gemm)
+                prev_compute = consume(f"gemm {name}", op.chunk_gemm, chunk)
             ready, prev_transfer = [f"-{t}"] + ([f"+{t}"] if messages == 2 else []), x
         for name in ready:
-            gemm(f"gemm {name}", op.chunk_gemm, [prev_transfer])
+            consume(f"gemm {name}", op.chunk_gemm, chunk, [prev_transfer])
     elif op.pattern == "reduce_scatter":  # step t: partial of chunk me-1-t, add what arrived, send it on
         x = None
         for t in range(world):
@@ -407,7 +414,8 @@ def layer_ops(
     ulysses.qkv  matmul_all_to_all x (seq/P, batch, d) @ [W_qkv blocks (d, qkv_out/P)]
     ulysses.out  all_to_all_matmul o (seq, batch, d/P) @ [W_o blocks (d/P, d)]
     dp.fc1.gather  all_gather_matmul   x (tokens, d) @ all_gather(W1 row shard (d/P, ffn)) (data parallel, ZeRO-3:
-                   the forward's weight gather; the chunks cut the contraction)
+                   the forward's weight gather; the chunks cut the contraction, and the gathered weight is kept
+                   for the backward: each arrived block is also copied)
     dp.fc1.wgrad matmul_reduce_scatter  x^T (d, tokens) @ dy (tokens, ffn): W1's gradient over this rank's own
                  batch*seq tokens (data parallel), reduce-scattered over the d rows
     """
@@ -416,8 +424,8 @@ def layer_ops(
     fc2_in = ffn // 2 if gated else ffn
     e = element_bytes
 
-    def spec(name, pattern, chunk, full, nbytes, side, split="m"):
-        return OpSpec(prefix + name, pattern, world, chunk, full, nbytes, side, e, split)
+    def spec(name, pattern, chunk, full, nbytes, side, split="m", keeps=False):
+        return OpSpec(prefix + name, pattern, world, chunk, full, nbytes, side, e, split, keeps)
 
     return [
         all_gather_matmul_spec(prefix + "mlp.fc1 all_gather_matmul", world, tokens, d, ffn // world, e),
@@ -446,6 +454,7 @@ def layer_ops(
             d // world * ffn * e,
             "consume",
             "k",
+            True,
         ),
         matmul_reduce_scatter_spec(prefix + "dp.fc1.wgrad matmul_reduce_scatter", world, d, tokens, ffn, e),
     ]
