@@ -18,8 +18,36 @@ Methods (what runs while the GEMMs run):
                 All-gather: a ring that consumes the local chunk first while the first transfer flies (optionally
                 both ways round the ring: half the steps). Reduce-scatter: a ring whose partial sums are accumulated
                 while they travel and whose last step computes the local chunk, so after the last GEMM only its own
-                accumulate remains, no transfer and no separate reduction. All-to-all: each block is sent as soon as
+                accumulate remains, no transfer and no separate reduction (16-bit dtypes: an all-to-all and float32
+                sums instead, see below). All-to-all: each block is sent as soon as
                 it is computed, the local block is computed last (and, on the receiving side, consumed first).
+
+Precision of the sums over ranks (reduce-scatter; all_to_all_matmul and the data-parallel forward also sum over
+peers): every rank's partial p_j is its GEMM's output, rounded once to the tensor's dtype (the GEMM itself accumulates
+in float32); the partials are summed in :func:`accumulation_dtype` (float32 for float16/bfloat16, the dtype itself
+otherwise) and the sum is rounded once at the end. With the dtype's unit roundoff u (bfloat16 2^-8, float16 2^-11) each
+element of y = sum_j x_j w_j comes out with
+
+    |fl(y) - y| <= u |y| + u sum_j |x_j w_j|        (+ O(u^2), and float32 terms of order P 2^-24 sum_j |x_j w_j|),
+
+whereas a running sum kept in 16 bits rounds again at every hop: u (|S_2| + .. + |S_{P-1}|) more, S_t the sum of the
+first t partials in the ring's order. That is what a 16-bit ``torch.distributed.reduce_scatter`` does: gloo reduces
+in ``c10::BFloat16`` / ``gloo::float16``, which round each add (``tests/test_overlap.py`` counts its misses), and
+NCCL's ring stores each hop's partial sum in the tensor's dtype (NVIDIA/nccl#1026; hence FSDP's ``reduce_dtype`` and
+Megatron-LM's reduce-scatter with fp32 accumulation, a 16-bit all-to-all plus a float32 local sum, the scheme below).
+So the 16-bit paths of every method avoid it:
+
+    float32/float64  the running sum travels in the accumulation dtype already: the flash ring and the collective
+                     (``reduce_scatter``) are used as they are, no extra copy.
+    16-bit           a travelling sum would be rounded at every hop, and sending it as float32 would double the bytes
+                     of a transfer that barely hides as it is (``sim.H200``: a bfloat16 partial's transfer takes
+                     2060/k times its GEMM of inner size k: 0.57 for a Llama-70B fc2 at TP=8, 1.15 in float32).
+                     So each partial travels once, in its own dtype, straight to the rank that owns its rows: an
+                     all-to-all by the same method (``collective``: one ``all_to_all_single``; ``sliced``: one per
+                     slice; ``flash``: one P2P step per peer, the local chunk computed last), the same (P-1)/P of the
+                     partial per rank as a ring reduce-scatter, and the owner adds what arrives into a float32 sum.
+                     After the last GEMM flash then has its P-1 arrivals to add (memory-bound, no transfer) where the
+                     ring had one.
 
 Every wait has a timeout (gloo: ``Work.wait(timeout)``; NCCL: the process group's timeout and watchdog, because a
 timed wait there would block the host and stop it queueing the next GEMM), so a lost peer raises :class:`PeerLost`
@@ -192,8 +220,18 @@ def all_gather_apply(chunk: Tensor, consume: Consume, ov: Overlap) -> None:
         consume(_one(j, world), _ALL, block)
 
 
-def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap) -> Tensor:
-    """Sum over ranks of ``produce(me, :)``, shape ``(rows, ...)``, the reduce-scatter overlapped with ``produce``."""
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums over ranks are accumulated in: float32 for the 16-bit floats, ``dtype`` itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap, dtype: torch.dtype) -> Tensor:
+    """Sum over ranks of ``produce(me, :)``, shape ``(rows, ...)``, the reduce-scatter overlapped with ``produce``.
+
+    ``dtype``: that of the blocks ``produce`` returns; 16-bit ones are summed in float32 (see the module docstring).
+    """
+    if accumulation_dtype(dtype) != dtype:
+        return _exchange_and_sum(produce, rows, ov).to(dtype)
     world, me = ov.world, ov.rank
     if ov.method == "collective":
         full = produce(_ALL, _ALL).contiguous()
@@ -220,6 +258,21 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap) -> Tensor:
             sent, received = partial.contiguous(), torch.empty_like(partial)
             works = exchange([(sent, me + 1)], [(received, me - 1)], ov)
     return partial[0]
+
+
+def _exchange_and_sum(produce: Produce, rows: int, ov: Overlap) -> Tensor:
+    """Sum over ranks of ``produce(me, :)`` in float32: each block goes straight to its owner (``all_to_all_apply``,
+    so the local block is computed last), which adds what arrives into a float32 sum."""
+    total: list[Tensor] = []  # the float32 sum, made at the first block (which gives its trailing shape)
+
+    def consume(peers: slice, part: slice, block: Tensor) -> None:  # block (n_peers, rows, ...)
+        if not total:
+            total.append(block.new_zeros((rows, *block.shape[2:]), dtype=torch.float32))
+        # one peer (flash): a mixed-dtype add, no float32 copy of the block; several: one float32 reduction over them
+        total[0][part].add_(block[0] if block.shape[0] == 1 else block.sum(0, dtype=torch.float32))
+
+    all_to_all_apply(produce, consume, rows, ov)
+    return total[0]
 
 
 def all_to_all_apply(
