@@ -11,6 +11,10 @@ Costs (``Profile``):
     one transfer step     alpha + B / beta          B: bytes this rank sends in the step (its links are shared)
     ring collective       (P-1) transfer steps of a chunk (+ the reduction adds for reduce-scatter)
     all-to-all            alpha + (P-1) B / beta
+A 16-bit reduce-scatter (``element_bytes == 2``) is what ``p2p.py`` runs for it: an all-to-all of the partials added
+into a float32 sum as they arrive, in memory passes of a chunk's B bytes: 5 B per block (read it, read and write the
+sum of twice its bytes), (n + 8) B for n blocks arriving together (their float32 reduction, then its add), and 3 B to
+round the sum to 16 bits at the end.
 While both streams are busy, compute runs ``1/(1+compute_slowdown)`` as fast (transfers take SMs, or on a CPU the
 transport thread takes a core) and transfers ``1/(1+comm_slowdown)`` as fast; the simulation integrates these rates.
 """
@@ -180,8 +184,10 @@ def schedule(
     def transfer(name: str, nbytes: float, deps=(), kind: str = "transfer") -> int:
         return add(name, COMM, p.alpha + nbytes / p.beta, deps, kind)
 
+    exchanged = op.pattern == "reduce_scatter" and e == 2  # p2p._exchange_and_sum: partials summed in float32
+
     def collective(name: str, nbytes: float, deps=()) -> int:
-        if op.pattern == "all_to_all":
+        if op.pattern == "all_to_all" or exchanged:
             return add(name, COMM, p.alpha + (world - 1) * nbytes / p.beta, deps, "collective")
         reduce = 3 * nbytes / p.mem_bw if op.pattern == "reduce_scatter" else 0.0
         return add(name, COMM, (world - 1) * (p.alpha + nbytes / p.beta + reduce), deps, "collective")
@@ -192,7 +198,10 @@ def schedule(
         gemm("gemm", M, K, N)
         return tasks
     if method == "collective":
-        if produce_side:  # an all-to-all receives straight into the output: nothing to place
+        if exchanged:
+            c = collective("all_to_all", chunk, [gemm("gemm", M, K, N)])
+            memory("round", chunk, 3, [memory("sum", chunk, world + 8, [c])])
+        elif produce_side:  # an all-to-all receives straight into the output: nothing to place
             collective(op.pattern, chunk, [gemm("gemm", M, K, N)])
         else:
             c = collective(op.pattern, chunk, [])
@@ -204,12 +213,17 @@ def schedule(
         for i in range(n_slices):
             g = gemm(f"gemm {i}", M // n_slices, K, N) if produce_side else None
             pending.append(collective(f"{op.pattern} {i}", chunk / n_slices, [g] if g is not None else []))
+        sums = []
         for i, c in enumerate(pending):
             if not produce_side:
                 gemm(f"gemm {i}", M // n_slices, K, N, [c])
+            elif exchanged:
+                sums.append(memory(f"sum {i}", chunk / n_slices, world + 8, [c]))
             elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
-        if op.pattern == "reduce_scatter":
+        if exchanged:
+            memory("round", chunk, 3, sums)
+        elif op.pattern == "reduce_scatter":
             memory("concatenate", chunk, 2, pending)
         return tasks
     m, k, n = op.chunk_gemm
@@ -225,7 +239,7 @@ def schedule(
             ready, prev_transfer = [f"-{t}"] + ([f"+{t}"] if messages == 2 else []), x
         for name in ready:
             gemm(f"gemm {name}", m, k, n, [prev_transfer])
-    elif op.pattern == "reduce_scatter":  # step t: partial of chunk me-1-t, add what arrived, send it on
+    elif op.pattern == "reduce_scatter" and not exchanged:  # step t: partial of chunk me-1-t, add what arrived, send
         x = None
         for t in range(world):
             g = gemm(f"partial {t}", m, k, n)
@@ -238,13 +252,19 @@ def schedule(
         for step in range(1, world):
             g = gemm(f"block +{step}", m, k, n) if produce_side else None
             arrivals.append(transfer(f"to +{step}", chunk, [g] if g is not None else []))
-        if produce_side:
+        if exchanged:
+            adds = [memory("add local", chunk, 5, [gemm("block local", m, k, n)])]
+        elif produce_side:
             memory("place local", chunk, 2, [gemm("block local", m, k, n)])
         else:
             gemm("local", m, k, n)
         for step, x in enumerate(arrivals, 1):
-            if not produce_side:  # produce side: the blocks arrive in place
+            if exchanged:
+                adds.append(memory(f"add -{step}", chunk, 5, [x]))
+            elif not produce_side:  # produce side: the blocks arrive in place
                 gemm(f"from -{step}", m, k, n, [x])
+        if exchanged:
+            memory("round", chunk, 3, adds)
     return tasks
 
 
