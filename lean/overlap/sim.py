@@ -209,21 +209,22 @@ def schedule(
         return tasks
     if method == "sliced":
         n_slices = max(1, min(slices or world, op.chunk_gemm[0]))
-        pending = []
+        pending, sums = [], []
         for i in range(n_slices):
             g = gemm(f"gemm {i}", M // n_slices, K, N) if produce_side else None
             pending.append(collective(f"{op.pattern} {i}", chunk / n_slices, [g] if g is not None else []))
-        sums = []
+            if exchanged and i > 0:  # p2p interleaves: slice i-1 is summed once slice i is posted
+                sums.append(memory(f"sum {i - 1}", chunk / n_slices, world + 8, [pending[i - 1]]))
+        if exchanged:
+            sums.append(memory(f"sum {n_slices - 1}", chunk / n_slices, world + 8, [pending[-1]]))
+            memory("round", chunk, 3, sums)
+            return tasks
         for i, c in enumerate(pending):
             if not produce_side:
                 gemm(f"gemm {i}", M // n_slices, K, N, [c])
-            elif exchanged:
-                sums.append(memory(f"sum {i}", chunk / n_slices, world + 8, [c]))
             elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
-        if exchanged:
-            memory("round", chunk, 3, sums)
-        elif op.pattern == "reduce_scatter":
+        if op.pattern == "reduce_scatter":
             memory("concatenate", chunk, 2, pending)
         return tasks
     m, k, n = op.chunk_gemm
@@ -248,23 +249,24 @@ def schedule(
             if t < world - 1:
                 x = transfer(f"step {t + 1}", chunk, [g])
     else:  # all-to-all: compute and post each remote block, then the local one, then consume what arrived
-        arrivals = []
+        arrivals, adds = [], []
         for step in range(1, world):
             g = gemm(f"block +{step}", m, k, n) if produce_side else None
             arrivals.append(transfer(f"to +{step}", chunk, [g] if g is not None else []))
+            if exchanged and step > 1:  # p2p interleaves: block -(step-1) is added once block +step is posted
+                adds.append(memory(f"add -{step - 1}", chunk, 5, [arrivals[-2]]))
         if exchanged:
-            adds = [memory("add local", chunk, 5, [gemm("block local", m, k, n)])]
-        elif produce_side:
+            adds.append(memory("add local", chunk, 5, [gemm("block local", m, k, n)]))
+            adds.append(memory(f"add -{world - 1}", chunk, 5, [arrivals[-1]]))
+            memory("round", chunk, 3, adds)
+            return tasks
+        if produce_side:
             memory("place local", chunk, 2, [gemm("block local", m, k, n)])
         else:
             gemm("local", m, k, n)
         for step, x in enumerate(arrivals, 1):
-            if exchanged:
-                adds.append(memory(f"add -{step}", chunk, 5, [x]))
-            elif not produce_side:  # produce side: the blocks arrive in place
+            if not produce_side:  # produce side: the blocks arrive in place
                 gemm(f"from -{step}", m, k, n, [x])
-        if exchanged:
-            memory("round", chunk, 3, adds)
     return tasks
 
 
