@@ -46,13 +46,12 @@ So the 16-bit paths of every method avoid it:
                      So each partial travels once, in its own dtype, straight to the rank that owns its rows: an
                      all-to-all by the same method (``collective``: one ``all_to_all_single``; ``sliced``: one per
                      slice; ``flash``: one P2P step per peer, the local chunk computed last), the same (P-1)/P of the
-                     partial per rank as a ring reduce-scatter, and the owner adds what arrives into a float32 sum,
-                     each arrival one step after it was posted, while the next block computes (as the ring adds), so
-                     after the last GEMM flash adds its own block and the last arrival where the ring adds one.
-                     The timeline model (``sim.projection``, flash, 4096 tokens at TP=8 on an H200) puts the price of
-                     float32 sums at 7% for the MLP's fc2 (0.84 ms against 0.79 ms for a 16-bit ring that rounds at
-                     every hop; a float32 ring: 0.85 ms) and 11% for a data-parallel weight gradient (6.7 against 6.1;
-                     float32 ring: 6.9); float32 adds move 5/3 of a 16-bit add's bytes.
+                     partial per rank as a ring reduce-scatter, and the owner sums the P blocks in one reduction
+                     with a float32 accumulator (``_exchange_and_sum``: fewer passes over memory than the ring's adds;
+                     flash has that reduction left after its last GEMM where the ring has one add). The timeline
+                     model (``sim.projection``, 4096 tokens at TP=8 on an H200, flash) gives the MLP's fc2 0.74 ms
+                     against 0.79 ms for the 16-bit ring that rounds at every hop and 0.85 ms for a float32 ring, and
+                     a data-parallel weight gradient 5.8 ms against 6.1 and 6.9.
 
 Every wait has a timeout (gloo: ``Work.wait(timeout)``; NCCL: the process group's timeout and watchdog, because a
 timed wait there would block the host and stop it queueing the next GEMM), so a lost peer raises :class:`PeerLost`
@@ -236,7 +235,7 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap, dtype: torch.
     ``dtype``: that of the blocks ``produce`` returns; 16-bit ones are summed in float32 (see the module docstring).
     """
     if accumulation_dtype(dtype) != dtype:
-        return _exchange_and_sum(produce, rows, ov).to(dtype)
+        return _exchange_and_sum(produce, rows, ov)
     world, me = ov.world, ov.rank
     if ov.method == "collective":
         full = produce(_ALL, _ALL).contiguous()
@@ -266,18 +265,35 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap, dtype: torch.
 
 
 def _exchange_and_sum(produce: Produce, rows: int, ov: Overlap) -> Tensor:
-    """Sum over ranks of ``produce(me, :)`` in float32: each block goes straight to its owner (``all_to_all_apply``,
-    so the local block is computed last), which adds what arrives into a float32 sum."""
-    total: list[Tensor] = []  # the float32 sum, made at the first block (which gives its trailing shape)
+    """Sum over ranks of ``produce(me, :)`` by an all-to-all of the blocks and one reduction over them, which PyTorch
+    runs with a float32 accumulator for 16-bit floats (``at::acc_type``, CPU and CUDA) and rounds once.
 
-    def consume(peers: slice, part: slice, block: Tensor) -> None:  # block (n_peers, rows, ...)
-        if not total:
-            total.append(block.new_zeros((rows, *block.shape[2:]), dtype=torch.float32))
-        # one peer (flash): a mixed-dtype add, no float32 copy of the block; several: one float32 reduction over them
-        total[0][part].add_(block[0] if block.shape[0] == 1 else block.sum(0, dtype=torch.float32))
+    ``collective`` / ``sliced``: a slice's P blocks arrive together and are reduced straight into its rows of the
+    output (P + 1 passes over the output's bytes in all). ``flash``: the blocks arrive one per step, received in place
+    in a ``(P, rows, ...)`` stack (the local one, computed last, copied in) that is reduced at the end (P + 3 passes),
+    where the ring's P - 1 adds make 3(P - 1)."""
+    out: list[Tensor] = []  # made at the first block, which gives the trailing shape
 
-    all_to_all_apply(produce, consume, rows, ov, interleave=True)
-    return total[0]
+    def allocate_on_first(block: Tensor, leading: tuple[int, ...]) -> Tensor:
+        if not out:
+            out.append(block.new_empty((*leading, rows, *block.shape[2:])))
+        return block
+
+    if ov.method != "flash":
+
+        def consume(peers: slice, part: slice, block: Tensor) -> None:  # block (P, rows of part, ...)
+            torch.sum(allocate_on_first(block, ()), 0, out=out[0][part])
+
+        all_to_all_apply(produce, consume, rows, ov)
+        return out[0]
+    all_to_all_apply(
+        lambda peers, part: allocate_on_first(produce(peers, part), (ov.world,)),
+        None,
+        rows,
+        ov,
+        into=lambda peers, part: out[0][peers, part],
+    )
+    return out[0].sum(0)
 
 
 def all_to_all_apply(
@@ -286,14 +302,9 @@ def all_to_all_apply(
     rows: int,
     ov: Overlap,
     into: Callable[[slice, slice], Tensor] | None = None,
-    interleave: bool = False,
 ) -> None:
     """Rank j's block for this rank, ``produce_j(me, :)``, for every j: kept in ``into(j, rows)`` if given (received
-    straight into it where it is contiguous, copied there otherwise) and passed to ``consume`` if given.
-
-    ``interleave``: consume each step's arrival once the next step is posted (its block computed meanwhile), rather than
-    after the local block; for a cheap ``consume`` of blocks that ``produce`` computes, so that consuming them is not
-    left until after the last GEMM (the reduce-scatter's float32 adds)."""
+    straight into it where it is contiguous, copied there otherwise) and passed to ``consume`` if given."""
     world, me = ov.world, ov.rank
 
     def landing(peers: slice, part: slice, like: Tensor) -> tuple[Tensor, bool]:
@@ -310,28 +321,19 @@ def all_to_all_apply(
             consume(peers, part, block)
 
     pending = []  # (peers, rows, received block, already in place, works), consumed in posting order
-
-    def settle() -> None:
-        peers, part, recv, in_place, works = pending.pop(0)
-        wait(works, ov, f"all-to-all from {peers}")
-        arrived(peers, part, recv, in_place)
-
     if ov.method in ("collective", "sliced"):
         for part in row_slices(rows, ov.slices or world) if ov.method == "sliced" else [_ALL]:
             send = produce(_ALL, part).contiguous()
             recv, in_place = landing(_ALL, part, send)
             works = [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]
             pending.append((_ALL, part, recv, in_place, works))
-            if interleave and len(pending) > 1:
-                settle()
     else:  # flash: step k sends to me+k what was just computed for it, receives from me-k; the local block goes last
         for k in range(1, world):
             send = produce(_one(me + k, world), _ALL).contiguous()
             recv, in_place = landing(_one(me - k, world), _ALL, send)
             works = exchange([(send, me + k)], [(recv, me - k)], ov)
             pending.append((_one(me - k, world), _ALL, recv, in_place, works))
-            if interleave and len(pending) > 1:
-                settle()
         arrived(_one(me, world), _ALL, produce(_one(me, world), _ALL), False)
-    while pending:
-        settle()
+    for peers, part, recv, in_place, works in pending:
+        wait(works, ov, f"all-to-all from {peers}")
+        arrived(peers, part, recv, in_place)

@@ -11,10 +11,9 @@ Costs (``Profile``):
     one transfer step     alpha + B / beta          B: bytes this rank sends in the step (its links are shared)
     ring collective       (P-1) transfer steps of a chunk (+ the reduction adds for reduce-scatter)
     all-to-all            alpha + (P-1) B / beta
-A 16-bit reduce-scatter (``element_bytes == 2``) is what ``p2p.py`` runs for it: an all-to-all of the partials added
-into a float32 sum as they arrive, in memory passes of a chunk's B bytes: 5 B per block (read it, read and write the
-sum of twice its bytes), (n + 8) B for n blocks arriving together (their float32 reduction, then its add), and 3 B to
-round the sum to 16 bits at the end.
+A 16-bit reduce-scatter (``element_bytes == 2``) is what ``p2p.py`` runs for it: an all-to-all of the partials and a
+float32-accumulated reduction of the P blocks, (P + 1) B / mem_bw for a chunk of B bytes (collective, sliced: per
+slice as it arrives; flash: at the end, after placing the local block).
 While both streams are busy, compute runs ``1/(1+compute_slowdown)`` as fast (transfers take SMs, or on a CPU the
 transport thread takes a core) and transfers ``1/(1+comm_slowdown)`` as fast; the simulation integrates these rates.
 """
@@ -199,8 +198,7 @@ def schedule(
         return tasks
     if method == "collective":
         if exchanged:
-            c = collective("all_to_all", chunk, [gemm("gemm", M, K, N)])
-            memory("round", chunk, 3, [memory("sum", chunk, world + 8, [c])])
+            memory("sum", chunk, world + 1, [collective("all_to_all", chunk, [gemm("gemm", M, K, N)])])
         elif produce_side:  # an all-to-all receives straight into the output: nothing to place
             collective(op.pattern, chunk, [gemm("gemm", M, K, N)])
         else:
@@ -209,22 +207,18 @@ def schedule(
         return tasks
     if method == "sliced":
         n_slices = max(1, min(slices or world, op.chunk_gemm[0]))
-        pending, sums = [], []
+        pending = []
         for i in range(n_slices):
             g = gemm(f"gemm {i}", M // n_slices, K, N) if produce_side else None
             pending.append(collective(f"{op.pattern} {i}", chunk / n_slices, [g] if g is not None else []))
-            if exchanged and i > 0:  # p2p interleaves: slice i-1 is summed once slice i is posted
-                sums.append(memory(f"sum {i - 1}", chunk / n_slices, world + 8, [pending[i - 1]]))
-        if exchanged:
-            sums.append(memory(f"sum {n_slices - 1}", chunk / n_slices, world + 8, [pending[-1]]))
-            memory("round", chunk, 3, sums)
-            return tasks
         for i, c in enumerate(pending):
             if not produce_side:
                 gemm(f"gemm {i}", M // n_slices, K, N, [c])
+            elif exchanged:
+                memory(f"sum {i}", chunk / n_slices, world + 1, [c])
             elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
-        if op.pattern == "reduce_scatter":
+        if op.pattern == "reduce_scatter" and not exchanged:
             memory("concatenate", chunk, 2, pending)
         return tasks
     m, k, n = op.chunk_gemm
@@ -249,19 +243,14 @@ def schedule(
             if t < world - 1:
                 x = transfer(f"step {t + 1}", chunk, [g])
     else:  # all-to-all: compute and post each remote block, then the local one, then consume what arrived
-        arrivals, adds = [], []
+        arrivals = []
         for step in range(1, world):
             g = gemm(f"block +{step}", m, k, n) if produce_side else None
             arrivals.append(transfer(f"to +{step}", chunk, [g] if g is not None else []))
-            if exchanged and step > 1:  # p2p interleaves: block -(step-1) is added once block +step is posted
-                adds.append(memory(f"add -{step - 1}", chunk, 5, [arrivals[-2]]))
-        if exchanged:
-            adds.append(memory("add local", chunk, 5, [gemm("block local", m, k, n)]))
-            adds.append(memory(f"add -{world - 1}", chunk, 5, [arrivals[-1]]))
-            memory("round", chunk, 3, adds)
-            return tasks
         if produce_side:
-            memory("place local", chunk, 2, [gemm("block local", m, k, n)])
+            place = memory("place local", chunk, 2, [gemm("block local", m, k, n)])
+            if exchanged:
+                memory("sum", chunk, world + 1, [place, *arrivals])
         else:
             gemm("local", m, k, n)
         for step, x in enumerate(arrivals, 1):
