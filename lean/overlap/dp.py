@@ -45,7 +45,9 @@ def gather_linear(x: Tensor, w_shard: Tensor, ov: Overlap) -> tuple[Tensor, Tens
             f"weight shard {tuple(w_shard.shape)} times world size {world} has {world * k_shard}"
         )
     xs = x.reshape(-1, world, k_shard)
-    y = x.new_zeros((xs.shape[0], n), dtype=accumulation_dtype(x.dtype))  # the sum over the gathered blocks
+    # flash (one peer at a time) and sliced (a slice of every peer's rows at a time) add several products into y, in
+    # float32 for 16-bit dtypes; collective adds one GEMM over all of them, which rounds the whole sum once
+    y = x.new_zeros((xs.shape[0], n), dtype=accumulation_dtype(x.dtype) if ov.method != "collective" else None)
     w = w_shard.new_empty((world, k_shard, n))
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block: rows `rows` of the shards of `peers`

@@ -117,7 +117,11 @@ def all_to_all_matmul(
     _check_blocks(w_blocks, world, "all_to_all_matmul")
     chunks = o.reshape(world, divisible_rows(o, world, "all_to_all_matmul"), *o.shape[1:])
     s, batch, c = chunks.shape[1], chunks.shape[2:-1], chunks.shape[-1]
-    y = o.new_zeros((s, *batch, w_blocks.shape[-1]), dtype=accumulation_dtype(o.dtype))  # the sum over peers
+    # flash consumes one peer at a time, so its rows get P products to sum (in float32 for 16-bit dtypes); collective
+    # and sliced consume all peers of a row at once, in one GEMM that rounds the whole sum once
+    y = o.new_zeros(
+        (s, *batch, w_blocks.shape[-1]), dtype=accumulation_dtype(o.dtype) if ov.method == "flash" else None
+    )
     received = o.new_empty(chunks.shape) if keep_input else None
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block (n_peers, rows, *B, c)
