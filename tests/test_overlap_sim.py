@@ -210,3 +210,12 @@ def test_gantt_is_drawn(tmp_path):
     op = proj.projection_ops(4096)[0]
     draw_gantt([(m, predict(op, m, H100_SXM)) for m in ("collective", "sliced", "flash")], str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_16_bit_reduce_scatter_is_an_exchange_summed_in_float32():
+    op = replace(unit_op("reduce_scatter", 4, 1, "produce"), element_bytes=2)
+    names = [t.name for t in schedule(op, "flash", UNIT)]
+    assert [n for n in names if n.startswith("to +")] == ["to +1", "to +2", "to +3"] and names[-1] == "sum"
+    flash = predict(op, "flash", UNIT)
+    assert flash.exposed == pytest.approx(0.0)  # each partial's transfer hides behind the next block's GEMM
+    assert predict(op, "collective", UNIT).exposed == pytest.approx(3.0)  # one all-to-all of (P-1) chunks after

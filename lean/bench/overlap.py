@@ -349,7 +349,7 @@ def make_case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.
         h, w, partials = randn(seq, b, ffn // P), randn(ffn // P, d), randn(P, s, b, d)
         return Case(
             lambda ov: ops.matmul_reduce_scatter(h, w, ov),
-            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], s, ov),
+            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], s, ov, dtype),
             lambda: h @ w,
             lambda group: torch.ops.symm_mem.fused_matmul_reduce_scatter(h, w, "sum", 0, group),
         )
@@ -379,7 +379,7 @@ def make_case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.
         x_t, dy, partials = randn(d, b * seq), randn(b * seq, ffn), randn(P, d // P, ffn)
         return Case(
             lambda ov: ops.matmul_reduce_scatter(x_t, dy, ov),
-            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], d // P, ov),
+            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], d // P, ov, dtype),
             lambda: x_t @ dy,
         )
     raise ValueError(f"no benchmark case for op {spec.name!r}")

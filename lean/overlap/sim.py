@@ -26,6 +26,9 @@ Costs (``Profile``; every figure is a sustained rate or a fixed cost, stated whe
                           reduce-scatter adds each arriving chunk in the same kernel (reduce = 3 B / mem_bw per step),
                           overlapped with the next step's transfer
     all-to-all            collective_latency + (P-1) B / beta
+A 16-bit reduce-scatter (``element_bytes == 2``) is what ``p2p.py`` runs for it: an all-to-all of the partials and a
+float32-accumulated reduction of the P blocks, (P + 1) B / mem_bw for a chunk of B bytes (collective, sliced: per
+slice as it arrives; flash: at the end, after placing the local block).
 
 While both streams are busy, compute runs ``1/(1+compute_slowdown)`` as fast (transfers take SMs, or on a CPU the
 transport thread takes a core) and transfers ``1/(1+comm_slowdown)`` as fast; the simulation integrates these rates.
@@ -284,15 +287,20 @@ def schedule(
     def transfer(name: str, nbytes: float, deps=()) -> int:
         return add(name, COMM, p.p2p_latency + nbytes / p.beta, deps, "transfer")
 
+    exchanged = op.pattern == "reduce_scatter" and e == 2  # p2p._exchange_and_sum: partials summed in float32
+
     def collective(name: str, nbytes: float, deps=()) -> int:
-        return add(name, COMM, collective_seconds(op.pattern, world, nbytes, p), deps, "collective")
+        pattern = "all_to_all" if exchanged else op.pattern  # the 16-bit partials travel as an all-to-all
+        return add(name, COMM, collective_seconds(pattern, world, nbytes, p), deps, "collective")
 
     produce_side = op.gemm_side == "produce"
     if world == 1:
         gemm("gemm", op.full_gemm)
         return tasks
     if method == "collective":
-        if produce_side:  # an all-to-all receives straight into the output: nothing to place
+        if exchanged:
+            memory("sum", chunk, world + 1, [collective("all_to_all", chunk, [gemm("gemm", op.full_gemm)])])
+        elif produce_side:  # an all-to-all receives straight into the output: nothing to place
             collective(op.pattern, chunk, [gemm("gemm", op.full_gemm)])
         else:
             c = collective(op.pattern, chunk, [])
@@ -308,9 +316,11 @@ def schedule(
         for i, c in enumerate(pending):
             if not produce_side:
                 consume(f"gemm {i}", part, world * chunk / n_slices, [c])
+            elif exchanged:
+                memory(f"sum {i}", chunk / n_slices, world + 1, [c])
             elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
                 memory(f"place {i}", world * chunk / n_slices, 2, [c])
-        if op.pattern == "reduce_scatter":
+        if op.pattern == "reduce_scatter" and not exchanged:
             memory("concatenate", chunk, 2, pending)
         return tasks
     if op.pattern == "all_gather":  # step t: post transfer t, compute chunk t-1, wait transfer t
@@ -325,7 +335,7 @@ def schedule(
             ready, prev_transfer = [f"-{t}"] + ([f"+{t}"] if messages == 2 else []), x
         for name in ready:
             consume(f"gemm {name}", op.chunk_gemm, chunk, [prev_transfer])
-    elif op.pattern == "reduce_scatter":  # step t: partial of chunk me-1-t, add what arrived, send it on
+    elif op.pattern == "reduce_scatter" and not exchanged:  # step t: partial of chunk me-1-t, add what arrived, send
         x = None
         for t in range(world):
             g = gemm(f"partial {t}", op.chunk_gemm)
@@ -339,7 +349,9 @@ def schedule(
             g = gemm(f"block +{step}", op.chunk_gemm) if produce_side else None
             arrivals.append(transfer(f"to +{step}", chunk, [g] if g is not None else []))
         if produce_side:
-            memory("place local", chunk, 2, [gemm("block local", op.chunk_gemm)])
+            place = memory("place local", chunk, 2, [gemm("block local", op.chunk_gemm)])
+            if exchanged:
+                memory("sum", chunk, world + 1, [place, *arrivals])
         else:
             gemm("local", op.chunk_gemm)
         for step, x in enumerate(arrivals, 1):
