@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # FlashOverlap on GPUs in under 5 minutes: `lean bench overlap` with NCCL, one rank per visible GPU. Each measured
-# case is appended to OUT/measured.jsonl as soon as it is measured (a timeout keeps what was measured).
+# case (and each variant skipped, with the reason) is appended to OUT/measured.jsonl as soon as it is measured, so a
+# run stopped by the time limit keeps what it measured.
 #
 #   benchmarks/gpu_overlap.sh [OUT]          (default OUT=outputs/overlap-gpu)
 #
-# >= 2 GPUs  every op x method x shape (CommFuse MLP, Llama-70B-like layer), bf16, NCCL; the model's error on them.
+# >= 2 GPUs  every op x method x shape (CommFuse MLP, Llama-70B-like layer), bf16, NCCL: latency and exposed
+#            communication (latency - compute-only, ms) of collective, sliced, flash, flash-bidir, and PyTorch's
+#            fused ops (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter on mlp.fc1 / fc2)
+#            where this torch has them (overlap.json's `skipped` says why not otherwise); the calibrated contention
+#            and the model's error on them.
 #    1 GPU   what needs no peer: compute-only GEMMs and MFU, memory bandwidth, a copy on a side stream overlapping a
-#            GEMM (loopback), the H100/H200 projection; overlap.json's `not_measured` lists the rest.
+#            GEMM (loopback), the H100/H200 projection and its check against published figures; overlap.json's
+#            `not_measured` lists the rest.
 #    0 GPUs  says so and runs the quick CPU benchmark (2 gloo processes) instead.
 # Environment: PYTHON (interpreter, see gpu_env.sh), GPUS (override the detected count), DRY_RUN=1 (print the
 # command, run nothing). A CPU build of torch beside a GPU is refused (exit 3), never benchmarked quietly.
@@ -19,7 +25,7 @@ if [ "$GPUS" -ge 2 ]; then
   cmd=("$PY" -m lean.cli bench overlap --nproc "$GPUS" --out "$OUT" --repeats 10 --warmup 3 --timeout 120)
 elif [ "$GPUS" -eq 1 ]; then
   echo "gpu_overlap: 1 GPU: measuring GEMMs, memory and side-stream loopback only;" \
-       "per-method latency, transfers between GPUs and the hidden fraction need >= 2 GPUs"
+       "per-method latency, exposed communication, transfers between GPUs and PyTorch's fused ops need >= 2 GPUs"
   cmd=("$PY" -m lean.cli bench overlap --nproc 1 --out "$OUT" --repeats 10 --warmup 3)
 else
   echo "gpu_overlap: no GPU visible: running the quick CPU benchmark (2 gloo processes) instead"

@@ -4,7 +4,8 @@ Accelerate (``lean bench overlap``), next to the timeline model and its GPU proj
     python -m pipelines.overlap [--params params.yaml] [--out outputs/overlap]
 
 Writes OUT/bench/ (overlap.json, projection.json, gantt*.png from ``lean bench overlap``) and OUT/metrics.json
-(overlap_hidden_fraction_<method>, overlap_latency_ms_<method>).
+(overlap_exposed_ms_<method>: median latency - compute-only in ms, overlap_latency_ms_<method>,
+overlap_model_mean_abs_error).
 """
 
 from __future__ import annotations

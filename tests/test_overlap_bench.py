@@ -8,12 +8,17 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from lean.bench import overlap, overlap_report
 from lean.config import ConfigError
+from lean.launch import free_port
+from lean.overlap import sim
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,16 +98,45 @@ def test_flash_vs_sliced_verdict_uses_the_noise():
 
 
 def test_overlap_metrics_are_medians_per_method():
-    rows = [{"method": "flash", "hidden_fraction": h, "latency_ms": 2.0} for h in (0.2, 0.6, 0.9)]
-    rows += [{"method": "flash-bidir", "hidden_fraction": 0.5, "latency_ms": 1.0}]
+    rows = [{"method": "flash", "exposed_ms": x, "latency_ms": 2.0} for x in (0.2, 0.6, 0.9)]
+    rows += [{"method": "flash-bidir", "exposed_ms": 0.5, "latency_ms": 1.0}]
     out = overlap_report.flat_metrics({"results": rows, "model": {"mean_abs_error_median": 0.1}})
     assert out == {
-        "overlap_hidden_fraction_flash": 0.6,
+        "overlap_exposed_ms_flash": 0.6,
         "overlap_latency_ms_flash": 2.0,
-        "overlap_hidden_fraction_flash_bidir": 0.5,
+        "overlap_exposed_ms_flash_bidir": 0.5,
         "overlap_latency_ms_flash_bidir": 1.0,
         "overlap_model_mean_abs_error": 0.1,
     }
+
+
+def test_pytorch_fused_ops_are_offered_for_fc1_and_fc2_and_skipped_off_nccl():
+    specs = {s.name.split()[0]: s for s in sim.layer_ops(2, 1, 8, 4, 8)}
+    offered = [kind for kind, s in specs.items() if overlap.FUSED in overlap.variants_for(s, overlap.VARIANTS)]
+    assert offered == list(overlap.FUSED_OPS)
+    reason = overlap.fused_unavailable("mlp.fc1", torch.device("cpu"))
+    assert reason is not None and ("needs CUDA GPUs on NCCL" in reason or "has no" in reason)
+
+
+def test_pytorch_fused_op_calls_fit_their_schemas_on_meta_tensors():
+    """The benchmark's calls of torch.ops.symm_mem's fused ops, run through their shape functions (Meta kernels)
+    on a one-process gloo group: the arguments fit the ops' schemas and the outputs have the compute-only shapes."""
+    missing = [reason for kind in overlap.FUSED_OPS if (reason := overlap.fused_missing(kind))]
+    if missing:
+        pytest.skip("; ".join(missing))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        shape, meta = overlap.Shape(2, 8, 4, 16), torch.device("meta")
+        for spec in sim.layer_ops(1, **asdict(shape)):
+            kind = spec.name.split()[0]
+            if kind not in overlap.FUSED_OPS:
+                continue
+            case = overlap.make_case(spec, shape, torch.float32, meta)
+            out = case.fused(dist.group.WORLD.group_name)
+            result = out[1][0] if kind == "mlp.fc1" else out  # fused_all_gather_matmul: (gathered A, [A @ B])
+            assert result.shape == case.compute_only().shape, kind
+    finally:
+        dist.destroy_process_group()
 
 
 def test_single_process_measures_compute_and_says_what_it_could_not(tmp_path, monkeypatch):
@@ -114,9 +148,13 @@ def test_single_process_measures_compute_and_says_what_it_could_not(tmp_path, mo
     assert summary["world"] == 1 and summary["results"] == []
     assert [r["op"].split()[0] for r in summary["compute_only"]] == ["mlp.fc1", "ulysses.out"]
     assert all(r["compute_ms"] > 0 and 0 < r["mfu"] for r in summary["compute_only"])
-    assert any("hidden fraction" in line for line in summary["not_measured"])
+    assert any("exposed communication" in line for line in summary["not_measured"])
+    logged = [json.loads(line) for line in (tmp_path / "measured.jsonl").read_text().splitlines()]
+    assert [row["compute_only"]["op"] for row in logged] == [r["op"] for r in summary["compute_only"]]
     projection = json.loads((tmp_path / "projection.json").read_text())
     assert {r["profile"] for r in projection["rows"]} == {"H100-SXM", "H200"}
+    assert {b["block"].split()[0] for b in projection["blocks"]} == {"mlp", "ulysses", "dp"}
+    assert projection["published"] and projection["assumptions"]
     assert (tmp_path / "gantt.png").stat().st_size > 0
 
 
@@ -174,7 +212,8 @@ def test_bench_runs_on_two_gloo_processes(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "hidden" in proc.stdout and "timeline model vs measured latency" in proc.stdout
+    assert "exposed" in proc.stdout and "timeline model vs measured latency" in proc.stdout
+    assert "The model against published figures" in proc.stdout
     summary = json.loads((tmp_path / "overlap.json").read_text())
     assert summary["world"] == 2 and summary["backend"] == "gloo"
     cases = {(r["op"].split()[0], r["method"]) for r in summary["results"]}
@@ -183,5 +222,14 @@ def test_bench_runs_on_two_gloo_processes(tmp_path):
         assert r["latency_ms"] > 0 and r["comm_ms"] > 0 and r["compute_ms"] > 0
         assert r["exposed_ms"] == pytest.approx(r["latency_ms"] - r["compute_ms"])
     assert len(summary["model"]["cases"]) == len(summary["results"])
-    assert {"alpha", "beta", "mem_bw", "compute_slowdown"} <= set(summary["calibration"])
+    assert {"p2p_latency", "collective_latency", "beta", "mem_bw", "compute_slowdown"} <= set(summary["calibration"])
+    assert summary["model"]["profile"]["contention_source"].startswith("measured")
+    # PyTorch's fused ops cannot run on gloo: skipped, with the reason, in the summary and in measured.jsonl
+    assert {(s["op"].split()[0], s["method"]) for s in summary["skipped"]} == {
+        ("mlp.fc1", "symm_mem"),
+        ("mlp.fc2", "symm_mem"),
+    }
+    assert all("NCCL" in s["reason"] for s in summary["skipped"])
+    logged = [json.loads(line) for line in (tmp_path / "measured.jsonl").read_text().splitlines()]
+    assert sum("skipped" in row for row in logged) == 2 and sum("results" in row for row in logged) == 2
     assert (tmp_path / "gantt_measured.png").stat().st_size > 0 and (tmp_path / "projection.json").exists()

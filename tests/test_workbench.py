@@ -351,7 +351,7 @@ def test_dvc_repro_end_to_end(smoke):
         "mfu_recompute",
         "max_rel_grad_diff_retain",
         "max_rel_grad_diff_reweight",
-        "overlap_hidden_fraction_flash",
+        "overlap_exposed_ms_flash",
         "reward_final_retain",
         "eval_reward_gain_retain",
         "eval_reward_noise_std",
@@ -378,7 +378,7 @@ def test_pipeline_runs_arrive_in_the_mlflow_server(smoke):
     assert by_name["train[reweight]"][0]["lean.schedule"] == "reweight"
     assert "reward_mean" in by_name["train[reweight]"][1]
     assert "max_rel_grad_diff_reweight" in by_name["notebook[equivalence]"][1]
-    assert "overlap_hidden_fraction_flash" in by_name["notebook[overlap]"][1]
+    assert "overlap_exposed_ms_flash" in by_name["notebook[overlap]"][1]
 
 
 def declared_outputs() -> dict[str, bool]:

@@ -1,7 +1,8 @@
 """``lean bench overlap``: every overlap op x method x shape, measured on N processes, next to the timeline model.
 
     lean bench overlap [--nproc 2] [--out DIR] [--shapes a,b | --quick] [--ops a,b] [--repeats 7] [--warmup 2]
-                       [--methods collective,sliced,flash,flash-bidir] [--block-ms 25] [--timeout 120] [--dtype ..]
+                       [--methods collective,sliced,flash,flash-bidir,symm_mem] [--block-ms 25] [--timeout 120]
+                       [--dtype ..]
 
 Outside a distributed launch it re-launches itself on N processes through ``lean.launch`` (gloo ranks on CPU, one NCCL
 rank per GPU). For every op and shape each rank times, round-robin so that drift on a shared machine hits all alike:
@@ -9,14 +10,19 @@ the op with each method, the method's communication alone (the same schedule wit
 alone. A sample is the slowest rank's time, after a barrier, for back-to-back calls lasting about ``--block-ms``,
 divided by the number of calls; tables report the median over the repeats and its interquartile range.
 
-    exposed communication = latency - compute-only
-    hidden fraction       = 1 - exposed / communication-only   (1: all hidden; < 0: worse than not overlapping at all)
+    exposed communication = latency - compute-only     (ms: what the op costs beyond the GEMMs of the same shapes;
+                                                        the same yardstick for every method, 0 when all is hidden)
     achieved FLOP/s       = GEMM FLOPs / latency;   MFU = achieved / peak (CPU: calibration matmul; GPU: datasheet)
+
+``symm_mem`` is PyTorch's own overlapped op where the build has it (``torch.ops.symm_mem.fused_all_gather_matmul``
+for mlp.fc1, ``fused_matmul_reduce_scatter`` for mlp.fc2; NCCL GPUs only), a baseline timed like the methods but
+without a communication-only run; where it cannot run, ``overlap.json``'s ``skipped`` says why.
 
 Every figure is given twice (:func:`overlap_stats`): from the medians and, with a ``_min`` suffix, from the fastest
 repeats. With one process (a single GPU, or ``--nproc 1``) only what needs no peer is measured: the GEMMs, memory
-bandwidth, and on a GPU a copy on a side stream overlapping a GEMM. Rank 0 then hands everything to
-:mod:`lean.bench.overlap_report`, which compares it with the timeline model and writes the files and tables.
+bandwidth, and on a GPU a copy on a side stream overlapping a GEMM. Rank 0 appends each case to ``measured.jsonl`` as
+soon as it is measured, then hands everything to :mod:`lean.bench.overlap_report`, which compares it with the timeline
+model and writes the files and tables.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -41,6 +48,7 @@ from lean.dtypes import DTYPES, dtype_name
 from lean.metrics import keep_freed_memory, median, peak_flops
 from lean.outputs import JsonLines
 from lean.overlap import ops, sim
+from lean.overlap.dp import gather_linear
 from lean.overlap.measure import calibrate, time_round_robin
 from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
 
@@ -64,8 +72,11 @@ GPU_SHAPES = {
     "commfuse-mlp": Shape(32, 4096, 4096, 16384),
     "llama70b-8k": Shape(1, 8192, 8192, 2 * 28672),
 }
-VARIANTS = (*METHODS, "flash-bidir")  # flash-bidir: the bidirectional ring (all-gather ops only, world >= 3)
-OPS = ("mlp.fc1", "mlp.fc2", "ulysses.qkv", "ulysses.out", "dp.fc1.wgrad")
+FUSED = "symm_mem"  # PyTorch's fused ops, a baseline (NCCL GPUs, where the build has them)
+# flash-bidir: the bidirectional ring (all-gather ops only, world >= 3)
+VARIANTS = (*METHODS, "flash-bidir", FUSED)
+OPS = ("mlp.fc1", "mlp.fc2", "ulysses.qkv", "ulysses.out", "dp.fc1.gather", "dp.fc1.wgrad")
+FUSED_OPS = {"mlp.fc1": "fused_all_gather_matmul", "mlp.fc2": "fused_matmul_reduce_scatter"}  # torch.ops.symm_mem
 QUICK_REPEATS, QUICK_WARMUP = 3, 1  # --quick's repeats and warm-up, whatever --repeats and --warmup say
 
 
@@ -222,7 +233,7 @@ def run(options: OverlapOptions) -> int:
         return 2
     peak, peak_source = peak_flops(proc.device, proc.dtype)
     torch.manual_seed(proc.rank)
-    results, compute_rows = sweep(options, proc, names, peak)
+    measured = sweep(options, proc, names, peak)
     calibration = dict(
         peak_flops=peak, peak_source=peak_source, **calibrate(proc.world, proc.device, proc.dtype, options.timeout)
     )
@@ -239,8 +250,9 @@ def run(options: OverlapOptions) -> int:
                 quick=options.quick,
                 shapes={n: asdict(table[n]) for n in names},
                 calibration=calibration,
-                compute_rows=compute_rows,
-                results=results,
+                compute_rows=measured.compute_rows,
+                results=measured.results,
+                skipped=measured.skipped,
             ),
         )
     if dist.is_initialized():
@@ -310,10 +322,11 @@ class Case(NamedTuple):
     op: Callable[[Overlap], object]
     comm_only: Callable[[Overlap], object]  # the same pattern with no GEMM around it
     compute_only: Callable[[], object]  # the whole local GEMM, no communication
+    fused: Callable[[str], object] | None = None  # PyTorch's fused op on the named group (``FUSED_OPS``)
 
 
 def make_case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.device) -> Case:
-    """Random inputs and the three callables for one op of ``sim.layer_ops`` at ``shape``."""
+    """Random inputs and the callables for one op of ``sim.layer_ops`` at ``shape``."""
     P, b, seq, d, ffn = spec.world, shape.batch, shape.seq, shape.d, shape.ffn
     s = seq // P
 
@@ -327,14 +340,18 @@ def make_case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.
     if kind == "mlp.fc1":
         x, w, x_full = randn(s, b, d), randn(d, ffn // P), randn(seq, b, d)
         return Case(
-            lambda ov: ops.all_gather_matmul(x, w, ov), lambda ov: all_gather_apply(x, nothing, ov), lambda: x_full @ w
+            lambda ov: ops.all_gather_matmul(x, w, ov),
+            lambda ov: all_gather_apply(x, nothing, ov),
+            lambda: x_full @ w,
+            lambda group: torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, group),
         )
     if kind == "mlp.fc2":
         h, w, partials = randn(seq, b, ffn // P), randn(ffn // P, d), randn(P, s, b, d)
         return Case(
             lambda ov: ops.matmul_reduce_scatter(h, w, ov),
-            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], s, ov),
+            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], s, ov, dtype),
             lambda: h @ w,
+            lambda group: torch.ops.symm_mem.fused_matmul_reduce_scatter(h, w, "sum", 0, group),
         )
     if kind == "ulysses.qkv":
         x, w_blocks, blocks, w = randn(s, b, d), randn(P, d, 3 * d // P), randn(P, s, b, 3 * d // P), randn(d, 3 * d)
@@ -351,56 +368,123 @@ def make_case(spec: sim.OpSpec, shape: Shape, dtype: torch.dtype, device: torch.
             lambda ov: all_to_all_apply(lambda peers, rows: chunks[peers, rows], nothing, s, ov),
             lambda: o_seq @ w,
         )
+    if kind == "dp.fc1.gather":
+        x, w_shard, w = randn(b * seq, d), randn(d // P, ffn), randn(d, ffn)
+        return Case(
+            lambda ov: gather_linear(x, w_shard, ov),
+            lambda ov: all_gather_apply(w_shard, nothing, ov),
+            lambda: x @ w,
+        )
     if kind == "dp.fc1.wgrad":
         x_t, dy, partials = randn(d, b * seq), randn(b * seq, ffn), randn(P, d // P, ffn)
         return Case(
             lambda ov: ops.matmul_reduce_scatter(x_t, dy, ov),
-            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], d // P, ov),
+            lambda ov: reduce_scatter_apply(lambda peers, rows: partials[peers, rows], d // P, ov, dtype),
             lambda: x_t @ dy,
         )
     raise ValueError(f"no benchmark case for op {spec.name!r}")
 
 
 def make_overlap(variant: str, timeout: float) -> Overlap:
-    """The :class:`Overlap` of a ``VARIANTS`` name (flash-bidir: flash on the bidirectional ring)."""
+    """The :class:`Overlap` of a ``VARIANTS`` method name (flash-bidir: flash on the bidirectional ring)."""
     if variant == "flash-bidir":
         return Overlap("flash", bidirectional=True, timeout=timeout)
     return Overlap(variant, timeout=timeout)
 
 
 def variants_for(spec: sim.OpSpec, wanted: Sequence[str]) -> list[str]:
-    """The wanted methods that apply to ``spec``."""
-    # flash-bidir differs from flash only for all-gather with world >= 3
-    return [v for v in wanted if v != "flash-bidir" or (spec.pattern == "all_gather" and spec.world >= 3)]
+    """The wanted variants that apply to ``spec``: flash-bidir differs from flash only for all-gather with world
+    >= 3, and PyTorch's fused ops exist for ``FUSED_OPS`` only."""
+    kind = spec.name.split()[0]
+    return [
+        v
+        for v in wanted
+        if (v != "flash-bidir" or (spec.pattern == "all_gather" and spec.world >= 3))
+        and (v != FUSED or kind in FUSED_OPS)
+    ]
+
+
+# ---------------------------------------------------------------- PyTorch's fused ops
+
+
+def fused_missing(kind: str) -> str | None:
+    """Why this torch build lacks PyTorch's fused op for ``kind`` (``FUSED_OPS``); None when it has it."""
+    name = FUSED_OPS[kind]
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (defines the torch.ops.symm_mem ops)
+    except ImportError as e:
+        return f"torch {torch.__version__} has no symmetric memory ({e})"
+    if not hasattr(torch.ops.symm_mem, name):
+        return f"torch {torch.__version__} has no torch.ops.symm_mem.{name}"
+    return None
+
+
+def fused_unavailable(kind: str, device: torch.device) -> str | None:
+    """Why PyTorch's fused op for ``kind`` (``FUSED_OPS``) cannot be timed in this process; None when it can."""
+    missing = fused_missing(kind)
+    if missing is not None:
+        return missing
+    name = FUSED_OPS[kind]
+    if device.type != "cuda" or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return f"torch.ops.symm_mem.{name} needs CUDA GPUs on NCCL (symmetric memory); this run is on {device.type}"
+    return None
+
+
+def symm_mem_group() -> str:
+    """The default group's name, with symmetric memory enabled where this torch still needs it enabled."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    name = dist.group.WORLD.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # recent torch: deprecated, no longer needed
+            enable(name)
+    return name
 
 
 # ---------------------------------------------------------------- sweep
 
 
-def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float) -> tuple[list[dict], list[dict]]:
-    """(per op x shape x method results, per op x shape compute-only rows), timed round-robin per op and shape; rank 0
-    appends each case to ``out/measured.jsonl`` as soon as it is measured (a timeout keeps them)."""
+class Sweep(NamedTuple):
+    """What the sweep measured, and what it could not."""
+
+    results: list[dict]  # per op x shape x method: ``overlap_stats``
+    compute_rows: list[dict]  # per op x shape: the whole local GEMM alone
+    skipped: list[dict]  # per op x shape x method that was wanted but cannot run here: the reason
+
+
+def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float) -> Sweep:
+    """Every op x shape, timed round-robin; rank 0 appends each case (or why a variant was skipped) to
+    ``out/measured.jsonl`` as soon as it is measured (a run stopped by a time limit keeps them)."""
     table = shape_table(proc.device)
     log = JsonLines(Path(options.out) / "measured.jsonl" if proc.rank == 0 else None)
     element_bytes = torch.finfo(proc.dtype).bits // 8
-    results, compute_rows = [], []
+    out = Sweep([], [], [])
     for shape_name in names:
         shape = table[shape_name]
         for spec in sim.layer_ops(proc.world, **asdict(shape), element_bytes=element_bytes):
-            if spec.name.split()[0] not in options.ops:
+            kind = spec.name.split()[0]
+            if kind not in options.ops:
                 continue
             case = make_case(spec, shape, proc.dtype, proc.device)
+            variants = variants_for(spec, options.methods) if proc.world > 1 else []
+            reason = fused_unavailable(kind, proc.device) if FUSED in variants else None
+            if reason is not None:
+                variants.remove(FUSED)
+                out.skipped.append({"op": spec.name, "shape": shape_name, "method": FUSED, "reason": reason})
+                log.append({"skipped": out.skipped[-1]})
             calls = calls_per_sample(case.compute_only, options.block_ms, proc.device)
             samples = time_round_robin(
-                timed_variants(case, spec, options, proc.world),
+                timed_variants(case, variants, options.timeout),
                 options.effective_warmup,
                 options.effective_repeats,
                 proc.device,
                 calls,
             )
             compute = samples.pop("compute")
-            first = len(results)
-            compute_rows.append(
+            first = len(out.results)
+            out.compute_rows.append(
                 {
                     "op": spec.name,
                     "shape": shape_name,
@@ -409,17 +493,17 @@ def sweep(options: OverlapOptions, proc: Process, names: list[str], peak: float)
                     **compute_stats(compute, spec.flops, peak),
                 }
             )
-            for v in (k for k in samples if not k.endswith(":comm")):
-                results.append(
+            for v in variants:
+                out.results.append(
                     {
                         "op": spec.name,
                         "shape": shape_name,
                         "method": v,
-                        **overlap_stats(samples[v], compute, samples[f"{v}:comm"], spec.flops, peak),
+                        **overlap_stats(samples[v], compute, samples.get(f"{v}:comm"), spec.flops, peak),
                     }
                 )
-            log.append({"compute_only": compute_rows[-1], "results": results[first:]})
-    return results, compute_rows
+            log.append({"compute_only": out.compute_rows[-1], "results": out.results[first:]})
+    return out
 
 
 def calls_per_sample(compute_only: Callable[[], object], block_ms: float, device: torch.device) -> int:
@@ -428,16 +512,18 @@ def calls_per_sample(compute_only: Callable[[], object], block_ms: float, device
     return min(max(round(block_ms / 1e3 / once), 1), 32)
 
 
-def timed_variants(
-    case: Case, spec: sim.OpSpec, options: OverlapOptions, world: int
-) -> dict[str, Callable[[], object]]:
-    """What one round of the sweep times: ``compute``, and per method ``METHOD`` and ``METHOD:comm`` (with >= 2
-    ranks only)."""
-    variants: dict[str, Callable[[], object]] = {"compute": case.compute_only}
-    for v in variants_for(spec, options.methods) if world > 1 else []:
-        variants[v] = partial(case.op, make_overlap(v, options.timeout))
-        variants[f"{v}:comm"] = partial(case.comm_only, make_overlap(v, options.timeout))
-    return variants
+def timed_variants(case: Case, variants: Sequence[str], timeout: float) -> dict[str, Callable[[], object]]:
+    """What one round of the sweep times: ``compute``, per method ``METHOD`` and ``METHOD:comm``, and PyTorch's
+    fused op (``FUSED``, no communication-only run: its communication cannot be run without its GEMM)."""
+    timed: dict[str, Callable[[], object]] = {"compute": case.compute_only}
+    for v in variants:
+        if v == FUSED:
+            assert case.fused is not None, "variants_for offers the fused op only for FUSED_OPS"
+            timed[v] = partial(case.fused, symm_mem_group())
+        else:
+            timed[v] = partial(case.op, make_overlap(v, timeout))
+            timed[f"{v}:comm"] = partial(case.comm_only, make_overlap(v, timeout))
+    return timed
 
 
 # ---------------------------------------------------------------- statistics
@@ -453,20 +539,23 @@ def compute_stats(compute: list[float], flops: float, peak: float) -> dict:
     }
 
 
-def overlap_stats(latency: list[float], compute: list[float], comm: list[float], flops: float, peak: float) -> dict:
-    """The reported figures of one case, from the medians and (``_min``) from the fastest repeats, in ms.
+def overlap_stats(
+    latency: list[float], compute: list[float], comm: list[float] | None, flops: float, peak: float
+) -> dict:
+    """The reported figures of one case, from the medians and (``_min``) from the fastest repeats, in ms:
+    ``exposed = latency - compute-only``, and the communication alone (``comm``, None where it cannot run alone:
+    the keys are then None).
 
     The fastest repeat is the one least disturbed by other processes: on a shared machine it is the better estimate of
     the machine itself, the median the better one of what a user sees."""
     out = {}
     for suffix, stat in (("", median), ("_min", min)):
-        t, c, m = stat(latency), stat(compute), stat(comm)
+        t, c = stat(latency), stat(compute)
         out |= {
             f"latency{suffix}_ms": t * 1e3,
             f"compute{suffix}_ms": c * 1e3,
-            f"comm{suffix}_ms": m * 1e3,
+            f"comm{suffix}_ms": stat(comm) * 1e3 if comm is not None else None,
             f"exposed{suffix}_ms": (t - c) * 1e3,
-            f"hidden_fraction{suffix}": 1 - (t - c) / m,
         }
     q1, q3 = quartiles(latency)
     return out | {

@@ -1,23 +1,26 @@
 """What ``lean bench overlap`` reports: its measurements next to the timeline model, as files, tables and metrics.
 
-The model (``lean.overlap.sim``) predicts every measured case twice: calibrated on the fastest repeats and compared with
-the fastest repeat (the machine without outside load), and calibrated on and compared with the medians (what a user of
-the shared machine sees). Links, memory, per-call cost and contention come from the calibration
-(``lean.overlap.measure``); GEMM efficiency differs between shapes (caches), so each case uses the FLOP/s of its own
-compute-only run, and what is predicted is the links, memory, contention and the schedule.
+The model (``lean.overlap.sim``) predicts every measured case of its methods twice: calibrated on the fastest repeats
+and compared with the fastest repeat (the machine without outside load), and calibrated on and compared with the
+medians (what a user of the shared machine sees). Links, memory, per-call cost and contention come from the
+calibration (``lean.overlap.measure``); GEMM efficiency differs between shapes (caches), so each case uses the FLOP/s
+of its own compute-only run, and what is predicted is the links, memory, contention and the schedule.
 
     error = predicted latency / measured latency - 1
 
-flash is compared with sliced per case, and the gap counts only when it exceeds the larger interquartile range of the
-two ("within noise" otherwise). Rank 0 writes into the output folder:
+Every method is compared by its exposed communication (latency - compute-only, ms). flash is compared with sliced per
+case, and the gap counts only when it exceeds the larger interquartile range of the two ("within noise" otherwise).
+Rank 0 writes into the output folder:
 
     overlap.json         the measurements, the calibration and ``model``: the prediction for every case and its error
-    projection.json      the model on H100 / H200 profiles at Llama-70B-like shapes, degree 8
+    projection.json      the model on H100 / H200 profiles at Llama-70B-like shapes, degree 8 (per op and per block),
+                         its assumptions, and its comparison with published H100 / H800 figures
     gantt.png            the projection's timelines
     gantt_measured.png   the calibrated profile's timelines at the first shape (>= 2 ranks)
 
-With one process ``overlap.json``'s ``not_measured`` lists what needs a peer. :func:`flat_metrics` reduces
-``overlap.json`` to the numbers the pipeline stage and the notebook log.
+With one process ``overlap.json``'s ``not_measured`` lists what needs a peer, and ``skipped`` lists the variants that
+cannot run here and why. :func:`flat_metrics` reduces ``overlap.json`` to the numbers the pipeline stage and the
+notebook log.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -35,15 +38,15 @@ import torch.distributed as dist
 
 from lean.dtypes import dtype_name
 from lean.outputs import write_json
-from lean.overlap import sim
+from lean.overlap import projection, sim
 from lean.overlap.measure import case_flops, measured_profile
 from lean.overlap.p2p import METHODS
 
 NOT_MEASURED_ON_ONE_RANK = (
-    "latency, communication-only time, exposed communication and hidden fraction of every method (need >= 2 ranks)",
-    "link alpha/beta (the model uses the datasheet NVLink figures)",
+    "latency, communication-only time and exposed communication of every method (need >= 2 ranks)",
+    "link latencies, bandwidth and compute/transfer contention (the model uses the datasheet profile's figures)",
 )
-PROJECTION_SHAPES = "Llama-70B-like layer (d 8192, SwiGLU ffn 2x28672, 64 q / 8 kv heads x 128), bf16, degree 8"
+MODELLED = (*METHODS, "flash-bidir")  # the variants the timeline model has schedules for
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Measurements:
     calibration: dict  # ``lean.overlap.measure.calibrate`` plus peak_flops and peak_source
     compute_rows: list[dict]  # per op x shape: the whole local GEMM alone
     results: list[dict]  # per op x shape x method: ``overlap_stats``
+    skipped: list[dict] = field(default_factory=list)  # per op x shape x method that could not run: the reason
 
     @property
     def element_bytes(self) -> int:
@@ -71,12 +75,12 @@ def report(out: Path, m: Measurements) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(m)
     write_json(out / "overlap.json", summary)
-    projection = write_projection(out / "projection.json")
+    projected = write_projection(out / "projection.json")
     draw_methods(
         sim.H100_SXM,
-        sim.layer_ops(8, 1, 4096, element_bytes=2, **sim.LLAMA70B),
+        projection.projection_ops(4096),
         out / "gantt.png",
-        "H100-SXM model, Llama-70B-like layer, degree 8, 4096 tokens",
+        f"H100-SXM model, {projection.PROJECTION_SHAPES}, 4096 tokens",
     )
     if m.world > 1 and m.results:
         first = next(iter(m.shapes))
@@ -87,7 +91,7 @@ def report(out: Path, m: Measurements) -> None:
             out / "gantt_measured.png",
             f"{profile.name} profile, {first}, world {m.world}",
         )
-    print_tables(summary, projection)
+    print_tables(summary, projected)
     print(f"lean bench overlap: wrote {out}/overlap.json, projection.json, gantt*.png", flush=True)
 
 
@@ -115,10 +119,12 @@ def summarize(m: Measurements) -> dict:
         "results": m.results,
         "flash_vs_sliced": flash_vs_sliced(m.results),
         "not_measured": [] if m.world > 1 else list(NOT_MEASURED_ON_ONE_RANK),
+        "skipped": m.skipped,
     }
+    modelled = [r for r in m.results if r["method"] in MODELLED]
     cases = (
-        model_cases(m.results, m.compute_rows, m.world, m.element_bytes, m.shapes, m.calibration, m.device)
-        if m.results
+        model_cases(modelled, m.compute_rows, m.world, m.element_bytes, m.shapes, m.calibration, m.device)
+        if modelled
         else []
     )
     summary["model"] = {
@@ -140,8 +146,9 @@ def model_cases(
     calibration: dict,
     device: torch.device,
 ) -> list[dict]:
-    """The model's prediction for every measured case, calibrated on the fastest repeats (keys ``*_fastest*``,
-    compared with the fastest repeat) and on the medians (``*_median*``); ``shapes``: name -> layer sizes."""
+    """The model's prediction for every measured case (of ``MODELLED``), calibrated on the fastest repeats (keys
+    ``*_fastest*``, compared with the fastest repeat) and on the medians (``*_median*``); ``shapes``: name -> layer
+    sizes."""
     specs = {
         (spec.name, name): spec
         for name in {r["shape"] for r in results}
@@ -151,7 +158,10 @@ def model_cases(
     for key, suffix, measured in (("fastest", "", "_min"), ("median", "_median", "")):
         profile = measured_profile(calibration, compute_rows, device, suffix)
         # each case's own GEMM FLOP/s: the roofline then reproduces its compute-only time
-        flops = {(r["op"], r["shape"]): case_flops(r, profile.launch, suffix) for r in compute_rows}
+        flops = {
+            (r["op"], r["shape"]): refit_flops(r, specs.get((r["op"], r["shape"])), profile, suffix)
+            for r in compute_rows
+        }
         for case, r in zip(cases, results):
             pr = sim.predict(
                 specs[r["op"], r["shape"]],
@@ -169,6 +179,14 @@ def model_cases(
                 f"measured_comm_{key}_ms": r[f"comm{measured}_ms"],
             }
     return cases
+
+
+def refit_flops(compute_row: dict, spec: sim.OpSpec | None, profile: sim.Profile, suffix: str) -> float:
+    """The GEMM FLOP/s with which ``profile`` reproduces this compute-only row (its wave efficiency where the op's
+    shape is known)."""
+    m, _, n = spec.full_gemm if spec is not None else (1, 1, 1)
+    efficiency = sim.wave_efficiency(m, n, profile) if spec is not None else 1.0
+    return case_flops(compute_row, profile.launch + profile.host_issue, suffix, efficiency)
 
 
 def error_summary(cases: list[dict], key: str) -> dict:
@@ -210,14 +228,20 @@ def flash_vs_sliced(results: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- projection and Gantt charts
 
 
-def write_projection(path: Path) -> list[dict]:
-    """projection.json: the model on the datasheet GPU profiles at Llama-70B-like shapes; returns its rows."""
-    rows = sim.projection(sim.GPU_PROFILES)
-    write_json(
-        path,
-        {"shapes": PROJECTION_SHAPES, "profiles": {k: asdict(p) for k, p in sim.GPU_PROFILES.items()}, "rows": rows},
-    )
-    return rows
+def write_projection(path: Path) -> dict:
+    """projection.json: the model on the datasheet GPU profiles at Llama-70B-like shapes, per op (``rows``) and per
+    block (``blocks``), its assumptions, and its comparison with published figures (``published``); returns it."""
+    rows = projection.projection(sim.GPU_PROFILES)
+    projected = {
+        "shapes": projection.PROJECTION_SHAPES,
+        "profiles": {k: asdict(p) for k, p in sim.GPU_PROFILES.items()},
+        "assumptions": list(projection.ASSUMPTIONS),
+        "rows": rows,
+        "blocks": projection.block_totals(rows),
+        "published": projection.published_comparison(),
+    }
+    write_json(path, projected)
+    return projected
 
 
 def draw_methods(profile: sim.Profile, specs: list[sim.OpSpec], path: Path, title: str) -> None:
@@ -229,12 +253,17 @@ def draw_methods(profile: sim.Profile, specs: list[sim.OpSpec], path: Path, titl
 # ---------------------------------------------------------------- tables
 
 
-def print_tables(summary: dict, projection: list[dict]) -> None:
+def print_tables(summary: dict, projected: dict) -> None:
     """The measurements (or, with one rank, the compute-only rows), the model's error, flash vs sliced, what was not
-    measured, and the projection."""
+    measured or skipped, the projection and its check against published figures."""
     print_measurements(summary)
     print_verdicts(summary)
-    print_projection(projection)
+    print_projection(projected)
+
+
+def ms(value: float | None, width: int = 5) -> str:
+    """A time in ms for the tables ('-' where there is none)."""
+    return f"{value:{width}.2f}" if value is not None else "-".rjust(width)
 
 
 def print_measurements(summary: dict) -> None:
@@ -242,24 +271,27 @@ def print_measurements(summary: dict) -> None:
         f"\nFlashOverlap on {summary['world']} x {summary['device_name']} ({summary['backend']}, "
         f"{summary['dtype']}, {summary['threads_per_rank']} threads/rank), {summary['repeats']} repeats, "
         f"load average {summary['load_average'][0]:.1f} on {summary['cpu_count']} cores. Times in ms: median (min); "
-        f"hidden = 1 - exposed / comm-only; model: calibrated on medians (on minima)"
+        f"exposed = latency - compute-only; model: calibrated on medians (on minima)"
     )
     predicted = {(c["op"], c["shape"], c["method"]): c for c in summary["model"]["cases"]}
     header = (
         f"{'op':34s} {'shape':15s} {'method':11s} {'latency':>15s} {'iqr':>5s} {'compute':>14s} "
-        f"{'comm-only':>13s} {'exposed':>13s} {'hidden':>13s} {'GFLOP/s':>7s} {'MFU':>5s} {'model':>14s} "
-        f"{'error':>13s}"
+        f"{'comm-only':>13s} {'exposed':>13s} {'GFLOP/s':>7s} {'MFU':>5s} {'model':>14s} {'error':>13s}"
     )
     print(header + "\n" + "-" * len(header))
     for r in summary["results"]:
-        m = predicted[r["op"], r["shape"], r["method"]]
+        m = predicted.get((r["op"], r["shape"], r["method"]))
+        model = (
+            f"{m['predicted_median_ms']:6.2f} ({m['predicted_fastest_ms']:5.2f}) "
+            f"{m['error_median']:+5.0%} ({m['error_fastest']:+5.0%})"
+            if m
+            else f"{'-':>14s} {'-':>13s}"
+        )
         print(
             f"{r['op']:34s} {r['shape']:15s} {r['method']:11s} {r['latency_ms']:7.2f} ({r['latency_min_ms']:5.2f}) "
             f"{r['latency_iqr_ms']:5.2f} {r['compute_ms']:6.2f} ({r['compute_min_ms']:5.2f}) "
-            f"{r['comm_ms']:5.2f} ({r['comm_min_ms']:5.2f}) {r['exposed_ms']:5.2f} ({r['exposed_min_ms']:5.2f}) "
-            f"{r['hidden_fraction']:5.2f} ({r['hidden_fraction_min']:5.2f}) {r['gflops']:7.1f} {r['mfu']:5.0%} "
-            f"{m['predicted_median_ms']:6.2f} ({m['predicted_fastest_ms']:5.2f}) "
-            f"{m['error_median']:+5.0%} ({m['error_fastest']:+5.0%})"
+            f"{ms(r['comm_ms'])} ({ms(r['comm_min_ms'])}) {r['exposed_ms']:5.2f} ({r['exposed_min_ms']:5.2f}) "
+            f"{r['gflops']:7.1f} {r['mfu']:5.0%} {model}"
         )
     for r in summary["compute_only"] if not summary["results"] else []:  # one rank: only the GEMMs were measured
         print(
@@ -284,33 +316,55 @@ def print_verdicts(summary: dict) -> None:
         )
     for line in summary["not_measured"]:
         print(f"not measured: {line}")
+    for row in summary["skipped"]:
+        print(f"skipped: {row['method']} for {row['op']} ({row['shape']}): {row['reason']}")
 
 
-def print_projection(projection: list[dict]) -> None:
-    print("\nProjection (timeline model), Llama-70B-like layer, degree 8: latency / exposed communication, ms")
+def print_projection(projected: dict) -> None:
+    """Latency / exposed ms per op and per block, then the model against the published figures, with every
+    assumption."""
+    print(f"\nProjection (timeline model), {projected['shapes']}: latency / exposed communication, ms")
     cols = [(p, m) for p in sim.GPU_PROFILES for m in METHODS]
     print(f"{'op':36s} {'tokens':>6s} " + " ".join(f"{p[:8] + ' ' + m:>18s}" for p, m in cols))
-    by = {(r["op"], r["tokens"], r["profile"], r["method"]): r for r in projection}
-    for op, tokens in dict.fromkeys((r["op"], r["tokens"]) for r in projection):
-        cells = [by[op, tokens, p, m] for p, m in cols]
-        print(f"{op:36s} {tokens:6d} " + " ".join(f"{c['latency_ms']:9.3f}/{c['exposed_ms']:<8.3f}" for c in cells))
+    for key, rows in (("op", projected["rows"]), ("block", projected["blocks"])):
+        by = {(r[key], r["tokens"], r["profile"], r["method"]): r for r in rows}
+        for name, tokens in dict.fromkeys((r[key], r["tokens"]) for r in rows):
+            cells = [by[name, tokens, p, m] for p, m in cols]
+            label = name if len(name) <= 36 else name[:35] + "~"
+            print(
+                f"{label:36s} {tokens:6d} " + " ".join(f"{c['latency_ms']:9.3f}/{c['exposed_ms']:<8.3f}" for c in cells)
+            )
+    print(
+        "\nThe model against published figures (error = projected / published - 1; projected with the 128x256 tile, "
+        "then with the best of several tiles: the wave model's pessimistic and optimistic cases):"
+    )
+    for source in dict.fromkeys(r["source"] for r in projected["published"]):
+        print(f"  {source}")
+        for r in (r for r in projected["published"] if r["source"] == source):
+            print(
+                f"    {r['case']:22s} {r['quantity']:38s} published {r['published']:7.3f} {r['unit']:2s} "
+                f"projected {r['projected']:7.3f} ({r['error']:+4.0%}), best tiles {r['projected_best_tiles']:7.3f} "
+                f"({r['error_best_tiles']:+4.0%})  [{r['assumed']}]"
+            )
+    print("Assumptions:", *projected["assumptions"], sep="\n  - ")
 
 
 # ---------------------------------------------------------------- metrics
 
 
 def flat_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
-    """Flat metrics of ``overlap.json``: per method, the median hidden fraction (1 - exposed / communication-only)
-    and the median latency over every measured op and shape, and the median relative error of the timeline model."""
+    """Flat metrics of ``overlap.json``: per method, the median over every measured op and shape of the exposed
+    communication (latency - compute-only, ms) and of the latency (ms), and the timeline model's mean relative
+    error (calibrated on and compared with medians)."""
     by_method: dict[str, list[dict]] = defaultdict(list)
     for row in summary.get("results", []):
         by_method[row["method"]].append(row)
     out = {}
     for method, rows in by_method.items():
         key = method.replace("-", "_")  # metric names: flash-bidir -> flash_bidir
-        out[f"overlap_hidden_fraction_{key}"] = median(r["hidden_fraction"] for r in rows)
+        out[f"overlap_exposed_ms_{key}"] = median(r["exposed_ms"] for r in rows)
         out[f"overlap_latency_ms_{key}"] = median(r["latency_ms"] for r in rows)
     model = summary.get("model") or {}
-    if model.get("mean_abs_error_median") is not None:  # the model calibrated on, and compared with, medians
+    if model.get("mean_abs_error_median") is not None:
         out["overlap_model_mean_abs_error"] = model["mean_abs_error_median"]
     return out

@@ -1,7 +1,9 @@
 """FlashOverlap: communication/computation overlap by decomposed P2P, for TP+SP, Ulysses and data parallelism.
 
 Every op has the semantics of its collective reference and three methods (``collective | sliced | flash``, see
-``p2p.py``); ``sim.py`` models their timelines and ``lean.bench.overlap`` measures them (``lean bench overlap``).
+``p2p.py``); ``sim.py`` models their timelines, ``measure.py`` calibrates the model on a machine, ``projection.py``
+projects it onto datasheet GPUs and checks it against published figures, and ``lean.bench.overlap`` measures them
+(``lean bench overlap``).
 """
 
 from lean.overlap.autograd import all_gather_matmul, all_to_all_matmul, matmul_all_to_all, matmul_reduce_scatter

@@ -7,6 +7,11 @@
 
 Weights of the all-to-all ops are replicated over the group; their gradient here is this rank's contribution (from its
 rows), so summing it over the group (as data parallelism does anyway) gives the full gradient.
+
+Precision: every weight gradient here is one local GEMM (its contraction over rows never crosses ranks), so in 16-bit
+dtypes it accumulates in float32 inside the GEMM and is rounded once; the sums over ranks are the dual ops' (float32
+for 16-bit dtypes, see ``p2p.py``). Summing the all-to-all weights' contributions over the group is the caller's: do it
+in float32 (or with FSDP's ``reduce_dtype=float32``) for the same contract.
 """
 
 from __future__ import annotations

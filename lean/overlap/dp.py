@@ -12,6 +12,11 @@ contraction runs over the local batch. With ``flash`` the partial ``x[:, K_c]^T 
 while it travels the ring and the last step computes this rank's own chunk, so even the last bucket of the backward pass
 (the first layer) leaves no transfer exposed after its GEMM; with ``sliced`` the last slice's reduce-scatter is exposed.
 The gradient is the sum over ranks: scale the loss by 1/P for the mean over the global batch.
+
+Precision (``p2p.py``): in float16/bfloat16 both sums over ranks, the forward's over the gathered blocks and the
+gradient's reduce-scatter, are accumulated in float32 and rounded once (with ``flash`` the gradient's partials then go
+straight to their owner instead of round the ring). The weight-gradient GEMM over the local batch is one GEMM, which
+accumulates in float32 itself.
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ from torch import Tensor, nn
 from torch.autograd import Function
 
 from lean.overlap import ops
-from lean.overlap.p2p import DEFAULT_TIMEOUT_S, Method, Overlap, all_gather_apply, as_overlap, divisible_rows
+from lean.overlap.p2p import (
+    DEFAULT_TIMEOUT_S,
+    Method,
+    Overlap,
+    accumulation_dtype,
+    all_gather_apply,
+    as_overlap,
+    divisible_rows,
+)
 
 
 def gather_linear(x: Tensor, w_shard: Tensor, ov: Overlap) -> tuple[Tensor, Tensor]:
@@ -32,15 +45,17 @@ def gather_linear(x: Tensor, w_shard: Tensor, ov: Overlap) -> tuple[Tensor, Tens
             f"weight shard {tuple(w_shard.shape)} times world size {world} has {world * k_shard}"
         )
     xs = x.reshape(-1, world, k_shard)
-    y = x.new_zeros((xs.shape[0], n))
+    # flash (one peer at a time) and sliced (a slice of every peer's rows at a time) add several products into y, in
+    # float32 for 16-bit dtypes; collective adds one GEMM over all of them, which rounds the whole sum once
+    y = x.new_zeros((xs.shape[0], n), dtype=accumulation_dtype(x.dtype) if ov.method != "collective" else None)
     w = w_shard.new_empty((world, k_shard, n))
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block: rows `rows` of the shards of `peers`
         w[peers, rows] = block
-        y.addmm_(xs[:, peers, rows].reshape(xs.shape[0], -1), block.reshape(-1, n))
+        ops.add_matmul_(y, xs[:, peers, rows].reshape(xs.shape[0], -1), block.reshape(-1, n))
 
     all_gather_apply(w_shard, consume, ov)
-    return y.view(*x.shape[:-1], n), w.flatten(0, 1)
+    return y.to(x.dtype).view(*x.shape[:-1], n), w.flatten(0, 1)
 
 
 class DataParallelLinear(Function):

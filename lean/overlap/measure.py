@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lean.metrics import median, synchronize
 from lean.overlap import sim
-from lean.overlap.p2p import Overlap, exchange, wait
+from lean.overlap.p2p import Overlap, all_gather_apply, exchange, wait
 
 
 def time_round_robin(
@@ -59,21 +59,36 @@ STATS = {"": min, "_median": median}  # calibration keys: fastest repeat (no suf
 
 
 def calibrate_links(ov: Overlap, device: torch.device, dtype: torch.dtype, repeats: int = 7) -> dict[str, float]:
-    """alpha (s) and beta (bytes/s) of one ring step: the least-squares line ``t = alpha + bytes / beta`` through
-    messages from 4 KiB to 8 MiB (float32), the range of the swept chunks."""
+    """p2p_latency (s) and beta (bytes/s) of one ring step: the least-squares line ``t = p2p_latency + bytes / beta``
+    through messages from 4 KiB to 8 MiB (float32), the range of the swept chunks; and collective_latency (s): a
+    4 KiB all-gather on the whole group less its bandwidth term, ``(P-1) bytes / beta``."""
     sizes = (2**10, 2**14, 2**18, 2**21)
     buffers = {
         n: (torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)) for n in sizes
     }
-    samples = time_round_robin({n: partial(_ring_step, *buffers[n], ov) for n in sizes}, 2, repeats, device)
-    x = torch.tensor([float(n * torch.finfo(dtype).bits // 8) for n in sizes], dtype=torch.float64)
+    small = buffers[sizes[0]][0]
+    collective = Overlap("collective", ov.group, timeout=ov.timeout)
+    variants: dict[object, Callable[[], object]] = {n: partial(_ring_step, *buffers[n], ov) for n in sizes}
+    variants["collective"] = partial(all_gather_apply, small, _ignore, collective)
+    samples = time_round_robin(variants, 2, repeats, device)
+    element = torch.finfo(dtype).bits // 8
+    x = torch.tensor([float(n * element) for n in sizes], dtype=torch.float64)
     out = {}
     for suffix, stat in STATS.items():
         t = torch.tensor([stat(samples[n]) for n in sizes], dtype=torch.float64)
         slope = ((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum()
         slope = max(slope.item(), 1e-15)
-        out |= {f"alpha{suffix}": max(t.mean().item() - slope * x.mean().item(), 0.0), f"beta{suffix}": 1 / slope}
+        bandwidth_term = (ov.world - 1) * small.numel() * element * slope
+        out |= {
+            f"p2p_latency{suffix}": max(t.mean().item() - slope * x.mean().item(), 0.0),
+            f"beta{suffix}": 1 / slope,
+            f"collective_latency{suffix}": max(stat(samples["collective"]) - bandwidth_term, 0.0),
+        }
     return out
+
+
+def _ignore(*_: object) -> None:
+    """A consume callback that keeps nothing (communication alone)."""
 
 
 def calibrate_memory(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
@@ -90,14 +105,55 @@ def calibrate_memory(device: torch.device, dtype: torch.dtype) -> dict[str, floa
     }
 
 
-def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """compute_slowdown and comm_slowdown on a CPU: a GEMM loop while a ring step runs, against each alone.
+def fluid_slowdowns(gemm: float, comm: float, gemm_together: float, comm_together: float) -> tuple[float, float]:
+    """(compute_slowdown, comm_slowdown) of the fluid model from a GEMM loop and a transfer, alone (``gemm``,
+    ``comm``) and started together (each one's end, the GEMM loop outlasting the transfer).
 
-    Fluid model: while both run, compute goes at 1/(1+kc) and the transfer at 1/(1+km). With G, C the times alone and
-    G', C' together (the GEMM loop outlasting the transfer): C' = C (1+km) and G' - G = C' kc / (1+kc).
-    """
-    send, recv = torch.ones(2**21, dtype=dtype), torch.empty(2**21, dtype=dtype)
-    a, b = torch.randn(384, 384, dtype=dtype), torch.randn(384, 384, dtype=dtype)
+    While both run, compute goes at 1/(1+kc) and the transfer at 1/(1+km): C' = C (1+km), and the GEMM loop loses
+    the work it did not do during C', G' - G = C' kc / (1+kc). The fraction is capped at 0.9 (kc <= 9)."""
+    x = min(max((gemm_together - gemm) / comm_together, 0.0), 0.9)
+    return x / (1 - x), max(comm_together / comm - 1, 0.0)
+
+
+def _together_cpu(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, gemm_loop: Callable[[], None]):
+    """(GEMM loop end, transfer end) in s from a common start: the transfer on a thread (its wait releases the GIL,
+    gloo's own thread moves the data), the GEMM loop on this one."""
+    stamps: list[float] = []
+    start = time.perf_counter()
+    transfer = threading.Thread(target=_ring_step, args=(send, recv, ov, stamps))
+    transfer.start()
+    gemm_loop()
+    gemm_end = time.perf_counter() - start
+    transfer.join()
+    return gemm_end, stamps[0] - start
+
+
+def _together_cuda(send: torch.Tensor, recv: torch.Tensor, ov: Overlap, gemm_loop: Callable[[], None]):
+    """(GEMM loop end, transfer end) in s from a common start, from CUDA events: the ring step on NCCL's stream, its
+    end recorded on a side stream made to wait for it, the GEMM loop on the current stream."""
+    device = send.device
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    start, comm_end, gemm_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start.record(main)
+    works = exchange([(send, ov.rank + 1)], [(recv, ov.rank - 1)], ov)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        wait(works, ov, "calibration")  # NCCL: orders the side stream after the transfer
+        comm_end.record(side)
+    gemm_loop()
+    gemm_end.record(main)
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(gemm_end) / 1e3, start.elapsed_time(comm_end) / 1e3
+
+
+def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """compute_slowdown and comm_slowdown (:func:`fluid_slowdowns`): a GEMM loop lasting about three ring steps while
+    one ring step runs, against each alone. CPU: a 384x384 GEMM and 8 MiB (float32) transfers; GPU: a 4096x4096
+    GEMM and 64 MiB (bf16) transfers, the transfer on NCCL's kernels beside the GEMMs."""
+    cuda = device.type == "cuda"
+    n, size = (2**25, 4096) if cuda else (2**21, 384)
+    send, recv = torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     alone = time_round_robin(
         {"comm": partial(_ring_step, send, recv, ov), "gemm": partial(torch.mm, a, b)}, 2, 5, device
     )
@@ -108,22 +164,18 @@ def calibrate_contention(ov: Overlap, device: torch.device, dtype: torch.dtype) 
             torch.mm(a, b)
 
     alone |= time_round_robin({"loop": gemm_loop}, 1, 5, device)
-    together_comm, together_gemm = [], []
+    together = _together_cuda if cuda else _together_cpu
+    together_gemm, together_comm = [], []
     for _ in range(5):
         dist.barrier()
-        stamps: list[float] = []
-        start = time.perf_counter()
-        transfer = threading.Thread(target=_ring_step, args=(send, recv, ov, stamps))
-        transfer.start()  # the wait runs on this thread with the GIL released, the transfer on gloo's
-        gemm_loop()
-        together_gemm.append(time.perf_counter() - start)
-        transfer.join()
-        together_comm.append(stamps[0] - start)
+        synchronize(device)
+        g, c = together(send, recv, ov, gemm_loop)
+        together_gemm.append(g)
+        together_comm.append(c)
     out = {}
     for suffix, stat in STATS.items():
-        comm, gemm, comm_t, gemm_t = (stat(v) for v in (alone["comm"], alone["loop"], together_comm, together_gemm))
-        x = min(max((gemm_t - gemm) / comm_t, 0.0), 0.9)
-        out |= {f"compute_slowdown{suffix}": x / (1 - x), f"comm_slowdown{suffix}": max(comm_t / comm - 1, 0.0)}
+        kc, km = fluid_slowdowns(*(stat(v) for v in (alone["loop"], alone["comm"], together_gemm, together_comm)))
+        out |= {f"compute_slowdown{suffix}": kc, f"comm_slowdown{suffix}": km}
     return out
 
 
@@ -162,11 +214,21 @@ def calibrate(world: int, device: torch.device, dtype: torch.dtype, timeout: flo
     if world > 1:
         ov = Overlap("flash", timeout=timeout)
         out |= calibrate_links(ov, device, dtype)
-        if device.type == "cpu":
-            out |= calibrate_contention(ov, device, dtype)
+        out |= calibrate_contention(ov, device, dtype)
     elif device.type == "cuda":
         out["loopback_s"] = loopback_overlap(device, dtype)
     return out
+
+
+MEASURED_FIELDS = (
+    "mem_bw",
+    "launch",
+    "p2p_latency",
+    "beta",
+    "collective_latency",
+    "compute_slowdown",
+    "comm_slowdown",
+)  # the Profile fields a calibration may hold
 
 
 def measured_profile(
@@ -174,20 +236,32 @@ def measured_profile(
 ) -> sim.Profile:
     """The model's profile for this machine from the fastest (``suffix=""``) or the median (``"_median"``) repeats:
     links, memory, call cost and contention as calibrated, GEMM FLOP/s the median over the compute-only runs
-    (``model_cases`` refits it per case). On one GPU the links are not measured and, as on any GPU, the contention
-    comes from the H100 datasheet profile."""
-    base = sim.H100_SXM if device.type == "cuda" else sim.Profile("cpu", 1, 1, 0, 1, 0)
-    fields = ("mem_bw", "launch", "alpha", "beta", "compute_slowdown", "comm_slowdown")
+    (``model_cases`` refits it per case). A CPU has no waves (``sms`` 0) and no separate host (``host_issue`` 0); on a
+    GPU whatever was not measured (one GPU: the links and the contention) comes from the H100 datasheet profile, and
+    ``contention_source`` says which the contention is."""
+    base = (
+        sim.H100_SXM
+        if device.type == "cuda"
+        else sim.Profile("cpu", 1, 1, 0, 1, 0, contention_source="not measured (one process): none modelled")
+    )
+    measured = {k: calibration[k + suffix] for k in MEASURED_FIELDS if k + suffix in calibration}
+    contention = (
+        f"measured on this machine ({'fastest' if suffix == '' else 'median'} repeats): a GEMM loop beside a ring step"
+        if "compute_slowdown" in measured
+        else base.contention_source
+    )
     return replace(
         base,
         name=f"measured {device.type}",
         source=f"calibrated on this machine{suffix or ' (fastest)'}",
-        flops=median(case_flops(r, calibration["launch" + suffix], suffix) for r in compute_rows),
-        **{k: calibration[k + suffix] for k in fields if k + suffix in calibration},
+        contention_source=contention,
+        flops=median(case_flops(r, calibration["launch" + suffix] + base.host_issue, suffix) for r in compute_rows),
+        **measured,
     )
 
 
-def case_flops(compute_row: dict, launch: float, suffix: str) -> float:
-    """The GEMM FLOP/s that makes the roofline reproduce this case's compute-only time (fastest or median)."""
+def case_flops(compute_row: dict, overhead: float, suffix: str, efficiency: float = 1.0) -> float:
+    """The GEMM FLOP/s that makes the roofline reproduce this case's compute-only time (fastest or median):
+    ``overhead`` the per-call cost around the GEMM (launch, host issue), ``efficiency`` its wave efficiency."""
     seconds = compute_row["compute_min_ms" if suffix == "" else "compute_ms"] / 1e3
-    return compute_row["flops"] / max(seconds - launch, 1e-9)
+    return compute_row["flops"] / efficiency / max(seconds - overhead, 1e-9)

@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lean.overlap.p2p import Overlap, all_gather_apply, all_to_all_apply, divisible_rows, reduce_scatter_apply
+from lean.overlap.p2p import (
+    Overlap,
+    accumulation_dtype,
+    all_gather_apply,
+    all_to_all_apply,
+    divisible_rows,
+    reduce_scatter_apply,
+)
 
 
 def matmul(x: Tensor, w: Tensor) -> Tensor:
@@ -31,6 +38,20 @@ def matmul_into(out: Tensor, x: Tensor, w: Tensor) -> None:
         torch.mm(x.reshape(-1, x.shape[-1]), w, out=out.view(-1, w.shape[-1]))
     else:
         out.copy_(matmul(x, w))
+
+
+def add_matmul_(acc: Tensor, x: Tensor, w: Tensor) -> None:
+    """``acc += x @ w`` for 2-D ``x``, ``w``: in place by the GEMM when the dtypes agree; a float32 ``acc`` of 16-bit
+    operands gets the product rounded once to their dtype (a GEMM's output) and keeps the sum in float32.
+
+    Over P products that is P + 1 roundings of a product or the sum, where a 16-bit ``addmm_`` per product rounds the
+    running sum P times: rms u sqrt(2P) against u sqrt(P(P+1)/2) for independent products, so float32 is worse at
+    P = 2 (by 15%), even at 3 and better from 4 on, and only it rounds the sum once. (CPU GEMMs have no float32 output
+    for 16-bit operands; CUDA's ``out_dtype=torch.float32`` would drop the products' rounding.)"""
+    if acc.dtype == x.dtype:
+        acc.addmm_(x, w)
+    else:
+        acc += x @ w
 
 
 def all_gather_matmul(
@@ -55,7 +76,7 @@ def matmul_reduce_scatter(x: Tensor, w: Tensor, ov: Overlap) -> Tensor:
     """This rank's row shard of ``sum over ranks of x @ w``; x ``(P*s, *B, k)``, w ``(k, n)`` -> ``(s, *B, n)``."""
     world = ov.world
     chunks = x.reshape(world, divisible_rows(x, world, "matmul_reduce_scatter"), *x.shape[1:])
-    return reduce_scatter_apply(lambda peers, rows: matmul(chunks[peers, rows], w), chunks.shape[1], ov)
+    return reduce_scatter_apply(lambda peers, rows: matmul(chunks[peers, rows], w), chunks.shape[1], ov, x.dtype)
 
 
 def _check_blocks(w_blocks: Tensor, world: int, op: str) -> None:
@@ -96,13 +117,17 @@ def all_to_all_matmul(
     _check_blocks(w_blocks, world, "all_to_all_matmul")
     chunks = o.reshape(world, divisible_rows(o, world, "all_to_all_matmul"), *o.shape[1:])
     s, batch, c = chunks.shape[1], chunks.shape[2:-1], chunks.shape[-1]
-    y = o.new_zeros((s, *batch, w_blocks.shape[-1]))
+    # flash consumes one peer at a time, so its rows get P products to sum (in float32 for 16-bit dtypes); collective
+    # and sliced consume all peers of a row at once, in one GEMM that rounds the whole sum once
+    y = o.new_zeros(
+        (s, *batch, w_blocks.shape[-1]), dtype=accumulation_dtype(o.dtype) if ov.method == "flash" else None
+    )
     received = o.new_empty(chunks.shape) if keep_input else None
 
     def consume(peers: slice, rows: slice, block: Tensor) -> None:  # block (n_peers, rows, *B, c)
         lhs = block.movedim(0, -2).reshape(-1, block.shape[0] * c)  # contract over (peer, c) in one GEMM
-        y[rows].view(lhs.shape[0], -1).addmm_(lhs, w_blocks[peers].reshape(-1, w_blocks.shape[-1]))
+        add_matmul_(y[rows].view(lhs.shape[0], -1), lhs, w_blocks[peers].reshape(-1, w_blocks.shape[-1]))
 
     keep = None if received is None else lambda peers, rows: received[peers, rows]
     all_to_all_apply(lambda peers, rows: chunks[peers, rows], consume, s, ov, into=keep)
-    return y, received
+    return y.to(o.dtype), received
