@@ -47,7 +47,7 @@ from lean.outputs import write_json
 from lean.rollout import policy_step
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
 from lean.schedules.per_sample import linear_owners
-from lean.sharding import FSDP, SHARDS, ShardSizes, shard_sizes
+from lean.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -277,7 +277,7 @@ def shard_probes(
     shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
     sizes = shard_sizes(inp.policy)
     if probed is None:
-        probed = inp.cfg.train.shard if inp.world_size > 1 else SHARDS.default
+        probed = effective_shard(inp.cfg.train.shard, inp.world_size)
     return {
         (shard, on): shard_variant(measured, sizes, inp.world_size, shard, probed, link_mb_s, overlap)
         for shard in shard_settings(inp)
@@ -397,11 +397,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        own = (
-            report["layout"],
-            cfg.train.shard if inp.world_size > 1 else SHARDS.default,
-            cfg.model.gradient_checkpointing,
-        )
+        own = (report["layout"], effective_shard(cfg.train.shard, inp.world_size), cfg.model.gradient_checkpointing)
         print_combinations(report["combinations"], own)
         if out:
             write_json(f"{out}/plan.json", report)

@@ -51,6 +51,11 @@ SHARDS: Registry[str] = Registry(
 FSDP = "fsdp"
 
 
+def effective_shard(shard: str, world_size: int) -> str:
+    """What ``train.shard=shard`` does with ``world_size`` processes: fsdp needs two (with one, nothing to shard)."""
+    return shard if world_size > 1 else SHARDS.default
+
+
 def shard_units(net: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer's blocks, in order: every module of the ``ModuleList`` children of the model (FLUX's double-
     and single-stream blocks, SD3's and Wan's blocks), whatever the family calls them."""

@@ -205,12 +205,14 @@ def save_checkpoint(
     """``<out>/checkpoints/iter-<it>``: the trainer's state after iteration ``it`` (whole tensors: a sharded state is
     gathered, so every process calls this and the main one writes), the metrics so far, the MLflow run and the config
     as given (sample.shift unresolved: what ``--resume`` compares)."""
-    trainer_state = trainer.state.state_dict(whole=True) if trainer.state.sharded else None
     folder = out_dir / "checkpoints"
+    if not (trainer.world.is_main or trainer.state.sharded):
+        return folder  # nothing of this process's goes into the file
+    trainer_state = trainer.state.state_dict(whole=True)  # a collective when sharded
     if not trainer.world.is_main:
         return folder
     state = {
-        "trainer": trainer_state or trainer.state.state_dict(),
+        "trainer": trainer_state,
         "history": history,
         "eval_history": evaluations,
         "tracking_run_id": run_id,

@@ -34,7 +34,7 @@ from lean.plan import (
     with_schedule,
 )
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
-from lean.sharding import FSDP, SHARDS, shard_sizes
+from lean.sharding import FSDP, effective_shard, shard_sizes
 from lean.train import Trainer
 
 CHECKPOINTING = (False, True)
@@ -65,7 +65,7 @@ def bench_memory(
     log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
-    shard = cfg.train.shard if trainer.world.size > 1 else SHARDS.default  # what runs: the measured rows
+    shard = effective_shard(cfg.train.shard, trainer.world.size)  # what runs: the measured rows
     variants = [
         (s, lay, ck)
         for lay in applicable_layouts(inp)

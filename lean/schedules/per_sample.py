@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from lean.loss import StepLoss
+
+PROVISIONAL_ADVANTAGE = 1.0  # Â: what a trajectory is backpropagated with before its advantage is known
+
 
 def linear_owners(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> dict[torch.nn.Linear, list] | None:
     """Map each ``nn.Linear`` holding trainable params to them; None if some trainable param is not in a Linear."""
@@ -53,6 +57,19 @@ class TrajectoryBuffers:
     def combine(self, weights: torch.Tensor) -> torch.Tensor:
         """sum_b weights[b] * buffer[b], as one flat vector in parameter order."""
         return torch.cat([weights.to(self.storage.dtype) @ self.blocks[id(p)] for p in self.params])
+
+    @property
+    def trajectories(self) -> int:
+        return next(iter(self.blocks.values())).shape[0]
+
+    def combine_rows(self, rows: slice, coefficients: torch.Tensor) -> torch.Tensor:
+        """sum_{b in rows} coefficients[b] buffer[b mod n]: the buffers of the local rows ``rows`` (at most n of
+        them, whole units), each in its slot."""
+        n = self.trajectories
+        weights = torch.zeros(n, dtype=torch.float64, device=coefficients.device)
+        slots = torch.arange(rows.start, rows.stop, device=coefficients.device) % n
+        weights.index_add_(0, slots, coefficients[rows].to(torch.float64))
+        return self.combine(weights)
 
     @property
     def nbytes(self) -> int:
@@ -101,3 +118,8 @@ class PerSampleGrads:
             g = g.reshape(rows // len(traj), len(traj), -1).sum(dim=0)  # CFG: [uncond rows, cond rows] -> trajectory
             block = self.buffers.block(p)
             block.index_add_(0, traj, g.to(block.dtype))
+
+
+def logged_with_true_advantages(kept: list[tuple[slice, StepLoss]], advantages: torch.Tensor) -> list[StepLoss]:
+    """Loss terms backpropagated with Â, for the logs, with the true advantages: on-policy the surrogate is -A r."""
+    return [StepLoss(-advantages[rows].to(t.ratio.dtype) * t.ratio, t.kl, t.ratio) for rows, t in kept]

@@ -38,10 +38,14 @@ import torch
 from lean.loss import StepLoss, loss_stats
 from lean.rollout import StepOutput
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
-from lean.schedules.per_sample import PerSampleGrads, TrajectoryBuffers, linear_owners
+from lean.schedules.per_sample import (
+    PROVISIONAL_ADVANTAGE,
+    PerSampleGrads,
+    TrajectoryBuffers,
+    linear_owners,
+    logged_with_true_advantages,
+)
 from lean.sharding import is_sharded
-
-PROVISIONAL_ADVANTAGE = 1.0
 
 
 class Retain(Schedule):
@@ -91,7 +95,7 @@ class Retain(Schedule):
             mine = [(step, ref) for step, ref in entries if step.rows.start == start]
             policy, kl = 0.0, 0.0
             for step, ref in mine:
-                provisional = torch.full((step.rows.stop - step.rows.start,), PROVISIONAL_ADVANTAGE).to(step.log_prob)
+                provisional = torch.full_like(step.log_prob, PROVISIONAL_ADVANTAGE)  # one per row of the step
                 loss = ctx.on_policy_loss(step, ref, provisional)
                 weights = ctx.term_weights(step.rows, step.index, ctx.batch)
                 policy = policy + (weights * loss.policy).sum()
@@ -114,9 +118,7 @@ class Retain(Schedule):
         next group's rollout starts with none of them held (or, when ``unit_rolled_out`` did, fold their buffers)."""
         if self.provisional is not None:
             buffers, _ = self.provisional
-            slots = torch.zeros(self.ctx.finish_unit, dtype=torch.float64, device=advantages.device)
-            slots[: rows.stop - rows.start] = advantages[rows].to(torch.float64) / PROVISIONAL_ADVANTAGE
-            set_grads(buffers.params, buffers.combine(slots))
+            set_grads(buffers.params, buffers.combine_rows(rows, advantages / PROVISIONAL_ADVANTAGE))
             buffers.storage.zero_()
             return
         done = self._take(rows)
@@ -135,11 +137,7 @@ class Retain(Schedule):
                     p.grad.div_(n)
         if self.provisional is not None:
             self.provisional[1].close()
-        # terms backpropagated with Â are logged with the true A: on-policy the surrogate is -A r
-        logged = [
-            StepLoss(-advantages[rows].to(t.ratio.dtype) * t.ratio, t.kl, t.ratio) for rows, t in self.provisional_stats
-        ]
-        losses = self.losses + logged
+        losses = self.losses + logged_with_true_advantages(self.provisional_stats, advantages)
         return {**loss_stats(losses, self.ctx.beta), **optimizer_step()}
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:

@@ -53,9 +53,13 @@ from lean.schedules.base import (
     set_grads,
     trainable,
 )
-from lean.schedules.per_sample import PerSampleGrads, TrajectoryBuffers, linear_owners
-
-PROVISIONAL_ADVANTAGE = 1.0
+from lean.schedules.per_sample import (
+    PROVISIONAL_ADVANTAGE,
+    PerSampleGrads,
+    TrajectoryBuffers,
+    linear_owners,
+    logged_with_true_advantages,
+)
 
 
 class Reweight(Schedule):
@@ -123,16 +127,10 @@ class Reweight(Schedule):
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
         advantages and free the buffers for the next unit."""
-        folded = self._combine(rows, advantages.to(torch.float64) / self.provisional)
+        folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
         self.folded += folded
         self.policy_buffers.storage.zero_()
         self.finished = rows.stop
-
-    def _combine(self, rows: slice, coefficients: torch.Tensor) -> torch.Tensor:
-        """sum_{b in rows} coefficients[b] P_b, the buffers of ``rows`` (whole units) in their slots."""
-        weights = torch.zeros(self.unit, dtype=torch.float64, device=coefficients.device)
-        weights.index_add_(0, self.trajectory_ids[rows], coefficients[rows])
-        return self.policy_buffers.combine(weights)
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         if self.per_sample is not None:
@@ -143,19 +141,18 @@ class Reweight(Schedule):
         scale = self.ctx.batch / n if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
         if self.folded is None:  # slice layout: every buffer is combined here
-            grad = self._combine(slice(0, self.ctx.batch), coefficients)
+            grad = self.policy_buffers.combine_rows(slice(0, self.ctx.batch), coefficients)
         elif self.finished < self.ctx.batch:  # a last unit no early finish folded
-            grad = self._combine(slice(self.finished, self.ctx.batch), coefficients) + self.folded * scale
+            grad = (
+                self.policy_buffers.combine_rows(slice(self.finished, self.ctx.batch), coefficients)
+                + self.folded * scale
+            )
         else:
             grad = self.folded * scale
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
-        # On-policy the surrogate's value is -A r with r = 1; log it with the true advantages.
-        logged = [
-            StepLoss(-advantages[rows].to(loss.ratio.dtype) * loss.ratio, loss.kl, loss.ratio)
-            for rows, loss in self.kept_stats
-        ]
+        logged = logged_with_true_advantages(self.kept_stats, advantages)
         stats = {**loss_stats(logged, self.ctx.beta), "reweight_buffer_mb": self.buffer_mb}
         return {**stats, **optimizer_step()}
 
