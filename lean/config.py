@@ -604,16 +604,18 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 def fsdp_problem(cfg: RunConfig) -> str | None:
     """Why ``train.shard=fsdp`` cannot run ``cfg`` (``lean.sharding``), or None."""
     m, t = cfg.model, cfg.train
-    if m.full_finetune and t.schedule == "reweight":
+    schedules = SCHEDULES.values() if t.schedule == AUTO else [SCHEDULES[t.schedule]]
+    if m.full_finetune and t.schedule != AUTO and SCHEDULES[t.schedule].backward_in_rollout:
         return (
-            "with model.full_finetune, Reweight's per-trajectory buffers would each be a gradient of the whole "
-            "unsharded transformer; use train.schedule=retain or recompute (or LoRA)"
+            f"with model.full_finetune, {t.schedule}'s per-trajectory buffers would each be a gradient of the whole "
+            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)"
         )
-    if t.skip_zero_advantage and t.schedule in ("recompute", AUTO) and t.recompute_batching == RECOMPUTE_BATCHINGS[0]:
+    update_forwards = [s for s in schedules if not s.tracks_rollout_graphs]  # the update recomputes the steps
+    if t.skip_zero_advantage and update_forwards and t.recompute_batching == RECOMPUTE_BATCHINGS[0]:
         return (
-            "with train.skip_zero_advantage, Recompute's update runs as many forwards as a process keeps samples, "
-            "and sharded passes must run in lockstep; set train.skip_zero_advantage=false, or "
-            "train.recompute_batching=rollout, or train.schedule=retain"
+            f"with train.skip_zero_advantage, {SCHEDULES.default}'s update runs as many forwards as a process keeps "
+            "samples, and sharded passes must run in lockstep; set train.skip_zero_advantage=false, or "
+            "train.recompute_batching=rollout, or a Lean train.schedule"
         )
     if m.full_finetune and m.torch_dtype in HALF and getattr(models.family_module(m.family), "KEEPS_FLOAT32", False):
         return f"a half-precision full fine-tune of {m.family} keeps float32 modules FSDP would gather at {m.dtype}"
