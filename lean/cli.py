@@ -198,6 +198,10 @@ def _bench(args) -> int:
         from lean.bench.memory import bench_memory
 
         bench_memory(cfg, out=args.out, options=options)
+    elif cfg.model.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
+        from lean.bench.sequence_parallel import bench_sequence_parallel
+
+        bench_sequence_parallel(cfg, out=args.out, options=options)
     else:
         bench_schedules(cfg, out=args.out, options=options)
     return 0

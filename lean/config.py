@@ -28,6 +28,7 @@ from lean.data import read_prompts
 from lean.dtypes import DTYPES, HALF
 from lean.layout import LAYOUTS, group_layout_problem
 from lean.loss import KL_FORMS
+from lean.overlap.p2p import METHODS
 from lean.presets import PRESETS
 from lean.rewards import MODEL_REWARDS, reward_names
 from lean.rollout import DECODE_TARGETS
@@ -129,6 +130,14 @@ class ModelConfig:
     forward of the trained steps in time."""
     text_max_length: int = 16
     """T5 / UMT5 tokens per prompt."""
+    sequence_parallel: int = 1
+    """Processes that split each trajectory's tokens (Ulysses attention, ``lean.models.sequence_parallel``): groups of
+    this many consecutive processes hold the same samples, so ``lean launch -n 4`` with 2 is 2 data-parallel x 2
+    sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
+    overlap: str = METHODS[-1]
+    """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
+    ``lean.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per
+    peer, each head block sent as soon as it is computed)."""
 
     def validate(self) -> None:
         check_choice("model.family", self.family, models.FAMILIES)
@@ -151,9 +160,17 @@ class ModelConfig:
                 self.num_frames,
                 f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
             )
-        for key in ("lora_rank", "lora_alpha", "text_max_length"):
+        for key in ("lora_rank", "lora_alpha", "text_max_length", "sequence_parallel"):
             check_positive(f"model.{key}", getattr(self, key))
         check_choice("model.lora_init", self.lora_init, models.LORA_INITS)
+        check_choice("model.overlap", self.overlap, METHODS)
+        if self.sequence_parallel > 1 and not hasattr(family.ARCH, "shard_sequence"):
+            raise ConfigError(
+                "model.sequence_parallel",
+                self.sequence_parallel,
+                f"{family.DISPLAY_NAME} has no sequence parallelism yet (families with it: "
+                f"{', '.join(n for n in models.FAMILIES if hasattr(models.family_module(n).ARCH, 'shard_sequence'))})",
+            )
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
         if self.pretrained is not None:
@@ -545,9 +562,10 @@ class RunConfig:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> None:
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` on the first bad value: each section's own fields, then the rules across sections.
-    ``world_size`` checks that the batch divides over the processes."""
+    ``world_size`` (processes; None: not known yet, as if one data-parallel rank) checks that the batch divides over
+    the data-parallel ranks (processes / ``model.sequence_parallel``)."""
     for name in SECTIONS:
         getattr(cfg, name).validate()
     m, s, t = cfg.model, cfg.sample, cfg.train
@@ -584,12 +602,25 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if t.shard == FSDP and (problem := fsdp_problem(cfg)):
         raise ConfigError("train.shard", t.shard, problem)
+    if world_size is None:
+        world_size = m.sequence_parallel
+    if world_size % m.sequence_parallel:
+        raise ConfigError(
+            "model.sequence_parallel",
+            m.sequence_parallel,
+            f"must divide the {world_size} processes into sequence-parallel groups",
+        )
+    if m.sequence_parallel > 1 and t.shard == FSDP:
+        raise ConfigError(
+            "train.shard", t.shard, "is not combined with model.sequence_parallel yet; set train.shard=none"
+        )
+    world_size //= m.sequence_parallel  # data-parallel ranks from here on
     n = cfg.samples_per_iteration
     if n % world_size:
         raise ConfigError(
             "train.prompts_per_iteration",
             t.prompts_per_iteration,
-            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} processes",
+            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} data-parallel ranks",
         )
     if t.layout == "group" and (problem := group_layout_problem(t, world_size)):
         raise ConfigError("train.layout", t.layout, problem)

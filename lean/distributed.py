@@ -2,10 +2,15 @@
 
 Every process group gets a timeout (``train.dist_timeout_s``), so a dead or stalled peer makes the others fail with a
 message instead of hanging. Launching is Accelerate's (``lean launch`` only chooses its flags).
+
+Sequence parallelism (``model.sequence_parallel: P``) groups consecutive processes: ranks kP .. kP+P-1 hold the same
+trajectories and split their tokens (``lean.models.sequence_parallel``), and the W/P groups are the data-parallel
+ranks. So ``lean launch -n 4`` with P = 2 is 2 data-parallel x 2 sequence-parallel processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,20 +25,47 @@ class World:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
+    sequence_parallel: int = 1  # processes per sequence-parallel group (1: none)
+    sequence_group: object | None = None  # this process's group (a torch.distributed ProcessGroup) when above 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the batch this process holds: its sequence-parallel group's index."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_size(self) -> int:
+        """Data-parallel ranks: processes / sequence_parallel."""
+        return self.size // self.sequence_parallel
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every process's ``x`` concatenated along dim 0, in rank order (``x`` itself on one process)."""
-        return self.accelerator.gather(x) if self.size > 1 else x
+        """Every data-parallel rank's ``x`` concatenated along dim 0, in rank order (``x`` itself on one process);
+        the processes of a sequence-parallel group hold the same ``x``, so one copy of each is kept."""
+        if self.size == 1:
+            return x
+        every = self.accelerator.gather(x)
+        if self.sequence_parallel == 1:
+            return every
+        return every.unflatten(0, (self.size, -1))[:: self.sequence_parallel].flatten(0, 1)
 
     def all_reduce_mean_(self, x: torch.Tensor) -> torch.Tensor:
-        """Average ``x`` over processes, in place."""
+        """Average ``x`` over processes, in place (a value a sequence-parallel group holds replicated: over the
+        data-parallel ranks)."""
         if self.size > 1:
             torch.distributed.all_reduce(x)
             x /= self.size
+        return x
+
+    def reduce_gradients_(self, x: torch.Tensor) -> torch.Tensor:
+        """A gradient summed over each sequence-parallel group (its processes hold shares of it,
+        ``lean.overlap.sequence``) and averaged over the data-parallel ranks, in place."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+            x /= self.data_size
         return x
 
     def main_value(self, value):
@@ -59,9 +91,9 @@ def set_threads(threads: int | None) -> None:
 CPU_TIMEOUT_S, GPU_TIMEOUT_S = 60.0, 1800.0  # gloo on a laptop vs NCCL, where checkpoints and loading take minutes
 
 
-def init_world(timeout_s: float | None = None) -> World:
+def init_world(timeout_s: float | None = None, sequence_parallel: int = 1) -> World:
     """The layout Accelerate was launched with (a single process when it was not); ``timeout_s`` (default: by the
-    backend) bounds every collective."""
+    backend) bounds every collective; ``sequence_parallel`` groups of consecutive processes (see the module)."""
     if timeout_s is None:
         timeout_s = GPU_TIMEOUT_S if torch.cuda.is_available() else CPU_TIMEOUT_S
     from accelerate import Accelerator  # local: accelerate takes seconds to import
@@ -71,4 +103,17 @@ def init_world(timeout_s: float | None = None) -> World:
         cpu=not torch.cuda.is_available(),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))],
     )
-    return World(accelerator, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    world = World(accelerator, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    return with_sequence_groups(world, sequence_parallel, timeout_s)
+
+
+def with_sequence_groups(world: World, sequence_parallel: int, timeout_s: float) -> World:
+    """``world`` with its sequence-parallel group made (every process creates every group, as ``new_group`` needs)."""
+    if sequence_parallel == 1 or world.size % sequence_parallel:  # the config check names the second case
+        return world
+    mine = None
+    for first in range(0, world.size, sequence_parallel):
+        ranks = list(range(first, first + sequence_parallel))
+        group = torch.distributed.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        mine = group if world.rank in ranks else mine
+    return dataclasses.replace(world, sequence_parallel=sequence_parallel, sequence_group=mine)

@@ -161,7 +161,7 @@ class Float64Reference:
             )
             (weights * loss.total(beta)).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
-        self.world.all_reduce_mean_(grads)  # averaged over processes, as the optimizer step averages the schedules'
+        self.world.reduce_gradients_(grads)  # averaged over processes, as the optimizer step averages the schedules'
         return [g.view_as(p) for g, p in zip(grads.split([p.numel() for p in self.params]), self.params)]
 
     def forward_error(self, trainable: list[torch.Tensor], batch, recorded: list[RecordedStep]) -> float:

@@ -97,9 +97,9 @@ def unpad_shares(rows: Tensor, n: int, size: int) -> Tensor:
 
 
 def gather_shares(world: World, local: Tensor, n: int) -> Tensor:
-    """Every process's rows ``local`` [len(share), K] (float64, on the host) -> all ``n`` rows, in order."""
-    gathered = world.gather(pad_share(local, n, world.size).to(world.device)).cpu()
-    return unpad_shares(gathered, n, world.size)
+    """Every data-parallel rank's rows ``local`` [len(share), K] (float64, on the host) -> all ``n`` rows, in order."""
+    gathered = world.gather(pad_share(local, n, world.data_size).to(world.device)).cpu()
+    return unpad_shares(gathered, n, world.data_size)
 
 
 class Evaluator:
@@ -119,7 +119,7 @@ class Evaluator:
         grid = sigma_schedule(self.sample_cfg.num_steps, cfg.sample.shift, cfg.sample.sigma_grid)
         self.sigmas = grid.to(self.world.device)
         self.keys = [(p, k) for p in range(len(self.prompts)) for k in range(e.samples_per_prompt)]
-        self.local = share(len(self.keys), self.world.rank, self.world.size)
+        self.local = share(len(self.keys), self.world.data_rank, self.world.data_size)
         self.video = getattr(family_module(cfg.model.family), "FRAME_STEP", None) is not None
         self.root = Path(out_dir) / "eval"
 

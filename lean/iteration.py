@@ -36,11 +36,13 @@ from torch import Tensor
 
 from lean.advantage import local_slice, run_advantages
 from lean.config import ConfigError, validate
-from lean.distributed import World
+from lean.distributed import CPU_TIMEOUT_S, World
 from lean.layout import finish_unit
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
 from lean.models import build_policy, family_module, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
+from lean.models.sequence_parallel import enable, sequence_problem
+from lean.overlap.p2p import Overlap
 from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
@@ -161,6 +163,12 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
     if cfg.train.shard == FSDP:
         shard_policy(policy, world, cfg.model.torch_dtype)
+    if world.sequence_parallel > 1:
+        if problem := sequence_problem(policy, world.sequence_parallel):
+            raise ConfigError("model.sequence_parallel", world.sequence_parallel, problem)
+        nets = [policy.transformer] + ([policy.reference_transformer] if policy.full_finetune else [])
+        ov = Overlap(cfg.model.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
+        policy.sequence_parallel = enable(nets, policy.arch, ov)
     shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
     sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)
@@ -207,7 +215,7 @@ class IterationPipeline:
     # ------------------------------------------------------------ phases
 
     def local_batch(self, iteration: int) -> LocalBatch:
-        return local_batch(self.cfg, iteration, self.world.rank, self.world.size)
+        return local_batch(self.cfg, iteration, self.world.data_rank, self.world.data_size)
 
     def embed(self, batch: LocalBatch) -> PromptEmbeds:
         return self.policy.encode_prompts(batch.prompts)
@@ -226,7 +234,7 @@ class IterationPipeline:
             emb,
             batch.steps,
             batch.iteration,
-            finish_unit(self.cfg.train, self.world.size),
+            finish_unit(self.cfg.train, self.world.data_size),
             tally or FlopTally(),
             timer or PhaseTimer(self.world.device),
         )

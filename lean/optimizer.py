@@ -44,7 +44,7 @@ class TrainState:
         if self.sharded:  # FSDP reduce-scattered (and averaged) each backward's gradient into the shards already
             finite = all_finite(self.params, self.world)
         else:
-            grads = self.world.all_reduce_mean_(flat_grad(self.params, [p.grad for p in self.params]))
+            grads = self.world.reduce_gradients_(flat_grad(self.params, [p.grad for p in self.params]))
             for p in self.params:
                 p.grad = None
             set_grads(self.params, grads)

@@ -79,7 +79,7 @@ def plan_input(pipeline: IterationPipeline) -> PlanInput:
         pipeline.sigmas,
         pipeline.local_batch(0),
         pipeline.reward,
-        pipeline.world.size,
+        pipeline.world.data_size,
     )
 
 
@@ -379,7 +379,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
         if out:
             write_json(f"{out}/plan.json", report)
         return report
-    pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s))
+    pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s, cfg.model.sequence_parallel))
     inp = plan_input(pipeline)
     by_checkpointing = probe_checkpointing(inp)
     measured = by_checkpointing[cfg.model.gradient_checkpointing]

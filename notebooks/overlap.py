@@ -23,7 +23,9 @@
 # beyond the GEMMs of the same shapes: 0 when the communication is all hidden, comparable across methods. The Gantt
 # charts are the timeline model's schedules; the projection applies the model to H100/H200 profiles at
 # Llama-70B-like shapes, per op and per block (the whole MLP, Ulysses attention, the data-parallel rows), and checks
-# it against published H100/H800 figures.
+# it against published H100/H800 figures. Last, the same methods inside training: one GRPO iteration of every
+# schedule under sequence parallelism (Ulysses attention with fused projections, `model.sequence_parallel`), with
+# its exposed communication in ms against the same iteration with every transfer replaced by a local copy.
 
 # %% tags=["parameters"]
 outputs = "../outputs"  # the DVC pipeline's outputs folder
@@ -40,6 +42,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 from lean.bench.overlap_report import flat_metrics
+from lean.bench.sequence_parallel import COMPUTE_ONLY, format_table
+from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.workbench.notebook import NotebookLog
 
 folder = Path(outputs) / "overlap" / "bench"
@@ -128,8 +132,36 @@ for r in projection["published"]:
 print("\nsources:", *dict.fromkeys(r["source"] for r in projection["published"]), sep="\n  ")
 print("assumptions:", *projection["assumptions"], sep="\n  - ")
 
+# %% [markdown]
+# ## Inside training: a GRPO iteration under sequence parallelism
+#
+# `lean bench schedules --set model.sequence_parallel=2` under `lean launch -n 2` (the stage's second part): every
+# schedule with each method and once compute-only (every transfer a local copy of the same bytes), interleaved in one
+# run. Exposed ms = median iteration time - the compute-only median: the communication's cost per iteration.
+
 # %%
-metrics = flat_metrics(summary)
+iterations = json.loads((Path(outputs) / "overlap" / "sequence_parallel" / "sequence_parallel.json").read_text())
+c = iterations["config"]
+print(
+    f"{c['family']}/{c['size']} {c['resolution']} px, {c['tokens']} tokens over {c['sequence_parallel']} processes, "
+    f"{c['samples_per_group']} samples, {c['num_steps']} steps, median of {c['repeats']}"
+)
+schedules = [k for k in iterations if k not in ("config", "methods")]
+sp_methods = [m for m in iterations["methods"] if m != COMPUTE_ONLY]
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3))
+bars(ax1, {s: s for s in schedules}, iterations["methods"], lambda s, m: iterations[s][m]["time_iteration_s"])
+bars(ax2, {s: s for s in schedules}, sp_methods, lambda s, m: iterations[s][m]["exposed_ms"])
+ax1.set_xlabel("iteration time, s")
+ax2.set_xlabel("exposed communication per iteration, ms")
+ax2.axvline(0.0, color="k", lw=0.5)
+ax1.legend(fontsize=7)
+fig.tight_layout()
+log.figure(fig, "sequence_parallel_iteration.png")
+plt.show()
+print(format_table(iterations))
+
+# %%
+metrics = flat_metrics(summary) | sequence_parallel_metrics(iterations)
 log.log(metrics)
 for k, v in metrics.items():
     print(f"{k:40s} {v:.4f}")

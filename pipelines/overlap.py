@@ -1,11 +1,14 @@
 """Stage ``overlap``: FlashOverlap's ops, collective vs sliced vs flash, measured on ``overlap.nproc`` processes under
-Accelerate (``lean bench overlap``), next to the timeline model and its GPU projection.
+Accelerate (``lean bench overlap``), next to the timeline model and its GPU projection; then one GRPO iteration of
+every schedule under sequence parallelism over those processes, with each method and compute-only (``lean bench
+schedules`` with ``model.sequence_parallel``, ``lean.bench.sequence_parallel``).
 
     python -m pipelines.overlap [--params params.yaml] [--out outputs/overlap]
 
-Writes OUT/bench/ (overlap.json, projection.json, gantt*.png from ``lean bench overlap``) and OUT/metrics.json
-(overlap_exposed_ms_<method>: median latency - compute-only in ms, overlap_latency_ms_<method>,
-overlap_model_mean_abs_error).
+Writes OUT/bench/ (overlap.json, projection.json, gantt*.png from ``lean bench overlap``), OUT/sequence_parallel/
+(sequence_parallel.json, measured.jsonl) and OUT/metrics.json (overlap_exposed_ms_<method>: median latency -
+compute-only in ms, overlap_latency_ms_<method>, overlap_model_mean_abs_error; sp_exposed_ms_<schedule>_<method> and
+sp_time_iteration_s_<schedule>_<method>).
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ from pathlib import Path
 
 from lean import tracking
 from lean.bench.overlap_report import flat_metrics
+from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.cli import main as lean_main
 from lean.outputs import write_json
 from lean.workbench.stage import begin_stage
+
+
+def run_lean(argv: list[str]) -> None:
+    code = lean_main(argv)
+    if code:
+        raise SystemExit(f"overlap: `lean {' '.join(argv)}` exited with status {code}")
 
 
 def main() -> None:
@@ -28,24 +38,23 @@ def main() -> None:
     args = p.parse_args()
     params = begin_stage(args.params)
     section = params.get("overlap") or {}
+    nproc = str(section.get("nproc", 2))
+    sp = section.get("sequence_parallel") or {}
     out = Path(args.out)
-    argv = [
-        "bench",
-        "overlap",
-        "--nproc",
-        str(section.get("nproc", 2)),
-        "--out",
-        str(out / "bench"),
-        *[str(a) for a in section.get("args", [])],
-    ]
+    ops = ["bench", "overlap", "--nproc", nproc, "--out", str(out / "bench"), *map(str, section.get("args", []))]
+    iteration = ["launch", "-n", nproc, "--", "bench", "schedules", "--params", "none"]  # defaults + sp.set only
+    iteration += ["--repeats", str(sp.get("repeats", 3)), "--warmup", str(sp.get("warmup", 1)), "--threads", "1"]
+    iteration += [a for value in [f"model.sequence_parallel={nproc}", *sp.get("set", [])] for a in ("--set", value)]
+    iteration += ["--out", str(out / "sequence_parallel")]
     with tracking.start_run("overlap", params={"overlap": section}) as run:
-        code = lean_main(argv)
-        if code:
-            raise SystemExit(f"overlap: `lean {' '.join(argv)}` exited with status {code}")
-        summary = json.loads((out / "bench" / "overlap.json").read_text())
-        metrics = flat_metrics(summary)
+        run_lean(ops)
+        run_lean(iteration)
+        metrics = flat_metrics(json.loads((out / "bench" / "overlap.json").read_text()))
+        iterations = json.loads((out / "sequence_parallel" / "sequence_parallel.json").read_text())
+        metrics |= sequence_parallel_metrics(iterations)
         run.log_metrics(metrics)
         run.log_artifact(out / "bench", "overlap")
+        run.log_artifact(out / "sequence_parallel", "sequence_parallel")
     write_json(out / "metrics.json", metrics)
 
 

@@ -39,7 +39,7 @@ REQUIRED = {
         "eval_reward_noise_std",
         "eval_learning_passes",
     ),
-    "overlap": ("overlap_exposed_ms_flash", "overlap_exposed_ms_collective"),
+    "overlap": ("overlap_exposed_ms_flash", "overlap_exposed_ms_collective", "sp_exposed_ms_reweight_collective"),
 }
 
 

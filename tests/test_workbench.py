@@ -182,7 +182,15 @@ TINY = {
             "train": {"prompts_per_iteration": 1, "group_size": 2, "rollout_batch_size": 2, "train_batch_size": 2},
         },
     },
-    "overlap": {"nproc": 2, "args": ["--quick", "--ops", "mlp.fc1", "--methods", "collective,flash", "--repeats", "2"]},
+    "overlap": {
+        "nproc": 2,
+        "args": ["--quick", "--ops", "mlp.fc1", "--methods", "collective,flash", "--repeats", "2"],
+        "sequence_parallel": {  # tiny Wan: 32 video tokens, 2 samples, 2 steps; one round
+            "repeats": 1,
+            "warmup": 0,
+            "set": ["model.family=wan", "train.prompts_per_iteration=1", "train.group_size=2", "sample.num_steps=2"],
+        },
+    },
 }
 _SMOKE: dict[str, Path] = {}
 
@@ -352,6 +360,7 @@ def test_dvc_repro_end_to_end(smoke):
         "max_rel_grad_diff_retain",
         "max_rel_grad_diff_reweight",
         "overlap_exposed_ms_flash",
+        "sp_exposed_ms_retain_flash",
         "reward_final_retain",
         "eval_reward_gain_retain",
         "eval_reward_noise_std",

@@ -126,6 +126,7 @@ class Policy(torch.nn.Module):
         self.reference_transformer = reference_transformer
         self._prompt_cache: dict[str, PromptEmbeds] = {}
         self._use_reference = False
+        self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         self.device, self.dtype = torch.device(device), dtype
         self.to(device=device).eval()
         for part in (reference_transformer, vae, self.text_encoders):

@@ -94,6 +94,9 @@ class Overlap:
     ``slices``: number of slices for ``sliced`` (default: the world size, the same granularity as ``flash``).
     ``bidirectional``: ``flash`` all-gather sends round the ring both ways (ceil((P-1)/2) steps instead of P-1).
     ``timeout``: seconds any single wait may take before :class:`PeerLost` is raised.
+    ``loopback``: every transfer replaced by a local copy of the same bytes (this rank's own data where a peer's would
+    arrive): the same GEMMs and copies with no communication, wrong numbers. Only for timing the compute-only run that
+    exposed communication is measured against (``lean bench schedules`` under sequence parallelism).
     """
 
     method: Method = "flash"
@@ -101,6 +104,7 @@ class Overlap:
     slices: int | None = None
     bidirectional: bool = False
     timeout: float = DEFAULT_TIMEOUT_S
+    loopback: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -167,10 +171,39 @@ def wait(works: Sequence[dist.Work], ov: Overlap, what: str) -> None:
 
 
 def exchange(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], ov: Overlap) -> list[dist.Work]:
-    """Posts the sends and receives (tensor, group rank) as one ``batch_isend_irecv``; returns the works."""
+    """Posts the sends and receives (tensor, group rank) as one ``batch_isend_irecv``; returns the works. (Every
+    caller pairs the i-th send with an i-th receive of the same shape, which is what ``loopback`` copies.)"""
+    if ov.loopback:
+        for (sent, _), (received, _) in zip(sends, recvs, strict=True):
+            received.copy_(sent)
+        return []
     ops = [dist.P2POp(dist.isend, t, ov.peer(j), ov.group) for t, j in sends]
     ops += [dist.P2POp(dist.irecv, t, ov.peer(j), ov.group) for t, j in recvs]
     return dist.batch_isend_irecv(ops)
+
+
+def post_all_gather(out: Tensor, chunk: Tensor, ov: Overlap) -> list[dist.Work]:
+    """``out`` (world x chunk's rows) <- every rank's ``chunk``, posted; loopback: ``chunk`` repeated."""
+    if ov.loopback:
+        out.view(-1, *chunk.shape).copy_(chunk)
+        return []
+    return [_all_gather(out, chunk, group=ov.group, async_op=True)]
+
+
+def post_reduce_scatter(out: Tensor, full: Tensor, ov: Overlap) -> list[dist.Work]:
+    """``out`` <- this rank's rows of the sum over ranks of ``full``, posted; loopback: its own rows."""
+    if ov.loopback:
+        out.copy_(full.view(-1, *out.shape)[ov.rank])
+        return []
+    return [_reduce_scatter(out, full, group=ov.group, async_op=True)]
+
+
+def post_all_to_all(recv: Tensor, send: Tensor, ov: Overlap) -> list[dist.Work]:
+    """``recv`` <- block r of every rank's ``send``, posted; loopback: ``send`` itself."""
+    if ov.loopback:
+        recv.copy_(send)
+        return []
+    return [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]
 
 
 def _one(j: int, world: int) -> slice:
@@ -186,16 +219,16 @@ def all_gather_apply(chunk: Tensor, consume: Consume, ov: Overlap) -> None:
     world, me, chunk = ov.world, ov.rank, chunk.contiguous()
     if ov.method == "collective":
         out = chunk.new_empty((world * chunk.shape[0], *chunk.shape[1:]))  # gloo wants the concatenated form
-        wait([_all_gather(out, chunk, group=ov.group, async_op=True)], ov, "all-gather")
+        wait(post_all_gather(out, chunk, ov), ov, "all-gather")
         consume(_ALL, _ALL, out.view(world, *chunk.shape))
         return
     if ov.method == "sliced":  # every slice's gather is queued at once; slice i computes while i+1.. fly
         pending = []
         for rows in row_slices(chunk.shape[0], ov.slices or world):
             out = chunk.new_empty((world * (rows.stop - rows.start), *chunk.shape[1:]))
-            pending.append((rows, out, _all_gather(out, chunk[rows], group=ov.group, async_op=True)))
-        for rows, out, work in pending:
-            wait([work], ov, "sliced all-gather")
+            pending.append((rows, out, post_all_gather(out, chunk[rows], ov)))  # works: none under loopback
+        for rows, out, works in pending:
+            wait(works, ov, "sliced all-gather")
             consume(_ALL, rows, out.view(world, -1, *chunk.shape[1:]))
         return
     # flash ring: chunks of ranks me-1, me-2, .. arrive from the left; with `bidirectional` the second half of them
@@ -240,14 +273,14 @@ def reduce_scatter_apply(produce: Produce, rows: int, ov: Overlap, dtype: torch.
     if ov.method == "collective":
         full = produce(_ALL, _ALL).contiguous()
         out = full.new_empty(full.shape[1:])
-        wait([_reduce_scatter(out, full.flatten(0, 1), group=ov.group, async_op=True)], ov, "reduce-scatter")
+        wait(post_reduce_scatter(out, full.flatten(0, 1), ov), ov, "reduce-scatter")
         return out
     if ov.method == "sliced":  # slice i reduces while slice i+1 computes; the last slice's reduction is exposed
         outs, works = [], []
         for part in row_slices(rows, ov.slices or world):
             full = produce(_ALL, part).contiguous()
             outs.append(full.new_empty(full.shape[1:]))
-            works.append(_reduce_scatter(outs[-1], full.flatten(0, 1), group=ov.group, async_op=True))
+            works += post_reduce_scatter(outs[-1], full.flatten(0, 1), ov)
         wait(works, ov, "sliced reduce-scatter")
         return torch.cat(outs)
     # flash ring: the partial sum of chunk c starts at rank c+1 and travels right, each rank adding its own partial;
@@ -325,7 +358,7 @@ def all_to_all_apply(
         for part in row_slices(rows, ov.slices or world) if ov.method == "sliced" else [_ALL]:
             send = produce(_ALL, part).contiguous()
             recv, in_place = landing(_ALL, part, send)
-            works = [dist.all_to_all_single(recv, send, group=ov.group, async_op=True)]
+            works = post_all_to_all(recv, send, ov)
             pending.append((_ALL, part, recv, in_place, works))
     else:  # flash: step k sends to me+k what was just computed for it, receives from me-k; the local block goes last
         for k in range(1, world):

@@ -20,7 +20,11 @@ PROVISIONAL_ADVANTAGE = 1.0  # Â: what a trajectory is backpropagated with befo
 
 
 def linear_owners(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> dict[torch.nn.Linear, list] | None:
-    """Map each ``nn.Linear`` holding trainable params to them; None if some trainable param is not in a Linear."""
+    """Map each ``nn.Linear`` holding trainable params to them; None if some trainable param is not in a Linear, or if
+    the model runs sequence-parallel (its fused projections read the Linear weights without calling the modules, so
+    no hook would see their inputs: ``lean.models.sequence_parallel``)."""
+    if getattr(model, "sequence_parallel", None) is not None:
+        return None
     wanted = {id(p) for p in params}
     owners: dict[torch.nn.Linear, list] = {}
     found = set()

@@ -1,0 +1,127 @@
+"""``lean bench schedules`` under sequence parallelism (``model.sequence_parallel`` > 1, run under ``lean launch``): one
+GRPO iteration of every schedule with every overlap method of the Ulysses all-to-alls, and once more with every
+transfer replaced by a local copy of the same bytes (``compute-only``, ``Overlap.loopback``: the same GEMMs, no
+communication, wrong numbers), measured interleaved in one run (``timed_rounds``: every round runs every variant from
+the same saved state, in alternating order; medians after the warm-up rounds).
+
+    exposed communication (ms per iteration) = median T_iter(method) - median T_iter(compute-only)
+
+the yardstick of ``lean bench overlap``'s ops, for a whole iteration: what the communication costs beyond the same
+computation, comparable across methods (a method that hides its transfers behind its GEMMs tends to 0; chunking
+overhead counts against it). On gloo the transfers are CPU copies by gloo's threads on the cores the GEMMs use; on
+NCCL the same code measures the GPU (``benchmarks/gpu_overlap.sh`` runs it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from lean.bench.schedules import BenchOptions, iteration_metrics, timed_rounds
+from lean.config import ConfigError, RunConfig
+from lean.distributed import set_threads
+from lean.metrics import median
+from lean.outputs import JsonLines, write_json
+from lean.overlap.p2p import METHODS
+from lean.schedules import SCHEDULES
+from lean.train import Trainer
+
+COMPUTE_ONLY = "compute-only"
+
+
+def bench_sequence_parallel(
+    cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
+) -> dict:
+    """Every schedule x (every method + compute-only), interleaved; writes ``out/sequence_parallel.json`` (and each
+    measured iteration to ``out/measured.jsonl`` as it ends) and returns it."""
+    set_threads(options.threads)
+    trainer = trainer or Trainer(cfg)
+    sp = trainer.policy.sequence_parallel
+    if sp is None:
+        raise ConfigError(
+            "model.sequence_parallel",
+            cfg.model.sequence_parallel,
+            "needs as many processes: run it under `lean launch -n P -- bench schedules ...`",
+        )
+    log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
+    state, configured = trainer.state.state_dict(), sp.ov
+    overlaps = {m: dataclasses.replace(configured, method=m, loopback=False) for m in METHODS}
+    overlaps[COMPUTE_ONLY] = dataclasses.replace(configured, method=METHODS[0], loopback=True)
+
+    def variant(schedule: str, method: str):
+        def run() -> dict:
+            sp.ov = overlaps[method]
+            return iteration_metrics(trainer, schedule)
+
+        return run
+
+    variants = {f"{s}/{m}": variant(s, m) for s in SCHEDULES for m in overlaps}
+    try:
+        rows = timed_rounds(trainer, state, options, log, variants)
+    finally:
+        sp.ov = configured
+        trainer.state.load_state_dict(state)
+    result: dict = {
+        "config": {
+            "family": cfg.model.family,
+            "size": cfg.model.size,
+            "dtype": cfg.model.dtype,
+            "num_steps": cfg.sample.num_steps,
+            "resolution": cfg.model.resolution,
+            "sequence_parallel": sp.size,
+            "processes": trainer.world.size,
+            "tokens": trainer.policy.arch.image_seq_len,
+            "samples_per_group": len(trainer.pipeline.local_batch(0).prompts),
+            "repeats": options.repeats,
+            "warmup": options.warmup,
+            "threads": torch.get_num_threads(),
+        },
+        "methods": list(overlaps),
+    }
+    for s in SCHEDULES:
+        times = {m: [row["time_iteration_s"] for row in rows[f"{s}/{m}"]] for m in overlaps}
+        compute = median(times[COMPUTE_ONLY])
+        result[s] = {
+            m: {
+                "time_iteration_s": median(t),
+                "exposed_ms": (median(t) - compute) * 1e3,
+                "time_iteration_all_s": t,
+            }
+            for m, t in times.items()
+        }
+    if trainer.world.is_main:
+        print(format_table(result))
+        if out:
+            write_json(Path(out) / "sequence_parallel.json", result)
+    return result
+
+
+def flat_metrics(result: dict) -> dict[str, float]:
+    """One key per schedule and method: ``sp_exposed_ms_<schedule>_<method>``, ``sp_time_iteration_s_<...>``."""
+    out = {}
+    for s in SCHEDULES:
+        for m, e in result[s].items():
+            key = f"{s}_{m.replace('-', '_')}"
+            out[f"sp_time_iteration_s_{key}"] = e["time_iteration_s"]
+            if m != COMPUTE_ONLY:
+                out[f"sp_exposed_ms_{key}"] = e["exposed_ms"]
+    return out
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    methods = [m for m in result["methods"] if m != COMPUTE_ONLY]
+    lines = [
+        f"lean bench schedules, sequence parallel: {c['family']}/{c['size']} {c['resolution']} px {c['dtype']}, "
+        f"{c['tokens']} tokens split over {c['sequence_parallel']} processes ({c['processes']} in all), "
+        f"{c['samples_per_group']} samples per group, {c['num_steps']} steps, median of {c['repeats']}",
+        f"{'schedule':10} {'compute-only s':>15} "
+        + " ".join(f"{m + ' s':>13} {'exposed ms':>11}" for m in methods),
+    ]
+    for s in SCHEDULES:
+        e = result[s]
+        cells = " ".join(f"{e[m]['time_iteration_s']:13.3f} {e[m]['exposed_ms']:11.1f}" for m in methods)
+        lines.append(f"{s:10} {e[COMPUTE_ONLY]['time_iteration_s']:15.3f} {cells}")
+    return "\n".join(lines)

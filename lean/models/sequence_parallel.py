@@ -1,0 +1,151 @@
+"""Sequence parallelism for the policies (``model.sequence_parallel: P``): the transformer's tokens split over the P
+ranks of a sequence-parallel group, Ulysses attention inside diffusers' blocks (arXiv:2309.14509).
+
+Every rank of the group holds the same trajectories (data parallelism is over groups); inside the transformer rank r
+computes tokens r*S/P .. (r+1)*S/P through every block and all-gathers the output, so the velocity, the SDE step and
+the loss are the same on every rank. Attention swaps tokens for heads and back with all-to-alls; the families hook
+that in as diffusers attention processors and module hooks (``Family.shard_sequence``), no model code is forked.
+
+The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``model.overlap``:
+
+    q, k, v of my heads, all tokens  = matmul_all_to_all(x_r, [W_q W_k W_v] column block of each rank)
+                                       + all_gather_matmul(x_r A^T, s B^T of my heads)                  (LoRA)
+    y_r = o @ W_o^T, my tokens       = all_to_all_matmul(o of my heads, W_o^T row block of each rank)
+                                       + matmul_reduce_scatter(o of my heads, A_o^T my rows) s B_o^T     (LoRA)
+
+so a LoRA adapter stays inside the overlapped projections: its low-rank activations travel beside the blocks (an
+all-gather of x_r A^T, r columns; a reduce-scatter of o A_o^T) and the frozen base weight needs no gradient.
+
+Gradients follow ``lean.overlap.sequence``'s shares: each rank's weight gradients are its tokens' and heads' part,
+and ``World.reduce_gradients_`` sums them over the group (and averages over data-parallel groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lean.overlap.autograd import AllGatherMatmul, AllToAllMatmul, MatmulAllToAll, MatmulReduceScatter
+from lean.overlap.p2p import Overlap
+
+
+@dataclass
+class SequenceParallel:
+    """What the installed processors and hooks read at every call: the group and the method (``ov``, which the
+    benchmark switches between rounds), and the hooks' handles."""
+
+    ov: Overlap
+    handles: list = field(default_factory=list)
+    text_tokens: int | None = None  # a joint-attention family's whole text length, noted by its hook each forward
+
+    @property
+    def size(self) -> int:
+        return self.ov.world
+
+
+@dataclass(frozen=True)
+class LinearParts:
+    """A ``nn.Linear`` (or a peft LoRA ``Linear``) as its terms: ``x W^T + b + sum_a s_a (x A_a^T) B_a^T``."""
+
+    weight: Tensor  # (out, in)
+    bias: Tensor | None
+    lora: list[tuple[Tensor, Tensor, float]]  # (A (r, in), B (out, r), scaling) of each active adapter
+
+
+def linear_parts(module: nn.Module) -> LinearParts:
+    """The terms ``module`` computes now (adapters disabled or merged: none); refuses what it cannot fuse."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return LinearParts(module.weight, module.bias, [])
+    lora = []
+    if not module.disable_adapters and not module.merged:
+        for name in module.active_adapters:
+            if name not in module.lora_A:
+                continue
+            if module.use_dora.get(name) or not isinstance(module.lora_dropout[name], nn.Identity):
+                raise ValueError(f"sequence parallelism fuses plain LoRA only (adapter {name!r}: DoRA or dropout)")
+            lora.append((module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]))
+    return LinearParts(base.weight, base.bias, lora)
+
+
+def heads_slice(rank: int, local_heads: int, head_dim: int) -> slice:
+    """Features of rank ``rank``'s heads in a (heads x head_dim) feature axis."""
+    return slice(rank * local_heads * head_dim, (rank + 1) * local_heads * head_dim)
+
+
+def fused_projections(x: Tensor, projections: Sequence[nn.Module], heads: int, ov: Overlap) -> Tensor:
+    """Ulysses entry: this rank's heads of every projection, for every token of the group.
+
+    ``x (s, *B, D)`` this rank's tokens (sequence first) -> ``(P*s, *B, n, H/P, hd)``, n = len(projections), each
+    projection ``D -> H*hd`` (e.g. to_q, to_k, to_v). Rank j's column block of the stacked weights is computed and
+    sent as soon as it is ready (``matmul_all_to_all``); biases and LoRA are added on the receiving side.
+    """
+    world, parts = ov.world, [linear_parts(m) for m in projections]
+    n, (features, d) = len(parts), parts[0].weight.shape
+    local, head_dim = heads // world, features // heads
+    width = local * head_dim
+    # block j: [W_1^T | .. | W_n^T] restricted to the columns of rank j's heads  (P, D, n * width)
+    w_blocks = torch.stack([p.weight for p in parts]).view(n, world, width, d).permute(1, 3, 0, 2).reshape(world, d, -1)
+    y = MatmulAllToAll.apply(x, w_blocks, ov).unflatten(-1, (n, width))
+    mine = heads_slice(ov.rank, local, head_dim)
+    if all(p.bias is not None for p in parts):
+        y = y + torch.stack([p.bias[mine] for p in parts])
+    if any(p.lora for p in parts):
+        # u = x A^T of every adapter (s, *B, R); B^T of my heads as one block-diagonal (R, n * width) matrix
+        u = torch.cat([x @ a.t() for p in parts for a, _, _ in p.lora], -1)
+        up = torch.block_diag(
+            *[torch.cat([(s * b[mine]).t() for _, b, s in p.lora] or [u.new_zeros(0, width)]) for p in parts]
+        )
+        y = y + AllGatherMatmul.apply(u, up, ov).unflatten(-1, (n, width))
+    return y.unflatten(-1, (local, head_dim))
+
+
+def fused_output(o: Tensor, projection: nn.Module, ov: Overlap) -> Tensor:
+    """Ulysses exit: ``o (P*s, *B, H/P * hd)`` (this rank's heads, every token) -> this rank's tokens of
+    ``o_all_heads @ W^T + b`` (+ LoRA), ``(s, *B, D)``; rank j's rows arrive while the next block multiplies."""
+    world, parts = ov.world, linear_parts(projection)
+    d, width = parts.weight.shape[0], o.shape[-1]
+    w_blocks = parts.weight.t().reshape(world, width, d)  # row block j: rank j's heads
+    y = AllToAllMatmul.apply(o, w_blocks, ov)
+    if parts.lora:
+        mine = slice(ov.rank * width, (ov.rank + 1) * width)
+        downs = [a[:, mine] for a, _, _ in parts.lora]
+        down = MatmulReduceScatter.apply(o, torch.cat(downs).t(), ov)  # (s, *B, R)
+        for (_, b, s), z in zip(parts.lora, down.split([a.shape[0] for a in downs], -1), strict=True):
+            y = y + (z @ b.t()) * s
+    return y if parts.bias is None else y + parts.bias
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Non-causal softmax attention of sequence-first ``(S, *B, h, hd)`` tensors -> ``(S, *B, h * hd)``."""
+    to_heads_first = lambda t: t.movedim(0, -2)  # noqa: E731  (*B, h, S, hd)
+    o = F.scaled_dot_product_attention(to_heads_first(q), to_heads_first(k), to_heads_first(v))
+    return o.movedim(-2, 0).flatten(-2)
+
+
+def base_model(transformer: nn.Module) -> nn.Module:
+    """The diffusers model under a peft wrapper (hooks go on its submodules: peft calls its ``forward`` directly)."""
+    return transformer.get_base_model() if hasattr(transformer, "get_base_model") else transformer
+
+
+def sequence_problem(policy, size: int) -> str | None:
+    """Why ``policy`` cannot split over ``size`` ranks (heads and tokens must divide), or None."""
+    heads = base_model(policy.transformer).config.num_attention_heads
+    tokens = {"heads": heads, "image/video tokens": policy.arch.image_seq_len}
+    if policy.arch.splits_text:
+        tokens["text tokens (model.text_max_length)"] = policy.text_max_length
+    bad = [f"{n} {what}" for what, n in tokens.items() if n % size]
+    return f"must divide the {', '.join(bad)}" if bad else None
+
+
+def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequenceParallel:
+    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy and, in
+    a full fine-tune, its reference copy); one :class:`SequenceParallel` drives them all."""
+    sp = SequenceParallel(ov)
+    for net in transformers:
+        sp.handles += arch.shard_sequence(base_model(net), sp)
+    return sp

@@ -1,0 +1,217 @@
+"""Sequence parallelism (``model.sequence_parallel``): the sharded transformer equals the whole one, and training under
+it ends with the weights of one process (float64, 1e-10).
+
+Unit level, on real gloo processes: a policy's velocity and its LoRA (or full fine-tune) gradients, the forward and
+backward of every overlap method, against the same policy unsharded in the same process. Training level: ``lean
+launch`` of ``lean train`` with ``sequence_parallel`` (2 ranks = 1 group; 4 ranks = 2 data-parallel x 2 sequence
+parallel) against ``lean train`` on one process, for each schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import free_port
+from safetensors.torch import load_file
+
+from lean.config import ModelConfig
+from lean.models import build_policy, family_module
+from lean.models.sequence_parallel import enable
+from lean.overlap.p2p import METHODS, Overlap
+from lean.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens
+
+TOLERANCE = 1e-10
+PROMPTS = ["a red cube", "a blue ball"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _wide_heads(family: str, heads: int) -> str:
+    """A tiny size with ``heads`` heads of the same width (so 4 ranks can split them); returns its name."""
+    sizes = family_module(family).SIZES
+    name = f"tiny{heads}h"
+    if name not in sizes:
+        spec = copy.deepcopy(sizes["tiny"])
+        t = spec["transformer"]
+        t["attention_head_dim"] = t["attention_head_dim"] * t["num_attention_heads"] // heads
+        t["num_attention_heads"] = heads
+        if "axes_dims_rope" in t:  # FLUX: the rotary axes must add up to the head width
+            t["axes_dims_rope"] = [t["attention_head_dim"] - 2 * (t["attention_head_dim"] // 4 // 2 * 2)] + [
+                t["attention_head_dim"] // 4 // 2 * 2
+            ] * 2
+        sizes[name] = spec
+    return name
+
+
+def _velocity_and_grads(policy, x, sigma, emb, weights):
+    policy.zero_grad(set_to_none=True)
+    v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+    (v * weights).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for _, p in policy.trainable_parameters()])
+    return v.detach(), grads
+
+
+def _policy_worker(rank: int, world: int, port: int, family: str, full_finetune: bool, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        size = _wide_heads(family, 4) if world == 4 else "tiny"
+        model = ModelConfig(family=family, size=size, dtype="float64", full_finetune=full_finetune, lora_ffn=True)
+        policy = build_policy(model, PROMPTS)
+        if not full_finetune:
+            policy.perturb_lora_(0.05, torch.Generator().manual_seed(1))  # B = 0 would hide the LoRA terms
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, *policy.latent_shape(), generator=g, dtype=torch.float64)
+        sigma = torch.tensor([0.7, 0.3], dtype=torch.float64)
+        emb = policy.encode_prompts(PROMPTS)
+        weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        v_ref, g_ref = _velocity_and_grads(policy, x, sigma, emb, weights)
+        nets = [policy.transformer] + ([policy.reference_transformer] if full_finetune else [])
+        sp = enable(nets, policy.arch, Overlap(METHODS[0]))
+        result = {}
+        for method in METHODS:
+            sp.ov = Overlap(method)
+            v, grads = _velocity_and_grads(policy, x, sigma, emb, weights)
+            dist.all_reduce(grads)  # each rank's gradient is its share's (lean.overlap.sequence)
+            with torch.no_grad(), policy.reference():
+                ref_v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            result[method] = {"velocity": _rel(v, v_ref), "grads": _rel(grads, g_ref), "ref_norm": ref_v.norm().item()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ops_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The token ops alone: split / gather and the Ulysses all-to-alls, forward and backward, every method."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        g = torch.Generator().manual_seed(0)
+        full = torch.randn(3, 4 * world, 2 * world, 5, generator=g, dtype=torch.float64)  # (B, S, H, hd)
+        result = {}
+        for method in METHODS:
+            ov = Overlap(method)
+            x = split_tokens(full, 1, ov).transpose(0, 1).requires_grad_()  # (s, B, H, hd)
+            heads = seq_to_heads(x, 2, ov)  # (S, B, H/P, hd)
+            mine = full.transpose(0, 1).unflatten(2, (world, -1))[:, :, rank]
+            back = heads_to_seq(heads * 2, 2, ov)
+            y = gather_tokens(back.transpose(0, 1), 1, ov)
+            (y.square().sum() / 4).backward()  # d/dx of (2x)^2 / 4 = 2x: the share of this rank's rows
+            result[method] = [
+                _rel(heads, mine),
+                _rel(y, 2 * full),
+                _rel(x.grad, 2 * x.detach()),
+            ]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args, deadline_s: float) -> None:
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world} sequence-parallel test processes still running after {deadline_s}s")
+
+
+def _results(folder: Path, world: int) -> list[dict]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_token_ops_are_exact_in_every_method(world, tmp_path):
+    _spawn(_ops_worker, world, str(tmp_path), deadline_s=100)
+    for rank, result in enumerate(_results(tmp_path, world)):
+        for method, errors in result.items():
+            assert max(errors) < 1e-14, (rank, method, errors)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "family,world,full_finetune",
+    [("wan", 2, False), ("wan", 4, False), ("flux", 2, False), ("flux", 4, False), ("wan", 2, True)],
+)
+def test_sharded_velocity_and_gradients_equal_one_process(family, world, full_finetune, tmp_path):
+    _spawn(_policy_worker, world, family, full_finetune, str(tmp_path), deadline_s=280)
+    for rank, result in enumerate(_results(tmp_path, world)):
+        for method, errors in result.items():
+            assert errors["velocity"] < TOLERANCE and errors["grads"] < TOLERANCE, (rank, method, errors)
+
+
+SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
+SMALL += ["model.dtype=float64", "train.beta=0.04", "train.iterations=2", "train.lr=1e-3"]
+
+
+def _lean(*args: str, timeout: float = 200) -> None:
+    proc = subprocess.run([sys.executable, "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _train(out: Path, values: list[str], processes: int = 1) -> dict[str, torch.Tensor]:
+    sets = [arg for value in values for arg in ("--set", value)]
+    launch = ["launch", "-n", str(processes), "--"] if processes > 1 else []
+    _lean(*launch, "train", *sets, "--out", str(out))
+    return load_file(out / "lora.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """``lean train`` on one process, per (family, schedule), trained once for the module."""
+    runs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+
+    def run(family: str, schedule: str) -> dict[str, torch.Tensor]:
+        if (family, schedule) not in runs:
+            out = tmp_path_factory.mktemp(f"{family}-{schedule}")
+            runs[family, schedule] = _train(out, [*SMALL, f"model.family={family}", f"train.schedule={schedule}"])
+        return runs[family, schedule]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "family,processes,schedule,method",
+    [  # every schedule and every method per family; 4 processes = 2 data-parallel x 2 sequence-parallel
+        ("wan", 2, "recompute", "flash"),
+        ("wan", 2, "retain", "sliced"),
+        ("wan", 2, "reweight", "collective"),
+        ("wan", 4, "reweight", "flash"),
+        ("flux", 2, "recompute", "collective"),
+        ("flux", 2, "retain", "flash"),
+        ("flux", 2, "reweight", "sliced"),
+        ("flux", 4, "retain", "sliced"),
+    ],
+)
+def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_process(
+    family, processes, schedule, method, one_process, tmp_path
+):
+    """Two iterations (AdamW, KL) of ``lean launch -n P -- train --set model.sequence_parallel=2``: the same LoRA
+    weights as ``lean train`` on one process (float64, 1e-10 relative)."""
+    sp = ["model.sequence_parallel=2", f"model.overlap={method}"]
+    shared = [*SMALL, f"model.family={family}", f"train.schedule={schedule}"]
+    sharded = _train(tmp_path, [*shared, *sp], processes)
+    reference = one_process(family, schedule)
+    assert sharded.keys() == reference.keys() and len(reference) > 4
+    assert max(_rel(sharded[k], reference[k]) for k in reference) < TOLERANCE
