@@ -117,8 +117,7 @@ def format_table(result: dict) -> str:
         f"lean bench schedules, sequence parallel: {c['family']}/{c['size']} {c['resolution']} px {c['dtype']}, "
         f"{c['tokens']} tokens split over {c['sequence_parallel']} processes ({c['processes']} in all), "
         f"{c['samples_per_group']} samples per group, {c['num_steps']} steps, median of {c['repeats']}",
-        f"{'schedule':10} {'compute-only s':>15} "
-        + " ".join(f"{m + ' s':>13} {'exposed ms':>11}" for m in methods),
+        f"{'schedule':10} {'compute-only s':>15} " + " ".join(f"{m + ' s':>13} {'exposed ms':>11}" for m in methods),
     ]
     for s in SCHEDULES:
         e = result[s]

@@ -9,12 +9,14 @@ that in as diffusers attention processors and module hooks (``Family.shard_seque
 The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``model.overlap``:
 
     q, k, v of my heads, all tokens  = matmul_all_to_all(x_r, [W_q W_k W_v] column block of each rank)
-                                       + all_gather_matmul(x_r A^T, s B^T of my heads)                  (LoRA)
+                                       + s all_gather(x_r A^T) B[my heads]^T                             (LoRA)
     y_r = o @ W_o^T, my tokens       = all_to_all_matmul(o of my heads, W_o^T row block of each rank)
-                                       + matmul_reduce_scatter(o of my heads, A_o^T my rows) s B_o^T     (LoRA)
+                                       + s reduce_scatter(o A_o[:, my heads]^T) B_o^T                    (LoRA)
 
-so a LoRA adapter stays inside the overlapped projections: its low-rank activations travel beside the blocks (an
-all-gather of x_r A^T, r columns; a reduce-scatter of o A_o^T) and the frozen base weight needs no gradient.
+so a LoRA adapter stays inside the overlapped projections: its low-rank activations (r columns) travel beside the
+blocks, one small all-gather or reduce-scatter, and the frozen base weight needs no gradient. The adapter's own
+modules (or, where only a slice of a factor applies, :func:`linear_slice`) compute every LoRA product, so per-sample
+gradient capture (``lean.schedules.per_sample``, Reweight and Retain's backward beside the scoring) sees them.
 
 Gradients follow ``lean.overlap.sequence``'s shares: each rank's weight gradients are its tokens' and heads' part,
 and ``World.reduce_gradients_`` sums them over the group (and averages over data-parallel groups).
@@ -29,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lean.overlap.autograd import AllGatherMatmul, AllToAllMatmul, MatmulAllToAll, MatmulReduceScatter
+from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
 from lean.overlap.p2p import Overlap
+from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
 
 
 @dataclass
@@ -49,11 +52,11 @@ class SequenceParallel:
 
 @dataclass(frozen=True)
 class LinearParts:
-    """A ``nn.Linear`` (or a peft LoRA ``Linear``) as its terms: ``x W^T + b + sum_a s_a (x A_a^T) B_a^T``."""
+    """A ``nn.Linear`` (or a peft LoRA ``Linear``) as its terms: ``x W^T + b + sum_a s_a B_a(A_a(x))``."""
 
     weight: Tensor  # (out, in)
     bias: Tensor | None
-    lora: list[tuple[Tensor, Tensor, float]]  # (A (r, in), B (out, r), scaling) of each active adapter
+    lora: list[tuple[nn.Linear, nn.Linear, float]]  # (A: in -> r, B: r -> out, scaling) of each active adapter
 
 
 def linear_parts(module: nn.Module) -> LinearParts:
@@ -68,8 +71,20 @@ def linear_parts(module: nn.Module) -> LinearParts:
                 continue
             if module.use_dora.get(name) or not isinstance(module.lora_dropout[name], nn.Identity):
                 raise ValueError(f"sequence parallelism fuses plain LoRA only (adapter {name!r}: DoRA or dropout)")
-            lora.append((module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]))
+            lora.append((module.lora_A[name], module.lora_B[name], module.scaling[name]))
     return LinearParts(base.weight, base.bias, lora)
+
+
+def linear_slice(module: nn.Linear, x: Tensor, rows: slice | None = None, cols: slice | None = None) -> Tensor:
+    """``x @ W[rows, cols]^T`` of a bias-free ``module`` (a LoRA factor), announced to its per-sample recorder
+    (``lean.schedules.per_sample.PerSampleGrads``, attached as ``module.per_sample`` while it captures) as the part
+    ``[rows, cols]`` of the module's weight that this product uses."""
+    w = module.weight[rows or slice(None)][:, cols or slice(None)]
+    y = F.linear(x, w)
+    recorder = getattr(module, "per_sample", None)
+    if recorder is not None:
+        recorder.record(module, x, y, rows=rows, cols=cols)
+    return y
 
 
 def heads_slice(rank: int, local_heads: int, head_dim: int) -> slice:
@@ -95,12 +110,18 @@ def fused_projections(x: Tensor, projections: Sequence[nn.Module], heads: int, o
     if all(p.bias is not None for p in parts):
         y = y + torch.stack([p.bias[mine] for p in parts])
     if any(p.lora for p in parts):
-        # u = x A^T of every adapter (s, *B, R); B^T of my heads as one block-diagonal (R, n * width) matrix
-        u = torch.cat([x @ a.t() for p in parts for a, _, _ in p.lora], -1)
-        up = torch.block_diag(
-            *[torch.cat([(s * b[mine]).t() for _, b, s in p.lora] or [u.new_zeros(0, width)]) for p in parts]
-        )
-        y = y + AllGatherMatmul.apply(u, up, ov).unflatten(-1, (n, width))
+        # u = A(x) of every adapter on this rank's tokens (batch first, as the adapter's hooks expect), gathered;
+        # each adapter's B restricted to my heads' rows then gives its projection's columns
+        batch_first = x.movedim(0, -2)  # (*B, s, D)
+        u = all_gather_shares(torch.cat([a(batch_first) for p in parts for a, _, _ in p.lora], -1), -2, ov)
+        lora, start = [], 0
+        for p in parts:
+            term = 0
+            for a, b, s in p.lora:
+                term = term + linear_slice(b, u[..., start : start + a.out_features], rows=mine) * s
+                start += a.out_features
+            lora.append(term if p.lora else u.new_zeros(()).expand(*u.shape[:-1], width))
+        y = y + torch.stack(lora, -2).movedim(-3, 0)  # (*B, S, n, width) -> (S, *B, n, width)
     return y.unflatten(-1, (local, head_dim))
 
 
@@ -112,11 +133,11 @@ def fused_output(o: Tensor, projection: nn.Module, ov: Overlap) -> Tensor:
     w_blocks = parts.weight.t().reshape(world, width, d)  # row block j: rank j's heads
     y = AllToAllMatmul.apply(o, w_blocks, ov)
     if parts.lora:
-        mine = slice(ov.rank * width, (ov.rank + 1) * width)
-        downs = [a[:, mine] for a, _, _ in parts.lora]
-        down = MatmulReduceScatter.apply(o, torch.cat(downs).t(), ov)  # (s, *B, R)
-        for (_, b, s), z in zip(parts.lora, down.split([a.shape[0] for a in downs], -1), strict=True):
-            y = y + (z @ b.t()) * s
+        # z = A(o): my heads' columns of each A give a partial sum over heads, reduce-scattered to token owners
+        mine, batch_first = slice(ov.rank * width, (ov.rank + 1) * width), o.movedim(0, -2)  # (*B, S, width)
+        partial = torch.cat([linear_slice(a, batch_first, cols=mine) for a, _, _ in parts.lora], -1)
+        z = reduce_scatter_tokens(partial, -2, ov).split([a.out_features for a, _, _ in parts.lora], -1)
+        y = y + sum(b(zi) * s for (_, b, s), zi in zip(parts.lora, z, strict=True)).movedim(-2, 0)
     return y if parts.bias is None else y + parts.bias
 
 

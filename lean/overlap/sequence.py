@@ -10,6 +10,9 @@ sum data parallelism takes anyway, ``World.reduce_gradients_``). At the ends of 
     gather_tokens     forward: every rank's tokens, in order; backward: this rank's rows of dL/dy. After the gather
                       every rank computes the same, replicated L, so its rows of dL/dy are exactly its share's gradient.
     all_reduce_sum    forward: the sum over ranks; backward: the sum over ranks of the shares' gradients
+    all_gather_shares forward: every rank's tokens; backward: the sum over ranks of the gradients of this rank's rows
+                      (a reduce-scatter: inside the region every rank's rows feed every rank's share)
+    reduce_scatter_tokens  forward: this rank's rows of the sum over ranks; backward: the gradient all-gathered
     seq_to_heads      (s, *B, H, ..) sequence shard, all heads -> (P*s, *B, H/P, ..) whole sequence, this rank's heads
     heads_to_seq      its inverse; each of the two is the other's backward (DeepSpeed-Ulysses, arXiv:2309.14509)
 
@@ -25,7 +28,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
-from lean.overlap.p2p import Overlap, all_gather_apply, all_to_all_apply, divisible_rows, wait
+from lean.overlap.p2p import (
+    Overlap,
+    all_gather_apply,
+    all_to_all_apply,
+    divisible_rows,
+    reduce_scatter_apply,
+    wait,
+)
 
 
 def split_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
@@ -44,18 +54,62 @@ class _GatherTokens(Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
         ctx.dim, ctx.ov, ctx.rows = dim, ov, x.shape[dim]
-        chunk = x.movedim(dim, 0)
-        out = chunk.new_empty((ov.world, *chunk.shape))
-
-        def keep(peers: slice, rows: slice, block: Tensor) -> None:
-            out[peers, rows] = block
-
-        all_gather_apply(chunk, keep, dataclasses.replace(ov, method="collective"))
-        return out.flatten(0, 1).movedim(0, dim)
+        return _gather(x, dim, ov)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         return dy.narrow(ctx.dim, ctx.ov.rank * ctx.rows, ctx.rows), None, None
+
+
+def _gather(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    chunk = x.movedim(dim, 0)
+    out = chunk.new_empty((ov.world, *chunk.shape))
+
+    def keep(peers: slice, rows: slice, block: Tensor) -> None:
+        out[peers, rows] = block
+
+    all_gather_apply(chunk, keep, dataclasses.replace(ov, method="collective"))
+    return out.flatten(0, 1).movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    chunks = x.movedim(dim, 0)
+    chunks = chunks.reshape(ov.world, divisible_rows(chunks, ov.world, "reduce_scatter_tokens"), *chunks.shape[1:])
+    collective = dataclasses.replace(ov, method="collective")
+    out = reduce_scatter_apply(lambda peers, rows: chunks[peers, rows], chunks.shape[1], collective, x.dtype)
+    return out.movedim(0, dim)
+
+
+class _AllGatherShares(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
+        ctx.dim, ctx.ov = dim, ov
+        return _gather(x, dim, ov)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        return _reduce_scatter(dy, ctx.dim, ctx.ov), None, None
+
+
+class _ReduceScatterTokens(Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
+        ctx.dim, ctx.ov = dim, ov
+        return _reduce_scatter(x, dim, ov)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        return _gather(dy, ctx.dim, ctx.ov), None, None
+
+
+def all_gather_shares(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """Every rank's block of the ``dim`` axis, in rank order, inside the sharded region (backward: reduce-scatter)."""
+    return _AllGatherShares.apply(x, dim, ov)
+
+
+def reduce_scatter_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """This rank's block of the ``dim`` axis of the sum over ranks of ``x`` (backward: all-gather)."""
+    return _ReduceScatterTokens.apply(x, dim, ov)
 
 
 def gather_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:

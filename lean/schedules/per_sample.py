@@ -20,10 +20,10 @@ PROVISIONAL_ADVANTAGE = 1.0  # Â: what a trajectory is backpropagated with befo
 
 
 def linear_owners(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> dict[torch.nn.Linear, list] | None:
-    """Map each ``nn.Linear`` holding trainable params to them; None if some trainable param is not in a Linear, or if
-    the model runs sequence-parallel (its fused projections read the Linear weights without calling the modules, so
-    no hook would see their inputs: ``lean.models.sequence_parallel``)."""
-    if getattr(model, "sequence_parallel", None) is not None:
+    """Map each ``nn.Linear`` holding trainable params to them; None if some trainable param is not in a Linear, or if a
+    sequence-parallel model trains its base weights (the fused projections multiply by them without calling their
+    modules: ``lean.models.sequence_parallel``; a LoRA adapter's factors are recorded there)."""
+    if getattr(model, "sequence_parallel", None) is not None and getattr(model, "full_finetune", False):
         return None
     wanted = {id(p) for p in params}
     owners: dict[torch.nn.Linear, list] = {}
@@ -82,7 +82,10 @@ class TrajectoryBuffers:
 
 class PerSampleGrads:
     """Every tracked forward through an owning Linear keeps its input; a backward run while ``accumulating`` adds
-    each row's gradient into the buffer of trajectory ``trajectories[row mod b]``."""
+    each row's gradient into the buffer of trajectory ``trajectories[row mod b]``.
+
+    Code that multiplies by a slice of an owner's weight without calling the module (sequence parallelism's fused
+    projections) announces the product through ``module.per_sample.record(module, x, y, rows, cols)``."""
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], buffers: TrajectoryBuffers):
         owners = linear_owners(model, params)
@@ -93,34 +96,48 @@ class PerSampleGrads:
         self.accumulating = False  # only the backward of the advantage-weighted term is split per trajectory
         self.handles = [m.register_forward_hook(self._forward_hook) for m in owners]
         self.owners = owners
+        for m in owners:
+            m.per_sample = self
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        for m in self.owners:
+            del m.per_sample
 
     def _forward_hook(self, module, inputs, output):
-        if not output.requires_grad:
-            return
-        x = inputs[0].detach()
-        output.register_hook(lambda delta: self._accumulate(module, x, delta.detach()))
+        self.record(module, inputs[0], output)
 
-    def _accumulate(self, module: torch.nn.Linear, x: torch.Tensor, delta: torch.Tensor) -> None:
+    def record(self, module: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, rows=None, cols=None) -> None:
+        """``y = x W[rows, cols]^T (+ b[rows])`` was computed with ``module``'s weight (slices, or None: whole): each
+        batch row's gradient goes to that part of the weight's buffers when the backward reaches ``y``."""
+        if not y.requires_grad:
+            return
+        x = x.detach()
+        y.register_hook(lambda delta: self._accumulate(module, x, delta.detach(), rows, cols))
+
+    def _accumulate(
+        self, module: torch.nn.Linear, x: torch.Tensor, delta: torch.Tensor, rows: slice | None, cols: slice | None
+    ) -> None:
         if not self.accumulating:
             return
-        rows, traj = x.shape[0], self.trajectories
-        if rows % len(traj):
-            raise RuntimeError(f"layer input has {rows} rows, not a multiple of {len(traj)} trajectories")
-        x3 = x.reshape(rows, -1, x.shape[-1])
-        d3 = delta.reshape(rows, -1, delta.shape[-1])
+        n, traj = x.shape[0], self.trajectories
+        if n % len(traj):
+            raise RuntimeError(f"layer input has {n} rows, not a multiple of {len(traj)} trajectories")
+        x3 = x.reshape(n, -1, x.shape[-1])
+        d3 = delta.reshape(n, -1, delta.shape[-1])
         for p in self.owners[module]:
             if p is not module.weight:
                 g = d3.sum(dim=1)
-            elif module.out_features > module.in_features:  # same product, transposed: BLAS is several times
+                part = (rows or slice(None),)
+            elif d3.shape[-1] > x3.shape[-1]:  # same product, transposed: BLAS is several times
                 g = torch.bmm(x3.transpose(1, 2), d3).transpose(1, 2)  # faster with the long side last (LoRA B)
+                part = (rows or slice(None), cols or slice(None))
             else:
                 g = torch.bmm(d3.transpose(1, 2), x3)  # [rows, out, in]
-            g = g.reshape(rows // len(traj), len(traj), -1).sum(dim=0)  # CFG: [uncond rows, cond rows] -> trajectory
-            block = self.buffers.block(p)
+                part = (rows or slice(None), cols or slice(None))
+            g = g.reshape(n // len(traj), len(traj), *g.shape[1:]).sum(dim=0)  # CFG: [uncond, cond] -> trajectory
+            block = self.buffers.block(p).view(-1, *p.shape)[(slice(None), *part)]
             block.index_add_(0, traj, g.to(block.dtype))
 
 
