@@ -615,12 +615,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
             "train.shard", t.shard, "is not combined with model.sequence_parallel yet; set train.shard=none"
         )
     world_size //= m.sequence_parallel  # data-parallel ranks from here on
+    ranks = "processes" if m.sequence_parallel == 1 else "data-parallel ranks (processes / model.sequence_parallel)"
     n = cfg.samples_per_iteration
     if n % world_size:
         raise ConfigError(
             "train.prompts_per_iteration",
             t.prompts_per_iteration,
-            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} data-parallel ranks",
+            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} {ranks}",
         )
     if t.layout == "group" and (problem := group_layout_problem(t, world_size)):
         raise ConfigError("train.layout", t.layout, problem)

@@ -41,7 +41,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from lean.bench.overlap_report import flat_metrics
+from lean.bench.overlap_report import flat_metrics, print_video_ulysses
 from lean.bench.sequence_parallel import COMPUTE_ONLY, format_table
 from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.workbench.notebook import NotebookLog
@@ -114,6 +114,7 @@ fig.suptitle(projection["shapes"], fontsize=8)
 fig.tight_layout()
 log.figure(fig, "overlap_projection.png")
 plt.show()
+print_video_ulysses(projection.get("video_ulysses", []))  # sequence parallelism's Ulysses block at Wan's shapes
 
 # %% [markdown]
 # ## The model against published figures

@@ -239,6 +239,7 @@ def write_projection(path: Path) -> dict:
         "rows": rows,
         "blocks": projection.block_totals(rows),
         "published": projection.published_comparison(),
+        "video_ulysses": projection.video_ulysses(sim.GPU_PROFILES),  # Wan shapes under sequence parallelism
     }
     write_json(path, projected)
     return projected
@@ -346,7 +347,24 @@ def print_projection(projected: dict) -> None:
                 f"projected {r['projected']:7.3f} ({r['error']:+4.0%}), best tiles {r['projected_best_tiles']:7.3f} "
                 f"({r['error_best_tiles']:+4.0%})  [{r['assumed']}]"
             )
+    print_video_ulysses(projected.get("video_ulysses", []))
     print("Assumptions:", *projected["assumptions"], sep="\n  - ")
+
+
+def print_video_ulysses(rows: list[dict]) -> None:
+    """Sequence parallelism's Ulysses block per layer at Wan's shapes: latency / exposed ms per profile and method."""
+    if not rows:
+        return
+    print("\nUlysses attention per layer at Wan's video shapes (fused QKV + output projection): latency / exposed, ms")
+    cells = {(r["model"], r["world"], r["tokens"], r["profile"], r["method"]): r for r in rows}
+    for model, world, tokens, profile in dict.fromkeys(k[:4] for k in cells):
+        line = "  ".join(
+            f"{m} {cells[model, world, tokens, profile, m]['latency_ms']:6.3f} / "
+            f"{cells[model, world, tokens, profile, m]['exposed_ms']:5.3f}"
+            for m in METHODS
+            if (model, world, tokens, profile, m) in cells
+        )
+        print(f"  {model:12s} SP={world} {tokens:6d} tokens {profile:10s} {line}")
 
 
 # ---------------------------------------------------------------- metrics

@@ -59,6 +59,11 @@ PROJECTION_SHAPES = (
     f"{LLAMA3_70B.name}-like layer (d {LLAMA3_70B.d}, SwiGLU fc1 2x{LLAMA3_70B.ffn // 2}, "
     f"{LLAMA3_70B.q_heads} q / {LLAMA3_70B.kv_heads} kv heads x {LLAMA3_70B.head_dim}), bf16, degree 8, batch 1"
 )
+# Wan2.1 (its transformer configs: width 1536 / 5120, FFN 8960 / 13824, 12 / 40 heads of 128) at 81 frames of 480x832
+# (21 x 30 x 52 = 32760 video tokens) and 81 frames of 720x1280 (21 x 45 x 80 = 75600): sequence parallelism's shapes
+WAN_1_3B = ModelDims("Wan2.1-1.3B", 1536, 8960, 12, 12, 128)
+WAN_14B = ModelDims("Wan2.1-14B", 5120, 13824, 40, 40, 128)
+VIDEO_ULYSSES = ((WAN_1_3B, 2, 32760), (WAN_14B, 2, 32760), (WAN_14B, 4, 32760), (WAN_14B, 8, 75600))
 BLOCKS = {
     "mlp": ("mlp.fc1", "mlp.fc2"),
     "ulysses": ("ulysses.qkv", "ulysses.out"),
@@ -100,6 +105,17 @@ def projection(
                         | prediction_row(op, method, profile)
                     )
     return rows
+
+
+def video_ulysses(profiles: dict[str, sim.Profile], cases=VIDEO_ULYSSES) -> list[dict]:
+    """Sequence parallelism's Ulysses block (fused QKV + output projection) per layer at Wan's video shapes: the
+    ``block_totals`` rows of each (model, degree, tokens), with the model's name."""
+    out = []
+    for model, world, tokens in cases:
+        rows = projection(profiles, world=world, token_counts=(tokens,), model=model)
+        blocks = [b for b in block_totals(rows) if b["block"].startswith("ulysses")]
+        out += [{"model": model.name, "world": world} | b for b in blocks]
+    return out
 
 
 def block_totals(rows: list[dict]) -> list[dict]:
