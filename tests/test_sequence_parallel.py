@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, tiny
 from safetensors.torch import load_file
 
-from lean.config import ModelConfig
+from lean.config import ConfigError, ModelConfig, validate
 from lean.models import build_policy, family_module
-from lean.models.sequence_parallel import enable
+from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import METHODS, Overlap
 from lean.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens
 
@@ -214,3 +214,26 @@ def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_proces
     reference = one_process(family, schedule)
     assert sharded.keys() == reference.keys() and len(reference) > 4
     assert max(_rel(sharded[k], reference[k]) for k in reference) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size,key,words",
+    [
+        (["model.family=sd3", "model.sequence_parallel=2"], 2, "model.sequence_parallel", "no sequence parallelism"),
+        (["model.family=wan", "model.sequence_parallel=2", "train.shard=fsdp"], 2, "train.shard", "not combined"),
+        (["model.family=wan", "model.sequence_parallel=2"], 3, "model.sequence_parallel", "must divide the 3"),
+        (["model.family=wan", "model.sequence_parallel=2"], 2 * 16 + 2, "train.prompts_per_iteration", "data-parallel"),
+        (["model.family=wan", "model.overlap=ring"], 1, "model.overlap", "collective, sliced, flash"),
+    ],
+)
+def test_what_sequence_parallelism_cannot_run_is_one_config_line(overrides, world_size, key, words):
+    with pytest.raises(ConfigError) as err:
+        validate(tiny(*overrides), world_size=world_size)
+    assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+def test_heads_and_tokens_must_divide():
+    policy = build_policy(ModelConfig(family="wan"), PROMPTS)  # 2 heads, 32 video tokens
+    assert sequence_problem(policy, 2) is None
+    assert "2 heads" in sequence_problem(policy, 4) and "tokens" not in sequence_problem(policy, 4)
+    assert "32 image/video tokens" in sequence_problem(policy, 3)
