@@ -29,6 +29,22 @@ def tiny(*overrides: str) -> RunConfig:
     return load_config(None, [*FAST, *overrides])
 
 
+def spawn(fn, world: int, *args, deadline_s: float) -> None:
+    """Runs ``fn(rank, world, port, *args)`` on ``world`` processes (torch.multiprocessing, spawn); kills them all if
+    they outlive the deadline."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{world} test processes still running after {deadline_s}s")
+
+
 def free_port() -> int:
     """A TCP port nothing listens on (now) on 127.0.0.1."""
     import socket

@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from lean.launch import free_port
+from helpers import spawn
 
 U = 2.0**-8  # bfloat16's unit roundoff (8 significant bits, round to nearest)
 # Relative error (norm over a rank's output) allowed per dtype, for single ops and for the blocks.
@@ -328,22 +326,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, *args, deadline_s: float) -> None:
-    """Runs fn(rank, world, port, *args) on `world` processes; kills them all if they outlive the deadline."""
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world} overlap test processes still running after {deadline_s}s")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ops_and_blocks_equal_references(world, tmp_path):
-    _spawn(_worker, world, str(tmp_path), deadline_s=220)
+    spawn(_worker, world, str(tmp_path), deadline_s=220)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     errors, tolerance = {}, {}
     for result in ranks:
@@ -434,7 +421,7 @@ def test_half_precision_sums_round_once(world, tmp_path):
     kept in 16 bits (the ring before float32 accumulation; gloo's reduce-scatter) rounds at every hop and misses it on
     a good part of the elements from 3 ranks on (with 2 its one add is the final rounding, so there only the
     equality is checked)."""
-    _spawn(_rounding_worker, world, str(tmp_path), deadline_s=100)
+    spawn(_rounding_worker, world, str(tmp_path), deadline_s=100)
     counts = {}
     for r in range(world):
         for case, count in json.loads((tmp_path / f"rank{r}.json").read_text()).items():
@@ -473,7 +460,7 @@ def _silent_peer_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lost_peer_raises_instead_of_hanging(tmp_path):
-    _spawn(_silent_peer_worker, 2, str(tmp_path), deadline_s=50)
+    spawn(_silent_peer_worker, 2, str(tmp_path), deadline_s=50)
     outcome = (tmp_path / "outcome.txt").read_text()
     assert outcome.startswith("PeerLost"), outcome
     assert float(outcome.split("after ")[1].split("s")[0]) < 5, outcome

@@ -13,15 +13,13 @@ import copy
 import json
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import free_port, tiny
+from helpers import spawn, tiny
 from safetensors.torch import load_file
 
 from lean.config import ConfigError, ModelConfig, validate
@@ -123,16 +121,6 @@ def _ops_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, *args, deadline_s: float) -> None:
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{world} sequence-parallel test processes still running after {deadline_s}s")
-
-
 def _results(folder: Path, world: int) -> list[dict]:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -140,7 +128,7 @@ def _results(folder: Path, world: int) -> list[dict]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_token_ops_are_exact_in_every_method(world, tmp_path):
-    _spawn(_ops_worker, world, str(tmp_path), deadline_s=100)
+    spawn(_ops_worker, world, str(tmp_path), deadline_s=100)
     for rank, result in enumerate(_results(tmp_path, world)):
         for method, errors in result.items():
             assert max(errors) < 1e-14, (rank, method, errors)
@@ -153,7 +141,7 @@ def test_token_ops_are_exact_in_every_method(world, tmp_path):
     [("wan", 2, False), ("flux", 4, False), ("wan", 4, True)],  # LoRA (its fused low-rank path); full fine-tune
 )
 def test_sharded_velocity_and_gradients_equal_one_process(family, world, full_finetune, tmp_path):
-    _spawn(_policy_worker, world, family, full_finetune, str(tmp_path), deadline_s=280)
+    spawn(_policy_worker, world, family, full_finetune, str(tmp_path), deadline_s=280)
     for rank, result in enumerate(_results(tmp_path, world)):
         for method, errors in result.items():
             assert errors["velocity"] < TOLERANCE and errors["grads"] < TOLERANCE, (rank, method, errors)

@@ -23,6 +23,7 @@ They move tensors and compute nothing; ``lean.overlap.ops`` fuses them with the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
@@ -50,18 +51,11 @@ def split_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
     return x.narrow(dim, ov.rank * s, s)
 
 
-class _GatherTokens(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
-        ctx.dim, ctx.ov, ctx.rows = dim, ov, x.shape[dim]
-        return _gather(x, dim, ov)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        return dy.narrow(ctx.dim, ctx.ov.rank * ctx.rows, ctx.rows), None, None
+# ---------------------------------------------------------------- the maps (forward math; each op pairs two)
 
 
 def _gather(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """Every rank's ``x``, concatenated along ``dim`` in rank order."""
     chunk = x.movedim(dim, 0)
     out = chunk.new_empty((ov.world, *chunk.shape))
 
@@ -72,7 +66,14 @@ def _gather(x: Tensor, dim: int, ov: Overlap) -> Tensor:
     return out.flatten(0, 1).movedim(0, dim)
 
 
+def _own_rows(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """This rank's block of the ``dim`` axis (no communication)."""
+    s = x.shape[dim] // ov.world
+    return x.narrow(dim, ov.rank * s, s)
+
+
 def _reduce_scatter(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """This rank's block of the ``dim`` axis of the sum over ranks of ``x``."""
     chunks = x.movedim(dim, 0)
     chunks = chunks.reshape(ov.world, divisible_rows(chunks, ov.world, "reduce_scatter_tokens"), *chunks.shape[1:])
     collective = dataclasses.replace(ov, method="collective")
@@ -80,64 +81,12 @@ def _reduce_scatter(x: Tensor, dim: int, ov: Overlap) -> Tensor:
     return out.movedim(0, dim)
 
 
-class _AllGatherShares(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
-        ctx.dim, ctx.ov = dim, ov
-        return _gather(x, dim, ov)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        return _reduce_scatter(dy, ctx.dim, ctx.ov), None, None
-
-
-class _ReduceScatterTokens(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
-        ctx.dim, ctx.ov = dim, ov
-        return _reduce_scatter(x, dim, ov)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        return _gather(dy, ctx.dim, ctx.ov), None, None
-
-
-def all_gather_shares(x: Tensor, dim: int, ov: Overlap) -> Tensor:
-    """Every rank's block of the ``dim`` axis, in rank order, inside the sharded region (backward: reduce-scatter)."""
-    return _AllGatherShares.apply(x, dim, ov)
-
-
-def reduce_scatter_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
-    """This rank's block of the ``dim`` axis of the sum over ranks of ``x`` (backward: all-gather)."""
-    return _ReduceScatterTokens.apply(x, dim, ov)
-
-
-def gather_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
-    """Every rank's block of the ``dim`` axis, concatenated in rank order (the inverse of :func:`split_tokens`)."""
-    return _GatherTokens.apply(x, dim, ov)
-
-
-class _AllReduceSum(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, ov: Overlap) -> Tensor:
-        ctx.ov = ov
-        return _all_reduce(x.clone(), ov)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        return _all_reduce(dy.clone(), ctx.ov), None
-
-
-def _all_reduce(x: Tensor, ov: Overlap) -> Tensor:
-    if ov.loopback:
-        return x
-    wait([dist.all_reduce(x, group=ov.group, async_op=True)], ov, "all-reduce")
+def _all_reduce(x: Tensor, dim: int | None, ov: Overlap) -> Tensor:
+    """The sum over ranks of ``x`` (``dim`` unused)."""
+    x = x.clone()
+    if not ov.loopback:
+        wait([dist.all_reduce(x, group=ov.group, async_op=True)], ov, "all-reduce")
     return x
-
-
-def all_reduce_sum(x: Tensor, ov: Overlap) -> Tensor:
-    """``sum_r x_r`` on every rank (small statistics, e.g. a norm's sum of squares over heads held by other ranks)."""
-    return _AllReduceSum.apply(x, ov)
 
 
 def _seq_to_heads(x: Tensor, dim: int, ov: Overlap) -> Tensor:
@@ -159,34 +108,53 @@ def _heads_to_seq(y: Tensor, dim: int, ov: Overlap) -> Tensor:
     return out.flatten(dim, dim + 1)
 
 
-class _SeqToHeads(Function):
+Map = Callable[[Tensor, int | None, Overlap], Tensor]
+
+
+class _Pair(Function):
+    """``y = forward(x)``, whose backward is ``dx = backward(dy)``: the op's gradient map under the shares semantics
+    (the adjoint of ``forward``, except at the exits of the region, see the module docstring)."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, ov: Overlap) -> Tensor:
-        ctx.dim, ctx.ov = dim, ov
-        return _seq_to_heads(x, dim, ov)
+    def forward(ctx, x: Tensor, dim: int | None, ov: Overlap, forward: Map, backward: Map) -> Tensor:
+        ctx.dim, ctx.ov, ctx.backward_map = dim, ov, backward
+        return forward(x, dim, ov)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        return _heads_to_seq(dy, ctx.dim, ctx.ov), None, None
+        return ctx.backward_map(dy, ctx.dim, ctx.ov), None, None, None, None
 
 
-class _HeadsToSeq(Function):
-    @staticmethod
-    def forward(ctx, y: Tensor, dim: int, ov: Overlap) -> Tensor:
-        ctx.dim, ctx.ov = dim, ov
-        return _heads_to_seq(y, dim, ov)
+# ---------------------------------------------------------------- the ops
 
-    @staticmethod
-    def backward(ctx, dx: Tensor):
-        return _seq_to_heads(dx, ctx.dim, ctx.ov), None, None
+
+def gather_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """Every rank's block of the ``dim`` axis, concatenated in rank order (the inverse of :func:`split_tokens`);
+    backward: this rank's rows (the exit of the sharded region)."""
+    return _Pair.apply(x, dim, ov, _gather, _own_rows)
+
+
+def all_gather_shares(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """Every rank's block of the ``dim`` axis, in rank order, inside the sharded region (backward: reduce-scatter)."""
+    return _Pair.apply(x, dim, ov, _gather, _reduce_scatter)
+
+
+def reduce_scatter_tokens(x: Tensor, dim: int, ov: Overlap) -> Tensor:
+    """This rank's block of the ``dim`` axis of the sum over ranks of ``x`` (backward: all-gather)."""
+    return _Pair.apply(x, dim, ov, _reduce_scatter, _gather)
+
+
+def all_reduce_sum(x: Tensor, ov: Overlap) -> Tensor:
+    """``sum_r x_r`` on every rank (small statistics, e.g. a norm's sum of squares over heads held by other ranks)."""
+    return _Pair.apply(x, None, ov, _all_reduce, _all_reduce)
 
 
 def seq_to_heads(x: Tensor, dim: int, ov: Overlap) -> Tensor:
     """Sequence-first ``x (s, *B, H, ..)`` with the heads on axis ``dim`` -> ``(P*s, *B, H/P, ..)``: every rank's tokens
     of this rank's heads (rank r keeps heads r*H/P .. (r+1)*H/P)."""
-    return _SeqToHeads.apply(x, dim, ov)
+    return _Pair.apply(x, dim, ov, _seq_to_heads, _heads_to_seq)
 
 
 def heads_to_seq(y: Tensor, dim: int, ov: Overlap) -> Tensor:
     """The inverse of :func:`seq_to_heads`: ``(P*s, *B, H/P, ..)`` -> this rank's tokens with all heads."""
-    return _HeadsToSeq.apply(y, dim, ov)
+    return _Pair.apply(y, dim, ov, _heads_to_seq, _seq_to_heads)
