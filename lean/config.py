@@ -608,7 +608,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(
             "model.sequence_parallel",
             m.sequence_parallel,
-            f"must divide the {world_size} processes into sequence-parallel groups",
+            f"must divide the {world_size} processes into sequence-parallel groups (run it under "
+            f"`lean launch -n {m.sequence_parallel * max(1, world_size // m.sequence_parallel)} -- ...`)",
         )
     if m.sequence_parallel > 1 and t.shard == FSDP:
         raise ConfigError(

@@ -147,8 +147,15 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
     evaluations = list(saved.get("eval_history", [])) if saved is not None else []
     if trainer.world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
+        world = trainer.world
+        layout = (
+            f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
+            f"overlap={cfg.model.overlap})"
+            if world.sequence_parallel > 1
+            else ""
+        )
         print(
-            f"lean train: {trainer.world.size} process(es) on {trainer.world.device}, schedule={schedule}, "
+            f"lean train: {world.size} process(es){layout} on {world.device}, schedule={schedule}, "
             f"{describe_model(trainer)}" + (f", resuming at iteration {start}" if start else ""),
             flush=True,
         )

@@ -155,7 +155,7 @@ bars(ax2, {s: s for s in schedules}, sp_methods, lambda s, m: iterations[s][m]["
 ax1.set_xlabel("iteration time, s")
 ax2.set_xlabel("exposed communication per iteration, ms")
 ax2.axvline(0.0, color="k", lw=0.5)
-ax1.legend(fontsize=7)
+ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.tight_layout()
 log.figure(fig, "sequence_parallel_iteration.png")
 plt.show()
