@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install lint test repro train bench clean
+.PHONY: install lint test repro train bench ui clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ repro: install
 
 bench: install
 	$(BIN)/lean bench schedules --out outputs/bench
+
+# MLflow's UI on the workbench's store (./mlflow.db, or $MLFLOW_TRACKING_URI): prints the URL of the experiment's
+# runs (MLflow 3.17 opens its GenAI overview otherwise) and of the saved view comparing the schedules; options after
+# UI=, e.g. `make ui UI="--port 5001"`.
+ui: install
+	$(BIN)/lean ui $(UI)
 
 clean:
 	rm -rf $(VENV) outputs

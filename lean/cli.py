@@ -1,4 +1,4 @@
-"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, reward {serve, score}, launch, sync,
+"""The ``lean`` command: train, plan, equivalence, bench {schedules, overlap}, reward {serve, score}, launch, sync, ui,
 export, sample.
 
 Configuration errors print one line and exit with status 2, before any model is built.
@@ -114,6 +114,23 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sync", help="send a run's MLflow calls that waited for an unreachable store")
     p.add_argument("--out", required=True, help="the run's output folder (holds tracking_pending.jsonl)")
+
+    p = sub.add_parser(
+        "ui",
+        help="mlflow ui on the workbench's store, with the URL of its runs view (not GenAI)",
+        description="Prints the URL of the experiment's runs view (MLflow 3.17 opens an experiment on its GenAI "
+        "overview unless the URL says workflowType=machine_learning) and of the saved view 'lean: schedules "
+        "compared' (reward curves, speedup, MFU, certificate per schedule), then runs mlflow ui on the store.",
+    )
+    where = "default: $MLFLOW_TRACKING_URI, else mlflow.db at the repository root"
+    p.add_argument("--store", default=None, help=f"MLflow store: a URI or a SQLite file ({where})")
+    p.add_argument("--experiment", default=None, help="default: $LEAN_EXPERIMENT, else params.yaml tracking.experiment")
+    p.add_argument("--host", default=None, help="address mlflow ui listens on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="its port (default: 5000)")
+    p.add_argument("--workers", type=int, default=1, help="its worker processes (default: 1)")
+    p.add_argument(
+        "--no-serve", "--print-url", dest="serve", action="store_false", help="print the URLs only, start nothing"
+    )
 
     p = sub.add_parser(
         "export",
@@ -263,6 +280,12 @@ def _sync(args) -> int:
     return 1 if pending else 0
 
 
+def _ui(args) -> int:
+    from lean import ui  # local: nothing else needs it
+
+    return ui.main(args.store, args.experiment, args.host, args.port, args.workers, serve_ui=args.serve)
+
+
 def _export(args) -> int:
     what = export.export_run(args.run, args.out, ema=args.ema, merge=args.merge)
     print(f"lean export: {args.out}: {what}")
@@ -284,6 +307,7 @@ COMMANDS = {
     "reward": _reward,
     "launch": _launch,
     "sync": _sync,
+    "ui": _ui,
     "export": _export,
     "sample": _sample,
 }
