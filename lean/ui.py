@@ -93,6 +93,11 @@ def runs_url(base: str, experiment_id: str, **query: str) -> str:
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{urlencode({**RUNS_VIEW, **query})}"
 
 
+def experiments_url(base: str) -> str:
+    """The experiments list on the model-training side: what a store without the experiment yet opens on."""
+    return f"{base.rstrip('/')}/#/experiments?{urlencode(RUNS_VIEW)}"
+
+
 def view_url(base: str, experiment_id: str) -> str:
     """The saved view of :func:`save_view`, in chart mode."""
     return runs_url(base, experiment_id, compareRunsMode="CHART", viewStateShareKey=VIEW_KEY)
@@ -403,6 +408,9 @@ def main(
     else:
         host, port = host or HOST, port or PORT
         base = server_base(host, port)
+    db = sqlite_file(uri)
+    if store is None and db is not None and not db.is_file():  # a fresh clone: the workbench has logged nothing yet
+        return _serve_empty(uri, base, host, port, workers, serve_ui)
     experiment_id = find_experiment(uri, name)
     if serve_ui:
         if importlib.util.find_spec("mlflow") is None:
@@ -424,8 +432,20 @@ def main(
             print(f"lean ui: {uri} is a server already; nothing started", file=sys.stderr)
         return 0
     command = server_command(uri, host, port, workers)
-    db = sqlite_file(uri)
     cwd = db.parent if db is not None else None  # MLflow's default ./mlartifacts beside a SQLite store
     print(f"lean ui: {' '.join(command[2:])} (Ctrl+C stops it; the UI answers after some seconds)", file=sys.stderr)
     sys.stderr.flush()
     return serve(command, cwd=cwd)
+
+
+def _serve_empty(uri: str, base: str, host: str, port: int, workers: int, serve_ui: bool) -> int:
+    """The default store does not exist yet: print the experiments list's URL (model-training side) and serve the
+    store that ``mlflow ui`` creates, where ``make repro`` (or ``lean train`` with ``LEAN_TRACKING=1``) logs next."""
+    print(experiments_url(base), flush=True)
+    print(f"lean ui: no runs in {uri} yet: `make repro` logs the workbench's there (reload the page)", file=sys.stderr)
+    if not serve_ui:
+        return 0
+    if (problem := _listen_problem(host, port)) is not None:
+        raise problem
+    db = sqlite_file(uri)
+    return serve(server_command(uri, host, port, workers), cwd=db.parent if db is not None else None)

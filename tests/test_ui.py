@@ -113,6 +113,14 @@ def test_store_and_experiment_defaults(tmp_path, capsys, monkeypatch):
     assert ui.store_uri("sqlite:///elsewhere.db") == f"sqlite:///{db}"
 
 
+def test_a_fresh_clone_gets_the_experiments_list(tmp_path, capsys, monkeypatch):
+    """No store yet (nothing logged): the default store's experiments list on the model-training side, not a refusal."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'absent.db'}")
+    code, lines, err = lean_ui(capsys, "--no-serve")
+    assert code == 0 and lines == ["http://127.0.0.1:5000/#/experiments?workflowType=machine_learning"]
+    assert "make repro" in err and not (tmp_path / "absent.db").exists()
+
+
 @pytest.mark.parametrize(
     "args, option",
     [
