@@ -145,25 +145,44 @@ def parser() -> argparse.ArgumentParser:
         help="a whole diffusers pipeline folder: the base with the trained weights merged (from_pretrained loads it)",
     )
 
-    p = sub.add_parser("sample", help="images (video frames) from a diffusers pipeline folder and a LoRA folder")
+    p = sub.add_parser(
+        "sample",
+        help="images (video frames) from a diffusers pipeline folder and a LoRA folder; unset options: the run's "
+        "(the export's lean_sampling.json)",
+    )
     p.add_argument("--pretrained", required=True, help="a diffusers pipeline folder (e.g. lean export --merge's)")
     p.add_argument("--lora", default=None, help="a diffusers LoRA folder (e.g. <run>/lora): load_lora_weights")
     p.add_argument("--prompts-file", required=True, help="one prompt per line, or a .jsonl with a prompt field")
     p.add_argument("--out", required=True, help="output folder: <k>.png per prompt (video: <k>/ frames, <k>.gif)")
-    p.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the pipeline's)")
+    run = "the run's (lean_sampling.json), else the pipeline's"
+    p.add_argument("--num-steps", type=int, default=None, help=f"sampling steps (default: {run})")
     p.add_argument(
         "--guidance-scale",
         type=float,
         default=None,
-        help="the pipeline's guidance_scale: CFG for SD3 and Wan, the distilled guidance for FLUX",
+        help=f"the pipeline's guidance_scale: CFG for SD3 and Wan, the distilled guidance for FLUX (default: {run})",
     )
     p.add_argument(
-        "--true-cfg-scale", type=float, default=None, help="FLUX: CFG against the empty prompt (lean's sample.cfg)"
+        "--true-cfg-scale",
+        type=float,
+        default=None,
+        help=f"FLUX: CFG against the empty prompt (lean's sample.cfg; default: {run})",
     )
-    p.add_argument("--seed", type=int, default=0, help="prompt k is drawn with seed + k")
-    p.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the pipeline's)")
-    p.add_argument("--num-frames", type=int, default=None, help="video: frames (default: the pipeline's)")
-    p.add_argument("--shift", type=float, default=None, help="a static sigma shift (e.g. the run's sample.shift)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompt k starts from the eval noise of eval prompt k, sample 0, at this eval.seed "
+        "(default: the run's eval.seed, else 0)",
+    )
+    p.add_argument("--resolution", type=int, default=None, help=f"image side in pixels (default: {run})")
+    p.add_argument("--num-frames", type=int, default=None, help=f"video: frames (default: {run})")
+    p.add_argument("--shift", type=float, default=None, help=f"a static sigma shift (default: {run})")
+    p.add_argument(
+        "--sigma-grid",
+        default=None,
+        help=f"FLUX, SD3: lean's sigma grid (euler, uniform, unipc) as the pipeline's sigmas (default: {run})",
+    )
     p.add_argument("--dtype", default=None, help="precision (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default=None, help="default: cuda if there is a GPU, else cpu")
     return top

@@ -8,6 +8,10 @@ modules) as JSON in the safetensors header (``lora_adapter_metadata``), so that 
 rebuilds the adapter with its alpha: the layer computes W x + (alpha / r) B A x, as lean's policy does, also when
 alpha != r (diffusers would otherwise infer alpha = r from the shapes).
 
+Beside the weights, every export (``<out>/lora/``, ``<out>/lora_ema/``, ``lean export``'s folder with or without
+``--merge``) holds ``lean_sampling.json`` (:data:`SAMPLING_FILE`): how the run's evaluation drew its images, in
+``lean sample``'s option names (:func:`sampling_settings`), which ``lean sample`` takes as its defaults.
+
 ``lean export --run <out> --out DIR`` writes that folder again from a run's ``lora.safetensors`` (``--ema``:
 ``lora_ema.safetensors``) and ``config.json``, without loading the base weights; a full fine-tune gives the trained
 transformer instead (a diffusers model folder). ``--merge`` writes a whole diffusers pipeline folder: the base
@@ -48,6 +52,7 @@ LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default weight name
 RUN_WEIGHTS, RUN_EMA_WEIGHTS = "lora.safetensors", "lora_ema.safetensors"  # lean train's trainable parameters
 BASE_RECORD = "base.json"  # a random base's fingerprint, written by lean train
+SAMPLING_FILE = "lean_sampling.json"  # in every export: the run's eval sampling settings, lean sample's defaults
 PEFT_PREFIX = "base_model.model."  # peft's PeftModel in front of the transformer's module names
 
 
@@ -78,14 +83,61 @@ def save_diffusers_lora(
     return Path(folder)
 
 
-def write_run_exports(out_dir: Path, policy: Policy, ema: dict[str, Tensor] | None, base_sha256: str | None) -> None:
+def sampling_settings(cfg: RunConfig) -> dict:
+    """How the run's evaluation (``lean.evaluation``) draws its images, as the keyword arguments of
+    ``lean.sampling.SampleOptions`` (``lean sample``'s options) that make the family's diffusers pipeline draw the
+    same: ``num_steps`` (``eval.num_steps`` or ``sample.num_steps``), ``resolution`` (``model.resolution``),
+    ``num_frames`` (video: ``model.num_frames``), ``shift`` (``sample.shift`` as the run resolved it, static),
+    ``sigma_grid`` (``sample.sigma_grid``), ``seed`` (``eval.seed``) and the guidance: with ``sample.cfg`` CFG at
+    ``eval.guidance_scale`` (or ``sample.guidance_scale``), which is FLUX's ``true_cfg_scale`` (its guidance embedding
+    then sees 1.0, as lean feeds it) and the ``guidance_scale`` of SD3 and Wan; without it no CFG (``guidance_scale``
+    1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as ``guidance_scale``. ``pipeline`` names the
+    pipeline class they are for."""
+    m, s, e = cfg.model, cfg.sample, cfg.eval
+    spec = family_module(m.family)
+    scale = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
+    embed = getattr(spec, "GUIDANCE_EMBED", False)
+    if s.cfg:
+        guidance, true_cfg = (1.0, scale) if embed else (scale, None)
+    elif embed:
+        guidance, true_cfg = (1.0 if s.guidance_embed is None else s.guidance_embed), None
+    else:
+        guidance, true_cfg = 1.0, None
+    return {
+        "pipeline": spec.PIPELINE,
+        "num_steps": e.num_steps or s.num_steps,
+        "guidance_scale": guidance,
+        "true_cfg_scale": true_cfg,
+        "seed": e.seed,
+        "resolution": m.resolution,
+        "num_frames": m.num_frames if getattr(spec, "FRAME_STEP", None) else None,
+        "shift": s.shift,
+        "sigma_grid": s.sigma_grid,
+    }
+
+
+def write_sampling(folder: str | Path, cfg: RunConfig) -> None:
+    """``folder/lean_sampling.json``: :func:`sampling_settings` of the run."""
+    (Path(folder) / SAMPLING_FILE).write_text(json.dumps(sampling_settings(cfg), indent=2) + "\n")
+
+
+def write_run_exports(
+    out_dir: Path,
+    policy: Policy,
+    ema: dict[str, Tensor] | None,
+    base_sha256: str | None,
+    cfg: RunConfig | None = None,
+) -> None:
     """What ``lean train`` adds to its outputs: ``lora/`` (and ``lora_ema/`` with EMA weights) in diffusers' format
-    for a LoRA run (the adapter is never sharded), and for a random base that can be rebuilt (:func:`rebuildable`)
-    its fingerprint (:func:`base_fingerprint`), which ``--merge`` checks a rebuild against."""
+    for a LoRA run (the adapter is never sharded), each with the run's sampling settings (:func:`write_sampling`,
+    given ``cfg``, the run's config with ``sample.shift`` resolved), and for a random base that can be rebuilt
+    (:func:`rebuildable`) its fingerprint (:func:`base_fingerprint`), which ``--merge`` checks a rebuild against."""
     if not policy.full_finetune:
-        save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_DIR)
-        if ema is not None:
-            save_diffusers_lora(policy.pipeline_class, policy.transformer, out_dir / LORA_EMA_DIR, ema)
+        folders = [(out_dir / LORA_DIR, None), *([(out_dir / LORA_EMA_DIR, ema)] if ema is not None else [])]
+        for folder, state in folders:
+            save_diffusers_lora(policy.pipeline_class, policy.transformer, folder, state)
+            if cfg is not None:
+                write_sampling(folder, cfg)
     if base_sha256 is not None:
         record = {"base_sha256": base_sha256, "diffusers": diffusers_version()}
         (out_dir / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -123,13 +175,14 @@ def base_fingerprint(policy: Policy) -> str:
 
 
 def run_config(run: str | Path) -> RunConfig:
-    """The config a run was trained with (``<run>/config.json``), validated. Its prompts are already read, so the
-    prompts file need not exist any more."""
+    """The config a run was trained with (``<run>/config.json``), validated. Its prompts (training and eval) are
+    already read, so the prompts files need not exist any more."""
     path = Path(run) / "config.json"
     if not path.is_file():
         raise ConfigError("--run", str(run), "has no config.json: not the output folder of lean train")
     tree = json.loads(path.read_text())
-    tree.get("train", {})["prompts_file"] = None
+    for section in ("train", "eval"):
+        tree.get(section, {})["prompts_file"] = None
     return load_config(tree=tree)
 
 
@@ -210,7 +263,8 @@ def assemble_pipeline(policy: Policy, transformer: torch.nn.Module, scheduler):
 
 def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool = False) -> str:
     """``lean export``: the run's trained weights as a diffusers LoRA folder (a transformer folder for a full
-    fine-tune) or, with ``merge``, a whole pipeline folder with them merged. Returns what was written, in words.
+    fine-tune) or, with ``merge``, a whole pipeline folder with them merged, with the run's sampling settings
+    (:data:`SAMPLING_FILE`) beside them. Returns what was written, in words.
     ``out`` is written atomically (a temporary sibling renamed into place); an existing ``out`` is replaced."""
     cfg = run_config(run)
     weights = run_weights(run, ema)
@@ -234,6 +288,7 @@ def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool 
             shapes = trained_shapes((n, p) for n, p in skeleton.named_parameters() if p.requires_grad)
             save_diffusers_lora(spec.PIPELINE, skeleton, tmp, matching_weights(weights, shapes, run))
             what = f"a diffusers LoRA folder for {spec.PIPELINE}.load_lora_weights"
+        write_sampling(tmp, cfg)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -9,13 +9,29 @@ the family's published scheduler config (``lean.models.build_scheduler``); ``shi
 ``sample.shift`` a run trained with). The text encoders see what lean's policy gives them: CLIP padded to its full
 context, T5 at most the tokenizer's ``model_max_length`` tokens (lean's ``model.text_max_length``).
 
-Prompt k (file order) is drawn from ``torch.Generator("cpu").manual_seed(seed + k)``, so an image depends on its
-prompt and position only. Outputs under ``out``: ``<k>.png`` (5 digits), for video ``<k>/<frame>.png`` and
-``<k>.gif``; ``samples.jsonl``: one line per prompt, ``{"index", "prompt", "seed", "file"}``.
+The run's settings: an export (``<run>/lora``, ``lean export``'s folders, ``--merge``'s included) carries the settings
+of the run's evaluation in ``lean_sampling.json`` (``lean.export.sampling_settings``); every option left unset
+(None) takes its value from the LoRA folder's file, else the pipeline folder's (:func:`with_run_defaults`), so that
+``lean sample`` without options draws as the run's evaluation did: the run's resolution, steps, guidance, static
+shift and sigma grid (FluxPipeline and StableDiffusion3Pipeline get the grid as their ``sigmas`` argument; WanPipeline
+steps on its UniPC scheduler's own grid). A folder without the file leaves the pipeline's defaults.
+
+The noise: prompt k (file order) starts from the noise lean's evaluation draws for eval prompt k, sample 0, at eval
+seed ``seed`` (:func:`noise_generator`; default the run's ``eval.seed``). With the run's eval prompts in order and no
+options, image k is the run's ``eval/<iteration>/p<k>_s00.png`` of the same weights (the EMA ones with ``train.ema``
+and ``eval.use_ema``: ``lora_ema/``, ``lean export --ema``) to 1/255 for FLUX and SD3 in float32
+(``tests/test_export.py``): the pipeline runs CFG as two one-row forwards and feeds the transformer
+(1000 sigma) / 1000, the evaluation one [uncond, cond] batch and sigma, which round differently in the last bits.
+WanPipeline's UniPC multistep solver is not the evaluation's Euler step: a Wan run's samples stay close to its eval
+images but not equal. Nor are they equal for a run with ``sample.truncate_timestep`` or an eval guidance scale below 1
+(the pipelines guide only above 1), or at another ``dtype`` than the run's ``model.dtype``. An image depends on its
+prompt, its position and the seed only. Outputs under ``out``: ``<k>.png`` (5 digits), for video ``<k>/<frame>.png``
+and ``<k>.gif``; ``samples.jsonl``: one line per prompt, ``{"index", "prompt", "seed", "file"}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from dataclasses import dataclass
@@ -27,15 +43,21 @@ from tqdm.auto import tqdm
 from lean.config import ConfigError
 from lean.data import read_prompts
 from lean.dtypes import DTYPES
-from lean.export import LORA_DIR, LORA_WEIGHTS
+from lean.evaluation import EVAL_STREAM
+from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
 from lean.models import FAMILIES, build_scheduler, family_module, pipeline_family, pretrained_problem
+from lean.rollout import sample_generator
+from lean.sde import SIGMA_GRIDS, sigma_schedule
 
 GIF_FRAME_MS = 125  # 8 frames per second
+# the pipelines whose __call__ takes sigmas (tests/test_export.py checks it against diffusers); WanPipeline does not
+SIGMAS_PIPELINES = ("FluxPipeline", "StableDiffusion3Pipeline")
 
 
 @dataclass
 class SampleOptions:
-    """What ``lean sample`` draws; None leaves the pipeline's own default."""
+    """What ``lean sample`` draws; None takes the run's setting (:func:`with_run_defaults`), else leaves the
+    pipeline's own default."""
 
     num_steps: int | None = None
     """Scheduler steps (``num_inference_steps``)."""
@@ -44,13 +66,19 @@ class SampleOptions:
     true_cfg_scale: float | None = None
     """FLUX only: CFG against the empty prompt (FluxPipeline's ``true_cfg_scale``), as lean's FLUX runs with
     ``sample.cfg: true`` guide."""
-    seed: int = 0
+    seed: int | None = None
+    """Prompt k starts from the eval noise of eval prompt k, sample 0, at this eval seed (:func:`noise_generator`);
+    None: the run's ``eval.seed``, else 0."""
     resolution: int | None = None
     """Image side in pixels."""
     num_frames: int | None = None
     """Video families: frames per video."""
     shift: float | None = None
     """A static sigma shift instead of the folder's scheduler config."""
+    sigma_grid: str | None = None
+    """A name of ``lean.sde.SIGMA_GRIDS``: the sampling sigmas lean's runs use (``sample.sigma_grid``), passed as the
+    pipeline's ``sigmas`` (FluxPipeline, StableDiffusion3Pipeline); needs a static ``shift``. None: the pipeline's
+    own grid."""
     dtype: str | None = None
     """Precision (a name of ``lean.dtypes.DTYPES``); None: bfloat16 on a GPU, float32 on the CPU."""
     device: str | None = None
@@ -64,6 +92,11 @@ class SampleOptions:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         spec = family_module(family)
+        if self.sigma_grid is not None:
+            if self.sigma_grid not in SIGMA_GRIDS:
+                raise ConfigError("--sigma-grid", self.sigma_grid, f"must be one of {', '.join(SIGMA_GRIDS)}")
+            if not takes_sigmas(family):
+                raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.PIPELINE} steps on its scheduler's own grid")
         if self.true_cfg_scale is not None and not getattr(spec, "GUIDANCE_EMBED", False):
             raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.PIPELINE} guides with --guidance-scale")
         step = getattr(spec, "FRAME_STEP", None)
@@ -72,6 +105,88 @@ class SampleOptions:
                 raise ConfigError("--num-frames", self.num_frames, f"{spec.PIPELINE} makes images")
             if self.num_frames < 1 or (self.num_frames - 1) % step:
                 raise ConfigError("--num-frames", self.num_frames, f"{spec.DISPLAY_NAME} needs {step}k+1 frames")
+
+
+SETTINGS = tuple(
+    f.name for f in dataclasses.fields(SampleOptions) if f.name not in ("dtype", "device")
+)  # what lean_sampling.json sets
+
+
+def takes_sigmas(family: str) -> bool:
+    """Whether the family's pipeline call takes ``sigmas`` (:data:`SIGMAS_PIPELINES`)."""
+    return family_module(family).PIPELINE in SIGMAS_PIPELINES
+
+
+def run_settings(pretrained: str | Path, lora: str | Path | None) -> tuple[dict, Path] | None:
+    """The run's sampling settings an export carries (``lean_sampling.json``) and the file: the LoRA folder's, else
+    the pipeline folder's; None when neither has one (an older export, or a pipeline not from lean)."""
+    for flag, folder in (("--lora", lora), ("--pretrained", pretrained)):
+        path = Path(folder) / SAMPLING_FILE if folder is not None else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            settings = json.loads(path.read_text())
+        except ValueError as err:
+            raise ConfigError(flag, str(folder), f"{SAMPLING_FILE} is not readable JSON ({err})") from None
+        if not isinstance(settings, dict):
+            raise ConfigError(flag, str(folder), f"{SAMPLING_FILE} is not a JSON object")
+        return settings, path
+    return None
+
+
+def with_run_defaults(
+    options: SampleOptions, family: str, pretrained: str | Path, lora: str | Path | None
+) -> tuple[SampleOptions, Path | None]:
+    """``options`` with each unset (None) setting taken from the run's (:func:`run_settings`), and the file they
+    came from (None: no file; then the seed defaults to 0 and the rest stays the pipeline's). Settings of another
+    pipeline class are a :class:`ConfigError`; the sigma grid is dropped for a pipeline that takes no ``sigmas``."""
+    found = run_settings(pretrained, lora)
+    if found is None:
+        return dataclasses.replace(options, seed=0 if options.seed is None else options.seed), None
+    settings, path = found
+    pipeline = family_module(family).PIPELINE
+    if settings.get("pipeline") != pipeline:
+        flag = "--lora" if lora is not None and path.parent == Path(lora) else "--pretrained"
+        why = f"{SAMPLING_FILE} is for a {settings.get('pipeline')}, not the {pipeline} of --pretrained"
+        raise ConfigError(flag, str(path.parent), why)
+    defaults = {k: settings.get(k) for k in SETTINGS}
+    if not takes_sigmas(family):
+        defaults["sigma_grid"] = None  # WanPipeline: its UniPC scheduler's own grid
+    chosen = {k: defaults[k] if getattr(options, k) is None else getattr(options, k) for k in SETTINGS}
+    chosen["seed"] = 0 if chosen["seed"] is None else chosen["seed"]
+    return dataclasses.replace(options, **chosen), path
+
+
+def describe(options: SampleOptions) -> str:
+    """The settings of ``options`` that are set, in words (None: the pipeline's default)."""
+    names = {
+        "resolution": "{} px",
+        "num_frames": "{} frames",
+        "num_steps": "{} steps",
+        "guidance_scale": "guidance_scale {}",
+        "true_cfg_scale": "true_cfg_scale {}",
+        "shift": "shift {:.6g}",
+        "sigma_grid": "{} sigma grid",
+        "seed": "seed {}",
+    }
+    return ", ".join(text.format(getattr(options, k)) for k, text in names.items() if getattr(options, k) is not None)
+
+
+def noise_generator(seed: int, index: int) -> torch.Generator:
+    """Prompt ``index``'s noise: the stream from which lean's evaluation (``lean.evaluation.Evaluator.sample``) draws
+    eval prompt ``index``'s sample 0 with ``eval.seed`` = ``seed``. The pipeline draws its initial latents from it
+    (one ``randn`` of the latent shape, as lean's ``init_latents``; in a half-precision ``dtype`` the same draws,
+    rounded)."""
+    return sample_generator(seed, EVAL_STREAM, 0, index, 0)
+
+
+def pipeline_sigmas(num_steps: int, shift: float, grid: str) -> list[float]:
+    """The ``sigmas`` argument that makes FluxPipeline / StableDiffusion3Pipeline, with a scheduler of the static
+    ``shift``, step on lean's grid ``sigma_schedule(num_steps, shift, grid)``: the scheduler shifts what it is given
+    by f(s) = shift s / (1 + (shift - 1) s) (in float32) and appends 0, so these are f^-1 of the grid's first
+    ``num_steps`` points, s = g / (shift - (shift - 1) g)."""
+    g = sigma_schedule(num_steps, shift, grid)[:-1]
+    return (g / (shift - (shift - 1) * g)).tolist()
 
 
 def check_folders(pretrained: str | Path, lora: str | Path | None) -> str:
@@ -123,6 +238,9 @@ def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
         args.update(height=options.resolution, width=options.resolution)
     if getattr(spec, "FRAME_STEP", None):
         args["num_frames"] = options.num_frames
+    if options.sigma_grid is not None:
+        steps = options.num_steps or inspect.signature(pipe.__call__).parameters["num_inference_steps"].default
+        args["sigmas"] = pipeline_sigmas(steps, options.shift, options.sigma_grid)
     # the T5 encoder (the family's last tokenizer) sees at most the tokens its tokenizer was saved with
     t5 = getattr(pipe, list(spec.TOKENIZERS.values())[-1])
     default = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
@@ -157,22 +275,28 @@ def sample(
     pretrained: str | Path, lora: str | Path | None, prompts_file: str | Path, out: str | Path, options: SampleOptions
 ) -> list[Path]:
     """``lean sample``: one image (video) per prompt of ``prompts_file`` under ``out``; returns the files written.
-    Bad arguments are :class:`ConfigError` before any model is loaded."""
+    Unset options take the run's settings (:func:`with_run_defaults`). Bad arguments are :class:`ConfigError` before
+    any model is loaded."""
     family = check_folders(pretrained, lora)
-    options.validate(family)
+    options.validate(family)  # what was given
+    options, source = with_run_defaults(options, family, pretrained, lora)
+    options.validate(family)  # with the run's settings
+    if options.sigma_grid is not None and options.shift is None:
+        raise ConfigError("--sigma-grid", options.sigma_grid, "needs a static --shift")
     try:
         prompts = read_prompts(prompts_file)
     except ValueError as err:
         raise ConfigError("--prompts-file", str(prompts_file), str(err)) from None
+    origin = f" (unset options from {source})" if source is not None else " (no lean_sampling.json: pipeline defaults)"
+    print(f"lean sample: {describe(options) or 'the pipeline defaults'}{origin}")
     pipe = load_pipeline(pretrained, lora, options, family)
     args = call_arguments(pipe, family, options)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for k, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt")):
-        generator = torch.Generator("cpu").manual_seed(options.seed + k)
-        result = pipe(prompt=prompt, generator=generator, **args)
+        result = pipe(prompt=prompt, generator=noise_generator(options.seed, k), **args)
         pixels = result.frames[0] if hasattr(result, "frames") else result.images[0]
-        records.append({"index": k, "prompt": prompt, "seed": options.seed + k, "file": write_sample(pixels, out, k)})
+        records.append({"index": k, "prompt": prompt, "seed": options.seed, "file": write_sample(pixels, out, k)})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return [out / r["file"] for r in records]

@@ -440,7 +440,7 @@ def write_outputs(
     trainer.policy.save_lora(out_dir / "lora.safetensors", weights.params)
     if weights.ema is not None:
         trainer.policy.save_lora(out_dir / "lora_ema.safetensors", weights.ema)
-    export.write_run_exports(out_dir, trainer.policy, weights.ema, weights.base_sha256)
+    export.write_run_exports(out_dir, trainer.policy, weights.ema, weights.base_sha256, trainer.cfg)
     write_json(out_dir / "config.json", trainer.cfg.to_dict())
 
 

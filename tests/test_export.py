@@ -1,8 +1,11 @@
 """lean.export and lean.sampling: diffusers' LoRA format round trip (SD3, FLUX), ``lean export`` (LoRA, --ema, --merge
-on a random and on a pretrained base, full fine-tune), ``lean sample`` (images, video frames), one-line errors."""
+on a random and on a pretrained base, full fine-tune), the run's sampling settings in every export and ``lean sample``
+without options drawing the run's eval images, ``lean sample`` (images, video frames), one-line errors."""
 
+import inspect
 import json
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny
@@ -11,9 +14,9 @@ from safetensors.torch import load_file
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ModelConfig
-from lean.export import LORA_WEIGHTS, save_diffusers_lora
-from lean.models import build_policy
-from lean.sampling import SampleOptions, check_folders, load_pipeline
+from lean.export import LORA_WEIGHTS, SAMPLING_FILE, run_config, sampling_settings, save_diffusers_lora
+from lean.models import FAMILIES, build_policy, family_module
+from lean.sampling import SETTINGS, SampleOptions, check_folders, load_pipeline, takes_sigmas, with_run_defaults
 from lean.train import train
 
 ATOL = 1e-5  # float32
@@ -22,8 +25,17 @@ RUN = [
     "train.ema=true",
     "model.lora_rank=4",
     "model.lora_alpha=3",
-    "train.lr=0.02",
+    "train.lr=1.0",  # one step that moves the eval images visibly
 ]  # alpha / r = 0.75
+EVAL = [  # evaluations (iterations 0 and 1) of two prompts whose settings all differ from sample.* and the pipeline's
+    "eval.every=1",
+    "eval.samples_per_prompt=1",
+    f"eval.prompts=[{DEFAULT_PROMPTS[0]}, {DEFAULT_PROMPTS[1]}]",
+    "eval.num_steps=3",
+    "eval.guidance_scale=3.0",
+    "eval.seed=3",
+    "eval.use_ema=false",  # the trained weights: lora/, lean export without --ema
+]
 
 
 def inputs(policy, seed: int = 0):
@@ -66,9 +78,9 @@ def base_folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One iteration of ``lean train`` (tiny FLUX, random base, EMA on, alpha != rank)."""
+    """One iteration of ``lean train`` (tiny FLUX, random base, EMA on, alpha != rank), evaluated (:data:`EVAL`)."""
     out = tmp_path_factory.mktemp("run") / "out"
-    train(tiny(*RUN), out=str(out))
+    train(tiny(*RUN, *EVAL), out=str(out))
     return out
 
 
@@ -132,6 +144,81 @@ def test_export_merge_of_a_random_base(run, tmp_path, capsys):
     assert err.count("\n") == 1 and "cannot be rebuilt exactly" in err and not (tmp_path / "x").exists()
 
 
+@pytest.mark.timeout(240)
+def test_exports_carry_the_runs_sampling_settings(run, tmp_path):
+    """lean_sampling.json in lora/, lora_ema/, lean export's LoRA folder and --merge's pipeline folder: the settings of
+    the run's evaluation in lean sample's terms; they fill lean sample's unset options, given ones win; an export
+    without the file leaves the pipeline's defaults."""
+    shift = json.loads((run / "config.json").read_text())["sample"]["shift"]  # as the run resolved it
+    expected = {
+        "pipeline": "FluxPipeline",
+        "num_steps": 3,  # eval.num_steps, not sample.num_steps
+        "guidance_scale": 1.0,  # FLUX's guidance embedding, as lean feeds it under CFG
+        "true_cfg_scale": 3.0,  # eval.guidance_scale
+        "seed": 3,
+        "resolution": 32,
+        "num_frames": None,
+        "shift": shift,
+        "sigma_grid": "euler",
+    }
+    assert sampling_settings(run_config(run)) == expected
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "lora")]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    for folder in (run / "lora", run / "lora_ema", tmp_path / "lora", tmp_path / "merged"):
+        assert json.loads((folder / SAMPLING_FILE).read_text()) == expected, folder
+
+    merged = tmp_path / "merged"
+    options, source = with_run_defaults(SampleOptions(), "flux", merged, None)
+    assert {k: getattr(options, k) for k in SETTINGS} == {k: expected[k] for k in SETTINGS}
+    assert source == merged / SAMPLING_FILE
+    given = SampleOptions(num_steps=7, seed=0, shift=2.0)
+    options, source = with_run_defaults(given, "flux", merged, tmp_path / "lora")
+    assert (options.num_steps, options.seed, options.shift, options.resolution) == (7, 0, 2.0, 32)
+    assert source == tmp_path / "lora" / SAMPLING_FILE  # the LoRA folder's first
+    (merged / SAMPLING_FILE).unlink()  # an export from before lean_sampling.json
+    assert with_run_defaults(SampleOptions(), "flux", merged, None) == (SampleOptions(seed=0), None)
+
+
+def test_sigmas_pipelines_are_those_whose_call_takes_sigmas():
+    import diffusers
+
+    for family in FAMILIES:
+        call = getattr(diffusers, family_module(family).PIPELINE).__call__
+        assert takes_sigmas(family) == ("sigmas" in inspect.signature(call).parameters), family
+
+
+def pixels(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("export", ["merged", "lora"])
+def test_sample_without_options_draws_the_runs_eval_images(export, run, base_folders, tmp_path):
+    """lean sample with no sampling options, on lean export --merge's folder or on the run's base with its lora/,
+    draws the run's last eval images of the same prompts and seed: the run's resolution, eval steps, CFG, static
+    shift, sigma grid (euler, not FluxPipeline's own) and eval noise. To 1/255: the pipeline runs CFG as two
+    forwards of one row, the evaluation as one batch (float32 rounding; equal here). The trained weights matter:
+    the base's eval images are further off."""
+    if export == "merged":
+        assert main(["export", "--run", str(run), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+        folders = ["--pretrained", str(tmp_path / "merged")]
+    else:  # the random base lean train drew, as a pipeline folder
+        folders = ["--pretrained", str(base_folders("flux")), "--lora", str(run / "lora")]
+    prompts = json.loads((run / "config.json").read_text())["eval"]["prompts"]
+    (tmp_path / "prompts.txt").write_text("".join(f"{p}\n" for p in prompts))
+    assert main(["sample", *folders, "--prompts-file", str(tmp_path / "prompts.txt"), "--out", "samples"]) == 0
+    for k in range(len(prompts)):
+        got = pixels(tmp_path / "samples" / f"{k:05d}.png")
+        evaluated, base = (pixels(run / "eval" / str(i) / f"p{k:03d}_s00.png") for i in (1, 0))
+        assert got.shape == (32, 32, 3)
+        assert np.abs(got - evaluated).max() <= 1, k
+        assert np.abs(got - base).max() > 8, k
+    assert np.abs(pixels(tmp_path / "samples" / "00000.png") - pixels(tmp_path / "samples" / "00001.png")).max() > 8
+
+
 def fake_run(folder, policy, *overrides):
     """A run folder as lean train leaves it: config.json and the trained parameters."""
     folder.mkdir()
@@ -175,7 +262,7 @@ def test_sample_writes_images(run, base_folders, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "samples" / "samples.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["seed"]) for r in records] == [
         ("a red circle", 7),
-        ("a blue square on a green background", 8),
+        ("a blue square on a green background", 7),
     ]
     images = [Image.open(tmp_path / "samples" / r["file"]) for r in records]
     assert all(image.size == (32, 32) and image.mode == "RGB" for image in images)
@@ -201,6 +288,8 @@ def test_sample_writes_video_frames(base_folders, tmp_path):
         (["sample", "--pretrained", "{flux}", "--lora", ".", "--prompts-file", "p.txt", "--out", "o"], "--lora"),
         (["sample", "--pretrained", "{flux}", "--prompts-file", "p.txt", "--out", "o", "--num-frames", "5"], "--num"),
         (["sample", "--pretrained", "{flux}", "--prompts-file", "missing.txt", "--out", "o"], "--prompts-file"),
+        (["sample", "--pretrained", "{flux}", "--prompts-file", "p.txt", "--out", "o", "--sigma-grid", "x"], "--sigma"),
+        (["sample", "--pretrained", "{flux}", "--prompts-file", "p.txt", "--out", "o", "--sigma-grid=euler"], "--sig"),
         (["export", "--run", ".", "--out", "o"], "--run"),
         (["export", "--run", "{rank2}", "--out", "o"], "--run"),  # weights of another rank than config.json's
     ],
