@@ -269,7 +269,7 @@ class RewardModelConfig:
     """``reward.models.<name>``: where a model reward (``lean.rewards.MODEL_REWARDS``) loads from and how it runs."""
 
     folder: str | None = None
-    """A local model folder (the layout each reward needs: ``lean.rewards.models``, README "Rewards")."""
+    """A local model folder (the layout each reward needs: ``lean.rewards.models``, docs/rewards.md)."""
     batch_size: int = 32
     """Images (video frames) per forward."""
     dtype: str = DTYPES.default

@@ -317,7 +317,7 @@ class IterationPipeline:
         self, iteration: int, final: Tensor, images: Tensor, prompts: list[str], err: Exception
     ) -> None:
         """``<failed_rollouts>/<iteration>[.rank<r>].safetensors`` (``latents`` x_T, ``images`` in [0, 1]) and a
-        ``.json`` beside it (iteration, rank, prompts, the error), so the batch can be re-scored (README "Rewards")."""
+        ``.json`` beside it (iteration, rank, prompts, the error), so the batch can be re-scored (docs/rewards.md)."""
         if self.failed_rollouts is None:
             return
         stem = f"{iteration}" + (f".rank{self.world.rank}" if self.world.size > 1 else "")
