@@ -28,8 +28,11 @@ test: lint
 repro: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
+# Re-measures the benchmarks on this machine (the bench_schedules and overlap stages, forced; their figures then carry
+# this machine's `measured_on`), then the reproduction check alone: outputs/report/reproduction.json and its verdict.
 bench: install
-	$(BIN)/lean bench schedules --out outputs/bench
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro -f -s bench_schedules overlap
+	$(BIN)/python -m pipelines.report --check
 
 # MLflow's UI on the workbench's store (./mlflow.db, or $MLFLOW_TRACKING_URI): prints the URL of the experiment's
 # runs (MLflow 3.17 opens its GenAI overview otherwise) and of the saved view comparing the schedules; options after

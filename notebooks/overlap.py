@@ -44,6 +44,7 @@ from IPython.display import Image, display
 from lean.bench.overlap_report import flat_metrics, print_video_ulysses
 from lean.bench.sequence_parallel import COMPUTE_ONLY, format_table
 from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
+from lean.schedules import SCHEDULES
 from lean.workbench.notebook import NotebookLog
 
 folder = Path(outputs) / "overlap" / "bench"
@@ -147,7 +148,7 @@ print(
     f"{c['family']}/{c['size']} {c['resolution']} px, {c['tokens']} tokens over {c['sequence_parallel']} processes, "
     f"{c['samples_per_group']} samples, {c['num_steps']} steps, median of {c['repeats']}"
 )
-schedules = [k for k in iterations if k not in ("config", "methods")]
+schedules = [s for s in SCHEDULES if s in iterations]
 sp_methods = [m for m in iterations["methods"] if m != COMPUTE_ONLY]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3))
 bars(ax1, {s: s for s in schedules}, iterations["methods"], lambda s, m: iterations[s][m]["time_iteration_s"])

@@ -8,7 +8,8 @@ The config is ``lean bench schedules``' own (``lean.bench.schedules.bench_config
 not be the base's.
 
 Writes OUT/schedules.json (per-phase medians, peak memory, FLOPs, MFU/HFU, speedup and its bound), OUT/plan.json,
-OUT/metrics.json (flat: speedup_<s>, speedup_bound_<s>, mfu_<s>, hfu_<s>, peak_memory_mb_<s>) and OUT/phases.csv.
+OUT/metrics.json (flat: speedup_<s>, speedup_bound_<s>, mfu_<s>, hfu_<s>, peak_memory_mb_<s>; and ``measured_on``, the
+machine the figures were measured on: ``lean.provenance``) and OUT/phases.csv.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def main() -> None:
         result = bench_schedules(cfg, out=str(out), options=options)
         metrics = flat_metrics(result)
         run.log_metrics(metrics)
+        run.set_tags({f"lean.measured_on.{k}": v for k, v in result["measured_on"].items()})
         for s in SCHEDULES:
             with run.child(f"bench[{s}]", schedule=s) as child:
                 child.log_metrics(numbers(result[s]))
                 child.log_metrics({f"predicted_{k}": v for k, v in result["plan"]["prediction"][s].items()})
     write_json(out / "plan.json", result["plan"])
-    write_json(out / "metrics.json", metrics)
+    write_json(out / "metrics.json", {**metrics, "measured_on": result["measured_on"]})
     write_csv(out / "phases.csv", [{"schedule": s, **{k: result[s].get(k, 0.0) for k in PHASES}} for s in SCHEDULES])
 
 

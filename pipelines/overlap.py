@@ -8,7 +8,7 @@ schedules`` with ``model.sequence_parallel``, ``lean.bench.sequence_parallel``).
 Writes OUT/bench/ (overlap.json, projection.json, gantt*.png from ``lean bench overlap``), OUT/sequence_parallel/
 (sequence_parallel.json, measured.jsonl) and OUT/metrics.json (overlap_exposed_ms_<method>: median latency -
 compute-only in ms, overlap_latency_ms_<method>, overlap_model_mean_abs_error; sp_exposed_ms_<schedule>_<method> and
-sp_time_iteration_s_<schedule>_<method>).
+sp_time_iteration_s_<schedule>_<method>; ``measured_on``: the machine both were measured on, ``lean.provenance``).
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def main() -> None:
     with tracking.start_run("overlap", params={"overlap": section}) as run:
         run_lean(ops)
         run_lean(iteration)
-        metrics = flat_metrics(json.loads((out / "bench" / "overlap.json").read_text()))
+        summary = json.loads((out / "bench" / "overlap.json").read_text())
         iterations = json.loads((out / "sequence_parallel" / "sequence_parallel.json").read_text())
-        metrics |= sequence_parallel_metrics(iterations)
+        metrics = flat_metrics(summary) | sequence_parallel_metrics(iterations)
         run.log_metrics(metrics)
+        measured_on = iterations.get("measured_on") or summary.get("measured_on") or {}
+        run.set_tags({f"lean.measured_on.{k}": v for k, v in measured_on.items()})
         run.log_artifact(out / "bench", "overlap")
         run.log_artifact(out / "sequence_parallel", "sequence_parallel")
-    write_json(out / "metrics.json", metrics)
+    write_json(out / "metrics.json", {**metrics, "measured_on": measured_on})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""Stage ``report``: papermill executes the notebooks on the pipeline's outputs; each notebook logs its figures and
-metrics to its own MLflow run (nested under this stage's run), and the executed copy is added to that run.
+"""Stage ``report``: this run's headline figures against the committed reference (``lean.workbench.reproduction``),
+then papermill executes the notebooks on the pipeline's outputs; each notebook logs its figures and metrics to its own
+MLflow run (nested under this stage's run), and the executed copy is added to that run.
 
-    python -m pipelines.report [--params params.yaml] [--outputs outputs] [--out outputs/report]
+    python -m pipelines.report [--params params.yaml] [--outputs outputs] [--out outputs/report] [--reference PATH]
+    python -m pipelines.report --check      # the reproduction check alone (no notebooks): OUT/reproduction.json
+    python -m pipelines.report --pin        # the reference := the headline figures under --outputs (commit it)
 
-Writes OUT/notebooks/<name>.ipynb (executed), OUT/notebooks/<name>.json (the notebook's metrics and run id) and
-OUT/metrics.json (every notebook's metrics, flat).
+Writes OUT/reproduction.json (``reproduced``, ``outside_band``: each figure outside its band, and the per-figure table
+with bands, references and where the benchmark figures were measured), OUT/notebooks/<name>.ipynb (executed),
+OUT/notebooks/<name>.json (the notebook's metrics and run id) and OUT/metrics.json (every notebook's metrics, flat,
+with ``reproduced`` 1/0 and ``figures_outside_band``). Prints a one-line verdict last. A run that does not reproduce
+the reference is a finding, not a failure: the stage succeeds either way.
 """
 
 from __future__ import annotations
@@ -15,9 +21,24 @@ from pathlib import Path
 
 from lean import tracking
 from lean.outputs import write_json
+from lean.workbench import reproduction
 from lean.workbench.stage import begin_stage
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def check_reproduction(params: dict, outputs: str, out: Path, reference: str) -> dict:
+    """The reproduction check of the run under ``outputs``, written to OUT/reproduction.json."""
+    section = params.get("report") or {}
+    result = reproduction.check(
+        outputs,
+        reproduction.load_reference(reference),
+        section.get("bands") or {},
+        params=params,
+        reference_path=reference,
+    )
+    write_json(out / "reproduction.json", result)
+    return result
 
 
 def main() -> None:
@@ -25,17 +46,32 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--outputs", default="outputs", help="the pipeline's outputs, which the notebooks read")
     p.add_argument("--out", default="outputs/report")
+    p.add_argument("--reference", default=None, help="the committed reference (default: params report.reference)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="only the reproduction check; no notebooks, no MLflow")
+    mode.add_argument("--pin", action="store_true", help="write the reference from --outputs' figures, then exit")
     args = p.parse_args()
-    import papermill
 
     params = begin_stage(args.params)
     section = params.get("report") or {}
-    out = Path(args.out) / "notebooks"
-    out.mkdir(parents=True, exist_ok=True)
+    reference = args.reference or section.get("reference") or reproduction.REFERENCE
+    out = Path(args.out)
+    if args.pin:
+        pinned = reproduction.pin(args.outputs, params, reference)
+        print(f"report: pinned {len(pinned['figures'])} figures of {args.outputs} as the reference {reference}")
+        return
+    result = check_reproduction(params, args.outputs, out, reference)
+    if args.check:
+        print(result["verdict"], flush=True)
+        return
+    import papermill
+
+    notebooks = out / "notebooks"
+    notebooks.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
     with tracking.start_run("report", params={"report": section}) as run:
         for name in section.get("notebooks", []):
-            executed, summary_path = out / f"{name}.ipynb", out / f"{name}.json"
+            executed, summary_path = notebooks / f"{name}.ipynb", notebooks / f"{name}.json"
             papermill.execute_notebook(
                 str(NOTEBOOKS / f"{name}.ipynb"),
                 str(executed),
@@ -52,8 +88,12 @@ def main() -> None:
             tracking.attach(summary["run_id"]).log_artifact(executed, "notebook")
             metrics.update(summary["metrics"])
             print(f"report: {name}: {len(summary['metrics'])} metrics", flush=True)
+        metrics.update(reproduction.report_metrics(result))
         run.log_metrics(metrics)
-    write_json(Path(args.out) / "metrics.json", metrics)
+        run.set_tags({"lean.reproduced": result["reproduced"]})
+        run.log_artifact(out / "reproduction.json", "reproduction")
+    write_json(out / "metrics.json", metrics)
+    print(result["verdict"], flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from lean.outputs import write_json
 from lean.overlap import projection, sim
 from lean.overlap.measure import case_flops, measured_profile
 from lean.overlap.p2p import METHODS
+from lean.provenance import machine
 
 NOT_MEASURED_ON_ONE_RANK = (
     "latency, communication-only time and exposed communication of every method (need >= 2 ranks)",
@@ -110,6 +111,7 @@ def summarize(m: Measurements) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "torch": torch.__version__,
+        "measured_on": machine(m.device),  # where these figures were measured (lean.provenance)
         "repeats": m.repeats,
         "warmup": m.warmup,
         "quick": m.quick,

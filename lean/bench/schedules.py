@@ -36,6 +36,7 @@ from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
 from lean.plan import iteration_costs, prediction_table, probe
+from lean.provenance import machine
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
@@ -126,6 +127,7 @@ def bench_schedules(
         "peak_flops": peak,
         "peak_flops_source": peak_source,
         "plan": {"probe": measured, "prediction": prediction},
+        "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
     }
     for s in SCHEDULES:
         trainer.state.load_state_dict(state)

@@ -25,6 +25,7 @@ from lean.distributed import set_threads
 from lean.metrics import median
 from lean.outputs import JsonLines, write_json
 from lean.overlap.p2p import METHODS
+from lean.provenance import machine
 from lean.schedules import SCHEDULES
 from lean.train import Trainer
 
@@ -79,6 +80,7 @@ def bench_sequence_parallel(
             "threads": torch.get_num_threads(),
         },
         "methods": list(overlaps),
+        "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
     }
     for s in SCHEDULES:
         times = {m: [row["time_iteration_s"] for row in rows[f"{s}/{m}"]] for m in overlaps}

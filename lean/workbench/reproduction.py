@@ -1,0 +1,471 @@
+"""Reproduction you can check: this run's headline figures against the committed reference, each within its band.
+
+A fresh clone's ``dvc repro`` does not give the committed figures bit for bit: float32 kernels differ between CPUs,
+the pretrained base differs in its last bits, and the RL runs, chaotic in those bits, end elsewhere (the committed
+run's eval gain 0.230 is 0.176 on another machine). Whether that is a reproduction or a regression is decided here,
+figure by figure:
+
+    reference   ``reproduction/reference.json`` (params.yaml ``report.reference``): the headline figures of the
+                committed run, the params they were made with and where the benchmarks were measured. Git keeps it;
+                no stage writes it: ``python -m pipelines.report --pin`` refreshes it from ``outputs/``.
+    bands       params.yaml ``report.bands``, one per figure family (a schedule's or method's figures share their
+                family's band): ``abs`` (|value - reference| <= abs), ``rel`` (<= rel x |reference|), ``min`` /
+                ``max`` (limits on the value itself), ``bound: true`` (the figure's own bound, read from the
+                outputs: the certificates are checked against it, never against the reference), ``info: true``
+                (shown beside the reference, never checked: timings that depend on the machine). The allowed range is
+                the intersection of what a band lists.
+    verdict     ``reproduced``: the params are the reference's, and every checked figure is inside its band;
+                ``outside_band`` names each figure that is not, with its value, reference, band and allowed range.
+
+The benchmark figures (``bench``, ``overlap``) carry where they were measured (``measured_on``, ``lean.provenance``);
+the report says whether they were measured on this machine or are the committed ones from another (``make bench``
+re-measures them here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lean import provenance
+from lean.outputs import write_json
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+
+REFERENCE = "reproduction/reference.json"
+"""The committed reference (relative to the repository root), unless params.yaml ``report.reference`` says else."""
+
+PARAM_SECTIONS = (
+    "model",
+    "sample",
+    "reward",
+    "train",
+    "eval",
+    "prepare",
+    "method",
+    "rl",
+    "bench",
+    "overlap",
+)
+"""The params.yaml sections the stages declare (dvc.yaml ``params``): a run with other values there is an experiment,
+not a reproduction."""
+
+MEASURED = {"bench": ("bench", "schedules.json"), "overlap": ("overlap", "metrics.json")}
+"""The groups whose figures are measurements of the machine, and the output that records where (``measured_on``)."""
+
+BAND_KEYS = ("abs", "rel", "min", "max", "bound", "info")
+
+FAMILIES = {
+    "vae_mse_final": ("prepare", "the base's autoencoder: reconstruction MSE at its last step"),
+    "flow_loss_final": ("prepare", "the base's rectified-flow loss at its last step"),
+    "certificate_passes": ("equivalence", "the float32 certificate passes (1)"),
+    "certificate_rel_grad_diff": ("equivalence", "max relative gradient difference to the baseline"),
+    "certificate_one_minus_cosine": ("equivalence", "1 - cosine of the gradient to the baseline's"),
+    "bf16_certificate_passes": ("equivalence_bf16", "the bfloat16 certificate passes (1)"),
+    "bf16_rel_l2": ("equivalence_bf16", "relative L2 distance to the float64 gradient"),
+    "bf16_one_minus_cosine": ("equivalence_bf16", "1 - cosine to the float64 gradient"),
+    "eval_reward_base": ("train", "the base model's eval (ODE, fixed noise) reward"),
+    "eval_reward_gain": ("train", "eval reward after the RL run minus the base's"),
+    "eval_gain_over_noise": ("train", "the eval gain in units of the base's eval-noise std"),
+    "reward_mean": ("train", "the training-reward curve's mean over the iterations"),
+    "reward_last10": ("train", "the training-reward curve's mean over its last 10 iterations"),
+    "reward_curves_max_diff": ("train", "largest gap between a schedule's reward curve and the baseline's"),
+    "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
+    "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
+    "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
+    "sp_speedup": ("overlap", "sequence-parallel compute-only iteration: the baseline's time / this schedule's"),
+    "overlap_exposed_ms": ("overlap", "exposed communication of the overlap ops on gloo, ms"),
+}
+"""Every headline figure family: (its stage, what it is); params.yaml ``report.bands`` is keyed by these."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    family: str
+    value: float
+    bound: float | None = None
+    """The figure's own bound (a certificate's tolerance), for ``bound: true`` bands."""
+
+    @property
+    def group(self) -> str:
+        return FAMILIES[self.family][0]
+
+
+# ---------------------------------------------------------------- the figures of a run
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def headline_figures(outputs: str | Path) -> dict[str, Figure]:
+    """The headline figures of the run under ``outputs``, by name; a stage whose output is absent contributes none."""
+    outputs = Path(outputs)
+    figures: dict[str, Figure] = {}
+
+    def add(name: str, family: str, value: Any, bound: Any = None) -> None:
+        number = _number(value)
+        if number is not None:
+            figures[name] = Figure(name, family, number, _number(bound))
+
+    if prepare := read_json(outputs / "prepare" / "metrics.json"):
+        add("vae_mse_final", "vae_mse_final", prepare.get("vae_mse_final"))
+        add("flow_loss_final", "flow_loss_final", prepare.get("flow_loss_final"))
+
+    if certificate := read_json(outputs / "equivalence" / "equivalence.json"):
+        tolerance = certificate.get("tolerance") or {}
+        add("certificate_passes", "certificate_passes", certificate.get("passes"))
+        for s in LEAN_SCHEDULES:
+            entry = certificate.get(s) or {}
+            bound = tolerance.get("max_rel_grad_diff")
+            add(f"certificate_rel_grad_diff_{s}", "certificate_rel_grad_diff", entry.get("max_rel_grad_diff"), bound)
+            if (cosine := _number(entry.get("cosine"))) is not None:
+                bound = tolerance.get("one_minus_cosine")
+                add(f"certificate_one_minus_cosine_{s}", "certificate_one_minus_cosine", 1 - cosine, bound)
+
+    if bf16 := read_json(outputs / "equivalence_bf16" / "metrics.json"):
+        tolerance = _number(bf16.get("bf16_tolerance"))
+        add("bf16_certificate_passes", "bf16_certificate_passes", bf16.get("bf16_passes"))
+        reference = (read_json(outputs / "equivalence_bf16" / "equivalence.json") or {}).get("reference") or {}
+        for s in LEAN_SCHEDULES:
+            add(f"bf16_rel_l2_{s}", "bf16_rel_l2", bf16.get(f"bf16_rel_l2_{s}"), tolerance)
+            cosine = _number((reference.get(s) or {}).get("cosine"))
+            if cosine is not None and tolerance is not None:  # lean.equivalence.half_tolerance: (rel, rel^2 / 2)
+                add(f"bf16_one_minus_cosine_{s}", "bf16_one_minus_cosine", 1 - cosine, tolerance**2 / 2)
+
+    curves = {}
+    for s in SCHEDULES:
+        run = read_json(outputs / "train" / s / "metrics.json")
+        if not run:
+            continue
+        if s == BASELINE:  # the same base and eval noise for every schedule
+            add("eval_reward_base", "eval_reward_base", run.get("eval_reward_first"))
+        gain, noise = _number(run.get("eval_reward_gain")), _number(run.get("eval_reward_noise_std"))
+        add(f"eval_reward_gain_{s}", "eval_reward_gain", gain)
+        if gain is not None and noise:
+            add(f"eval_gain_over_noise_{s}", "eval_gain_over_noise", gain / noise)
+        curve = [float(v) for v in run.get("reward_mean") or [] if _number(v) is not None]
+        if curve:
+            curves[s] = curve
+            add(f"reward_mean_{s}", "reward_mean", statistics.fmean(curve))
+            add(f"reward_last10_{s}", "reward_last10", statistics.fmean(curve[-10:]))
+    if BASELINE in curves and len(curves) > 1:
+        base = curves[BASELINE]
+        gaps = [
+            max(abs(a - b) for a, b in zip(curve, base)) if len(curve) == len(base) else math.inf
+            for s, curve in curves.items()
+            if s != BASELINE
+        ]
+        add("reward_curves_max_diff", "reward_curves_max_diff", max(gaps))
+
+    if bench := read_json(outputs / "bench" / "schedules.json"):
+        base = bench.get(BASELINE) or {}
+        add(f"time_iteration_s_{BASELINE}", "time_iteration_s", base.get("time_iteration_s"))
+        for s in LEAN_SCHEDULES:
+            entry = bench.get(s) or {}
+            speedup, bound = _number(entry.get("speedup")), _number(entry.get("speedup_bound"))
+            if speedup is not None and bound:
+                add(f"speedup_vs_bound_{s}", "speedup_vs_bound", speedup / bound)
+            peak, base_peak = _number(entry.get("peak_memory_mb")), _number(base.get("peak_memory_mb"))
+            if peak is not None and base_peak:
+                add(f"peak_memory_ratio_{s}", "peak_memory_ratio", peak / base_peak)
+
+    if overlap := read_json(outputs / "overlap" / "metrics.json"):
+        # lean.bench.sequence_parallel.flat_metrics: sp_time_iteration_s_<schedule>_compute_only
+        base = _number(overlap.get(f"sp_time_iteration_s_{BASELINE}_compute_only"))
+        for s in LEAN_SCHEDULES:
+            time = _number(overlap.get(f"sp_time_iteration_s_{s}_compute_only"))
+            if base is not None and time:
+                add(f"sp_speedup_{s}", "sp_speedup", base / time)
+        for key, value in overlap.items():
+            if key.startswith("overlap_exposed_ms_"):
+                add(key, "overlap_exposed_ms", value)
+    return figures
+
+
+def measured_on(outputs: str | Path) -> dict[str, dict | None]:
+    """Per measured group (``bench``, ``overlap``): the machine record its outputs carry (None: none)."""
+    found = {}
+    for group, parts in MEASURED.items():
+        record = (read_json(Path(outputs).joinpath(*parts)) or {}).get("measured_on")
+        found[group] = record if isinstance(record, dict) and record else None
+    return found
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def git_commit(cwd: str | Path = ".") -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def pin(outputs: str | Path, params: Mapping[str, Any], path: str | Path = REFERENCE) -> dict:
+    """Writes the reference at ``path`` from the run under ``outputs``: its headline figures, the params sections
+    they depend on, where the benchmarks were measured (a group measured before provenance:
+    ``lean.provenance.UNKNOWN``, with the torch threads its config recorded) and the commit it was pinned at."""
+    figures = headline_figures(outputs)
+    records = measured_on(outputs)
+    if records["bench"] is None:
+        threads = ((read_json(Path(outputs) / "bench" / "schedules.json") or {}).get("config") or {}).get("threads")
+        records["bench"] = provenance.unknown(**({} if threads is None else {"torch_threads": threads}))
+    records = {group: record or provenance.unknown() for group, record in records.items()}
+    reference = {
+        "about": "The committed headline figures a run's report is checked against (params.yaml report.bands); "
+        "refresh with `python -m pipelines.report --pin` when a run's figures become the new reference.",
+        "pinned": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+        },
+        "measured_on": records,
+        "params": {k: params[k] for k in PARAM_SECTIONS if k in params},
+        "figures": {name: figure.value for name, figure in figures.items()},
+    }
+    write_json(path, reference)
+    return reference
+
+
+def load_reference(path: str | Path) -> dict | None:
+    reference = read_json(Path(path))
+    return reference if reference and isinstance(reference.get("figures"), dict) else None
+
+
+# ---------------------------------------------------------------- the check
+
+
+def validate_bands(bands: Mapping[str, Any]) -> None:
+    """Every band names a known figure family and only the keys :data:`BAND_KEYS`, with numbers (booleans for
+    ``bound`` and ``info``); a ValueError names the first that does not."""
+    for family, band in bands.items():
+        where = f"report.bands.{family}"
+        if family not in FAMILIES:
+            raise ValueError(f"{where}: not a figure family (one of {', '.join(FAMILIES)})")
+        if not isinstance(band, Mapping) or not band:
+            raise ValueError(f"{where}: must be a mapping of {', '.join(BAND_KEYS)}")
+        for key, value in band.items():
+            if key not in BAND_KEYS:
+                raise ValueError(f"{where}.{key}: not a band key (one of {', '.join(BAND_KEYS)})")
+            if key in ("bound", "info"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{where}.{key}: must be true or false")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{where}.{key}: must be a number")
+            elif key in ("abs", "rel") and value < 0:
+                raise ValueError(f"{where}.{key}: must be >= 0")
+
+
+def allowed_range(band: Mapping[str, Any], reference: float | None, bound: float | None) -> tuple[float, float, str]:
+    """(low, high, what could not be applied) of a band around ``reference``, capped by the figure's ``bound``."""
+    low, high, missing = -math.inf, math.inf, []
+    for key in ("abs", "rel"):
+        if key in band:
+            if reference is None:
+                missing.append(f"{key} needs a reference value")
+                continue
+            width = band[key] * (abs(reference) if key == "rel" else 1.0)
+            low, high = max(low, reference - width), min(high, reference + width)
+    if "min" in band:
+        low = max(low, band["min"])
+    if "max" in band:
+        high = min(high, band["max"])
+    if band.get("bound"):
+        if bound is None:
+            missing.append("the outputs state no bound")
+        else:
+            high = min(high, bound)
+    return low, high, "; ".join(missing)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested mapping (an empty mapping below the top is a value of its own)."""
+    if isinstance(tree, Mapping) and (tree or not prefix):
+        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def params_differences(reference: Mapping[str, Any], params: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The entries of :data:`PARAM_SECTIONS` whose value differs (``key: reference value -> this run's``), and those
+    only one side has (``key: added`` / ``key: removed``: a key introduced with its default value changes nothing,
+    and one that changes the run changes its figures, which the bands check)."""
+    theirs = flatten({k: reference[k] for k in PARAM_SECTIONS if k in reference})
+    ours = flatten({k: params[k] for k in PARAM_SECTIONS if k in params})
+    differ = [
+        f"{key}: {theirs[key]!r} -> {ours[key]!r}"
+        for key in sorted(set(theirs) & set(ours))
+        if theirs[key] != ours[key]
+    ]
+    one_side = [f"{key}: added" for key in sorted(set(ours) - set(theirs))]
+    one_side += [f"{key}: removed" for key in sorted(set(theirs) - set(ours))]
+    return differ, one_side
+
+
+def check(
+    outputs: str | Path,
+    reference: Mapping[str, Any] | None,
+    bands: Mapping[str, Any],
+    params: Mapping[str, Any] | None = None,
+    here: Mapping[str, Any] | None = None,
+    reference_path: str | Path = REFERENCE,
+) -> dict:
+    """This run's headline figures against ``reference``, each within its band (module docstring); ``params``: the
+    run's params.yaml (compared with the reference's, None: not compared); ``here``: this machine's record
+    (``lean.provenance.machine()`` when None). Returns the report (``outputs/report/reproduction.json``)."""
+    validate_bands(bands)
+    here = dict(here) if here is not None else provenance.machine()
+    figures = headline_figures(outputs)
+    ref_figures = dict((reference or {}).get("figures") or {})
+    ref_records = (reference or {}).get("measured_on") or {}
+    measured = {}
+    for group, record in measured_on(outputs).items():
+        names = [n for n, f in figures.items() if f.group == group]
+        committed = bool(names) and all(_number(ref_figures.get(n)) == figures[n].value for n in names)
+        if record is None and committed:  # the committed figures, from before provenance: the reference knows more
+            record = ref_records.get(group)
+        here_ = provenance.same_machine(record, here)
+        where = provenance.describe(record)
+        if here_:
+            source = f"measured on this machine ({where})"
+        else:
+            source = ("the committed figures, measured on " if committed else "measured on ") + where
+            source += {False: ", another machine", None: ", perhaps another machine"}[here_]
+            source += ": `make bench` re-measures them here"
+        measured[group] = {
+            "measured_on": record,
+            "reference_measured_on": ref_records.get(group),
+            "measured_here": here_,
+            "committed": committed,
+            "shows": source,
+        }
+
+    rows, outside = [], []
+    for name in [*figures, *(n for n in ref_figures if n not in figures)]:
+        figure, ref = figures.get(name), _number(ref_figures.get(name))
+        family = figure.family if figure else None
+        band = dict(bands.get(family) or {}) if family else {}
+        row: dict[str, Any] = {
+            "figure": name,
+            "group": figure.group if figure else None,
+            "what": FAMILIES[family][1] if family else None,
+            "value": figure.value if figure else None,
+            "reference": ref,
+            "band": band or None,
+        }
+        if figure is None:
+            row.update(checked=True, inside=False, note="missing from this run's outputs")
+        elif not band:
+            row.update(checked=False, inside=None, note=f"no band: params.yaml report.bands.{family}")
+        elif band.get("info"):
+            row.update(checked=False, inside=None, note="shown, not checked (machine-dependent)")
+        else:
+            low, high, missing = allowed_range(band, ref, figure.bound)
+            row["allowed"] = [_finite(low), _finite(high)]
+            if figure.bound is not None:
+                row["bound"] = figure.bound
+            inside = math.isfinite(figure.value) and low <= figure.value <= high
+            row.update(checked=True, inside=inside)
+            if missing:
+                row["note"] = missing + (
+                    " (not in the reference: `python -m pipelines.report --pin`)" if ref is None else ""
+                )
+        if row["group"] in measured:
+            row["measured_here"] = measured[row["group"]]["measured_here"]
+        rows.append(row)
+        if row["checked"] and row["inside"] is False:
+            outside.append({k: row.get(k) for k in ("figure", "value", "reference", "band", "allowed", "note")})
+
+    compared = reference is not None and params is not None and isinstance(reference.get("params"), Mapping)
+    differ, one_side = params_differences(reference["params"], params) if compared else ([], [])
+    checked = [r for r in rows if r["checked"]]
+    reasons = []
+    if reference is None:
+        reasons.append(f"no reference at {reference_path}: pin one with `python -m pipelines.report --pin`")
+    if differ:
+        reasons.append(f"params differ from the reference's in {len(differ)} entries (an experiment, not a rerun)")
+    if not checked:
+        reasons.append("no figure checked (params.yaml report.bands is empty?)")
+    reproduced = not reasons and not outside
+    result = {
+        "reproduced": reproduced,
+        "outside_band": outside,
+        "reasons": reasons,
+        "checked": len(checked),
+        "inside": sum(1 for r in checked if r["inside"]),
+        "reference": {
+            "path": str(reference_path),
+            "pinned": (reference or {}).get("pinned"),
+        },
+        "params_match": not differ if compared else None,
+        "params_differ": differ,
+        "params_one_side": one_side,
+        "this_machine": here,
+        "measured": measured,
+        "figures": rows,
+    }
+    result["verdict"] = verdict(result)
+    return result
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def verdict(result: Mapping[str, Any]) -> str:
+    """One line: reproduced or not, what is outside its band, and which benchmark figures the report shows."""
+    pinned = (result["reference"].get("pinned") or {}).get("git_commit") or "?"
+    head = (
+        f"reproduction: {'REPRODUCED' if result['reproduced'] else 'NOT REPRODUCED'}: {result['inside']}/"
+        f"{result['checked']} figures inside their bands against {result['reference']['path']} ({pinned[:7]})"
+    )
+    parts = [head]
+    if result["outside_band"]:
+        parts.append(
+            "outside: "
+            + ", ".join(
+                f"{o['figure']} {_fmt(o['value'])} (reference {_fmt(o['reference'])}, allowed "
+                f"{_fmt((o.get('allowed') or [None, None])[0])}..{_fmt((o.get('allowed') or [None, None])[1])})"
+                for o in result["outside_band"]
+            )
+        )
+    parts.extend(result["reasons"])
+    if result["params_differ"]:
+        parts.append("params: " + ", ".join(d.split(":")[0] for d in result["params_differ"][:6]))
+    shows: dict[str, list[str]] = {}
+    for group, info in result["measured"].items():
+        shows.setdefault(info["shows"], []).append(group)
+    parts.extend(f"{' and '.join(groups)}: {text}" for text, groups in shows.items())
+    return "; ".join(parts)
+
+
+def report_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    """What the report stage logs to MLflow beside the notebooks' metrics."""
+    return {
+        "reproduced": float(result["reproduced"]),
+        "figures_outside_band": float(len(result["outside_band"])),
+        "figures_checked": float(result["checked"]),
+    }
