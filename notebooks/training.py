@@ -16,11 +16,11 @@
 # %% [markdown]
 # # Training: the reward curves of the three schedules, and what the model learned
 #
-# The `train@<schedule>` stages ran GRPO from the pretrained base with the `rl` settings of `params.yaml`. Same seed,
-# same trajectories, and the same update (see the equivalence notebook): the three curves must coincide, up to the
-# floating-point rounding that separates their gradients (it grows slowly over iterations in float32; run
-# `dvc exp run -S 'rl.run.model.dtype=float64'` to see it vanish). The reward is measured on the images each
-# iteration generates (prompt alignment: `lean.rewards`).
+# The `train` stage ran GRPO, one run per schedule side by side, from the pretrained base with the `rl` settings of
+# `params.yaml`. Same seed, same trajectories, and the same update (see the equivalence notebook): the three curves
+# must coincide, up to the floating-point rounding that separates their gradients (it grows slowly over iterations in
+# float32; run `dvc exp run -S 'rl.run.model.dtype=float64'` to see it vanish). The reward is measured on the images
+# each iteration generates (prompt alignment: `lean.rewards`).
 #
 # The training reward is that of the exploring (SDE) samples. Whether the model itself got better is the evaluation's
 # question (`rl.run.eval`, `lean/evaluation.py`): deterministic (ODE) samples of the prompts from the same noise at
@@ -99,7 +99,7 @@ for s in schedules:
     )
 ax.set_xlabel("iteration")
 ax.set_ylabel("seconds")
-ax.set_title("time per iteration")
+ax.set_title("time per iteration (the runs shared the cores: speed is the bench's)")
 ax.legend()
 log.figure(fig, "training_time.png")
 plt.show()

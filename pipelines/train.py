@@ -1,44 +1,75 @@
-"""Stage ``train@<schedule>``: a GRPO run of ``rl`` iterations from the pretrained base (``lean.train.train``, which
-logs every iteration to MLflow when tracking is on).
+"""Stage ``train``: the GRPO runs of the ``rl`` section from the pretrained base, one per schedule
+(``lean.train.train``, which logs every iteration to MLflow when tracking is on). The runs are independent and
+single-threaded, so they run side by side as child processes (``workbench.parallel_runs`` at once,
+``lean.workbench.side_by_side``): on 2 cores the three take about 1.5 run lengths instead of 3. Their per-iteration
+times share the cores; speed is the ``bench_schedules`` stage's to measure.
 
-    python -m pipelines.train --schedule retain --pretrained outputs/prepare/base [--params params.yaml]
-        [--out outputs/train/retain]
+    python -m pipelines.train --pretrained outputs/prepare/base [--params params.yaml] [--out outputs/train]
+    python -m pipelines.train --schedule retain ...   # one run, in this process (what each child runs)
 
-Writes OUT/metrics.json, OUT/metrics.csv (one row per iteration: the reward curve), OUT/lora.safetensors (with
-train.ema also OUT/lora_ema.safetensors), OUT/rollout.safetensors, OUT/config.json, and the evaluations
-(``rl.run.eval``): OUT/eval.csv (one row per evaluation: the eval-reward curve) and OUT/eval/<iteration>/ (images,
-grid, samples.csv). With evaluation off, eval.csv is its header alone and eval/ is empty: the stage's declared
-outputs exist either way, and the report says there is nothing to show.
+Writes, per schedule, OUT/<schedule>/metrics.json, metrics.csv (one row per iteration: the reward curve),
+lora.safetensors (with train.ema also lora_ema.safetensors), rollout.safetensors, config.json, train.log (the child's
+output), and the evaluations (``rl.run.eval``): eval.csv (one row per evaluation: the eval-reward curve) and
+eval/<iteration>/ (images, grid, samples.csv). With evaluation off, eval.csv is its header alone and eval/ is empty: the
+stage's declared outputs exist either way, and the report says there is nothing to show.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from lean.outputs import write_csv
-from lean.schedules import SCHEDULE_CHOICES
+from lean.schedules import SCHEDULE_CHOICES, SCHEDULES
 from lean.train import train
+from lean.workbench.side_by_side import RunFailed, run_side_by_side
 from lean.workbench.stage import begin_stage, stage_config
 
 EVAL_COLUMNS = ["iteration", "eval_reward_mean", "eval_reward_std"]  # the header of an eval.csv without evaluations
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES)
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--pretrained", default=None)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    begin_stage(args.params)
-    cfg = stage_config(args.params, "rl", pretrained=args.pretrained, schedule=args.schedule)
-    out = Path(args.out or f"outputs/train/{args.schedule}")
+def train_one(params: str, schedule: str, pretrained: str | None, out: Path) -> None:
+    """One schedule's run, in this process."""
+    begin_stage(params)
+    cfg = stage_config(params, "rl", pretrained=pretrained, schedule=schedule)
     history = train(cfg, out=str(out))
     if not cfg.eval.every:
         write_csv(out / "eval.csv", [], fields=EVAL_COLUMNS)
         (out / "eval").mkdir(exist_ok=True)
-    print(f"train[{args.schedule}]: reward " + " ".join(f"{row['reward_mean']:.4f}" for row in history))
+    print(f"train[{schedule}]: reward " + " ".join(f"{row['reward_mean']:.4f}" for row in history))
+
+
+def train_side_by_side(params: str, pretrained: str | None, out: Path) -> None:
+    """Every schedule's run as a child process of this module, ``workbench.parallel_runs`` at once."""
+    tree = begin_stage(params)
+    jobs = int((tree.get("workbench") or {}).get("parallel_runs", len(SCHEDULES)))
+    commands, logs = {}, {}
+    for schedule in SCHEDULES:
+        commands[schedule] = [sys.executable, "-m", "pipelines.train", "--schedule", schedule, "--params", params]
+        commands[schedule] += ["--out", str(out / schedule)]
+        commands[schedule] += ["--pretrained", pretrained] if pretrained else []
+        logs[schedule] = out / schedule / "train.log"
+    print(f"train: {', '.join(SCHEDULES)} side by side, {jobs} at once (logs: {out}/<schedule>/train.log)", flush=True)
+    try:
+        run_side_by_side(commands, logs, jobs)
+    except RunFailed as err:
+        raise SystemExit(f"train: {err}") from None
+    for schedule in SCHEDULES:  # each run's last line: its reward curve
+        print(next(line for line in reversed(logs[schedule].read_text().splitlines()) if line.startswith("train[")))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_CHOICES, help="one run (default: every schedule)")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--pretrained", default=None)
+    p.add_argument("--out", default=None, help="default: outputs/train (outputs/train/<schedule> with --schedule)")
+    args = p.parse_args()
+    if args.schedule is not None:
+        train_one(args.params, args.schedule, args.pretrained, Path(args.out or f"outputs/train/{args.schedule}"))
+    else:
+        train_side_by_side(args.params, args.pretrained, Path(args.out or "outputs/train"))
 
 
 if __name__ == "__main__":

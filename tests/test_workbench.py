@@ -35,9 +35,7 @@ STAGES = (
     "update@reweight",
     "equivalence",
     "equivalence_bf16",
-    "train@recompute",
-    "train@retain",
-    "train@reweight",
+    "train",
     "bench_schedules",
     "overlap",
     "report",
@@ -379,7 +377,7 @@ def test_pipeline_runs_arrive_in_the_mlflow_server(smoke):
     tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
     metrics = [{m["key"]: m["value"] for m in r["data"].get("metrics", [])} for r in runs]
     stages = {t.get("lean.stage") for t in tags}
-    assert {"prepare", "rollout", "train@retain", "bench_schedules", "equivalence", "report"} <= stages
+    assert {"prepare", "rollout", "train", "bench_schedules", "equivalence", "report"} <= stages
     assert all(t.get("lean.git_commit") for t in tags)
     by_name = {t["mlflow.runName"]: (t, m) for t, m in zip(tags, metrics)}
     assert "speedup_retain" in by_name["bench_schedules"][1] and "mfu_reweight" in by_name["bench_schedules"][1]
@@ -441,7 +439,7 @@ def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
     names = []
     for iterations in (1, 3):
         name = f"iterations-{iterations}"
-        run = ["exp", "run", "--temp", "-n", name, "-S", f"rl.run.train.iterations={iterations}", "train@retain"]
+        run = ["exp", "run", "--temp", "-n", name, "-S", f"rl.run.train.iterations={iterations}", "train"]
         dvc(repo, *run, env=env, timeout=300)
         names.append(name)
     shown = json.loads(dvc(repo, "exp", "show", "--json", env=env, timeout=120).stdout)
