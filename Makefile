@@ -1,17 +1,19 @@
 # Two commands on a fresh machine:  `make repro` (main job)  and  `make test` (test suite).
 # Each creates ./.venv and installs everything it needs. On a machine without an NVIDIA GPU, torch comes as the
 # CPU build (pinned, so pip never pulls a multi-GB CUDA wheel); with `nvidia-smi` present, the normal CUDA build.
+# One pip resolve for everything, and no byte-compiling of every installed file: Python compiles what it imports.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+# pytest-xdist workers for `make test` (tests/conftest.py: one torch thread each, the long groups first)
+TEST_WORKERS ?= 2
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install lint test repro train bench ui clean
+.PHONY: install lint test repro bench ui clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test,workbench]"
+	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH)" -e ".[test,workbench]"
 	touch $@
 
 install: $(BIN)/.installed
@@ -21,7 +23,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The workbench (dvc.yaml): prepare -> rollout -> advantage -> update x3 -> equivalence, train x3, bench, overlap,
 # report; the stages call `python`, so the venv goes first on PATH. A second `make repro` reruns nothing.

@@ -6,7 +6,51 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The tests' `mlflow server`s skip MLflow 3's job runner: seven background processes for GenAI features, seconds of
+# CPU each at every start on 2 cores.
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+
+# `make test` runs two pytest-xdist workers (-n 2 --dist loadgroup): each gets one torch thread, so that the two share
+# the cores instead of oversubscribing them; a plain `pytest` keeps up to two.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
+if WORKER:  # and so does every process a test starts (lean train, lean launch's ranks, the smoke's stages)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Modules whose tests share a module-scoped fixture (a trained run, a server, a reference process): one worker runs
+# each whole, so the fixture is built once.
+SHARED_FIXTURE_MODULES = {
+    "test_export",
+    "test_mlflow_server",
+    "test_reliability",
+    "test_reward_server",
+    "test_sequence_parallel",
+    "test_tracking",
+    "test_train",
+}
+# Run first, so that the two workers end together: the smoke pipeline's group (minutes on one worker), then the
+# modules of long multi-process and meta-device tests.
+LONG_FIRST = ("smoke", "test_layout", "test_certificate", "test_sharding", "test_sequence_parallel", "test_distributed")
+
+
+def _group(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return (marker.kwargs.get("name") or marker.args[0]) if marker else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in SHARED_FIXTURE_MODULES and _group(item) is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+    def rank(item) -> int:
+        for i, name in enumerate(LONG_FIRST):
+            if _group(item) == name or item.module.__name__ == name:
+                return i
+        return len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a rank is pytest's
 
 
 @pytest.fixture(autouse=True)

@@ -59,6 +59,7 @@ def test_notebook_is_paired_with_its_source(name):
     assert not any(c.get("outputs") for c in notebook.cells if c.cell_type == "code"), "commit notebooks stripped"
 
 
+@pytest.mark.xdist_group("smoke")  # the session's smoke pipeline (tests/test_workbench.py), built once
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", NOTEBOOKS)

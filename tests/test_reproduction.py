@@ -274,6 +274,7 @@ def test_report_check_and_pin_from_the_command_line(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().out.strip().splitlines()[-1] == written["verdict"]
 
 
+@pytest.mark.xdist_group("smoke")  # the session's smoke pipeline (tests/test_workbench.py), built once
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_smoke_pipeline_reports_its_reproduction(tmp_path_factory):
