@@ -1,7 +1,8 @@
 # Two commands on a fresh machine:  `make repro` (main job)  and  `make test` (test suite).
 # Each creates ./.venv and installs everything it needs. On a machine without an NVIDIA GPU, torch comes as the
 # CPU build (pinned, so pip never pulls a multi-GB CUDA wheel); with `nvidia-smi` present, the normal CUDA build.
-# One pip resolve for everything, and no byte-compiling of every installed file: Python compiles what it imports.
+# One pip resolve for everything. pip byte-compiles what it installs: keep it, since where PYTHONDONTWRITEBYTECODE is
+# set (this machine's environment) Python would otherwise recompile every module in every process.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -13,7 +14,7 @@ TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo 
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH)" -e ".[test,workbench]"
+	$(BIN)/python -m pip install --quiet "$(TORCH)" -e ".[test,workbench]"
 	touch $@
 
 install: $(BIN)/.installed
