@@ -22,7 +22,6 @@ from pathlib import Path
 
 from lean.outputs import write_csv
 from lean.schedules import SCHEDULE_CHOICES, SCHEDULES
-from lean.train import train
 from lean.workbench.side_by_side import RunFailed, run_side_by_side
 from lean.workbench.stage import begin_stage, stage_config
 
@@ -31,6 +30,8 @@ EVAL_COLUMNS = ["iteration", "eval_reward_mean", "eval_reward_std"]  # the heade
 
 def train_one(params: str, schedule: str, pretrained: str | None, out: Path) -> None:
     """One schedule's run, in this process."""
+    from lean.train import train  # here: the side-by-side parent starts processes and never trains
+
     begin_stage(params)
     cfg = stage_config(params, "rl", pretrained=pretrained, schedule=schedule)
     history = train(cfg, out=str(out))
@@ -43,7 +44,9 @@ def train_one(params: str, schedule: str, pretrained: str | None, out: Path) -> 
 def train_side_by_side(params: str, pretrained: str | None, out: Path) -> None:
     """Every schedule's run as a child process of this module, ``workbench.parallel_runs`` at once."""
     tree = begin_stage(params)
-    jobs = int((tree.get("workbench") or {}).get("parallel_runs", len(SCHEDULES)))
+    jobs = (tree.get("workbench") or {}).get("parallel_runs", len(SCHEDULES))
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise SystemExit(f"train: workbench.parallel_runs={jobs!r}: must be a whole number >= 1 (runs at once)")
     commands, logs = {}, {}
     for schedule in SCHEDULES:
         commands[schedule] = [sys.executable, "-m", "pipelines.train", "--schedule", schedule, "--params", params]
