@@ -11,7 +11,7 @@
 #            where this torch has them (overlap.json's `skipped` says why not otherwise); the calibrated contention
 #            and the model's error on them.
 #            Then the SP GRPO iteration (>= 2 GPUs): `lean bench schedules` on Wan (small, 480x832-like token count
-#            scaled down: 256 px x 17 frames = 1280 video tokens) under `model.sequence_parallel=2` on 2 GPUs, every
+#            scaled down: 256 px x 17 frames = 1280 video tokens) under `parallel.sequence_parallel=2` on 2 GPUs, every
 #            schedule x (collective, sliced, flash, compute-only): iteration time and exposed ms per method
 #            (OUT/sequence_parallel/sequence_parallel.json, measured.jsonl as each iteration ends).
 #    1 GPU   what needs no peer: compute-only GEMMs and MFU, memory bandwidth, a copy on a side stream overlapping a
@@ -39,7 +39,7 @@ sp=()
 if [ "$GPUS" -ge 2 ]; then
   sp=("$PY" -m lean.cli launch -n 2 -- bench schedules --params none --out "$OUT/sequence_parallel"
       --repeats 3 --warmup 1 --threads 0 --set model.family=wan --set model.size=small --set model.resolution=256
-      --set model.num_frames=17 --set model.dtype=bfloat16 --set model.sequence_parallel=2)
+      --set model.num_frames=17 --set model.dtype=bfloat16 --set parallel.sequence_parallel=2)
 fi
 echo "+ ${cmd[*]}"
 if [ ${#sp[@]} -gt 0 ]; then echo "+ ${sp[*]}"; fi

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from lean import equivalence, export, meta_plan, plan, sampling, tracking
 from lean.bench import overlap as bench_overlap
 from lean.bench.schedules import bench_config, bench_schedules
-from lean.config import ConfigError, RewardModelConfig, load_config, suggest
+from lean.config import ConfigError, RewardModelConfig, suggest
+from lean.configure import load_config
 from lean.launch import Nodes, launch
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
@@ -49,9 +50,19 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    """``lean``'s command line: one sub-command per tool, grouped by what they are for."""
     top = argparse.ArgumentParser(prog="lean", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
+    _training_commands(sub)
+    _bench_commands(sub)
+    _reward_commands(sub)
+    _operations_commands(sub)
+    _diffusers_commands(sub)
+    return top
 
+
+def _training_commands(sub) -> None:
+    """train, plan, equivalence: a run and what it costs and optimises."""
     p = sub.add_parser("train", help="GRPO training with the configured schedule")
     _add_run_options(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
@@ -71,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
         sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
     )
 
+
+def _bench_commands(sub) -> None:
+    """bench schedules | memory | overlap."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     b = bench.add_parser("schedules", help="the schedules interleaved: speedup, bound, MFU/HFU, peak memory")
     _add_run_options(b)
@@ -86,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
 
+
+def _reward_commands(sub) -> None:
+    """reward serve | score."""
     reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(
         dest="reward_command", required=True
     )
@@ -104,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout", required=True, help="a .safetensors file lean train kept when a reward server failed")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
+
+def _operations_commands(sub) -> None:
+    """launch (Accelerate), sync (MLflow calls that waited), ui (MLflow's runs view)."""
     p = sub.add_parser("launch", help="run a lean command on N processes through Accelerate (gloo on CPU)")
     p.add_argument("-n", "--num-processes", type=int, required=True, help="processes on this machine")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the job (run lean launch on each)")
@@ -132,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
         "--no-serve", "--print-url", dest="serve", action="store_false", help="print the URLs only, start nothing"
     )
 
+
+def _diffusers_commands(sub) -> None:
+    """export (a LoRA or merged diffusers folder), sample (images from one)."""
     p = sub.add_parser(
         "export",
         help="a run's trained weights for diffusers: a LoRA folder (load_lora_weights), or a merged pipeline folder",
@@ -185,7 +208,6 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default=None, help="precision (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default=None, help="default: cuda if there is a GPU, else cpu")
-    return top
 
 
 def _params(args) -> str | None:
@@ -234,7 +256,7 @@ def _bench(args) -> int:
         from lean.bench.memory import bench_memory
 
         bench_memory(cfg, out=args.out, options=options)
-    elif cfg.model.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
+    elif cfg.parallel.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
         from lean.bench.sequence_parallel import bench_sequence_parallel
 
         bench_sequence_parallel(cfg, out=args.out, options=options)

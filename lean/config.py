@@ -1,16 +1,24 @@
 """Typed run configuration: ``params.yaml`` + ``--preset`` + a stage's ``run:`` + ``--set`` -> :class:`RunConfig`.
 
-Everything downstream takes a ``RunConfig`` (or one of its sections), never a raw dict. Each section documents and
-checks its own fields (``validate``); :func:`validate` adds the rules that span sections. Every error is a
-:class:`ConfigError` whose message is one line naming the key, the value and what is allowed; the CLI prints it and
-exits with status 2. Names (schedules, families, dtypes, SDE kinds, rewards, presets) come from the registries of
-the modules that own them.
+Everything downstream takes a ``RunConfig`` (or one of its sections), never a raw dict. This module is the bottom of
+the house: it imports nothing from lean but the registry and small leaf modules (``tests/test_architecture.py``).
+
+* Each section documents and checks its own fields (``validate``). A field that names something (a schedule, a
+  model family, an SDE kind, ...) is a :func:`choice` of the registry of that kind (``lean.registry.CATALOG``), which
+  the module that owns the names declares.
+* The rules that span sections live with their owners (the family's in ``lean.models``, the layout's in
+  ``lean.layout``, sequence parallelism's in ``lean.models.sequence_parallel``, ...); ``lean.configure`` composes
+  them in one small function and :func:`lean.configure.load_config` runs it after :func:`read_config`.
+* Every error is a :class:`ConfigError` whose message is one line naming the key, the value and what is allowed (a
+  did-you-mean where a name is close); the CLI prints it and exits with status 2. A key that moved answers with its
+  new place (:data:`MOVED`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import types
@@ -22,19 +30,10 @@ from typing import Any
 
 import yaml
 
-from lean import models, sde
-from lean.advantage import STD_ESTIMATORS
-from lean.data import read_prompts
-from lean.dtypes import DTYPES, HALF
-from lean.layout import LAYOUTS, group_layout_problem
-from lean.loss import KL_FORMS
-from lean.overlap.p2p import METHODS
+from lean.dtypes import DTYPES
 from lean.presets import PRESETS
-from lean.rewards import MODEL_REWARDS, reward_names
-from lean.rollout import DECODE_TARGETS
-from lean.schedules import AUTO, SCHEDULE_CHOICES, SCHEDULES
-from lean.schedules.recompute import RECOMPUTE_BATCHINGS
-from lean.sharding import FSDP, SHARDS
+from lean.prompts import read_prompts
+from lean.registry import catalog
 
 
 class ConfigError(ValueError):
@@ -70,11 +69,32 @@ def check_fraction(key: str, value: float) -> None:
 
 
 def prompts_of_file(key: str, path: str) -> list[str]:
-    """``lean.data.read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
+    """``lean.prompts.read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
     try:
         return read_prompts(path)
     except (OSError, ValueError) as err:
         raise ConfigError(key, path, str(err)) from None
+
+
+def choice(kind: str, default: str | None = None, *, also: tuple[str, ...] = ()) -> Any:
+    """A field whose value is a name of the registry of ``kind`` (``lean.registry.CATALOG``) or one of ``also``; its
+    default is ``default``, or None: the registry's own (its first name, so a name is spelled in its owner only)."""
+    metadata = {"registry": kind, "also": also}
+    if default is not None:
+        return field(default=default, metadata=metadata)
+    return field(default_factory=functools.partial(_registry_default, kind), metadata=metadata)
+
+
+def _registry_default(kind: str) -> str:
+    return catalog(kind).default
+
+
+def choices(section: Any, prefix: str) -> None:
+    """Check every :func:`choice` field of ``section`` against its registry (keys ``<prefix>.<field>``)."""
+    for f in dataclasses.fields(section):
+        if "registry" in f.metadata:
+            allowed = [*catalog(f.metadata["registry"]), *f.metadata["also"]]
+            check_choice(f"{prefix}.{f.name}", getattr(section, f.name), allowed)
 
 
 # ---------------------------------------------------------------- sections
@@ -96,17 +116,17 @@ DEFAULT_PROMPTS = [
 class ModelConfig:
     """The policy: which diffusers transformer, at which size and precision, and what is trained."""
 
-    family: str = models.FAMILIES.default
+    family: str = choice("model family")
     """Model family: a name of ``lean.models.FAMILIES`` (image: FLUX, SD3; video: Wan)."""
     size: str = "tiny"
-    """Architecture size, one of the family's ``SIZES``: tiny (tests), small (CPU bench), full (published)."""
+    """Architecture size, one of the family's sizes: tiny (tests), small (CPU bench), full (published)."""
     pretrained: str | None = None
     """A local diffusers folder loaded with ``from_pretrained``; None: random weights from the size's config."""
     resolution: int = 32
     """Image side in pixels (a multiple of 16)."""
     num_frames: int = 5
     """Video frames (video families only); the family's VAE fixes which counts exist."""
-    dtype: str = DTYPES.default
+    dtype: str = choice("dtype", DTYPES.default)
     """Precision of the policy: a name of ``lean.dtypes.DTYPES``."""
     tf32: bool = True
     """float32 runs on a GPU: matmuls and convolutions on TF32 tensor cores (about 7x the plain FP32 rate on an
@@ -115,7 +135,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_ffn: bool = False
     """Also adapt the feed-forward projections (FlowGRPO does for FLUX)."""
-    lora_init: str = models.LORA_INITS.default
+    lora_init: str = choice("LoRA initialisation")
     """How the LoRA factors start (B = 0 in both, so the policy starts at the base model): a name of
     ``lean.models.LORA_INITS`` (peft's ``init_lora_weights``)."""
     lora_targets: list[str] | None = None
@@ -130,53 +150,17 @@ class ModelConfig:
     forward of the trained steps in time."""
     text_max_length: int = 16
     """T5 / UMT5 tokens per prompt."""
-    sequence_parallel: int = 1
-    """Processes that split each trajectory's tokens (Ulysses attention, ``lean.models.sequence_parallel``): groups of
-    this many consecutive processes hold the same samples, so ``lean launch -n 4`` with 2 is 2 data-parallel x 2
-    sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
-    overlap: str = METHODS[-1]
-    """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
-    ``lean.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per
-    peer, each head block sent as soon as it is computed)."""
 
     def validate(self) -> None:
-        check_choice("model.family", self.family, models.FAMILIES)
-        family = models.family_module(self.family)
-        if self.size not in family.SIZES:
-            raise ConfigError(
-                "model.size",
-                self.size,
-                f"{self.family} comes in {', '.join(family.SIZES)}" + suggest(self.size, family.SIZES),
-            )
-        check_choice("model.dtype", self.dtype, DTYPES)
+        """The fields alone; what depends on the family is ``lean.models.check_config``'s."""
+        choices(self, "model")
         check_positive("model.resolution", self.resolution)
         if self.resolution % 16:
             raise ConfigError("model.resolution", self.resolution, "must be a multiple of 16")
-        check_positive("model.num_frames", self.num_frames)
-        step = getattr(family, "FRAME_STEP", None)  # video VAEs compress time: F = step k + 1 frames
-        if step and (self.num_frames - 1) % step:
-            raise ConfigError(
-                "model.num_frames",
-                self.num_frames,
-                f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
-            )
-        for key in ("lora_rank", "lora_alpha", "text_max_length", "sequence_parallel"):
+        for key in ("num_frames", "lora_rank", "lora_alpha", "text_max_length"):
             check_positive(f"model.{key}", getattr(self, key))
-        check_choice("model.lora_init", self.lora_init, models.LORA_INITS)
-        check_choice("model.overlap", self.overlap, METHODS)
-        if self.sequence_parallel > 1 and not hasattr(family.ARCH, "shard_sequence"):
-            raise ConfigError(
-                "model.sequence_parallel",
-                self.sequence_parallel,
-                f"{family.DISPLAY_NAME} has no sequence parallelism yet (families with it: "
-                f"{', '.join(n for n in models.FAMILIES if hasattr(models.family_module(n).ARCH, 'shard_sequence'))})",
-            )
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
-        if self.pretrained is not None:
-            problem = models.pretrained_problem(self.family, self.pretrained)
-            if problem is not None:
-                raise ConfigError("model.pretrained", self.pretrained, problem)
 
     @property
     def torch_dtype(self):
@@ -194,9 +178,9 @@ class SampleConfig:
     ``model.pretrained``'s ``scheduler/scheduler_config.json``, else the family's published scheduler config; a
     dynamically shifting one (FLUX.1) gives e^mu at the run's image token count (``lean.models.time_shift``). The run
     logs the resolved value."""
-    sigma_grid: str = sde.SIGMA_GRIDS.default
+    sigma_grid: str = choice("sigma grid")
     """Sigma grid of a published pipeline: a name of ``lean.sde.SIGMA_GRIDS``."""
-    sde_kind: str = sde.SDE_KINDS.default
+    sde_kind: str = choice("SDE kind")
     """Stochastic step: a name of ``lean.sde.SDE_KINDS``."""
     noise_level: float = 0.7
     cfg: bool = True
@@ -208,10 +192,10 @@ class SampleConfig:
     """Differentiate the unconditional CFG branch too (false: it is a constant, which is cheaper)."""
     timestep_fraction: float = 0.99
     """Share of the steps trained per sample; the last step never is."""
-    timestep_fraction_of: str = sde.FRACTION_BASES.default
+    timestep_fraction_of: str = choice("timestep fraction base")
     """What the fraction is of: a name of ``lean.sde.FRACTION_BASES`` (FlowGRPO: all N steps, DanceGRPO: the N - 1
     trainable ones)."""
-    timestep_selection: str = sde.STEP_SELECTIONS.default
+    timestep_selection: str = choice("timestep selection")
     """Which steps each sample trains: a name of ``lean.sde.STEP_SELECTIONS``."""
     sde_window: int = 0
     """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
@@ -225,18 +209,14 @@ class SampleConfig:
     differs."""
 
     def validate(self) -> None:
+        """The fields alone; which SDE kind runs on which grid is ``lean.sde.check_config``'s."""
         check_positive("sample.num_steps", self.num_steps)
         if self.num_steps < 2:
             raise ConfigError("sample.num_steps", self.num_steps, "must be >= 2 (the last step is never trained)")
         if self.shift is not None:
             check_positive("sample.shift", self.shift)
-        check_choice("sample.sigma_grid", self.sigma_grid, sde.SIGMA_GRIDS)
-        check_choice("sample.sde_kind", self.sde_kind, sde.SDE_KINDS)
+        choices(self, "sample")
         check_positive("sample.noise_level", self.noise_level)
-        problem = sde.incompatibility(self.sde_kind, self.sigma_grid, self.noise_level)
-        if problem is not None:
-            key, allowed = problem
-            raise ConfigError(f"sample.{key}", getattr(self, key), allowed)
         check_positive("sample.guidance_scale", self.guidance_scale, strict=False)
         if self.guidance_embed is not None:
             check_positive("sample.guidance_embed", self.guidance_embed, strict=False)
@@ -248,8 +228,6 @@ class SampleConfig:
                 )
         if not 0 < self.timestep_fraction <= 1:
             raise ConfigError("sample.timestep_fraction", self.timestep_fraction, "must be in (0, 1]")
-        check_choice("sample.timestep_selection", self.timestep_selection, sde.STEP_SELECTIONS)
-        check_choice("sample.timestep_fraction_of", self.timestep_fraction_of, sde.FRACTION_BASES)
         check_positive("sample.sde_window", self.sde_window, strict=False)
         if self.sde_window > self.num_steps - 1:
             raise ConfigError(
@@ -272,19 +250,15 @@ class RewardModelConfig:
     """A local model folder (the layout each reward needs: ``lean.rewards.models``, docs/rewards.md)."""
     batch_size: int = 32
     """Images (video frames) per forward."""
-    dtype: str = DTYPES.default
+    dtype: str = choice("dtype", DTYPES.default)
     """What the reward model computes in: a name of ``lean.dtypes.DTYPES``."""
     device: str | None = None
     """Where it runs (``cuda:1``, ``cpu``); None: the run's device."""
 
-    def validate(self, key: str, name: str) -> None:
+    def validate(self, key: str) -> None:
+        """The fields alone; the folder's files are checked by the reward (``lean.rewards.check_config``)."""
         check_positive(f"{key}.batch_size", self.batch_size)
-        check_choice(f"{key}.dtype", self.dtype, DTYPES)
-        if self.folder is None:
-            raise ConfigError(f"{key}.folder", None, f"set the local model folder of reward {name}")
-        problem = MODEL_REWARDS[name].folder_problem(Path(self.folder))
-        if problem is not None:
-            raise ConfigError(f"{key}.folder", self.folder, problem)
+        choices(self, key)
 
 
 @dataclass
@@ -318,7 +292,7 @@ class RewardConfig:
 
     weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
     """reward name (``lean.rewards.REWARDS`` or ``MODEL_REWARDS``, or one of ``remote``) -> weight."""
-    decode: str = DECODE_TARGETS.default
+    decode: str = choice("decode target")
     """What is decoded and scored: a name of ``lean.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
     async_scoring: bool = True
@@ -331,36 +305,60 @@ class RewardConfig:
     """reward name -> the server that computes it (the name need not be registered in this process)."""
 
     def validate(self) -> None:
-        check_choice("reward.decode", self.decode, DECODE_TARGETS)
+        """The fields alone; which rewards exist and what their folders hold is ``lean.rewards.check_config``'s."""
+        choices(self, "reward")
         if not self.weights:
             raise ConfigError("reward.weights", self.weights, "name at least one reward")
-        known = reward_names()
-        for name, weight in self.weights.items():
-            if name not in known and name not in self.remote:
-                raise ConfigError(
-                    f"reward.weights.{name}",
-                    weight,
-                    f"unknown reward; known: {', '.join(sorted(known))}" + suggest(name, known),
-                )
         for name, remote in self.remote.items():
             remote.validate(f"reward.remote.{name}")
         for name, entry in self.models.items():
-            check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
-            if name not in self.remote:  # a served reward's folder is on the server's machine
-                entry.validate(f"reward.models.{name}", name)
-        for name in self.weights:
-            if name in MODEL_REWARDS and name not in self.remote and name not in self.models:
-                raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
+            entry.validate(f"reward.models.{name}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """What is optimised (``lean.algorithms``): the algorithm and its keys. GRPO's (``lean/algorithms/grpo.py``): the
+    group advantages, the clipped surrogate and the KL term."""
+
+    name: str = choice("algorithm")
+    """A name of ``lean.algorithms.ALGORITHMS``."""
+    clip_range: float = 1e-4
+    """PPO's clip range c of the surrogate max(-A r, -A clip(r, 1 - c, 1 + c))."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to [-adv_clip_max, adv_clip_max]."""
+    global_std: bool = False
+    """Normalise advantages by the std of the whole batch instead of the group's."""
+    adv_std: str = choice("std estimator")
+    """The std of the advantage normalisation: a name of ``lean.algorithms.STD_ESTIMATORS`` (FlowGRPO: population,
+    DanceGRPO: unbiased)."""
+    adv_eps: float = 1e-4
+    """A = (r - mean) / (std + adv_eps) (FlowGRPO 1e-4, DanceGRPO 1e-8)."""
+    beta: float = 0.0
+    """KL weight against the reference policy (adapter off)."""
+    kl_form: str = choice("KL form")
+    """The KL term: a name of ``lean.algorithms.KL_FORMS`` (exact: the KL of the two Gaussian steps; flow_grpo:
+    FlowGRPO's SD3/FLUX scripts, which divide by the SDE's noise scale before its sqrt(-dt) factor)."""
+    skip_zero_advantage: bool = False
+    """Samples whose advantage is 0 (a group with equal rewards) leave the update, and the loss is averaged over the
+    others (FlowGRPO's SD3, Fast and Wan scripts filter them; its FLUX script does not)."""
+
+    def validate(self) -> None:
+        choices(self, "algorithm")
+        for key in ("clip_range", "adv_clip_max"):
+            check_positive(f"algorithm.{key}", getattr(self, key))
+        for key in ("adv_eps", "beta"):
+            check_positive(f"algorithm.{key}", getattr(self, key), strict=False)
 
 
 ON_NONFINITE = ("abort", "skip")
+AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that fits (lean.schedules); layouts too
 
 
 @dataclass
 class TrainConfig:
-    """The GRPO run: schedule, batch, optimizer, loss, checkpoints and faults."""
+    """The run loop: schedule, iterations, batches, optimizer, EMA, checkpoints and faults."""
 
-    schedule: str = SCHEDULES.default
+    schedule: str = choice("schedule", also=(AUTO,))
     """Update schedule: a name of ``lean.schedules.SCHEDULES``, or auto (the fastest predicted schedule that fits
     ``memory_budget_mb``)."""
     iterations: int = 3
@@ -370,14 +368,6 @@ class TrainConfig:
     """Samples per prompt (k); advantages are relative to the group."""
     rollout_batch_size: int = 8
     """Samples per forward during the rollout, per process."""
-    layout: str = LAYOUTS.default
-    """Which samples a process holds and when its schedule finishes them: a name of ``lean.layout.LAYOUTS`` (group:
-    whole prompt groups, each finished as soon as it is scored, so Retain holds one group's graphs; slice: a
-    contiguous share, finished after the whole rollout; auto: group where it applies)."""
-    shard: str = SHARDS.default
-    """How the policy is spread over the processes: a name of ``lean.sharding.SHARDS`` (none: a whole copy each;
-    fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained
-    weights, gradients and AdamW state)."""
     train_batch_size: int = 8
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
@@ -385,10 +375,7 @@ class TrainConfig:
     shuffle_update: bool = True
     """Recompute's update visits the local samples in a shuffled order (FlowGRPO's SD3, FLUX and Wan scripts); false:
     in rollout order (Flow-GRPO-Fast, DanceGRPO). It decides which samples share an optimizer step."""
-    skip_zero_advantage: bool = False
-    """Samples whose advantage is 0 (a group with equal rewards) leave the update, and the loss is averaged over the
-    others (FlowGRPO's SD3, Fast and Wan scripts filter them; its FLUX script does not)."""
-    recompute_batching: str = RECOMPUTE_BATCHINGS[0]
+    recompute_batching: str = choice("recompute batching")
     """Recompute's update forwards: update (FlowGRPO's: shuffled samples, train_batch_size) | rollout (the rollout's
     own micro-batches and CFG batch, so on-policy the ratio is exactly 1 where kernels are deterministic)."""
     num_inner_epochs: int = 1
@@ -398,20 +385,6 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    global_std: bool = False
-    """Normalise advantages by the std of the whole batch instead of the group's."""
-    adv_std: str = STD_ESTIMATORS.default
-    """The std of the advantage normalisation: a name of ``lean.advantage.STD_ESTIMATORS`` (FlowGRPO: population,
-    DanceGRPO: unbiased)."""
-    adv_eps: float = 1e-4
-    """A = (r - mean) / (std + adv_eps) (FlowGRPO 1e-4, DanceGRPO 1e-8)."""
-    beta: float = 0.0
-    """KL weight against the reference policy (adapter off)."""
-    kl_form: str = KL_FORMS.default
-    """The KL term: a name of ``lean.loss.KL_FORMS`` (exact: the KL of the two Gaussian steps; flow_grpo: FlowGRPO's
-    SD3/FLUX scripts, which divide by the SDE's noise scale before its sqrt(-dt) factor)."""
     ema: bool = False
     """Keep an exponential moving average of the trained weights (written as ``lora_ema.safetensors``)."""
     ema_decay: float = 0.9
@@ -432,7 +405,7 @@ class TrainConfig:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     """The prompt set; replaced by the file's prompts when ``prompts_file`` is set."""
     prompts_file: str | None = None
-    """A prompt file read by ``lean.data.read_prompts`` into ``prompts`` when the config is validated: one prompt a
+    """A prompt file read by ``lean.prompts.read_prompts`` into ``prompts`` when the config is validated: one prompt a
     line (FlowGRPO's dataset/*/train.txt; blank lines skipped), or ``.jsonl`` with a ``prompt`` field per line
     (FlowGRPO's GenEval *_metadata.jsonl)."""
     out: str = "outputs/train"
@@ -448,7 +421,7 @@ class TrainConfig:
     """Torch threads of each ``lean train`` process (``lean train --threads``); None: torch's default."""
 
     def validate(self) -> None:
-        check_choice("train.schedule", self.schedule, SCHEDULE_CHOICES)
+        choices(self, "train")
         for key in (
             "iterations",
             "prompts_per_iteration",
@@ -460,8 +433,6 @@ class TrainConfig:
             "ema_repeats",
             "keep_checkpoints",
             "lr",
-            "clip_range",
-            "adv_clip_max",
             "max_grad_norm",
             "adam_eps",
         ):
@@ -473,17 +444,11 @@ class TrainConfig:
             raise ConfigError(
                 "train.group_size", self.group_size, "must be >= 2 (advantages are relative to the group)"
             )
-        for key in ("weight_decay", "beta", "save_every"):
+        for key in ("weight_decay", "save_every"):
             check_positive(f"train.{key}", getattr(self, key), strict=False)
         for key in ("adam_beta1", "adam_beta2", "ema_decay"):
             check_fraction(f"train.{key}", getattr(self, key))
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
-        check_choice("train.recompute_batching", self.recompute_batching, RECOMPUTE_BATCHINGS)
-        check_choice("train.layout", self.layout, LAYOUTS)
-        check_choice("train.shard", self.shard, SHARDS)
-        check_choice("train.adv_std", self.adv_std, STD_ESTIMATORS)
-        check_choice("train.kl_form", self.kl_form, KL_FORMS)
-        check_positive("train.adv_eps", self.adv_eps, strict=False)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
         if self.prompts_file is not None:
@@ -491,11 +456,36 @@ class TrainConfig:
         if not self.prompts:
             raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
 
-    @property
-    def exact_only_on_policy(self) -> bool:
-        """The chosen schedule reproduces the objective only with one optimizer step per rollout (Retain, Reweight,
-        and auto, which picks one of them)."""
-        return self.schedule == AUTO or SCHEDULES[self.schedule].exact_only_on_policy
+
+@dataclass
+class ParallelConfig:
+    """Where the samples, the weights and the tokens live (docs/parallelism.md); the processes come from
+    ``lean launch`` (Accelerate)."""
+
+    layout: str = choice("layout")
+    """Which samples a process holds and when its schedule finishes them: a name of ``lean.layout.LAYOUTS`` (group:
+    whole prompt groups, each finished as soon as it is scored, so Retain holds one group's graphs; slice: a
+    contiguous share, finished after the whole rollout; auto: group where it applies)."""
+    shard: str = choice("shard")
+    """How the policy is spread over the processes: a name of ``lean.sharding.SHARDS`` (none: a whole copy each;
+    fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained
+    weights, gradients and AdamW state)."""
+    sequence_parallel: int = 1
+    """Processes that split each trajectory's tokens (Ulysses attention, ``lean.models.sequence_parallel``): groups of
+    this many consecutive processes hold the same samples, so ``lean launch -n 4`` with 2 is 2 data-parallel x 2
+    sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
+    overlap: str = choice("overlap method", "flash")
+    """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
+    ``lean.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per
+    peer, each head block sent as soon as it is computed)."""
+
+    def validate(self) -> None:
+        choices(self, "parallel")
+        check_positive("parallel.sequence_parallel", self.sequence_parallel)
+
+    def data_parallel_size(self, world_size: int | None) -> int:
+        """Data-parallel ranks of ``world_size`` processes (None: not known yet, as if one)."""
+        return max(1, (world_size or self.sequence_parallel) // self.sequence_parallel)
 
 
 @dataclass
@@ -508,7 +498,7 @@ class EvalConfig:
     prompts: list[str] | None = None
     """The eval prompts; None: the training prompts (``train.prompts``). Replaced by ``prompts_file``'s when set."""
     prompts_file: str | None = None
-    """A prompt file (``lean.data.read_prompts``: one prompt a line, or ``.jsonl`` with a ``prompt`` field)."""
+    """A prompt file (``lean.prompts.read_prompts``: one prompt a line, or ``.jsonl`` with a ``prompt`` field)."""
     samples_per_prompt: int = 2
     """Samples of each eval prompt: the grid's columns."""
     num_steps: int | None = None
@@ -548,7 +538,9 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
@@ -561,98 +553,16 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
 
-
-def validate(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Raise :class:`ConfigError` on the first bad value: each section's own fields, then the rules across sections.
-    ``world_size`` (processes; None: not known yet, as if one data-parallel rank) checks that the batch divides over
-    the data-parallel ranks (processes / ``model.sequence_parallel``)."""
-    for name in SECTIONS:
-        getattr(cfg, name).validate()
-    m, s, t = cfg.model, cfg.sample, cfg.train
-    if s.guidance_embed is not None and not getattr(models.family_module(m.family), "GUIDANCE_EMBED", False):
-        raise ConfigError(
-            "sample.guidance_embed",
-            s.guidance_embed,
-            f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
-        )
-    off_policy = [
-        f"train.{k}={getattr(t, k)} (set 1)"
-        for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
-        if getattr(t, k) != 1
-    ]
-    if t.exact_only_on_policy and off_policy:
-        raise ConfigError(
-            "train.schedule",
-            t.schedule,
-            "is exact only on-policy (one optimizer step per rollout "
-            f"batch); change {' and '.join(off_policy)}, or use train.schedule={SCHEDULES.default}",
-        )
-    if t.recompute_batching != RECOMPUTE_BATCHINGS[0] and off_policy:
-        raise ConfigError(
-            "train.recompute_batching",
-            t.recompute_batching,
-            f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
-        )
-    if t.skip_zero_advantage and t.beta > 0 and (t.schedule == AUTO or not SCHEDULES[t.schedule].drops_kl_terms):
-        raise ConfigError(
-            "train.skip_zero_advantage",
-            True,
-            f"drops samples' KL terms after the rollout, which train.schedule={t.schedule} cannot (it sums them during "
-            "the rollout); use train.schedule=recompute or retain, or train.beta=0",
-        )
-    if t.shard == FSDP and (problem := fsdp_problem(cfg)):
-        raise ConfigError("train.shard", t.shard, problem)
-    if world_size is None:
-        world_size = m.sequence_parallel
-    if world_size % m.sequence_parallel:
-        raise ConfigError(
-            "model.sequence_parallel",
-            m.sequence_parallel,
-            f"must divide the {world_size} processes into sequence-parallel groups (run it under "
-            f"`lean launch -n {m.sequence_parallel * max(1, world_size // m.sequence_parallel)} -- ...`)",
-        )
-    if m.sequence_parallel > 1 and t.shard == FSDP:
-        raise ConfigError(
-            "train.shard", t.shard, "is not combined with model.sequence_parallel yet; set train.shard=none"
-        )
-    world_size //= m.sequence_parallel  # data-parallel ranks from here on
-    ranks = "processes" if m.sequence_parallel == 1 else "data-parallel ranks (processes / model.sequence_parallel)"
-    n = cfg.samples_per_iteration
-    if n % world_size:
-        raise ConfigError(
-            "train.prompts_per_iteration",
-            t.prompts_per_iteration,
-            f"prompts_per_iteration x group_size = {n} samples must divide over {world_size} {ranks}",
-        )
-    if t.layout == "group" and (problem := group_layout_problem(t, world_size)):
-        raise ConfigError("train.layout", t.layout, problem)
-    if (n // world_size) % t.optimizer_steps_per_iteration:
-        raise ConfigError(
-            "train.optimizer_steps_per_iteration",
-            t.optimizer_steps_per_iteration,
-            f"must divide the {n // world_size} samples each process holds",
-        )
-
-
-def fsdp_problem(cfg: RunConfig) -> str | None:
-    """Why ``train.shard=fsdp`` cannot run ``cfg`` (``lean.sharding``), or None."""
-    m, t = cfg.model, cfg.train
-    schedules = SCHEDULES.values() if t.schedule == AUTO else [SCHEDULES[t.schedule]]
-    if m.full_finetune and t.schedule != AUTO and SCHEDULES[t.schedule].backward_in_rollout:
-        return (
-            f"with model.full_finetune, {t.schedule}'s per-trajectory buffers would each be a gradient of the whole "
-            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)"
-        )
-    update_forwards = [s for s in schedules if not s.tracks_rollout_graphs]  # the update recomputes the steps
-    if t.skip_zero_advantage and update_forwards and t.recompute_batching == RECOMPUTE_BATCHINGS[0]:
-        return (
-            f"with train.skip_zero_advantage, {SCHEDULES.default}'s update runs as many forwards as a process keeps "
-            "samples, and sharded passes must run in lockstep; set train.skip_zero_advantage=false, or "
-            "train.recompute_batching=rollout, or a Lean train.schedule"
-        )
-    if m.full_finetune and m.torch_dtype in HALF and getattr(models.family_module(m.family), "KEEPS_FLOAT32", False):
-        return f"a half-precision full fine-tune of {m.family} keeps float32 modules FSDP would gather at {m.dtype}"
-    return None
+# Keys that moved to another section: naming the old one is a one-line error that gives the new place.
+MOVED: dict[str, str] = {
+    **{
+        f"train.{key}": f"algorithm.{key}"
+        for key in ("clip_range", "adv_clip_max", "global_std", "adv_std", "adv_eps", "beta", "kl_form")
+    },
+    "train.skip_zero_advantage": "algorithm.skip_zero_advantage",
+    **{f"train.{key}": f"parallel.{key}" for key in ("layout", "shard")},
+    **{f"model.{key}": f"parallel.{key}" for key in ("sequence_parallel", "overlap")},
+}
 
 
 # ---------------------------------------------------------------- reading: files, presets, stage sections, --set
@@ -697,6 +607,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(key, value, "must be a mapping of keys")
         hints = typing.get_type_hints(tp)
         for k, v in value.items():
+            if f"{key}.{k}" in MOVED:
+                raise ConfigError(f"{key}.{k}", v, f"moved to {MOVED[f'{key}.{k}']}")
             if k not in hints:
                 raise ConfigError(f"{key}.{k}", v, "unknown key" + suggest(k, hints))
         return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
@@ -782,15 +694,16 @@ def read_params(path: str | os.PathLike) -> dict:
     return tree
 
 
-def load_config(
+def read_config(
     params: str | os.PathLike | None = None,
     overrides: Iterable[str] = (),
     preset: str | None = None,
     tree: dict | None = None,
     stage: str | None = None,
 ) -> RunConfig:
-    """The run config, validated. Layers, each on top of the one before: the run sections of ``params`` (or
-    ``tree``), the preset, the ``stage`` section's ``run:`` mapping of ``params``, the ``--set`` overrides."""
+    """The run config, typed but not yet validated (``lean.configure.load_config`` validates it). Layers, each on
+    top of the one before: the run sections of ``params`` (or ``tree``), the preset, the ``stage`` section's
+    ``run:`` mapping of ``params``, the ``--set`` overrides."""
     whole = read_params(params) if params is not None else {}
     raw = dict(tree) if tree is not None else {k: v for k, v in whole.items() if k in SECTIONS}
     if preset is not None:
@@ -806,6 +719,4 @@ def load_config(
         apply_override(raw, item)
     for name in raw:
         _check_section(name, raw[name])
-    cfg = RunConfig(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})
-    validate(cfg)
-    return cfg
+    return RunConfig(**{name: _build_section(name, raw.get(name)) for name in SECTIONS})

@@ -3,7 +3,7 @@
 Every process group gets a timeout (``train.dist_timeout_s``), so a dead or stalled peer makes the others fail with a
 message instead of hanging. Launching is Accelerate's (``lean launch`` only chooses its flags).
 
-Sequence parallelism (``model.sequence_parallel: P``) groups consecutive processes: ranks kP .. kP+P-1 hold the same
+Sequence parallelism (``parallel.sequence_parallel: P``) groups consecutive processes: ranks kP .. kP+P-1 hold the same
 trajectories and split their tokens (``lean.models.sequence_parallel``), and the W/P groups are the data-parallel
 ranks. So ``lean launch -n 4`` with P = 2 is 2 data-parallel x 2 sequence-parallel processes.
 """

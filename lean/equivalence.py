@@ -19,16 +19,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lean.advantage import update_samples
-from lean.config import RunConfig, fsdp_problem
+from lean.algorithms import build_algorithm
+from lean.config import RunConfig
 from lean.dtypes import HALF, dtype_name
-from lean.loss import kl_step_weights, step_loss
 from lean.models import build_policy
 from lean.optimizer import capture_synced_grads
 from lean.outputs import write_json
 from lean.plan import with_schedule
-from lean.rollout import policy_step, reference_mean, velocity
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.rollout import velocity
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
 from lean.schedules.base import flat_grad
 from lean.sharding import FSDP, full, full_state_dict
 from lean.train import Trainer
@@ -86,8 +85,9 @@ class Float64Reference:
     """The on-policy gradient of the objective, in float64, for given trajectories and advantages.
 
     A twin of the policy in float64 takes the run's current weights, upcast (so it is the same policy without the
-    rounding), and for every recorded trained step (x_i, x_{i+1}) computes the loss with the ratio 1 by construction
-    (log p - stopgrad(log p)):
+    rounding), and for every recorded trained step (x_i, x_{i+1}) the algorithm's float64 anchor
+    (``Algorithm.reference_loss``; GRPO's in lean/algorithms/grpo.py) computes the loss with the ratio 1 by
+    construction (log p - stopgrad(log p)). For GRPO:
 
         g_ref = 1/(N K) sum_b sum_{j in T_b} [ -A_b dlog p(x_{j+1} | x_j) + beta dKL_bj ]
 
@@ -105,7 +105,7 @@ class Float64Reference:
         self.policy, self.world = trainer.policy, trainer.world
         self.params = [p for _, p in self.twin.trainable_parameters()]
         self.sigmas = trainer.pipeline.sigmas.double()
-        self.kl_weights = kl_step_weights(self.sigmas, cfg.sample.sde_kind, cfg.train.kl_form)
+        self.algorithm = build_algorithm(cfg, self.sigmas)  # its loss, over the float64 grid
 
     def load(self, trainable: list[torch.Tensor]) -> None:
         """The trainable weights the run had (upcast)."""
@@ -127,39 +127,20 @@ class Float64Reference:
         kept = batch.steps.trained
         if mask is not None:
             kept = kept & mask
-        nonzero, n = update_samples(advantages.cpu(), self.cfg.train.skip_zero_advantage)
-        if nonzero is not None:  # the samples with A = 0 leave the objective, N counts the others
+        nonzero, n = self.algorithm.kept_samples(advantages.cpu())
+        if nonzero is not None:  # the samples the algorithm drops leave the objective, N counts the others
             kept, n = kept & nonzero[:, None], int(n)
         trained = kept.double()
         scale = 1.0 / (n * int(batch.steps.trained[0].sum()))
         emb = self.twin.encode_prompts(batch.prompts)
-        sample, beta, device = self.cfg.sample, self.cfg.train.beta, self.sigmas.device
         for p in self.params:
             p.grad = None
         for step in recorded:
             if not trained[step.rows, step.index].any():  # host-side: no term of this step is in the objective
                 continue
-            weights = (trained[step.rows, step.index] * scale).to(device)
-            x, x_next = step.sample.double(), step.next_sample.double()
-            _, log_prob, mean, std = policy_step(
-                self.twin, x, step.index, emb.index(step.rows), sample, self.sigmas, next_sample=x_next
-            )
-            ref = (
-                reference_mean(self.twin, x, step.index, emb.index(step.rows), sample, self.sigmas, x_next)
-                if beta
-                else None
-            )
-            loss = step_loss(
-                log_prob,
-                log_prob.detach(),
-                advantages[step.rows].double(),
-                self.cfg.train.clip_range,
-                mean=mean,
-                ref_mean=ref,
-                std=std,
-                kl_weight=self.kl_weights[step.index],
-            )
-            (weights * loss.total(beta)).sum().backward()
+            weights = (trained[step.rows, step.index] * scale).to(self.sigmas.device)
+            loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), advantages[step.rows])
+            (weights * loss).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
         self.world.reduce_gradients_(grads)  # averaged over processes, as the optimizer step averages the schedules'
         return [g.view_as(p) for g, p in zip(grads.split([p.numel() for p in self.params]), self.params)]
@@ -225,7 +206,7 @@ def rounding_report(trainer: Trainer, reference: Float64Reference, rolled, recor
     of (sample, step) terms whose clip bound by rounding alone (A > 0 and r > 1 + c, or A < 0 and r < 1 - c: their
     policy-gradient term is dropped), that share at other clip ranges, and the norm of the reference gradient those
     terms carry (what the update lost)."""
-    trained, c = rolled.batch.steps.trained, trainer.cfg.train.clip_range
+    trained, c = rolled.batch.steps.trained, trainer.cfg.algorithm.clip_range
     ratio, adv = rolled.schedule.ratios.cpu(), advantages.cpu()[:, None]
 
     def binding(clip: float) -> torch.Tensor:
@@ -262,7 +243,7 @@ def run_equivalence(
     start = start_state["params"]
     updates, not_run = {}, {}
     for name in SCHEDULES:
-        if cfg.train.shard == FSDP and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
+        if cfg.parallel.shard == FSDP and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
             not_run[name] = why  # the run would refuse it: nothing to certify
             continue
         trainer.state.load_state_dict(start_state)
@@ -386,7 +367,7 @@ def print_report(cfg: RunConfig, report: dict, world_size: int) -> None:
             print(f"{s:10} {r['rel_norm_diff']:12.3e} {1 - r['cosine']:10.2e}")
         print(
             f"{BASELINE}: ratio max |r - 1| {rounding['ratio_max_dev']:.2e}; the clip (range "
-            f"{cfg.train.clip_range:g}) bound by rounding alone on {rounding['rounding_clipped_fraction']:.1%} of "
+            f"{cfg.algorithm.clip_range:g}) bound by rounding alone on {rounding['rounding_clipped_fraction']:.1%} of "
             f"the terms, which carry {rounding['clipped_gradient_norm_fraction']:.1%} of the reference gradient's "
             f"norm"
         )

@@ -125,9 +125,9 @@ class Evaluator:
 
     @property
     def lockstep_batches(self) -> int:
-        """Under ``train.shard=fsdp`` every process samples as many batches as the largest share needs
+        """Under ``parallel.shard=fsdp`` every process samples as many batches as the largest share needs
         (``lean.sharding``); else 0 (no padding)."""
-        if self.cfg.train.shard != FSDP or self.world.size < 2:
+        if self.cfg.parallel.shard != FSDP or self.world.size < 2:
             return 0
         return math.ceil(math.ceil(len(self.keys) / self.world.size) / self.cfg.eval.batch_size)
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lean.config import ConfigError, ModelConfig, RunConfig, load_config
+from lean.config import ConfigError, ModelConfig, RunConfig
+from lean.configure import load_config
 from lean.models import (
     DEVICE_INIT_SIZE,
     Policy,

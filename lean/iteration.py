@@ -4,7 +4,8 @@
     embed         cached prompt embeddings of the local samples
     rollout       the one sampling loop (``lean.rollout``) with the schedule's hooks: track_grad(i), on_step(step)
     score         decode x_T -> rewards [B_local]
-    advantages    rewards gathered over processes -> group advantages (``lean.advantage``) -> this process's share
+    advantages    rewards gathered over processes -> the algorithm's targets (GRPO: group advantages) -> this
+                  process's share
     finish        the schedule turns advantages into gradients; ``optimizer_step`` is the one place they are
                   synchronised, clipped and applied (``lean.optimizer``)
 
@@ -13,7 +14,7 @@ the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the
 the order of an iteration is made in :meth:`IterationPipeline.run` alone.
 
 Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
-owns the contiguous slice r of it (``lean.advantage.local_slice``). Random streams are keyed by (seed, iteration,
+owns the contiguous slice r of it (``lean.layout.local_slice``). Random streams are keyed by (seed, iteration,
 group, prompt, sample), so a trajectory never depends on the batching or on the number of processes, and two groups
 of the same prompt differ.
 """
@@ -34,10 +35,11 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lean.advantage import local_slice, run_advantages
-from lean.config import ConfigError, validate
+from lean.algorithms import Algorithm, build_algorithm
+from lean.config import ConfigError
+from lean.configure import validate
 from lean.distributed import CPU_TIMEOUT_S, World
-from lean.layout import finish_unit
+from lean.layout import finish_unit, local_slice
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
 from lean.models import build_policy, family_module, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
@@ -99,12 +101,12 @@ class LocalBatch:
 
 def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int = 1) -> LocalBatch:
     """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
-    ``train.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
+    ``parallel.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
     samples = global_samples(cfg, iteration)
     local = local_slice(len(samples), rank, world_size)
     generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
     steps = select_local_steps(cfg, iteration, samples[local], generators)
-    if cfg.train.shard == FSDP and world_size > 1:  # every process tracks the same steps (lean.sharding)
+    if cfg.parallel.shard == FSDP and world_size > 1:  # every process tracks the same steps (lean.sharding)
         everyone = [
             select_local_steps(cfg, iteration, samples[other], None).grad_steps
             for other in (local_slice(len(samples), r, world_size) for r in range(world_size))
@@ -161,13 +163,13 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     refuse_what_cannot_fit(cfg, world.device)
     set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
-    if cfg.train.shard == FSDP:
+    if cfg.parallel.shard == FSDP:
         shard_policy(policy, world, cfg.model.torch_dtype)
     if world.sequence_parallel > 1:
         if problem := sequence_problem(policy, world.sequence_parallel):
-            raise ConfigError("model.sequence_parallel", world.sequence_parallel, problem)
+            raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
         nets = [policy.transformer] + ([policy.reference_transformer] if policy.full_finetune else [])
-        ov = Overlap(cfg.model.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
+        ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
         policy.sequence_parallel = enable(nets, policy.arch, ov)
     shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
@@ -198,6 +200,7 @@ class IterationPipeline:
 
     def __init__(self, policy: Policy, cfg: RunConfig, sigmas: Tensor, world: World | None = None):
         self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
+        self.algorithm: Algorithm = build_algorithm(cfg, sigmas)  # what is optimised (lean.algorithms)
         self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
         self.world = world or World(device=policy.device)
         self.failed_rollouts: Path | None = None  # where score() keeps a batch no reward server scored (lean train)
@@ -230,11 +233,12 @@ class IterationPipeline:
         return IterationContext(
             self.policy,
             self.cfg,
+            self.algorithm,
             self.sigmas,
             emb,
             batch.steps,
             batch.iteration,
-            finish_unit(self.cfg.train, self.world.data_size),
+            finish_unit(self.cfg, self.world.data_size),
             tally or FlopTally(),
             timer or PhaseTimer(self.world.device),
         )
@@ -335,10 +339,9 @@ class IterationPipeline:
         Rewards are host values (they come from decoded pixels), so the group statistics are computed on the host
         once all ranks' rewards are gathered (a collective of device tensors); the local share goes back to the
         device for the loss."""
-        t = self.cfg.train
         with rollout.ctx.timer("advantage"):
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
-            advantages = run_advantages(rewards, rollout.batch.group_ids(), t)
+            advantages = self.algorithm.targets(rewards, rollout.batch.group_ids())
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")
@@ -447,6 +450,6 @@ class EarlyFinish:
             rewards = self.scoring.rewards()  # rows [0, rows.stop)
         if rewards is None:
             return  # a reward failed: the whole rollout is kept and the error raised after it (score)
-        self.advantages[done] = run_advantages(rewards[done], self.groups[done], self.pipeline.cfg.train)
+        self.advantages[done] = self.pipeline.algorithm.targets(rewards[done], self.groups[done])
         self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
         self.finished = rows.stop

@@ -12,9 +12,9 @@ device, and the probe of :mod:`lean.plan` runs there:
           The rewards are not modelled (0 s).
 
 These figures go through the same cost models as a measured probe (``Schedule.predict`` via
-:func:`lean.plan.combinations`) for every layout, ``train.shard`` and activation-checkpointing setting, with the
+:func:`lean.plan.combinations`) for every layout, ``parallel.shard`` and activation-checkpointing setting, with the
 local batch of one of ``gpus`` processes, against ``gpu_mem_gb`` (times :data:`lean.metrics.MEMORY_MARGIN`). The
-count is of a whole replica; ``train.shard=fsdp`` is modelled from it (:func:`lean.plan.shard_variant`): 1/``gpus``
+count is of a whole replica; ``parallel.shard=fsdp`` is modelled from it (:func:`lean.plan.shard_variant`): 1/``gpus``
 of the sharded weights and state plus the gathered units, and every pass's all-gather at
 :data:`ALLGATHER_GB_S`, hidden behind the pass's compute as FSDP's prefetch does (a pass takes max(compute, gather)).
 """
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from lean.config import validate
+from lean.configure import validate
 from lean.iteration import local_batch
 from lean.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
 from lean.models import build_policy, transformer_blocks

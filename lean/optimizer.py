@@ -122,7 +122,7 @@ class TrainState:
 
     def resident_mb(self, policy: torch.nn.Module) -> float:
         """MiB this process holds of the policy's weights, the trained weights' gradients, AdamW's moments and the
-        EMA (its shards, under ``train.shard=fsdp``)."""
+        EMA (its shards, under ``parallel.shard=fsdp``)."""
         states = [t for slots in self.optimizer.state.values() for t in slots.values() if t.dim() > 0]
         grads = [p.grad for p in self.params if p.grad is not None]
         return local_mb([*policy.parameters(), *grads, *states, *(self.ema or [])])

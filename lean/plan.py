@@ -13,7 +13,7 @@ The probe runs the first trained step of a real local batch and measures:
 A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
 schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
 
-Under several processes the probe runs as the run would (``train.shard=fsdp``: sharded, its passes gathering), and
+Under several processes the probe runs as the run would (``parallel.shard=fsdp``: sharded, its passes gathering), and
 the other shard setting is modelled from it (:func:`shard_variant`: what sharding moves, ``lean.sharding.ShardSizes``,
 and the all-gather speed timed on the processes, :func:`link_speed`). :func:`combinations` tabulates every schedule x
 layout x shard x checkpointing.
@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.config import fsdp_problem
 from lean.distributed import init_world
 from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
@@ -45,7 +44,7 @@ from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_he
 from lean.models import family_module, lora_config, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
-from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction
+from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction, fsdp_problem
 from lean.schedules.per_sample import linear_owners
 from lean.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 
@@ -154,12 +153,14 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
     """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`), in the run's
     layout or in ``layout`` (``lean.layout``)."""
     cfg, steps = inp.cfg, inp.batch.steps
-    t = cfg.train if layout is None else dataclasses.replace(cfg.train, layout=layout)
+    laid_out = (
+        cfg if layout is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
+    )
     local, probed = len(inp.batch.prompts), measured["batch"]
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
     k = int(steps.trained[0].sum())
-    unit = finish_unit(t, inp.world_size) or local  # trajectories held at once (group layout: one unit)
+    unit = finish_unit(laid_out, inp.world_size) or local  # trajectories held at once (group layout: one unit)
     # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
     # reward.async_scoring while the next rolls out (lean.scoring), so a unit waits for its last one's only. The
     # group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
@@ -172,7 +173,7 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         f=f,
         fb=measured["t_forward_backward"] * rounds,
         fb_one=measured["t_forward_backward_one"],
-        ref=k * f if cfg.train.beta else 0.0,
+        ref=k * f if cfg.algorithm.beta else 0.0,
         score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
         score_at_end=(measured["t_decode"] + measured["t_reward"])
         * (min(probed, local) if concurrent else local)
@@ -184,10 +185,10 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         decode_mb=measured["decode_mb"],
         trainable_mb=measured["param_mb"],
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
-        kl=bool(cfg.train.beta),
+        kl=bool(cfg.algorithm.beta),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
         held_fraction=unit / local,
-        n_known=not cfg.train.skip_zero_advantage,
+        n_known=not cfg.algorithm.skip_zero_advantage,
     )
 
 
@@ -228,7 +229,7 @@ def link_speed(world, mb: float) -> float:
 def shard_variant(
     measured: dict, sizes: ShardSizes, world_size: int, shard: str, probed: str, link_mb_s: float, overlap: bool
 ) -> dict:
-    """The probe's figures under ``train.shard=shard`` from figures measured (or counted) under ``probed``.
+    """The probe's figures under ``parallel.shard=shard`` from figures measured (or counted) under ``probed``.
 
     Memory: a process holds ``sizes.resident_saved(W)`` MiB less under fsdp (1 - 1/W of the sharded weights and
     state, plus the gathered units). Time: every pass gathers the net's sharded weights once (a forward; a backward
@@ -262,7 +263,7 @@ def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
 
 
 def shard_settings(inp: PlanInput) -> list[str]:
-    """The ``train.shard`` settings a run of ``inp.world_size`` processes can take (fsdp from two)."""
+    """The ``parallel.shard`` settings a run of ``inp.world_size`` processes can take (fsdp from two)."""
     return [name for name in SHARDS if name != FSDP or inp.world_size > 1]
 
 
@@ -273,11 +274,11 @@ def shard_probes(
     overlap: bool = False,
     probed: str | None = None,
 ) -> dict[tuple[str, bool], dict]:
-    """Probe figures for every (``train.shard``, checkpointing): those of ``probed`` (default: the run's own
+    """Probe figures for every (``parallel.shard``, checkpointing): those of ``probed`` (default: the run's own
     shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
     sizes = shard_sizes(inp.policy)
     if probed is None:
-        probed = effective_shard(inp.cfg.train.shard, inp.world_size)
+        probed = effective_shard(inp.cfg.parallel.shard, inp.world_size)
     return {
         (shard, on): shard_variant(measured, sizes, inp.world_size, shard, probed, link_mb_s, overlap)
         for shard in shard_settings(inp)
@@ -287,7 +288,7 @@ def shard_probes(
 
 def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[dict]:
     """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
-    checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.config.fsdp_problem``) is
+    checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.schedules.fsdp_problem``) is
     left out of the fsdp rows."""
     rows = []
     for layout in applicable_layouts(inp):
@@ -379,7 +380,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
         if out:
             write_json(f"{out}/plan.json", report)
         return report
-    pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s, cfg.model.sequence_parallel))
+    pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s, cfg.parallel.sequence_parallel))
     inp = plan_input(pipeline)
     by_checkpointing = probe_checkpointing(inp)
     measured = by_checkpointing[cfg.model.gradient_checkpointing]
@@ -388,7 +389,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))
     report = {
         "probe": measured,
-        "layout": resolve_layout(cfg.train, inp.world_size),
+        "layout": resolve_layout(cfg, inp.world_size),
         "prediction": prediction_table(costs),
         "link_mb_per_s": link,
         "combinations": combinations(inp, shard_probes(inp, by_checkpointing, link)),
@@ -397,7 +398,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        own = (report["layout"], effective_shard(cfg.train.shard, inp.world_size), cfg.model.gradient_checkpointing)
+        own = (report["layout"], effective_shard(cfg.parallel.shard, inp.world_size), cfg.model.gradient_checkpointing)
         print_combinations(report["combinations"], own)
         if out:
             write_json(f"{out}/plan.json", report)

@@ -1,9 +1,10 @@
 """One registry per kind of name.
 
-Schedules, model families, dtypes, SDE kinds, sigma grids, rewards and presets are each named in exactly one module,
-the one that owns them, as a :class:`Registry`. Config validation, CLI ``choices``, the benchmark's order and the
-notebooks read the names from there, so adding a schedule (or a family, a reward, ...) is one new file plus one
-registry line.
+Schedules, algorithms, model families, dtypes, SDE kinds, sigma grids, rewards and presets are each named in exactly
+one module, the one that owns them, as a :class:`Registry`, which also enters the :data:`CATALOG` under its kind.
+Config validation (through :func:`catalog`, so ``lean.config`` imports no owner), CLI ``choices``, the benchmark's
+order and the notebooks read the names from there, so adding a schedule (or a family, a reward, ...) is one new file
+plus one registry line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+CATALOG: dict[str, Registry] = {}  # kind -> its registry, filled as the modules that own the names are imported
+
 
 class Registry(dict[str, T], Generic[T]):
     """``name -> what the name stands for``, in registration order; the first name is the default."""
@@ -20,6 +23,9 @@ class Registry(dict[str, T], Generic[T]):
     def __init__(self, kind: str, entries: Iterable[tuple[str, T]] = ()):
         super().__init__(entries)
         self.kind = kind  # what the names name ("schedule", "model family", ...), for messages
+        if kind in CATALOG:
+            raise ValueError(f"a registry of {kind}s exists already")
+        CATALOG[kind] = self
 
     @property
     def default(self) -> str:
@@ -45,3 +51,10 @@ class Registry(dict[str, T], Generic[T]):
         if name not in self:
             raise KeyError(f"unknown {self.kind} {name!r}; known: {', '.join(self)}")
         return self[name]
+
+
+def catalog(kind: str) -> Registry:
+    """The registry of ``kind`` (configuration reads its names through this, importing no owner itself)."""
+    if kind not in CATALOG:
+        raise LookupError(f"no registry of {kind}s: the module that owns them is not imported (lean.configure does)")
+    return CATALOG[kind]

@@ -41,11 +41,11 @@ import torch
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError
-from lean.data import read_prompts
 from lean.dtypes import DTYPES
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
 from lean.models import FAMILIES, build_scheduler, family_module, pipeline_family, pretrained_problem
+from lean.prompts import read_prompts
 from lean.rollout import sample_generator
 from lean.sde import SIGMA_GRIDS, sigma_schedule
 

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lean.config import ConfigError
 from lean.registry import Registry
 
 if TYPE_CHECKING:
-    from lean.config import SampleConfig
+    from lean.config import RunConfig, SampleConfig
 
 SDE_KINDS: Registry[str] = Registry(
     "SDE kind",
@@ -78,6 +79,15 @@ def incompatibility(kind: str, grid: str, noise_level: float) -> tuple[str, str]
     if kind == "cps" and noise_level > 1:
         return "noise_level", "cps needs noise_level in (0, 1]"
     return None
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """The SDE kind runs on the sigma grid at the noise level (:func:`incompatibility`)."""
+    s = cfg.sample
+    problem = incompatibility(s.sde_kind, s.sigma_grid, s.noise_level)
+    if problem is not None:
+        key, allowed = problem
+        raise ConfigError(f"sample.{key}", getattr(s, key), allowed)
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""Sharding the policy over processes with FSDP2 (``torch.distributed.fsdp.fully_shard``): ``train.shard``.
+"""Sharding the policy over processes with FSDP2 (``torch.distributed.fsdp.fully_shard``): ``parallel.shard``.
 
     none    every process holds the whole policy (data parallel; the trained weights' gradients are all-reduced
             once per update by ``lean.optimizer.TrainState``).
@@ -52,7 +52,7 @@ FSDP = "fsdp"
 
 
 def effective_shard(shard: str, world_size: int) -> str:
-    """What ``train.shard=shard`` does with ``world_size`` processes: fsdp needs two (with one, nothing to shard)."""
+    """What ``parallel.shard=shard`` does with ``world_size`` processes: fsdp needs two (with one, nothing to shard)."""
     return shard if world_size > 1 else SHARDS.default
 
 
@@ -95,7 +95,7 @@ def shard_policy(policy, world, dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class ShardSizes:
-    """What sharding moves, in MiB (``lean.plan`` turns a probe of one ``train.shard`` into the other's figures).
+    """What sharding moves, in MiB (``lean.plan`` turns a probe of one ``parallel.shard`` into the other's figures).
 
     * weights: the weights FSDP shards (LoRA: the frozen base; full fine-tuning: the trained transformer and its
       reference copy); net: those of the one net a pass runs (what each pass gathers);

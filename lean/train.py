@@ -37,7 +37,7 @@ class Trainer:
     """One process's share of a GRPO run: the iteration pipeline (policy, config, layout) and the trainable state."""
 
     def __init__(self, cfg: RunConfig, world: World | None = None):
-        self.world = world or init_world(cfg.train.dist_timeout_s, cfg.model.sequence_parallel)
+        self.world = world or init_world(cfg.train.dist_timeout_s, cfg.parallel.sequence_parallel)
         self.pipeline = build_pipeline(cfg, self.world)
         self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
         self.state = TrainState(self.policy.trainable_parameters(), cfg.train, self.world)
@@ -150,7 +150,7 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
         world = trainer.world
         layout = (
             f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
-            f"overlap={cfg.model.overlap})"
+            f"overlap={cfg.parallel.overlap})"
             if world.sequence_parallel > 1
             else ""
         )

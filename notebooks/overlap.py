@@ -24,7 +24,7 @@
 # charts are the timeline model's schedules; the projection applies the model to H100/H200 profiles at
 # Llama-70B-like shapes, per op and per block (the whole MLP, Ulysses attention, the data-parallel rows), and checks
 # it against published H100/H800 figures. Last, the same methods inside training: one GRPO iteration of every
-# schedule under sequence parallelism (Ulysses attention with fused projections, `model.sequence_parallel`), with
+# schedule under sequence parallelism (Ulysses attention with fused projections, `parallel.sequence_parallel`), with
 # its exposed communication in ms against the same iteration with every transfer replaced by a local copy.
 
 # %% tags=["parameters"]
@@ -137,7 +137,7 @@ print("assumptions:", *projection["assumptions"], sep="\n  - ")
 # %% [markdown]
 # ## Inside training: a GRPO iteration under sequence parallelism
 #
-# `lean bench schedules --set model.sequence_parallel=2` under `lean launch -n 2` (the stage's second part): every
+# `lean bench schedules --set parallel.sequence_parallel=2` under `lean launch -n 2` (the stage's second part): every
 # schedule with each method and once compute-only (every transfer a local copy of the same bytes), interleaved in one
 # run. Exposed ms = median iteration time - the compute-only median: the communication's cost per iteration.
 

@@ -29,7 +29,8 @@ def main() -> None:
     trajectory = load_file(Path(args.rollout) / "trajectory.safetensors")
     tensors, summary, rows = run_advantage(cfg, trajectory)
     with tracking.start_run(
-        "advantage", params={"train": {"global_std": cfg.train.global_std, "adv_clip_max": cfg.train.adv_clip_max}}
+        "advantage",
+        params={"train": {"global_std": cfg.algorithm.global_std, "adv_clip_max": cfg.algorithm.adv_clip_max}},
     ) as run:
         run.log_metrics(numbers(summary))
     out = Path(args.out)

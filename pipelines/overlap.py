@@ -1,7 +1,7 @@
 """Stage ``overlap``: FlashOverlap's ops, collective vs sliced vs flash, measured on ``overlap.nproc`` processes under
 Accelerate (``lean bench overlap``), next to the timeline model and its GPU projection; then one GRPO iteration of
 every schedule under sequence parallelism over those processes, with each method and compute-only (``lean bench
-schedules`` with ``model.sequence_parallel``, ``lean.bench.sequence_parallel``).
+schedules`` with ``parallel.sequence_parallel``, ``lean.bench.sequence_parallel``).
 
     python -m pipelines.overlap [--params params.yaml] [--out outputs/overlap]
 
@@ -44,7 +44,7 @@ def main() -> None:
     ops = ["bench", "overlap", "--nproc", nproc, "--out", str(out / "bench"), *map(str, section.get("args", []))]
     iteration = ["launch", "-n", nproc, "--", "bench", "schedules", "--params", "none"]  # defaults + sp.set only
     iteration += ["--repeats", str(sp.get("repeats", 3)), "--warmup", str(sp.get("warmup", 1)), "--threads", "1"]
-    iteration += [a for value in [f"model.sequence_parallel={nproc}", *sp.get("set", [])] for a in ("--set", value)]
+    iteration += [a for value in [f"parallel.sequence_parallel={nproc}", *sp.get("set", [])] for a in ("--set", value)]
     iteration += ["--out", str(out / "sequence_parallel")]
     with tracking.start_run("overlap", params={"overlap": section}) as run:
         run_lean(ops)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lean.config import RunConfig, load_config
+from lean.config import RunConfig
+from lean.configure import load_config
 
 FAST = [
     "train.prompts_per_iteration=2",

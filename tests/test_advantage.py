@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from lean.advantage import group_advantages, group_stats, local_slice
+from lean.algorithms.groups import group_advantages, group_stats
+from lean.layout import local_slice
 
 EPS = 1e-4
 

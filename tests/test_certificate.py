@@ -22,14 +22,14 @@ def test_bfloat16_lean_schedules_match_the_float64_reference(family):
     assert passes(report, cfg.model.torch_dtype)
     if family == "flux":  # rounding alone moves the baseline's ratio out of the clip range, and the clip drops terms
         rounding = report["rounding"]
-        assert rounding["ratio_max_dev"] > cfg.train.clip_range and rounding["rounding_clipped_fraction"] > 0
+        assert rounding["ratio_max_dev"] > cfg.algorithm.clip_range and rounding["rounding_clipped_fraction"] > 0
         assert rounding["clipped_gradient_norm_fraction"] > 0.1
         assert report["reference"][BASELINE]["rel_norm_diff"] > rel_tol  # the baseline is off the objective
 
 
 @pytest.mark.timeout(120)
 def test_in_float64_every_schedule_is_the_reference():
-    report = run_equivalence(tiny("model.dtype=float64", "train.beta=0.04"))
+    report = run_equivalence(tiny("model.dtype=float64", "algorithm.beta=0.04"))
     for r in report["reference"].values():
         assert r["rel_norm_diff"] < 1e-10
     assert report["rounding"]["ratio_max_dev"] < 1e-12 and report["rounding"]["rounding_clipped_fraction"] == 0

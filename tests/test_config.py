@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from lean.config import ConfigError, RunConfig, load_config, validate
+from lean.config import ConfigError, RunConfig
+from lean.configure import load_config, validate
 
 BAD = [
     ("sample.sde_kind=euler", "sample.sde_kind"),
@@ -16,7 +17,7 @@ BAD = [
     ("sample.timestep_fraction=1.5", "sample.timestep_fraction"),
     ("sample.timestep_fraction=0", "sample.timestep_fraction"),
     ("sample.sde_window=20", "sample.sde_window"),
-    ("train.clip_range=0", "train.clip_range"),
+    ("algorithm.clip_range=0", "algorithm.clip_range"),
     ("train.lr=fast", "train.lr"),
     ("model.family=sdxl", "model.family"),
     ("model.dtype=float8", "model.dtype"),
@@ -101,3 +102,51 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_built(capsys):
     assert "GiB of activations (17,179,869,184 tokens x width 32 x 2 blocks x 4 bytes)" in err[0]
     # the budget counts as the device: a small model at 256 px does not fit in 0.01 MiB either
     assert main(["plan", "--set", "model.resolution=256", "--set", "train.memory_budget_mb=0.01"]) == 2
+
+
+@pytest.mark.parametrize(
+    "override,new",
+    [
+        ("train.beta=0.1", "algorithm.beta"),
+        ("train.clip_range=0.2", "algorithm.clip_range"),
+        ("train.skip_zero_advantage=true", "algorithm.skip_zero_advantage"),
+        ("train.layout=group", "parallel.layout"),
+        ("model.sequence_parallel=2", "parallel.sequence_parallel"),
+        ("model.overlap=flash", "parallel.overlap"),
+    ],
+)
+def test_a_moved_key_names_its_new_place(override, new):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    old, value = override.split("=")
+    assert str(err.value).startswith(f"config error: {old}=") and str(err.value).endswith(f": moved to {new}")
+    if new != "parallel.sequence_parallel":  # (2 needs two processes)
+        load_config(overrides=[f"{new}={value}"])  # the new place takes it
+
+
+def test_a_moved_key_in_a_params_file_names_its_new_place(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  shard: fsdp\n")
+    with pytest.raises(ConfigError, match=r"^config error: train.shard='fsdp': moved to parallel.shard$"):
+        load_config(path)
+
+
+def test_a_schedule_that_cannot_run_the_algorithm_exactly_is_refused(monkeypatch):
+    """Retain needs an on-policy ratio of 1, Reweight also a loss linear in the target: an algorithm without those
+    facts is refused in one line naming both; Recompute runs any."""
+    from lean.algorithms import ALGORITHMS, Algorithm
+    from lean.algorithms.base import RATIO_ONE_ON_POLICY
+
+    class Unfolded(Algorithm):  # ratio 1 on-policy, but not linear in its target
+        facts = frozenset({RATIO_ONE_ON_POLICY})
+
+    monkeypatch.setitem(ALGORITHMS, "unfolded", Unfolded)
+    assert load_config(overrides=["algorithm.name=unfolded", "train.schedule=retain"]).train.schedule == "retain"
+    assert load_config(overrides=["algorithm.name=unfolded", "train.schedule=recompute"])
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["algorithm.name=unfolded", "train.schedule=reweight"])
+    assert str(err.value).startswith(
+        "config error: train.schedule='reweight': cannot run algorithm.name=unfolded exactly: its loss is linear"
+    )
+    with pytest.raises(ConfigError, match="algorithm.name='grpoo'.*did you mean 'grpo'"):
+        load_config(overrides=["algorithm.name=grpoo"])

@@ -5,7 +5,8 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lean.config import ConfigError, RunConfig, load_config
+from lean.config import ConfigError, RunConfig
+from lean.configure import load_config
 
 KEYS = {
     "model": [

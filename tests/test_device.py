@@ -16,8 +16,8 @@ from lean.optimizer import TrainState
 from lean.schedules import SCHEDULES
 
 CASES = {  # guidance, KL, per-sample step selection (CFG); a video latent, an SDE window (no CFG)
-    "flux": ["train.beta=0.04", "sample.timestep_selection=random", "sample.timestep_fraction=0.6"],
-    "wan": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6", "train.beta=0.04"],
+    "flux": ["algorithm.beta=0.04", "sample.timestep_selection=random", "sample.timestep_fraction=0.6"],
+    "wan": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6", "algorithm.beta=0.04"],
 }
 
 
@@ -58,7 +58,7 @@ def test_the_rollout_loop_never_waits_for_the_device(schedule):
     """The host syncs of a rollout do not grow with its steps: none inside the loop."""
     counts = {}
     for steps in (4, 8):
-        pipeline, _ = meta_pipeline(f"sample.num_steps={steps}", "train.beta=0.04")
+        pipeline, _ = meta_pipeline(f"sample.num_steps={steps}", "algorithm.beta=0.04")
         batch = pipeline.local_batch(0)
         ctx = pipeline.context(batch, pipeline.embed(batch))
         with DeviceCheck(record_where=True) as check:

@@ -92,9 +92,9 @@ def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
         "--set",
         "model.dtype=float64",
         "--set",
-        "train.beta=0.04",
+        "algorithm.beta=0.04",
         "--set",
-        "train.layout=group",
+        "parallel.layout=group",
         "--out",
         str(tmp_path),
     )

@@ -13,7 +13,8 @@ from helpers import tiny
 from PIL import Image
 
 from lean import checkpoint, tracking
-from lean.config import ConfigError, load_config
+from lean.config import ConfigError
+from lean.configure import load_config
 from lean.distributed import World
 from lean.evaluation import Evaluator, eval_iterations, pad_share, share, unpad_shares
 from lean.iteration import build_pipeline

@@ -1,7 +1,7 @@
 """Each preset optimises its source's objective: one Recompute update on fixed tensors against the published formula.
 
 For every preset, lean's own update (``Recompute.finish`` through ``Policy.velocity``'s CFG, the SDE step's log-prob,
-the KL in ``train.kl_form``, ``run_advantages`` and the per-term weights) runs on a toy velocity field with one
+the KL in ``algorithm.kl_form``, the group advantages and the per-term weights) runs on a toy velocity field with one
 trainable tensor theta. The test then writes the published objective itself, from the formulas of the preset's
 source (cited per term below), on the same x_j, x_{j+1}, rewards and theta, and compares loss and gradient: to 1e-6 in
 float32 and 1e-12 in float64. The formulas are re-derived here, not imported from lean.
@@ -29,8 +29,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lean.advantage import run_advantages
-from lean.config import load_config
+from lean.algorithms import build_algorithm
+from lean.configure import load_config
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
 from lean.presets import PRESETS
@@ -139,7 +139,7 @@ def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, g
     return out
 
 
-def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas, j, cfg, train, preset):
+def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas, j, cfg, algorithm, preset):
     """F2 / D1: mean over the batch of max(-A r, -A clip(r)) (+ beta KL) with A clamped to +-adv_clip_max;
     the KL's denominator is the source's (F2: std_dev_t^2 before sqrt(-dt); F3: the transition's variance). F2b: the
     batch is the samples with A != 0 where the source filters."""
@@ -148,16 +148,16 @@ def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas
         x, x_next, old_log_p, advantages, c = x[keep], x_next[keep], old_log_p[keep], advantages[keep], c
     v = published_velocity(theta, x, c, cfg)
     mean, log_p, scale, std = published_step(v, x, x_next, sigmas, j, cfg)
-    a = advantages.clamp(-train.adv_clip_max, train.adv_clip_max)
+    a = advantages.clamp(-algorithm.adv_clip_max, algorithm.adv_clip_max)
     ratio = torch.exp(log_p - old_log_p)
-    policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - train.clip_range, 1 + train.clip_range)).mean()
-    if train.beta == 0:
+    policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - algorithm.clip_range, 1 + algorithm.clip_range)).mean()
+    if algorithm.beta == 0:
         return policy
     with torch.no_grad():
         mean_ref = published_step(published_velocity(theta_ref, x, c, cfg), x, x_next, sigmas, j, cfg)[0]
     divisor = std if preset == "flowgrpo-wan" else scale  # F3 vs F2 (cps: both are the transition std)
     kl = (((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * divisor.reshape(-1) ** 2)).mean()
-    return policy + train.beta * kl
+    return policy + algorithm.beta * kl
 
 
 # ---------------------------------------------------------------- lean's update on the same tensors
@@ -187,12 +187,13 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
     trained = torch.zeros(n, cfg.sample.num_steps, dtype=torch.bool)
     trained[:, j] = True
     steps = StepSelection(stochastic=torch.ones(cfg.sample.num_steps, dtype=torch.bool), trained=trained)
-    ctx = IterationContext(policy, cfg, sigmas, policy.encode_prompts(["p"] * n), steps)
+    algorithm = build_algorithm(cfg, sigmas)
+    ctx = IterationContext(policy, cfg, algorithm, sigmas, policy.encode_prompts(["p"] * n), steps)
     schedule = Recompute(ctx)
     schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, None, None))
-    advantages = run_advantages(rewards, GROUPS, cfg.train).to(x.dtype)
+    advantages = algorithm.targets(rewards, GROUPS).to(x.dtype)
     stats = schedule.finish(advantages, lambda: {})
-    loss = stats["policy_loss"] + cfg.train.beta * stats.get("kl", 0.0)
+    loss = stats["policy_loss"] + cfg.algorithm.beta * stats.get("kl", 0.0)
     return loss, policy.theta.grad
 
 
@@ -200,12 +201,13 @@ def preset_config(preset: str, dtype: torch.dtype):
     """The preset's sampler and loss; one update over the toy batch (the update's split does not change the
     objective of one step), and a KL weight where the source has a KL at all."""
     cfg = load_config(preset=preset)
-    beta = cfg.train.beta or (0.0 if preset.startswith("dancegrpo") else 0.04)  # DanceGRPO has no KL term
+    beta = cfg.algorithm.beta or (0.0 if preset.startswith("dancegrpo") else 0.04)  # DanceGRPO has no KL term
     train = dataclasses.replace(
-        cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1, beta=beta
+        cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1
     )
+    algorithm = dataclasses.replace(cfg.algorithm, beta=beta)
     model = dataclasses.replace(cfg.model, dtype="float64" if dtype == torch.float64 else "float32")
-    return dataclasses.replace(cfg, train=train, model=model)
+    return dataclasses.replace(cfg, train=train, algorithm=algorithm, model=model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
@@ -221,7 +223,7 @@ def test_recompute_update_equals_published_objective(preset, j, dtype):
 
     lean_loss, lean_grad = lean_update(ToyPolicy(theta, theta_ref, c), cfg, sigmas, x, x_next, old_log_p, rewards, j)
 
-    advantages = published_advantages(rewards.numpy(), GROUPS.numpy(), preset, cfg.train.global_std)
+    advantages = published_advantages(rewards.numpy(), GROUPS.numpy(), preset, cfg.algorithm.global_std)
     theta_pub = theta.clone().requires_grad_(True)
     loss = published_loss(
         theta_pub,
@@ -234,7 +236,7 @@ def test_recompute_update_equals_published_objective(preset, j, dtype):
         sigmas,
         j,
         cfg.sample,
-        cfg.train,
+        cfg.algorithm,
         preset,
     )
     loss.backward()
@@ -250,23 +252,25 @@ def test_the_fixture_exercises_each_term():
     theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(torch.float64, 2, cfg.sample, sigmas)
     adv = torch.tensor(published_advantages(TOY_REWARDS.numpy(), GROUPS.numpy(), "", True))
 
-    def grad(sample, train):
+    def grad(sample, algorithm):
         t = theta.clone().requires_grad_(True)
-        published_loss(t, theta_ref, c, x, x_next, old_log_p, adv, sigmas, 2, sample, train, "flowgrpo-sd3").backward()
+        published_loss(
+            t, theta_ref, c, x, x_next, old_log_p, adv, sigmas, 2, sample, algorithm, "flowgrpo-sd3"
+        ).backward()
         return t.grad
 
-    base = grad(cfg.sample, cfg.train)
-    assert not torch.allclose(base, grad(dataclasses.replace(cfg.sample, uncond_grad=False), cfg.train))
-    assert not torch.allclose(base, grad(cfg.sample, dataclasses.replace(cfg.train, beta=0.0)))
+    base = grad(cfg.sample, cfg.algorithm)
+    assert not torch.allclose(base, grad(dataclasses.replace(cfg.sample, uncond_grad=False), cfg.algorithm))
+    assert not torch.allclose(base, grad(cfg.sample, dataclasses.replace(cfg.algorithm, beta=0.0)))
     assert (adv == 0).sum() == 3  # the constant group: dropped where the source drops it
     log_p = published_step(published_velocity(theta, x, c, cfg.sample), x, x_next, sigmas, 2, cfg.sample)[1]
     ratio = torch.exp(log_p - old_log_p)
-    assert ((ratio - 1).abs() > cfg.train.clip_range).any()  # some terms are clipped
+    assert ((ratio - 1).abs() > cfg.algorithm.clip_range).any()  # some terms are clipped
 
 
 def test_kl_forms_differ_by_the_step_size():
-    """train.kl_form: flow_grpo divides by the noise scale s^2, exact by the transition variance s^2 |dt|."""
-    from lean.loss import kl_step_weights
+    """algorithm.kl_form: flow_grpo divides by the noise scale s^2, exact by the transition variance s^2 |dt|."""
+    from lean.algorithms.grpo import kl_step_weights
 
     sigmas = sigma_schedule(10, 3.0, "euler")
     w = kl_step_weights(sigmas, "flow_grpo", "flow_grpo")

@@ -1,4 +1,4 @@
-"""The data-parallel layout (``lean.layout``, ``train.layout``): the group layout finishes each prompt group as soon
+"""The data-parallel layout (``lean.layout``, ``parallel.layout``): the group layout finishes each prompt group as soon
 as it is scored (Retain frees its graphs, Reweight folds its buffers) and gives the slice layout's update."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import tiny
 
-from lean.config import ConfigError, load_config, validate
+from lean.config import ConfigError
+from lean.configure import load_config, validate
 from lean.equivalence import one_update
 from lean.layout import finish_unit, resolve_layout
 from lean.schedules import SCHEDULES
@@ -20,11 +21,11 @@ from lean.train import Trainer
 GROUPS = ["model.dtype=float64", "train.prompts_per_iteration=3", "train.group_size=2", "train.rollout_batch_size=2"]
 CASES = {
     "cfg": [],
-    "kl": ["train.beta=0.04"],
+    "kl": ["algorithm.beta=0.04"],
     "half-group-micro-batches": ["train.group_size=4", "train.rollout_batch_size=2", "sample.cfg=false"],
     "two-groups-per-micro-batch": ["train.prompts_per_iteration=4", "train.rollout_batch_size=4"],
     "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update
-        "train.skip_zero_advantage=true",
+        "algorithm.skip_zero_advantage=true",
         "train.prompts=[a red circle on a white background, plain, a blue square on a green background]",
     ],
 }
@@ -41,7 +42,9 @@ def in_layout(trainer: Trainer, layout: str) -> Trainer:
 @pytest.mark.parametrize("case", list(CASES))
 def test_group_layout_gives_the_slice_layouts_gradients(case):
     cfg = tiny(*GROUPS, "train.train_batch_size=8", *CASES[case])
-    assert finish_unit(dataclasses.replace(cfg.train, layout="group"), 1) is not None  # groups finish early
+    assert (
+        finish_unit(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout="group")), 1) is not None
+    )  # groups finish early
     trainer = Trainer(cfg)
     trainer.policy.perturb_lora_(0.02, torch.Generator().manual_seed(0))
     start = trainer.state.state_dict()
@@ -86,15 +89,15 @@ def test_retain_holds_one_groups_graphs_and_reweight_one_groups_buffers():
 
 
 def test_layout_resolution_and_refusals():
-    assert resolve_layout(tiny(*GROUPS).train, 1) == "group"
-    assert resolve_layout(tiny(*GROUPS).train, 2) == "slice"  # 3 groups do not divide over 2 processes
-    assert finish_unit(tiny(*GROUPS, "train.global_std=true").train, 1) is None  # every advantage needs all groups
-    assert finish_unit(tiny(*GROUPS, "train.rollout_batch_size=6").train, 1) is None  # one unit: the whole batch
+    assert resolve_layout(tiny(*GROUPS), 1) == "group"
+    assert resolve_layout(tiny(*GROUPS), 2) == "slice"  # 3 groups do not divide over 2 processes
+    assert finish_unit(tiny(*GROUPS, "algorithm.global_std=true"), 1) is None  # every advantage needs all groups
+    assert finish_unit(tiny(*GROUPS, "train.rollout_batch_size=6"), 1) is None  # one unit: the whole batch
     with pytest.raises(ConfigError, match="divisible by the 2 processes"):
-        validate(tiny(*GROUPS, "train.layout=group"), world_size=2)
+        validate(tiny(*GROUPS, "parallel.layout=group"), world_size=2)
     with pytest.raises(ConfigError, match="must divide group_size=2 or be a multiple of it"):
-        validate(tiny(*GROUPS, "train.layout=group", "train.rollout_batch_size=3"))
-    validate(tiny(*GROUPS, "train.layout=slice", "train.rollout_batch_size=3"))
+        validate(tiny(*GROUPS, "parallel.layout=group", "train.rollout_batch_size=3"))
+    validate(tiny(*GROUPS, "parallel.layout=slice", "train.rollout_batch_size=3"))
 
 
 @pytest.mark.timeout(180)

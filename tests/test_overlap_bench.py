@@ -179,7 +179,7 @@ def test_gpu_script_picks_the_layout(gpus, expect):
     commands = [line for line in out.splitlines() if line.startswith("+ ")]
     assert "bench overlap" in commands[0] and expect in commands[0]
     # from 2 GPUs on, then the SP GRPO iteration: every schedule x method under sequence parallelism on 2 GPUs
-    sequence_parallel = [c for c in commands[1:] if "bench schedules" in c and "model.sequence_parallel=2" in c]
+    sequence_parallel = [c for c in commands[1:] if "bench schedules" in c and "parallel.sequence_parallel=2" in c]
     assert len(sequence_parallel) == (1 if int(gpus) >= 2 else 0) and len(commands) == 1 + len(sequence_parallel)
     if gpus == "1":
         assert "need >= 2 GPUs" in out

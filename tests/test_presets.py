@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import QUICK
 
-from lean.config import ConfigError, load_config
+from lean.config import ConfigError
+from lean.configure import load_config
 from lean.presets import PRESET_DIR
 from lean.presets import PRESETS as KNOWN_PRESETS
 
@@ -63,11 +64,11 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "model.lora_alpha": 64,
         "model.lora_ffn": False,
         "train.lr": 3e-4,
-        "train.clip_range": 1e-4,
-        "train.adv_clip_max": 5.0,
-        "train.beta": 0.04,
-        "train.kl_form": "flow_grpo",
-        "train.skip_zero_advantage": True,
+        "algorithm.clip_range": 1e-4,
+        "algorithm.adv_clip_max": 5.0,
+        "algorithm.beta": 0.04,
+        "algorithm.kl_form": "flow_grpo",
+        "algorithm.skip_zero_advantage": True,
         "train.ema_decay": 0.9,
         "train.ema_every": 8,
         "train.ema_warmup": True,
@@ -84,7 +85,7 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "model.lora_rank": 64,
         "model.lora_alpha": 128,
         "model.lora_init": "gaussian",
-        "train.beta": 0.0,
+        "algorithm.beta": 0.0,
         "train.ema_repeats": 6,
         "model.dtype": "bfloat16",
     },
@@ -102,23 +103,23 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "model.lora_targets": ["to_q", "to_k", "to_v", "to_out.0"],
         "reward.decode": "x0_prediction",
         "sample.init_same_noise": True,
-        "train.adv_std": "unbiased",
+        "algorithm.adv_std": "unbiased",
         "sample.shift": 3.0,
         "sample.sde_kind": "dance",
         "sample.noise_level": 0.3,
         "sample.timestep_fraction": 0.6,
         "sample.timestep_selection": "random",
-        "train.beta": 0.0,
+        "algorithm.beta": 0.0,
         "sample.cfg": False,
         "sample.guidance_embed": 3.5,
         "model.lora_rank": 128,
         "model.lora_alpha": 256,
         "model.lora_ffn": False,
         "train.lr": 3e-4,
-        "train.clip_range": 1e-4,
+        "algorithm.clip_range": 1e-4,
         "train.group_size": 12,
         "model.gradient_checkpointing": True,
-        "train.shard": "fsdp",  # fsdp_util.py:88 FULL_SHARD, the default of --fsdp_sharding_startegy
+        "parallel.shard": "fsdp",  # fsdp_util.py:88 FULL_SHARD, the default of --fsdp_sharding_startegy
     },
     "flowgrpo-wan": {
         "model.family": "wan",
@@ -127,8 +128,8 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "sample.guidance_scale": 4.5,
         "model.lora_rank": 32,
         "train.lr": 1e-4,
-        "train.clip_range": 1e-3,
-        "train.beta": 0.004,
+        "algorithm.clip_range": 1e-3,
+        "algorithm.beta": 0.004,
         "train.group_size": 4,
     },
 }
@@ -169,9 +170,13 @@ def test_lean_schedules_name_the_on_policy_change(name, schedule):
         load_config(None, [f"train.schedule={schedule}"], preset=name)
     assert f"train.optimizer_steps_per_iteration={steps} (set 1)" in str(err.value)
     on_policy = [f"train.schedule={schedule}", "train.optimizer_steps_per_iteration=1"]
-    cfg = load_config(None, [*on_policy, "train.skip_zero_advantage=false"], preset=name)
-    if schedule == "reweight" and cfg.train.beta > 0 and load_config(None, [], preset=name).train.skip_zero_advantage:
-        with pytest.raises(ConfigError, match="train.skip_zero_advantage"):  # Reweight sums the KL in the rollout
+    cfg = load_config(None, [*on_policy, "algorithm.skip_zero_advantage=false"], preset=name)
+    if (
+        schedule == "reweight"
+        and cfg.algorithm.beta > 0
+        and load_config(None, [], preset=name).algorithm.skip_zero_advantage
+    ):
+        with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage"):  # Reweight sums the KL in the rollout
             load_config(None, on_policy, preset=name)
     else:
         load_config(None, on_policy, preset=name)

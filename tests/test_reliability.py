@@ -214,7 +214,7 @@ def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
 
 
 def test_resume_guard_names_what_changed_and_ignores_the_run_length():
-    from lean.config import load_config
+    from lean.configure import load_config
     from lean.train import config_changes
 
     saved = load_config(None, ["train.lr=1e-4"]).to_dict()
@@ -227,7 +227,8 @@ def test_resume_guard_names_what_changed_and_ignores_the_run_length():
 def test_a_broken_pretrained_folder_is_one_config_error(tmp_path):
     import json
 
-    from lean.config import ConfigError, load_config
+    from lean.config import ConfigError
+    from lean.configure import load_config
 
     def problem(folder):
         with pytest.raises(ConfigError) as err:

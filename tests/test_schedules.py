@@ -14,9 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MATRIX = {
     "flux-cfg": [],
-    "flux-kl": ["train.beta=0.04", "train.kl_form=flow_grpo"],  # FlowGRPO's form; the exact one: uncond-grad, wan
+    "flux-kl": [
+        "algorithm.beta=0.04",
+        "algorithm.kl_form=flow_grpo",
+    ],  # FlowGRPO's form; the exact one: uncond-grad, wan
     "flux-nocfg": ["sample.cfg=false"],
-    "flux-uncond-grad": ["sample.uncond_grad=true", "train.beta=0.04"],
+    "flux-uncond-grad": ["sample.uncond_grad=true", "algorithm.beta=0.04"],
     "flux-window-cps": ["sample.sde_window=2", "sample.sde_kind=cps", "sample.noise_level=0.8", "sample.num_steps=6"],
     "flux-dance-random": [
         "sample.timestep_selection=random",
@@ -26,7 +29,7 @@ MATRIX = {
         "sample.cfg=false",
     ],
     "flux-guidance-embed": ["sample.cfg=false", "sample.guidance_embed=3.5"],
-    "flux-adv-clip": ["train.adv_clip_max=0.5"],
+    "flux-adv-clip": ["algorithm.adv_clip_max=0.5"],
     "flux-dance-recipe": [  # DanceGRPO's keys (#13): x0 decode, shared x_0, truncated timestep, its K and its std
         "sample.timestep_selection=random",
         "sample.timestep_fraction=0.6",
@@ -37,17 +40,17 @@ MATRIX = {
         "sample.init_same_noise=true",
         "sample.truncate_timestep=true",
         "reward.decode=x0_prediction",
-        "train.adv_std=unbiased",
-        "train.adv_eps=1e-8",
+        "algorithm.adv_std=unbiased",
+        "algorithm.adv_eps=1e-8",
         "train.shuffle_update=false",
     ],
     "flux-skip-zero-advantage": [  # the colourless prompt's group scores 0 throughout: A = 0, dropped
-        "train.skip_zero_advantage=true",
+        "algorithm.skip_zero_advantage=true",
         "train.prompts=[a red circle on a white background, plain]",
     ],
     # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.scoring)
-    "flux-micro-batches": ["train.rollout_batch_size=1", "train.beta=0.04", "reward.decode=x0_prediction"],
-    "wan-cfg-kl": ["model.family=wan", "train.beta=0.04"],
+    "flux-micro-batches": ["train.rollout_batch_size=1", "algorithm.beta=0.04", "reward.decode=x0_prediction"],
+    "wan-cfg-kl": ["model.family=wan", "algorithm.beta=0.04"],
     "wan-nocfg-window": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6"],
 }
 
@@ -169,3 +172,24 @@ def test_plan_predicts_retains_peak_memory():
     predicted = predict(iteration_costs(inp, step))["retain"].peak_memory_mb
     assert abs(predicted / measured["peak_memory_mb"] - 1) <= 0.15
     assert abs((predicted - step["base_mb"]) / measured["peak_memory_delta_mb"] - 1) <= 0.4, (predicted, measured)
+
+
+@pytest.mark.timeout(120)
+def test_every_schedule_and_the_certificate_compute_the_loss_of_lean_algorithms_grpo(monkeypatch):
+    """GRPO's loss is written once: Recompute, Retain, Reweight and the float64 reference all call
+    ``GRPO.step_loss`` (the reference through ``GRPO.reference_loss``)."""
+    import sys
+
+    from lean.algorithms.grpo import GRPO
+
+    callers: set[str] = set()
+    original = GRPO.step_loss
+
+    def recorded(self, *args, **kwargs):
+        callers.update(sys._getframe(i).f_globals["__name__"] for i in range(1, 4))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPO, "step_loss", recorded)
+    report = run_equivalence(tiny("algorithm.beta=0.04"), reference=True)
+    assert {"lean.schedules.recompute", "lean.schedules.retain", "lean.schedules.reweight"} <= callers
+    assert "lean.equivalence" in callers and report["reference"]

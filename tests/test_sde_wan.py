@@ -104,7 +104,8 @@ def test_grids_are_the_pipelines():
 
 
 def test_config_validates_the_grid():
-    from lean.config import ConfigError, load_config
+    from lean.config import ConfigError
+    from lean.configure import load_config
 
     with pytest.raises(ConfigError, match="sample.sigma_grid.*must be one of euler, uniform, unipc"):
         load_config(None, ["sample.sigma_grid=karras"])

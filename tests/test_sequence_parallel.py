@@ -1,5 +1,5 @@
-"""Sequence parallelism (``model.sequence_parallel``): the sharded transformer equals the whole one, and training under
-it ends with the weights of one process (float64, 1e-10).
+"""Sequence parallelism (``parallel.sequence_parallel``): the sharded transformer equals the whole one, and training
+under it ends with the weights of one process (float64, 1e-10).
 
 Unit level, on real gloo processes: a policy's velocity and its LoRA (or full fine-tune) gradients, the forward and
 backward of every overlap method, against the same policy unsharded in the same process. Training level: ``lean
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from helpers import spawn, tiny
 from safetensors.torch import load_file
 
-from lean.config import ConfigError, ModelConfig, validate
+from lean.config import ConfigError, ModelConfig
+from lean.configure import validate
 from lean.models import build_policy, family_module
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import METHODS, Overlap
@@ -148,7 +149,7 @@ def test_sharded_velocity_and_gradients_equal_one_process(family, world, full_fi
 
 
 SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
-SMALL += ["model.dtype=float64", "train.beta=0.04", "train.iterations=2", "train.lr=1e-3"]
+SMALL += ["model.dtype=float64", "algorithm.beta=0.04", "train.iterations=2", "train.lr=1e-3"]
 
 
 def _lean(*args: str, timeout: float = 200) -> None:
@@ -194,9 +195,9 @@ def one_process(tmp_path_factory):
 def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_process(
     family, processes, schedule, method, one_process, tmp_path
 ):
-    """Two iterations (AdamW, KL) of ``lean launch -n P -- train --set model.sequence_parallel=2``: the same LoRA
+    """Two iterations (AdamW, KL) of ``lean launch -n P -- train --set parallel.sequence_parallel=2``: the same LoRA
     weights as ``lean train`` on one process (float64, 1e-10 relative)."""
-    sp = ["model.sequence_parallel=2", f"model.overlap={method}"]
+    sp = ["parallel.sequence_parallel=2", f"parallel.overlap={method}"]
     shared = [*SMALL, f"model.family={family}", f"train.schedule={schedule}"]
     sharded = _train(tmp_path, [*shared, *sp], processes)
     reference = one_process(family, schedule)
@@ -207,11 +208,26 @@ def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_proces
 @pytest.mark.parametrize(
     "overrides,world_size,key,words",
     [
-        (["model.family=sd3", "model.sequence_parallel=2"], 2, "model.sequence_parallel", "no sequence parallelism"),
-        (["model.family=wan", "model.sequence_parallel=2", "train.shard=fsdp"], 2, "train.shard", "not combined"),
-        (["model.family=wan", "model.sequence_parallel=2"], 3, "model.sequence_parallel", "must divide the 3"),
-        (["model.family=wan", "model.sequence_parallel=2"], 2 * 16 + 2, "train.prompts_per_iteration", "data-parallel"),
-        (["model.family=wan", "model.overlap=ring"], 1, "model.overlap", "collective, sliced, flash"),
+        (
+            ["model.family=sd3", "parallel.sequence_parallel=2"],
+            2,
+            "parallel.sequence_parallel",
+            "no sequence parallelism",
+        ),
+        (
+            ["model.family=wan", "parallel.sequence_parallel=2", "parallel.shard=fsdp"],
+            2,
+            "parallel.shard",
+            "not combined",
+        ),
+        (["model.family=wan", "parallel.sequence_parallel=2"], 3, "parallel.sequence_parallel", "must divide the 3"),
+        (
+            ["model.family=wan", "parallel.sequence_parallel=2"],
+            2 * 16 + 2,
+            "train.prompts_per_iteration",
+            "data-parallel",
+        ),
+        (["model.family=wan", "parallel.overlap=ring"], 1, "parallel.overlap", "collective, sliced, flash"),
     ],
 )
 def test_what_sequence_parallelism_cannot_run_is_one_config_line(overrides, world_size, key, words):

@@ -1,4 +1,5 @@
-"""FSDP2 sharding (``lean.sharding``, ``train.shard=fsdp``) on real gloo processes: the update is the unsharded one."""
+"""FSDP2 sharding (``lean.sharding``, ``parallel.shard=fsdp``) on real gloo processes: the update is the unsharded
+one."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lean.config import ConfigError, load_config, validate
+from lean.config import ConfigError
+from lean.configure import load_config, validate
 from lean.iteration import local_batch
 
 SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
-SMALL += ["model.dtype=float64", "train.beta=0.04"]
+SMALL += ["model.dtype=float64", "algorithm.beta=0.04"]
 RANDOM_STEPS = ["sample.timestep_selection=random", "sample.timestep_fraction=0.5"]  # DanceGRPO: per-sample steps
 
 
@@ -39,7 +41,7 @@ def _max_rel_diff(a: dict, b: dict) -> float:
     "processes,family,extra",
     [
         (2, "sd3", ["model.gradient_checkpointing=true"]),
-        (2, "wan", ["train.layout=group", "train.prompts_per_iteration=4", "train.rollout_batch_size=2"]),
+        (2, "wan", ["parallel.layout=group", "train.prompts_per_iteration=4", "train.rollout_batch_size=2"]),
         # every process tracks the union of the steps any process trains (per-sample steps), checkpointed
         (4, "flux", [*RANDOM_STEPS, "train.prompts_per_iteration=4", "model.gradient_checkpointing=true"]),
         (2, "flux", ["model.full_finetune=true"]),  # everything sharded: Retain certified, Reweight refused
@@ -49,7 +51,7 @@ def test_sharded_processes_give_the_same_gradients(tmp_path, processes, family, 
     """The frozen base sharded, the adapter whole (or, under full fine-tuning, every weight sharded): Retain's and
     Reweight's gradients are Recompute's and the float64 on-policy gradient's (the certificate), under per-sample
     step selection, checkpointing and the group layout."""
-    cfg = [*SMALL, f"model.family={family}", "train.shard=fsdp", *extra]
+    cfg = [*SMALL, f"model.family={family}", "parallel.shard=fsdp", *extra]
     _lean("launch", "-n", str(processes), "--", "equivalence", *_sets(cfg), "--out", str(tmp_path))
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["world_size"] == processes and report["passes"], report
@@ -71,7 +73,7 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     cfg += ["eval.prompts=[a red circle, a green square, a blue circle]", "train.save_every=1"]
     one, two = tmp_path / "one", tmp_path / "two"
     _lean("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
-    sharded = [*cfg, "train.shard=fsdp"]
+    sharded = [*cfg, "parallel.shard=fsdp"]
     _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=2"]), "--out", str(two))
     _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=3"]), "--out", str(two), "--resume")
     for name in ("lora.safetensors", "lora_ema.safetensors"):
@@ -86,7 +88,7 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
 def test_processes_track_the_union_of_the_trained_steps():
     """Under fsdp every process's selection carries the steps any process trains; the samples' own stay theirs."""
     sets = [*SMALL, *RANDOM_STEPS, "train.prompts_per_iteration=4", "sample.num_steps=8"]
-    cfg, sharded = load_config(None, sets), load_config(None, [*sets, "train.shard=fsdp"])
+    cfg, sharded = load_config(None, sets), load_config(None, [*sets, "parallel.shard=fsdp"])
     own = [local_batch(cfg, 0, r, 4).steps for r in range(4)]
     shared = [local_batch(sharded, 0, r, 4).steps for r in range(4)]
     union = torch.stack([s.grad_steps for s in own]).any(dim=0)
@@ -99,14 +101,14 @@ def test_processes_track_the_union_of_the_trained_steps():
     "sets,words",
     [
         (["model.full_finetune=true", "train.schedule=reweight"], "per-trajectory buffers"),
-        (["train.skip_zero_advantage=true"], "lockstep"),
+        (["algorithm.skip_zero_advantage=true"], "lockstep"),
         (["model.family=wan", "model.full_finetune=true", "model.dtype=bfloat16"], "float32 modules"),
-        (["train.shard=zero3"], "must be one of none, fsdp"),
+        (["parallel.shard=zero3"], "must be one of none, fsdp"),
     ],
 )
 def test_what_fsdp_cannot_run_is_one_config_line(sets, words):
-    with pytest.raises(ConfigError, match="train.shard") as err:
-        validate(load_config(None, ["train.shard=fsdp", *sets]), world_size=2)
+    with pytest.raises(ConfigError, match="parallel.shard") as err:
+        validate(load_config(None, ["parallel.shard=fsdp", *sets]), world_size=2)
     assert words in str(err.value)
 
 
@@ -115,7 +117,7 @@ def test_what_fsdp_cannot_run_is_one_config_line(sets, words):
 def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     """``lean plan`` on 2 processes prints both shard settings (its own measured, the other modelled), and ``lean
     bench memory`` under fsdp measures every schedule x layout x checkpointing beside the plan's figures."""
-    cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "train.shard=fsdp"]
+    cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "parallel.shard=fsdp"]
     cfg += ["model.full_finetune=true", "train.dist_timeout_s=60"]
     _lean("launch", "-n", "2", "--", "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())["combinations"]

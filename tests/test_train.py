@@ -44,7 +44,7 @@ def test_train_writes_metrics_and_lora(tmp_path, family):
 @pytest.mark.parametrize("schedule", ["recompute", "retain", "reweight"])
 def test_float64_end_to_end(family, schedule, tmp_path):
     history = train(
-        tiny(f"model.family={family}", "model.dtype=float64", f"train.schedule={schedule}", "train.beta=0.01"),
+        tiny(f"model.family={family}", "model.dtype=float64", f"train.schedule={schedule}", "algorithm.beta=0.01"),
         out=str(tmp_path),
     )
     assert all(torch.isfinite(torch.tensor(h["reward_mean"])) for h in history)

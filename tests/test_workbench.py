@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from lean import data
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig, load_config
+from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.configure import load_config
 from lean.launch import free_port
 from lean.rewards import compute_rewards
 from lean.workbench.method import compare_updates, run_advantage, run_rollout, run_update

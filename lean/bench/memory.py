@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lean.bench.schedules import BenchOptions, timed_rounds
-from lean.config import RunConfig, fsdp_problem
+from lean.config import RunConfig
 from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median
 from lean.outputs import JsonLines, write_json
@@ -33,7 +33,7 @@ from lean.plan import (
     shard_probes,
     with_schedule,
 )
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
 from lean.sharding import FSDP, effective_shard, shard_sizes
 from lean.train import Trainer
 
@@ -65,7 +65,7 @@ def bench_memory(
     log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
-    shard = effective_shard(cfg.train.shard, trainer.world.size)  # what runs: the measured rows
+    shard = effective_shard(cfg.parallel.shard, trainer.world.size)  # what runs: the measured rows
     variants = [
         (s, lay, ck)
         for lay in applicable_layouts(inp)

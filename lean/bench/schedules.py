@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from lean.config import ConfigError, RunConfig, load_config, read_params
+from lean.config import ConfigError, RunConfig, read_params
+from lean.configure import load_config
 from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
@@ -115,7 +116,7 @@ def bench_schedules(
             "dtype": cfg.model.dtype,
             "num_steps": cfg.sample.num_steps,
             "cfg": cfg.sample.cfg,
-            "beta": cfg.train.beta,
+            "beta": cfg.algorithm.beta,
             "samples_per_process": len(plan_input.batch.prompts),
             "world_size": trainer.world.size,
             "repeats": options.repeats,

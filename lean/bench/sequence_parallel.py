@@ -1,8 +1,8 @@
-"""``lean bench schedules`` under sequence parallelism (``model.sequence_parallel`` > 1, run under ``lean launch``): one
-GRPO iteration of every schedule with every overlap method of the Ulysses all-to-alls, and once more with every
-transfer replaced by a local copy of the same bytes (``compute-only``, ``Overlap.loopback``: the same GEMMs, no
-communication, wrong numbers), measured interleaved in one run (``timed_rounds``: every round runs every variant from
-the same saved state, in alternating order; medians after the warm-up rounds).
+"""``lean bench schedules`` under sequence parallelism (``parallel.sequence_parallel`` > 1, run under
+``lean launch``): one GRPO iteration of every schedule with every overlap method of the Ulysses all-to-alls, and once
+more with every transfer replaced by a local copy of the same bytes (``compute-only``, ``Overlap.loopback``: the same
+GEMMs, no communication, wrong numbers), measured interleaved in one run (``timed_rounds``: every round runs every
+variant from the same saved state, in alternating order; medians after the warm-up rounds).
 
     exposed communication (ms per iteration) = median T_iter(method) - median T_iter(compute-only)
 
@@ -42,8 +42,8 @@ def bench_sequence_parallel(
     sp = trainer.policy.sequence_parallel
     if sp is None:
         raise ConfigError(
-            "model.sequence_parallel",
-            cfg.model.sequence_parallel,
+            "parallel.sequence_parallel",
+            cfg.parallel.sequence_parallel,
             "needs as many processes: run it under `lean launch -n P -- bench schedules ...`",
         )
     log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)

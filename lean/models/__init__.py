@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.dtypes import DTYPES, dtype_name
+from lean.config import ConfigError, suggest
+from lean.dtypes import DTYPES, HALF, dtype_name
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
 from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.registry import Registry
 
 if TYPE_CHECKING:
-    from lean.config import ModelConfig
+    from lean.config import ModelConfig, RunConfig
 
 __all__ = [
     "FAMILIES",
@@ -46,6 +47,7 @@ __all__ = [
     "PromptEmbeds",
     "build_policy",
     "build_scheduler",
+    "check_config",
     "count_parameters",
     "family_module",
     "lora_config",
@@ -381,3 +383,40 @@ def _write_cache(model_cfg: ModelConfig, prompts: list[str], folder: Path) -> No
         os.rename(tmp, folder)
     except OSError:  # another process got there first
         shutil.rmtree(tmp)
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """The family's configuration rules (``lean.configure`` runs them): the size and frame count exist, the
+    capabilities asked for are the family's, the pretrained folder holds a pipeline of it."""
+    m, s = cfg.model, cfg.sample
+    family = family_module(m.family)
+    if m.size not in family.SIZES:
+        raise ConfigError(
+            "model.size", m.size, f"{m.family} comes in {', '.join(family.SIZES)}" + suggest(m.size, family.SIZES)
+        )
+    step = getattr(family, "FRAME_STEP", None)  # video VAEs compress time: F = step k + 1 frames
+    if step and (m.num_frames - 1) % step:
+        raise ConfigError(
+            "model.num_frames",
+            m.num_frames,
+            f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
+        )
+    if m.pretrained is not None and (problem := pretrained_problem(m.family, m.pretrained)) is not None:
+        raise ConfigError("model.pretrained", m.pretrained, problem)
+    if s.guidance_embed is not None and not getattr(family, "GUIDANCE_EMBED", False):
+        raise ConfigError(
+            "sample.guidance_embed",
+            s.guidance_embed,
+            f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
+        )
+    if (
+        cfg.parallel.shard == "fsdp"
+        and m.full_finetune
+        and m.torch_dtype in HALF
+        and getattr(family, "KEEPS_FLOAT32", False)
+    ):
+        raise ConfigError(
+            "parallel.shard",
+            cfg.parallel.shard,
+            f"a half-precision full fine-tune of {m.family} keeps float32 modules FSDP would gather at {m.dtype}",
+        )

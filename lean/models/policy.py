@@ -314,7 +314,7 @@ class Policy(torch.nn.Module):
 
     def lora_state_dict(self) -> dict[str, Tensor]:
         """A copy of the trainable parameters, keyed as :meth:`trainable_parameters`; whole tensors (sharded ones are
-        gathered: under ``train.shard=fsdp`` every process must call it)."""
+        gathered: under ``parallel.shard=fsdp`` every process must call it)."""
         return {n: full(p).detach().clone() for n, p in self.trainable_parameters()}
 
     @torch.no_grad()

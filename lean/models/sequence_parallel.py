@@ -1,4 +1,4 @@
-"""Sequence parallelism for the policies (``model.sequence_parallel: P``): the transformer's tokens split over the P
+"""Sequence parallelism for the policies (``parallel.sequence_parallel: P``): the transformer's tokens split over the P
 ranks of a sequence-parallel group, Ulysses attention inside diffusers' blocks (arXiv:2309.14509).
 
 Every rank of the group holds the same trajectories (data parallelism is over groups); inside the transformer rank r
@@ -6,7 +6,7 @@ computes tokens r*S/P .. (r+1)*S/P through every block and all-gathers the outpu
 the loss are the same on every rank. Attention swaps tokens for heads and back with all-to-alls; the families hook
 that in as diffusers attention processors and module hooks (``Family.shard_sequence``), no model code is forked.
 
-The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``model.overlap``:
+The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``parallel.overlap``:
 
     q, k, v of my heads, all tokens  = matmul_all_to_all(x_r, [W_q W_k W_v] column block of each rank)
                                        + s all_gather(x_r A^T) B[my heads]^T                             (LoRA)
@@ -26,14 +26,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lean.config import ConfigError
 from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
 from lean.overlap.p2p import Overlap
 from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
 
 
 @dataclass
@@ -170,3 +175,31 @@ def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequencePara
     for net in transformers:
         sp.handles += arch.shard_sequence(base_model(net), sp)
     return sp
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Sequence parallelism's rules, all of them (the heads and tokens that must divide are checked when the policy
+    is built: :func:`sequence_problem`): the family has it, the processes form its groups, not with FSDP yet."""
+    from lean.models import FAMILIES, family_module
+
+    p = cfg.parallel
+    if p.sequence_parallel == 1:
+        return
+    family = family_module(cfg.model.family)
+    if not hasattr(family.ARCH, "shard_sequence"):
+        able = ", ".join(n for n in FAMILIES if hasattr(family_module(n).ARCH, "shard_sequence"))
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            p.sequence_parallel,
+            f"{family.DISPLAY_NAME} has no sequence parallelism yet (families with it: {able})",
+        )
+    world_size = p.sequence_parallel if world_size is None else world_size
+    if world_size % p.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            p.sequence_parallel,
+            f"must divide the {world_size} processes into sequence-parallel groups (run it under "
+            f"`lean launch -n {p.sequence_parallel * max(1, world_size // p.sequence_parallel)} -- ...`)",
+        )
+    if p.shard == "fsdp":
+        raise ConfigError("parallel.shard", p.shard, "is not combined with parallel.sequence_parallel yet; set none")

@@ -71,8 +71,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lean.registry import Registry
+
 Method = Literal["collective", "sliced", "flash"]
 METHODS: tuple[str, ...] = get_args(Method)
+OVERLAP_METHODS: Registry[str] = Registry(
+    "overlap method",
+    [
+        ("collective", "one collective after the whole GEMM (the baseline)"),
+        ("sliced", "the GEMM in slices, each slice's collective overlapping the next slice's compute"),
+        ("flash", "one P2P transfer per peer, each block sent as soon as it is computed"),
+    ],
+)
+assert OVERLAP_METHODS.names == METHODS
 DEFAULT_TIMEOUT_S = 60.0
 
 Produce = Callable[[slice, slice], Tensor]  # (peers, rows) -> block of shape (n_peers, n_rows, ...)

@@ -10,7 +10,16 @@
 """
 
 from lean.rewards import models as models  # registers the model rewards
-from lean.rewards.base import MODEL_REWARDS, REWARDS, ModelReward, RewardFn, register, register_model, reward_names
+from lean.rewards.base import (
+    MODEL_REWARDS,
+    REWARDS,
+    ModelReward,
+    RewardFn,
+    check_config,
+    register,
+    register_model,
+    reward_names,
+)
 from lean.rewards.builtin import COLORS, parse_colors
 from lean.rewards.remote import RemoteReward, RewardServerError
 from lean.rewards.scorer import Scorer, build_reward, compute_rewards, weighted_sum
@@ -25,6 +34,7 @@ __all__ = [
     "RewardServerError",
     "Scorer",
     "build_reward",
+    "check_config",
     "compute_rewards",
     "parse_colors",
     "register",

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from lean.config import ConfigError, check_choice, suggest
 from lean.registry import Registry
 
 if TYPE_CHECKING:
-    from lean.config import RewardModelConfig
+    from lean.config import RewardModelConfig, RunConfig
 
 RewardFn = Callable[[Tensor, list[str]], Tensor]
 
@@ -110,3 +111,32 @@ def _check_unique(name: str) -> None:
 def reward_names() -> list[str]:
     """Every registered reward: the functions, then the model rewards."""
     return [*REWARDS, *MODEL_REWARDS]
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Every weighted reward is registered here or served (``reward.remote``), and every model reward computed here
+    has a folder with the files it needs."""
+    r = cfg.reward
+    known = reward_names()
+    for name, weight in r.weights.items():
+        if name not in known and name not in r.remote:
+            raise ConfigError(
+                f"reward.weights.{name}",
+                weight,
+                f"unknown reward; known: {', '.join(sorted(known))}" + suggest(name, known),
+            )
+    for name, entry in r.models.items():
+        check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
+        if name not in r.remote:  # a served reward's folder is on the server's machine
+            _check_folder(f"reward.models.{name}.folder", name, entry.folder)
+    for name in r.weights:
+        if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
+            raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
+
+
+def _check_folder(key: str, name: str, folder: str | None) -> None:
+    if folder is None:
+        raise ConfigError(key, None, f"set the local model folder of reward {name}")
+    problem = MODEL_REWARDS[name].folder_problem(Path(folder))
+    if problem is not None:
+        raise ConfigError(key, folder, problem)

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.advantage import update_samples
-from lean.loss import StepLoss, kl_step_weights, step_loss
+from lean.algorithms import Algorithm, StepLoss
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
 from lean.sde import StepSelection
@@ -39,6 +38,7 @@ class IterationContext:
 
     policy: object
     cfg: RunConfig
+    algorithm: Algorithm  # what is optimised: the loss of each step (lean.algorithms)
     sigmas: torch.Tensor
     emb: object  # PromptEmbeds of the local samples
     steps: StepSelection  # trained: BoolTensor [B_local, num_steps]
@@ -68,15 +68,6 @@ class IterationContext:
         """K: every sample trains the same number of steps."""
         return int(self.steps.trained[0].sum())
 
-    @property
-    def beta(self) -> float:
-        return self.cfg.train.beta
-
-    @functools.cached_property
-    def kl_weights(self) -> torch.Tensor:
-        """w_j of every step [num_steps] on the device: the KL term's factor of ``train.kl_form`` (lean.loss)."""
-        return kl_step_weights(self.sigmas, self.cfg.sample.sde_kind, self.cfg.train.kl_form)
-
     @functools.cached_property
     def trained_on_device(self) -> torch.Tensor:
         """``steps.trained`` [B, num_steps] on the compute device, for the loss weights (one copy per iteration)."""
@@ -92,28 +83,27 @@ class IterationContext:
             trained = trained * kept[rows].to(trained.dtype)
         return trained / (samples_per_update * self.steps_per_sample)
 
-    def kept_samples(self, advantages: torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
-        """(which local samples the update keeps [B] or None for all, how many): with ``train.skip_zero_advantage``
-        the samples whose advantage is 0 leave the update, and N counts the others (FlowGRPO's SD3/Wan scripts)."""
-        return update_samples(advantages, self.cfg.train.skip_zero_advantage)
+    def kept_samples(self, targets: torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
+        """(which local samples the update keeps [B] or None for all, how many: the N of 1/(N K)); the algorithm's
+        choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose advantage is 0)."""
+        return self.algorithm.kept_samples(targets)
 
-    def on_policy_loss(self, step: StepOutput, ref_mean: torch.Tensor | None, advantages: torch.Tensor) -> StepLoss:
-        """The loss terms of a step whose graph is the rollout's own (Retain, Reweight): the ratio is
-        exp(log p - stopgrad(log p)) = 1, its gradient that of log p; ``advantages`` of the step's rows."""
-        return step_loss(
+    def on_policy_loss(self, step: StepOutput, ref_mean: torch.Tensor | None, targets: torch.Tensor) -> StepLoss:
+        """The algorithm's loss terms of a step whose graph is the rollout's own (Retain, Reweight): the ratio is
+        exp(log p - stopgrad(log p)) = 1, its gradient that of log p; ``targets`` of the step's rows."""
+        return self.algorithm.step_loss(
+            step.index,
             step.log_prob,
             step.log_prob.detach(),
-            advantages,
-            self.cfg.train.clip_range,
+            targets,
             mean=step.mean,
-            ref_mean=ref_mean,
             std=step.std,
-            kl_weight=self.kl_weights[step.index],
+            ref_mean=ref_mean,
         )
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
-        """The reference policy's transition mean at the step's x_i (None when the KL term is off)."""
-        if self.beta == 0:
+        """The reference policy's transition mean at the step's x_i (None when the regulariser is off)."""
+        if self.algorithm.kl_weight == 0:
             return None
         with self.region("reference_forward"):
             return reference_mean(
@@ -178,6 +168,7 @@ class Schedule:
 
     grad_micro_batch: int | None = None
     exact_only_on_policy = False  # its update equals the objective's gradient only with one step per rollout
+    needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
     backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
     drops_kl_terms = True  # it can leave a sample's KL term out once the advantages are known (skip_zero_advantage)

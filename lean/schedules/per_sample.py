@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lean.loss import StepLoss
+from lean.algorithms import Algorithm, StepLoss
 
 PROVISIONAL_ADVANTAGE = 1.0  # Â: what a trajectory is backpropagated with before its advantage is known
 
@@ -141,6 +141,8 @@ class PerSampleGrads:
             block.index_add_(0, traj, g.to(block.dtype))
 
 
-def logged_with_true_advantages(kept: list[tuple[slice, StepLoss]], advantages: torch.Tensor) -> list[StepLoss]:
-    """Loss terms backpropagated with Â, for the logs, with the true advantages: on-policy the surrogate is -A r."""
-    return [StepLoss(-advantages[rows].to(t.ratio.dtype) * t.ratio, t.kl, t.ratio) for rows, t in kept]
+def logged_with_true_targets(
+    algorithm: Algorithm, kept: list[tuple[slice, StepLoss]], targets: torch.Tensor
+) -> list[StepLoss]:
+    """Loss terms backpropagated with a provisional target Â, for the logs, with the true targets."""
+    return [StepLoss(algorithm.policy_term(t.ratio, targets[rows]), t.kl, t.ratio) for rows, t in kept]

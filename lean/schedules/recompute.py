@@ -34,12 +34,19 @@ from dataclasses import dataclass
 
 import torch
 
-from lean.loss import StepLoss, loss_stats, step_loss
+from lean.algorithms import StepLoss, loss_stats
+from lean.registry import Registry
 from lean.rollout import StepOutput, iteration_generator, policy_step, reference_mean
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
-RECOMPUTE_BATCHINGS = ("update", "rollout")  # train.recompute_batching: FlowGRPO's update batches, or the rollout's
-ROLLOUT_BATCHING = RECOMPUTE_BATCHINGS[1]
+RECOMPUTE_BATCHINGS: Registry[str] = Registry(
+    "recompute batching",
+    [
+        ("update", "FlowGRPO's update: the samples shuffled, in micro-batches of train.train_batch_size"),
+        ("rollout", "the rollout's own micro-batches and CFG batch (on-policy the ratio is 1 to the bit)"),
+    ],
+)
+ROLLOUT_BATCHING = "rollout"
 
 
 @dataclass
@@ -103,7 +110,7 @@ class Recompute(Schedule):
             for batch in update:
                 losses.append(self._backward(batch, advantages, joint_cfg=like_rollout))
             step_stats = optimizer_step()
-        return {**loss_stats(losses, ctx.beta), **step_stats}
+        return {**loss_stats(losses), **step_stats}
 
     def _shuffled_batches(self, kept: torch.Tensor | None) -> Iterator[list[Terms]]:
         """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) shuffled (unless
@@ -151,8 +158,8 @@ class Recompute(Schedule):
         yield update
 
     def _backward(self, terms: Terms, advantages: torch.Tensor, joint_cfg: bool) -> StepLoss:
-        """Recompute the terms' log-probs with gradients, their clipped loss, and its backward."""
-        ctx, t = self.ctx, self.ctx.cfg.train
+        """Recompute the terms' log-probs with gradients, the algorithm's loss, and its backward."""
+        ctx = self.ctx
         emb = ctx.emb.index(terms.rows)
         with ctx.region("recompute_forward"):
             _, log_prob, mean, std = policy_step(
@@ -166,22 +173,15 @@ class Recompute(Schedule):
                 joint_cfg=joint_cfg,
             )
         ref = None
-        if ctx.beta:
+        if ctx.algorithm.kl_weight:
             with ctx.region("reference_forward"):
                 ref = reference_mean(ctx.policy, terms.x, terms.steps, emb, ctx.cfg.sample, ctx.sigmas, terms.next_x)
-        loss = step_loss(
-            log_prob,
-            terms.old_log_prob,
-            advantages[terms.rows],
-            t.clip_range,
-            mean=mean,
-            ref_mean=ref,
-            std=std,
-            kl_weight=ctx.kl_weights[terms.steps],
+        loss = ctx.algorithm.step_loss(
+            terms.steps, log_prob, terms.old_log_prob, advantages[terms.rows], mean=mean, std=std, ref_mean=ref
         )
         self.ratios[terms.rows, terms.steps] = loss.ratio.detach().double()
         with ctx.region("backward"):
-            (terms.weight * loss.total(ctx.beta)).sum().backward()
+            (terms.weight * loss.total(ctx.algorithm.kl_weight)).sum().backward()
         return loss
 
     @staticmethod

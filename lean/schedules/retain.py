@@ -26,7 +26,7 @@ gradient directly), then folds it when the advantages arrive (``finish_rows``):
     grad += sum_b (A_b / Â_b) P_b,     P_b = 1/(N K) sum_{j in T_b} (-Â_b dlog p_bj)
 
 exact on-policy for the reason Reweight is (the gradient is linear in A at r = 1). It needs every trainable parameter
-in an ``nn.Linear`` (LoRA) and N before the rewards (not with ``train.skip_zero_advantage``); otherwise the group
+in an ``nn.Linear`` (LoRA) and N before the rewards (not with ``algorithm.skip_zero_advantage``); otherwise the group
 waits for its rewards and is backpropagated with them. The scoring then costs max(0, score - K (fb - f)): the
 backward hides it, for (unit + 1) P of buffers.
 """
@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from lean.loss import StepLoss, loss_stats
+from lean.algorithms import StepLoss, loss_stats
+from lean.algorithms.base import RATIO_ONE_ON_POLICY
 from lean.rollout import StepOutput
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
 from lean.schedules.per_sample import (
@@ -43,13 +44,14 @@ from lean.schedules.per_sample import (
     PerSampleGrads,
     TrajectoryBuffers,
     linear_owners,
-    logged_with_true_advantages,
+    logged_with_true_targets,
 )
 from lean.sharding import is_sharded
 
 
 class Retain(Schedule):
     exact_only_on_policy = True
+    needs = frozenset({RATIO_ONE_ON_POLICY})  # the rollout's graph is the objective's
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -64,7 +66,7 @@ class Retain(Schedule):
         """Buffers for one finishing unit's per-trajectory gradients where the backward can run during the scoring
         (see the module docstring), else None."""
         params = trainable(ctx.policy)
-        if ctx.finish_unit is None or ctx.cfg.train.skip_zero_advantage or any(is_sharded(p) for p in params):
+        if ctx.finish_unit is None or ctx.cfg.algorithm.skip_zero_advantage or any(is_sharded(p) for p in params):
             return None
         if linear_owners(ctx.policy, params) is None:
             return None
@@ -100,7 +102,7 @@ class Retain(Schedule):
                 weights = ctx.term_weights(step.rows, step.index, ctx.batch)
                 policy = policy + (weights * loss.policy).sum()
                 if loss.kl is not None:
-                    kl = kl + (weights * ctx.beta * loss.kl).sum()
+                    kl = kl + (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 kl_term = None if loss.kl is None else loss.kl.detach()
                 self.provisional_stats.append((step.rows, StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())))
             per_sample.trajectories = torch.arange(start, mine[0][0].rows.stop, device=params[0].device) % unit
@@ -137,8 +139,8 @@ class Retain(Schedule):
                     p.grad.div_(n)
         if self.provisional is not None:
             self.provisional[1].close()
-        losses = self.losses + logged_with_true_advantages(self.provisional_stats, advantages)
-        return {**loss_stats(losses, self.ctx.beta), **optimizer_step()}
+        losses = self.losses + logged_with_true_targets(self.ctx.algorithm, self.provisional_stats, advantages)
+        return {**loss_stats(losses), **optimizer_step()}
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
@@ -146,7 +148,7 @@ class Retain(Schedule):
         for step, ref in entries:
             loss = ctx.on_policy_loss(step, ref, advantages[step.rows])
             weights = ctx.term_weights(step.rows, step.index, n, kept)
-            total = total + (weights * loss.total(ctx.beta)).sum()
+            total = total + (weights * loss.total(ctx.algorithm.kl_weight)).sum()
             self.losses.append(loss)
         if entries:
             with ctx.region("backward"):

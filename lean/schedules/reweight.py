@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from lean.loss import StepLoss, loss_stats
+from lean.algorithms import StepLoss, loss_stats
+from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
 from lean.rollout import StepOutput
 from lean.schedules.base import (
     IterationCosts,
@@ -58,12 +59,13 @@ from lean.schedules.per_sample import (
     PerSampleGrads,
     TrajectoryBuffers,
     linear_owners,
-    logged_with_true_advantages,
+    logged_with_true_targets,
 )
 
 
 class Reweight(Schedule):
     exact_only_on_policy = True
+    needs = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET})  # the rollout's graph, and the A / Â fold
     backward_in_rollout = True
     drops_kl_terms = False  # the KL gradient is summed over trajectories during the rollout
 
@@ -77,7 +79,7 @@ class Reweight(Schedule):
         self.unit = ctx.finish_unit or ctx.batch
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
         device = self.params[0].device
-        self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.beta else None
+        self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
         self.folded = torch.zeros(n, dtype=dtype, device=device) if self.unit < ctx.batch else None
         self.finished = 0  # rows [0, finished) are folded
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
@@ -106,7 +108,8 @@ class Reweight(Schedule):
         with ctx.region("backward"):
             self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)
             if ref is not None:
-                grads = torch.autograd.grad((weights * ctx.beta * loss.kl).sum(), self.params, allow_unused=True)
+                kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
+                grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
                 self.kl_buffer += flat_grad(self.params, grads)
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
@@ -152,8 +155,8 @@ class Reweight(Schedule):
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
-        logged = logged_with_true_advantages(self.kept_stats, advantages)
-        stats = {**loss_stats(logged, self.ctx.beta), "reweight_buffer_mb": self.buffer_mb}
+        logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
+        stats = {**loss_stats(logged), "reweight_buffer_mb": self.buffer_mb}
         return {**stats, **optimizer_step()}
 
     @staticmethod

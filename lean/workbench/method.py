@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lean.advantage import group_stats, run_advantages
+from lean.algorithms import build_algorithm
+from lean.algorithms.groups import group_stats
 from lean.config import RunConfig
 from lean.dtypes import dtype_name
 from lean.equivalence import compare, passes, tolerance
@@ -141,7 +142,7 @@ def run_rollout(cfg: RunConfig, perturb_std: float) -> tuple[dict[str, Tensor], 
 def run_advantage(cfg: RunConfig, trajectory: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict, list[dict]]:
     """The advantage stage: (tensors to persist, summary, one row per sample)."""
     rewards, groups = trajectory["rewards"], trajectory["groups"]
-    advantages = run_advantages(rewards, groups, cfg.train)
+    advantages = build_algorithm(cfg, sigmas=None).targets(rewards, groups)
     stats = group_stats(rewards, groups)
     summary = {
         "advantage_mean": advantages.mean().item(),

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from lean import tracking
-from lean.config import RunConfig, load_config, read_params
+from lean.config import RunConfig, read_params
+from lean.configure import load_config
 from lean.distributed import set_threads
 
 

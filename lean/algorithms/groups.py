@@ -1,23 +1,19 @@
-"""GRPO group-relative advantages (float64 throughout).
+"""Group-relative advantages (float64 throughout): GRPO's targets, shared by the algorithms that normalise rewards
+within a prompt's group.
 
 Samples of the same prompt form a group. The advantage of sample ``n`` in group ``g`` is
 ``A_n = (r_n − mean_g) / (std + eps)`` with the std of the group (or of all rewards with ``global_std``): the
 population std and eps = 1e-4 as in FlowGRPO, or the unbiased one (Bessel's n − 1) and eps = 1e-8 as in DanceGRPO.
 In distributed training the rewards are gathered from all ranks first (groups may span ranks), the advantages
-computed on the full batch, and each rank keeps its own block, :func:`local_slice`.
+computed on the full batch, and each rank keeps its own block (``lean.layout.local_slice``).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lean.registry import Registry
-
-if TYPE_CHECKING:
-    from lean.config import TrainConfig
 
 STD_ESTIMATORS: Registry[str] = Registry(
     "std estimator",
@@ -84,24 +80,6 @@ def group_advantages(
     return advantages if clip is None else advantages.clamp(-clip, clip)
 
 
-def run_advantages(rewards: Tensor, group_ids: Tensor, t: TrainConfig) -> Tensor:
-    """:func:`group_advantages` with a run's settings (``train.global_std``, ``adv_std``, ``adv_eps``,
-    ``adv_clip_max``)."""
-    return group_advantages(
-        rewards, group_ids, global_std=t.global_std, clip=t.adv_clip_max, eps=t.adv_eps, std_estimator=t.adv_std
-    )
-
-
-def update_samples(advantages: Tensor, skip_zero: bool) -> tuple[Tensor | None, int | Tensor]:
-    """(which samples an update keeps [B], or None for all; how many, the N of its 1/(N K)): with ``skip_zero``
-    (``train.skip_zero_advantage``, FlowGRPO's SD3/Fast/Wan scripts) the samples whose advantage is 0 leave the
-    update. The count stays on the advantages' device (no host read); an all-dropped batch counts 1 and weighs 0."""
-    if not skip_zero:
-        return None, advantages.shape[0]
-    kept = advantages != 0
-    return kept, kept.sum().clamp_min(1)
-
-
 def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]:
     """For logging: ``group_ids`` [G] (sorted unique ids), per-group ``mean``, population ``std`` and ``size`` [G],
     and ``zero_std_fraction``, the share of groups whose rewards are all equal (they carry no GRPO signal)."""
@@ -114,14 +92,3 @@ def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, Tensor | float]
         "size": count,
         "zero_std_fraction": float(constant.double().mean()),
     }
-
-
-def local_slice(n_total: int, rank: int, world_size: int) -> slice:
-    """Rank ``rank``'s contiguous block of a batch of ``n_total`` gathered in rank order from ``world_size`` equal
-    shares: ``slice(rank·n, (rank+1)·n)`` with ``n = n_total / world_size``."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
-    if n_total % world_size:
-        raise ValueError(f"n_total={n_total}: not divisible by world_size={world_size}")
-    n = n_total // world_size
-    return slice(rank * n, (rank + 1) * n)

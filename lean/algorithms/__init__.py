@@ -1,0 +1,46 @@
+"""What is optimised: one file per algorithm behind the contract of ``base.py``, registered once.
+
+Schedules (``lean.schedules``) compute the gradient of whichever algorithm runs; an algorithm whose facts a schedule
+needs but does not have is refused at configuration (``lean.schedules.algorithm_problem``). Adding an algorithm is one
+new file plus one :data:`ALGORITHMS` line (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lean.algorithms.base import FACTS, ROLLOUTS, Algorithm, StepLoss, loss_stats
+from lean.algorithms.groups import STD_ESTIMATORS
+from lean.algorithms.grpo import GRPO, KL_FORMS
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lean.config import RunConfig
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry(
+    "algorithm",
+    [
+        ("grpo", GRPO),  # FlowGRPO's and DanceGRPO's objective, and the default
+    ],
+)
+
+
+def build_algorithm(cfg: RunConfig, sigmas: Tensor | None) -> Algorithm:
+    """The run's algorithm (``algorithm.name``) over the sigma grid ``sigmas`` [num_steps + 1] (None: for its
+    targets only, as the DVC advantage stage uses it)."""
+    return ALGORITHMS[cfg.algorithm.name](cfg, sigmas)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "FACTS",
+    "KL_FORMS",
+    "ROLLOUTS",
+    "STD_ESTIMATORS",
+    "Algorithm",
+    "StepLoss",
+    "build_algorithm",
+    "loss_stats",
+]

@@ -1,0 +1,119 @@
+"""The algorithm axis: what is optimised, apart from how its gradient is computed (``lean.schedules``).
+
+An algorithm declares
+  * the sampler it rolls out with (:data:`ROLLOUTS`; GRPO: SDE transitions with their log-probs);
+  * how rewards become its targets, one per sample (:meth:`Algorithm.targets`; GRPO: group advantages), and which
+    samples an update keeps (:meth:`Algorithm.kept_samples`);
+  * the loss of one trained step (:meth:`Algorithm.step_loss`): a term linear in the target (``StepLoss.policy``)
+    plus a target-free regulariser (``StepLoss.kl``) weighted by :attr:`Algorithm.kl_weight`;
+  * the facts that decide which schedules run it exactly (:attr:`Algorithm.facts`): Retain needs the on-policy
+    ratio to be identically 1, Reweight also needs the loss to be linear in the target (its A / Â fold);
+  * a float64 reference of that loss for the certificate (``lean equivalence``): the same :meth:`step_loss`,
+    evaluated by a float64 twin of the policy.
+
+Adding an algorithm is one file in ``lean/algorithms/`` and one ``ALGORITHMS`` line (``lean/algorithms/__init__.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from lean.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
+
+ROLLOUTS: Registry[str] = Registry(
+    "rollout",
+    [("sde", "stochastic SDE transitions x_i -> x_{i+1}, each with its Gaussian log-prob (FlowGRPO, DanceGRPO)")],
+)
+
+# The facts a schedule may need from an algorithm to reproduce its objective's gradient (Schedule.needs).
+RATIO_ONE_ON_POLICY = "ratio_one_on_policy"  # on-policy, the importance ratio is identically 1 (Retain)
+LINEAR_IN_TARGET = "linear_in_target"  # the loss's target-dependent part is linear in the target (Reweight)
+FACTS = {
+    RATIO_ONE_ON_POLICY: "its on-policy ratio is identically 1, so the rollout's own graph gives the gradient",
+    LINEAR_IN_TARGET: "its loss is linear in the target, so a provisional target can be corrected afterwards",
+}
+
+
+@dataclass
+class StepLoss:
+    """The per-sample loss terms of one trained step, all [B]."""
+
+    policy: Tensor  # the term that depends on the target (GRPO: the clipped surrogate)
+    kl: Tensor | None  # the target-free regulariser (GRPO: the KL to the reference), or None when it is off
+    ratio: Tensor  # p_theta / p_old, detached
+
+    def total(self, kl_weight: float) -> Tensor:
+        return self.policy if self.kl is None else self.policy + kl_weight * self.kl
+
+
+def loss_stats(losses: list[StepLoss]) -> dict[str, float]:
+    """Means over all (sample, step) terms, for logging."""
+    if not losses:
+        return {}
+    pol = torch.cat([loss.policy.detach() for loss in losses])
+    ratio = torch.cat([loss.ratio for loss in losses])
+    stats = {"policy_loss": pol.mean(), "ratio_mean": ratio.mean(), "ratio_max_dev": (ratio - 1).abs().max()}
+    if losses[0].kl is not None:
+        stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
+    values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs
+    return dict(zip(stats, values))
+
+
+class Algorithm:
+    """Base class; the module docstring states the contract. One instance per run and sigma grid (the loss of a
+    step may depend on its sigma: GRPO's KL forms)."""
+
+    rollout: ClassVar[str] = ROLLOUTS.default
+    facts: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
+        self.cfg = cfg.algorithm
+        self.sample = cfg.sample
+        # [num_steps + 1]: the rollout's grid, on the device (float64 for the reference); None: targets only
+        self.sigmas = sigmas
+
+    @property
+    def kl_weight(self) -> float:
+        """The weight of the target-free regulariser in the total loss (0: off, and no reference forward runs)."""
+        return 0.0
+
+    def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """Every sample's target [N] (float64) from the rewards [N] of the whole batch (all processes)."""
+        raise NotImplementedError
+
+    def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
+        """(which samples an update keeps [B], or None for all; how many, the N of the objective's 1/(N K))."""
+        return None, targets.shape[0]
+
+    def step_loss(
+        self,
+        step: int | Tensor,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        targets: Tensor,
+        *,
+        mean: Tensor | None = None,
+        std: Tensor | None = None,
+        ref_mean: Tensor | None = None,
+    ) -> StepLoss:
+        """The loss terms [B] of trained step ``step`` (an index, or one per row): the policy's transition
+        log-prob and mean / std at it, the rollout's log-prob, the rows' targets, the reference's mean (None: no
+        regulariser)."""
+        raise NotImplementedError
+
+    def reference_loss(self, policy, step, emb, targets: Tensor) -> Tensor:
+        """The float64 anchor of the certificate: the total loss [B] of one recorded trained step ``step``
+        (``lean.rollout.StepOutput``) recomputed by ``policy`` (a float64 twin) with the ratio 1 by construction."""
+        raise NotImplementedError
+
+    def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:
+        """The target-dependent term at a given ratio [B] (for the logs of a loss backpropagated with a provisional
+        target, recomputed with the true one)."""
+        raise NotImplementedError

@@ -1,0 +1,53 @@
+"""A run's configuration, read and checked: :func:`load_config` is ``lean.config.read_config`` then :func:`validate`.
+
+``lean.config`` holds the sections and checks each field alone; the rules that span sections live with the module
+that owns them, and :data:`RULES` lists them in the order they run. Each takes the config and the number of processes
+(None: not known yet) and raises a one-line :class:`~lean.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+from lean import algorithms, dtypes, layout, models, rewards, rollout, schedules, sde, sharding
+from lean.config import SECTIONS, RunConfig, read_config
+from lean.models import sequence_parallel
+from lean.overlap import p2p
+
+# The modules whose registries the sections' choice fields name (lean.registry.CATALOG): imported, they are filled.
+OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, sde, sharding)
+
+Rule = Callable[[RunConfig, "int | None"], None]
+
+RULES: tuple[Rule, ...] = (
+    models.check_config,  # the family: its sizes, frame counts, capabilities, the pretrained folder
+    sde.check_config,  # which SDE kind runs on which sigma grid and noise level
+    rewards.check_config,  # the reward names and the model rewards' folders
+    schedules.check_config,  # what each schedule reproduces exactly: on-policy, the algorithm's facts, sharded
+    sequence_parallel.check_config,  # the family has it, the processes form its groups
+    layout.check_config,  # the batch over the data-parallel ranks, the group layout, the optimizer steps
+)
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Raise :class:`~lean.config.ConfigError` on the first bad value: each section's own fields, then
+    :data:`RULES`. ``world_size`` (processes; None: not known yet, as if one data-parallel rank) checks that the batch
+    divides over the data-parallel ranks (processes / ``parallel.sequence_parallel``)."""
+    for name in SECTIONS:
+        getattr(cfg, name).validate()
+    for rule in RULES:
+        rule(cfg, world_size)
+
+
+def load_config(
+    params: str | os.PathLike | None = None,
+    overrides: Iterable[str] = (),
+    preset: str | None = None,
+    tree: dict | None = None,
+    stage: str | None = None,
+) -> RunConfig:
+    """The run config, validated (the layers: ``lean.config.read_config``)."""
+    cfg = read_config(params, overrides, preset, tree, stage)
+    validate(cfg)
+    return cfg
