@@ -99,7 +99,7 @@ class ModelConfig:
     family: str = models.FAMILIES.default
     """Model family: a name of ``lean.models.FAMILIES`` (image: FLUX, SD3; video: Wan)."""
     size: str = "tiny"
-    """Architecture size, one of the family's ``SIZES``: tiny (tests), small (CPU bench), full (published)."""
+    """Architecture size, one of the family spec's ``sizes``: tiny (tests), small (CPU bench), full (published)."""
     pretrained: str | None = None
     """A local diffusers folder loaded with ``from_pretrained``; None: random weights from the size's config."""
     resolution: int = 32
@@ -141,35 +141,35 @@ class ModelConfig:
 
     def validate(self) -> None:
         check_choice("model.family", self.family, models.FAMILIES)
-        family = models.family_module(self.family)
-        if self.size not in family.SIZES:
+        family = models.family_spec(self.family)
+        if self.size not in family.sizes:
             raise ConfigError(
                 "model.size",
                 self.size,
-                f"{self.family} comes in {', '.join(family.SIZES)}" + suggest(self.size, family.SIZES),
+                f"{self.family} comes in {', '.join(family.sizes)}" + suggest(self.size, family.sizes),
             )
         check_choice("model.dtype", self.dtype, DTYPES)
         check_positive("model.resolution", self.resolution)
         if self.resolution % 16:
             raise ConfigError("model.resolution", self.resolution, "must be a multiple of 16")
         check_positive("model.num_frames", self.num_frames)
-        step = getattr(family, "FRAME_STEP", None)  # video VAEs compress time: F = step k + 1 frames
+        step = family.vae.temporal_compression  # video VAEs compress time: F = step k + 1 frames
         if step and (self.num_frames - 1) % step:
             raise ConfigError(
                 "model.num_frames",
                 self.num_frames,
-                f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
+                f"{family.display_name}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
             )
         for key in ("lora_rank", "lora_alpha", "text_max_length", "sequence_parallel"):
             check_positive(f"model.{key}", getattr(self, key))
         check_choice("model.lora_init", self.lora_init, models.LORA_INITS)
         check_choice("model.overlap", self.overlap, METHODS)
-        if self.sequence_parallel > 1 and not hasattr(family.ARCH, "shard_sequence"):
+        if self.sequence_parallel > 1 and not family.sequence_parallel:
             raise ConfigError(
                 "model.sequence_parallel",
                 self.sequence_parallel,
-                f"{family.DISPLAY_NAME} has no sequence parallelism yet (families with it: "
-                f"{', '.join(n for n in models.FAMILIES if hasattr(models.family_module(n).ARCH, 'shard_sequence'))})",
+                f"{family.display_name} has no sequence parallelism yet (families with it: "
+                f"{', '.join(n for n, f in models.FAMILIES.items() if f.sequence_parallel)})",
             )
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
@@ -569,7 +569,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     for name in SECTIONS:
         getattr(cfg, name).validate()
     m, s, t = cfg.model, cfg.sample, cfg.train
-    if s.guidance_embed is not None and not getattr(models.family_module(m.family), "GUIDANCE_EMBED", False):
+    if s.guidance_embed is not None and not models.family_spec(m.family).guidance_embed:
         raise ConfigError(
             "sample.guidance_embed",
             s.guidance_embed,
@@ -650,7 +650,7 @@ def fsdp_problem(cfg: RunConfig) -> str | None:
             "samples, and sharded passes must run in lockstep; set train.skip_zero_advantage=false, or "
             "train.recompute_batching=rollout, or a Lean train.schedule"
         )
-    if m.full_finetune and m.torch_dtype in HALF and getattr(models.family_module(m.family), "KEEPS_FLOAT32", False):
+    if m.full_finetune and m.torch_dtype in HALF and models.family_spec(m.family).keeps_float32:
         return f"a half-precision full fine-tune of {m.family} keeps float32 modules FSDP would gather at {m.dtype}"
     return None
 

@@ -4,7 +4,8 @@ ranks of a sequence-parallel group, Ulysses attention inside diffusers' blocks (
 Every rank of the group holds the same trajectories (data parallelism is over groups); inside the transformer rank r
 computes tokens r*S/P .. (r+1)*S/P through every block and all-gathers the output, so the velocity, the SDE step and
 the loss are the same on every rank. Attention swaps tokens for heads and back with all-to-alls; the families hook
-that in as diffusers attention processors and module hooks (``Family.shard_sequence``), no model code is forked.
+that in as diffusers attention processors and module hooks (``Family.shard_sequence``, each family's
+``sequence_parallel.py``), no model code is forked.
 
 The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``model.overlap``:
 
@@ -24,6 +25,7 @@ and ``World.reduce_gradients_`` sums them over the group (and averages over data
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -155,7 +157,7 @@ def base_model(transformer: nn.Module) -> nn.Module:
 
 def sequence_problem(policy, size: int) -> str | None:
     """Why ``policy`` cannot split over ``size`` ranks (heads and tokens must divide), or None."""
-    heads = base_model(policy.transformer).config.num_attention_heads
+    heads = math.lcm(*(base_model(net).config.num_attention_heads for net in policy.denoisers))  # each must divide
     tokens = {"heads": heads, "image/video tokens": policy.arch.image_seq_len}
     if policy.arch.splits_text:
         tokens["text tokens (model.text_max_length)"] = policy.text_max_length
@@ -164,8 +166,9 @@ def sequence_problem(policy, size: int) -> str | None:
 
 
 def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequenceParallel:
-    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy and, in
-    a full fine-tune, its reference copy); one :class:`SequenceParallel` drives them all."""
+    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy's
+    denoisers and, in a full fine-tune, their reference copies: ``Policy.networks``); one :class:`SequenceParallel`
+    drives them all."""
     sp = SequenceParallel(ov)
     for net in transformers:
         sp.handles += arch.shard_sequence(base_model(net), sp)
