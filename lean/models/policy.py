@@ -120,9 +120,8 @@ class Policy(torch.nn.Module):
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         self.device, self.dtype = torch.device(device), dtype
         self.to(device=device).eval()
-        for part in (self.reference_denoisers, vae, self.text_encoders):
-            if part is not None:
-                cast_floating(part, dtype)
+        for part in (*(self.reference_denoisers or []), vae, self.text_encoders):  # each its own _keep_in_fp32_modules
+            cast_floating(part, dtype)
         # (module, name, float32 master) read at ``dtype``
         self._masters = [m for net in self.denoisers for m in cast_floating(net, dtype)]
 
