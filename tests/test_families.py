@@ -93,7 +93,7 @@ def test_spec_capabilities_match_the_classes(name):
     import diffusers
 
     spec = family_spec(name)
-    cls = getattr(diffusers, spec.components[spec.denoisers[0]].model_class)
+    cls = getattr(diffusers, spec.components[spec.denoiser_folders[0]].model_class)
     assert spec.keeps_float32 == bool(getattr(cls, "_keep_in_fp32_modules", None))
     assert spec.guidance_embed == spec.size_config("full", "transformer").get("guidance_embeds", False)
     assert spec.video == ("num_frames" in inspect.signature(getattr(diffusers, spec.pipeline).__call__).parameters)
@@ -161,7 +161,7 @@ def experts(monkeypatch):
     spec = dataclasses.replace(
         wan,
         components={**wan.components, "transformer_2": wan.components["transformer"]},
-        denoisers=("transformer", "transformer_2"),
+        denoiser_folders=("transformer", "transformer_2"),
         boundary=BOUNDARY,
     )
     monkeypatch.setitem(FAMILIES, "experts", spec)

@@ -5,7 +5,7 @@ A family is a package ``lean/models/<family>/`` exposing ``SPEC``, a frozen :cla
 display name, diffusers pipeline class, components (folder -> library, model class, config class, as
 ``model_index.json`` names them), tokenizers (and which one is T5-like), VAE conventions, latent packing,
 capabilities (guidance embedding, video, sequence parallelism, ...), the published scheduler config, the typed size
-table, the LoRA targets, its denoisers (one, or experts chosen by a boundary sigma) and ``runtime``, the class
+table, the LoRA targets, its denoiser folders (one, or experts chosen by a boundary sigma) and ``runtime``, the class
 implementing the :class:`lean.models.spec.Family` protocol. :data:`FAMILIES` maps each name to its spec
 (:func:`family_spec`); code outside ``lean/models/`` reads spec fields and never probes a family with
 ``getattr``/``hasattr``. Family packages import no diffusers at import time (config validation reads their specs);
@@ -99,7 +99,7 @@ def meta_transformer(spec: FamilySpec, size: str, pretrained: str | os.PathLike 
     the meta device: no memory, no initialisation (buffers too: SD3.5's 384x384 position table takes 20 s on a CPU)."""
     from accelerate import init_empty_weights  # local: accelerate's import takes seconds
 
-    name = spec.denoisers[0]
+    name = spec.denoiser_folders[0]
     cls = component_classes(spec, name)[0]
     config = cls.load_config(Path(pretrained) / name) if pretrained else spec.size_config(size, name)
     with init_empty_weights(include_buffers=True):
@@ -160,7 +160,7 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     alone: every block keeps at least its input, [tokens, width] at ``model.dtype``. Every schedule tracks at least
     one such step (Recompute in its update). Returns (bytes, the product spelled out)."""
     spec = family_spec(model_cfg.family)
-    t = component_config(spec, spec.denoisers[0], model_cfg.size, model_cfg.pretrained)
+    t = component_config(spec, spec.denoiser_folders[0], model_cfg.size, model_cfg.pretrained)
     vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
     arch = spec.runtime(t, vae, model_cfg.resolution, model_cfg.num_frames)
     width = t["num_attention_heads"] * t["attention_head_dim"]
@@ -246,7 +246,7 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
     malformed = [n for n in needed if not (isinstance(index.get(n), list) and len(index[n]) == 2)]
     if malformed:
         return f"model_index.json has no [library, class] for {', '.join(malformed)} (a {spec.display_name} pipeline)"
-    for name in spec.denoisers:
+    for name in spec.denoiser_folders:
         expected = spec.components[name].model_class
         if index[name][1] != expected:
             return f"holds a {index[name][1]}, not model.family={family}'s {expected}"
@@ -279,7 +279,7 @@ def _load_components(spec: FamilySpec, folder: Path, dtype: torch.dtype) -> tupl
         cls = component_classes(spec, name)[0]
         library, class_name = index[name]
         loaded_cls = getattr(importlib.import_module(library), class_name)
-        if name in spec.denoisers and not issubclass(loaded_cls, cls):
+        if name in spec.denoiser_folders and not issubclass(loaded_cls, cls):
             raise ValueError(f"{folder}: {name} is {class_name}, not a {cls.__name__}")
         dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"  # transformers 5 renamed it
         modules[name] = loaded_cls.from_pretrained(folder / name, **{dtype_arg: dtype})
@@ -347,7 +347,7 @@ def build_policy(
         modules = _random_components(spec, model_cfg.size, tokenizer, init_device)
         tokenizers = {name: tokenizer for name in spec.tokenizers.values()}
 
-    denoisers = {name: modules.pop(name) for name in spec.denoisers}
+    denoisers = {name: modules.pop(name) for name in spec.denoiser_folders}
     vae = modules.pop("vae")
     first = next(iter(denoisers.values()))
     arch = spec.runtime(first.config, vae.config, model_cfg.resolution, model_cfg.num_frames)

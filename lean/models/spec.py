@@ -104,7 +104,7 @@ class FamilySpec:
     lora_ffn: str  # regex of the MLP layers model.lora_ffn adds
     runtime: Callable[..., Family]  # (transformer_config, vae_config, resolution, num_frames) -> Family
     # the denoiser folders, in the order steps use them: one, or a high-noise and a low-noise expert (Wan2.2-A14B)
-    denoisers: tuple[str, ...] = ("transformer",)
+    denoiser_folders: tuple[str, ...] = ("transformer",)
     boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below
     guidance_embed: bool = False  # a distilled-guidance embedding (FLUX.1-dev)
     sequence_parallel: bool = False  # ``runtime.shard_sequence`` is implemented
@@ -113,12 +113,12 @@ class FamilySpec:
 
     def __post_init__(self) -> None:
         """A spec that contradicts itself fails at import (every spec is built when lean.models is imported)."""
-        missing = [d for d in (*self.denoisers, "vae", *self.tokenizers) if d not in self.components]
+        missing = [d for d in (*self.denoiser_folders, "vae", *self.tokenizers) if d not in self.components]
         if missing:
             raise ValueError(f"{self.display_name}: {', '.join(missing)} not among the components")
         if self.t5_tokenizer not in self.tokenizers.values():
             raise ValueError(f"{self.display_name}: t5_tokenizer {self.t5_tokenizer!r} is not a tokenizer folder")
-        if len(self.denoisers) not in (1, 2) or (len(self.denoisers) == 2) != (self.boundary is not None):
+        if len(self.denoiser_folders) not in (1, 2) or (len(self.denoiser_folders) == 2) != (self.boundary is not None):
             raise ValueError(f"{self.display_name}: one denoiser, or two with a boundary sigma")
         text = {n for n, c in self.components.items() if c.config_class is not None}
         for name, size in self.sizes.items():
@@ -136,6 +136,6 @@ class FamilySpec:
     def size_config(self, size: str, component: str) -> dict[str, Any]:
         """Component ``component``'s config at ``size`` (every denoiser has the transformer's)."""
         s = self.sizes[size]
-        if component in self.denoisers:
+        if component in self.denoiser_folders:
             return s.transformer
         return s.vae if component == "vae" else s.text_encoders[component]
