@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lean.models import family_module
+from lean.models import family_spec
 from lean.outputs import write_csv
 from lean.rollout import rollout, sample_generator
 from lean.sde import StepSelection, sigma_schedule
@@ -120,7 +120,7 @@ class Evaluator:
         self.sigmas = grid.to(self.world.device)
         self.keys = [(p, k) for p in range(len(self.prompts)) for k in range(e.samples_per_prompt)]
         self.local = share(len(self.keys), self.world.data_rank, self.world.data_size)
-        self.video = getattr(family_module(cfg.model.family), "FRAME_STEP", None) is not None
+        self.video = family_spec(cfg.model.family).video
         self.root = Path(out_dir) / "eval"
 
     @property

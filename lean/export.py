@@ -43,7 +43,7 @@ from lean.models import (
     Policy,
     build_policy,
     build_scheduler,
-    family_module,
+    family_spec,
     lora_config,
     meta_transformer,
 )
@@ -95,9 +95,9 @@ def sampling_settings(cfg: RunConfig) -> dict:
     1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as ``guidance_scale``. ``pipeline`` names the
     pipeline class they are for."""
     m, s, e = cfg.model, cfg.sample, cfg.eval
-    spec = family_module(m.family)
+    spec = family_spec(m.family)
     scale = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
-    embed = getattr(spec, "GUIDANCE_EMBED", False)
+    embed = spec.guidance_embed
     if s.cfg:
         guidance, true_cfg = (1.0, scale) if embed else (scale, None)
     elif embed:
@@ -105,13 +105,13 @@ def sampling_settings(cfg: RunConfig) -> dict:
     else:
         guidance, true_cfg = 1.0, None
     return {
-        "pipeline": spec.PIPELINE,
+        "pipeline": spec.pipeline,
         "num_steps": e.num_steps or s.num_steps,
         "guidance_scale": guidance,
         "true_cfg_scale": true_cfg,
         "seed": e.seed,
         "resolution": m.resolution,
-        "num_frames": m.num_frames if getattr(spec, "FRAME_STEP", None) else None,
+        "num_frames": m.num_frames if spec.video else None,
         "shift": s.shift,
         "sigma_grid": s.sigma_grid,
     }
@@ -156,13 +156,14 @@ def diffusers_version() -> str:
 
 
 def base_fingerprint(policy: Policy) -> str:
-    """SHA-256 over the base weights (names, dtypes, shapes, bytes) of the transformer (adapter excluded; under full
+    """SHA-256 over the base weights (names, dtypes, shapes, bytes) of each denoiser (adapter excluded; under full
     fine-tuning its frozen initial copy), the VAE and the text encoders."""
-    if policy.full_finetune:
-        transformer = full_state_dict(policy.reference_transformer)  # gathered when sharded
+    folders = policy.denoiser_folders
+    if policy.full_finetune:  # gathered when sharded
+        parts = {n: full_state_dict(r) for n, r in zip(folders, policy.reference_denoisers, strict=True)}
     else:
-        transformer = policy.base_transformer_state_dict()
-    parts = {"transformer": transformer, "vae": policy.vae.state_dict(), "text": policy.text_encoders.state_dict()}
+        parts = {n: policy.base_transformer_state_dict(k) for k, n in enumerate(policy.denoiser_folders)}
+    parts |= {"vae": policy.vae.state_dict(), "text": policy.text_encoders.state_dict()}
     digest = hashlib.sha256()
     for part, state in parts.items():
         for name in sorted(state):
@@ -202,7 +203,7 @@ def adapter_skeleton(cfg: RunConfig):
     from peft import get_peft_model  # local: peft imports transformers (seconds)
 
     m = cfg.model
-    transformer = meta_transformer(family_module(m.family), m.size, m.pretrained)
+    transformer = meta_transformer(family_spec(m.family), m.size, m.pretrained)
     return get_peft_model(transformer, lora_config(m), autocast_adapter_dtype=False)
 
 
@@ -285,10 +286,10 @@ def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool 
                 transformer.save_pretrained(tmp)
                 what = "the fully fine-tuned transformer (a diffusers model folder)"
         else:
-            spec, skeleton = family_module(cfg.model.family), adapter_skeleton(cfg)
+            spec, skeleton = family_spec(cfg.model.family), adapter_skeleton(cfg)
             shapes = trained_shapes((n, p) for n, p in skeleton.named_parameters() if p.requires_grad)
-            save_diffusers_lora(spec.PIPELINE, skeleton, tmp, matching_weights(weights, shapes, run))
-            what = f"a diffusers LoRA folder for {spec.PIPELINE}.load_lora_weights"
+            save_diffusers_lora(spec.pipeline, skeleton, tmp, matching_weights(weights, shapes, run))
+            what = f"a diffusers LoRA folder for {spec.pipeline}.load_lora_weights"
         write_sampling(tmp, cfg)
         if out.exists():
             shutil.rmtree(out)

@@ -41,7 +41,7 @@ from lean.configure import validate
 from lean.distributed import CPU_TIMEOUT_S, World
 from lean.layout import finish_unit, local_slice
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
-from lean.models import build_policy, family_module, time_shift, tracked_step_floor
+from lean.models import build_policy, family_spec, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import Overlap
@@ -168,9 +168,8 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     if world.sequence_parallel > 1:
         if problem := sequence_problem(policy, world.sequence_parallel):
             raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
-        nets = [policy.transformer] + ([policy.reference_transformer] if policy.full_finetune else [])
         ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
-        policy.sequence_parallel = enable(nets, policy.arch, ov)
+        policy.sequence_parallel = enable(policy.networks(), policy.arch, ov)
     shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
     sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)
@@ -186,7 +185,7 @@ def refuse_what_cannot_fit(cfg: RunConfig, device: torch.device) -> None:
     floor, how = tracked_step_floor(cfg.model)
     available_mb = cfg.train.memory_budget_mb or device_memory_mb(device)
     if floor / 2**20 > available_mb:
-        frames = ", with model.num_frames" if hasattr(family_module(cfg.model.family), "FRAME_STEP") else ""
+        frames = ", with model.num_frames" if family_spec(cfg.model.family).video else ""
         raise ConfigError(
             "model.resolution",
             cfg.model.resolution,

@@ -41,7 +41,7 @@ from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
 from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
-from lean.models import family_module, lora_config, meta_transformer
+from lean.models import family_spec, lora_config, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction, fsdp_problem
@@ -354,7 +354,7 @@ def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict
     :func:`lean.dtypes.master_dtype`), 4 P. Reweight adds (B + 1) P of buffers."""
     m = cfg.model
     if model is None:
-        model = meta_transformer(family_module(m.family), m.size)
+        model = meta_transformer(family_spec(m.family), m.size)
         if not m.full_finetune:
             from peft import get_peft_model  # local: peft imports transformers (seconds)
 

@@ -36,7 +36,8 @@ from torch import Tensor
 from lean.config import ModelConfig, SampleConfig
 from lean.data import make_dataset, vocabulary
 from lean.dtypes import dtype_name
-from lean.models import build_policy, family_module, time_shift
+from lean.models import build_policy, family_spec, time_shift
+from lean.models.spec import SCALE_SHIFT
 from lean.rewards import compute_rewards
 from lean.rollout import rollout, sample_generator
 from lean.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
@@ -103,29 +104,21 @@ def encode_latents(vae: torch.nn.Module, pixels: Tensor, batch_size: int = 256) 
     return torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(batch_size)])
 
 
-def _scalar_normalisation(policy) -> bool:
-    """FLUX and SD3 normalise latents with a scalar shift and scale; Wan per channel with a mean and a std."""
-    return hasattr(policy.arch, "scaling")
-
-
 def calibrate_latents(policy, z: Tensor, resolution: int, num_frames: int) -> None:
     """Set the VAE config's latent normalisation to the statistics of ``z`` (what the family's decode inverts), and
     rebuild the policy's family geometry, which reads it."""
-    vae = policy.vae
-    if _scalar_normalisation(policy):  # z = (z_vae - shift) * scale
+    vae, spec = policy.vae, family_spec(policy.family)
+    if spec.vae.normalisation == SCALE_SHIFT:  # z = (z_vae - shift) * scale
         vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1 / z.std().item())
     else:  # z = (z_vae - mean_c) / std_c per channel
         dims = [d for d in range(z.ndim) if d != 1]
         vae.register_to_config(latents_mean=z.mean(dims).tolist(), latents_std=z.std(dims).tolist())
-    policy.arch = type(policy.arch)(policy.transformer.config, vae.config, resolution, num_frames)
+    policy.arch = spec.runtime(policy.denoisers[0].config, vae.config, resolution, num_frames)
 
 
 def normalise_latents(policy, z: Tensor) -> Tensor:
     """VAE latents -> the policy's latent layout (the inverse of its family's decode transform)."""
-    arch = policy.arch
-    if _scalar_normalisation(policy):
-        return arch.noise_to_latents((z - arch.shift) * arch.scaling)
-    return arch.noise_to_latents((z - arch.mean.to(z)) / arch.std.to(z))
+    return policy.arch.latents_from_vae(z)
 
 
 def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> Tensor:
@@ -140,11 +133,11 @@ def train_flow(
     """Phase 2: rectified-flow regression of the transformer and the text encoders (all their weights); returns the
     loss per step. The prompt embeddings are computed with gradients here, not from the policy's no-grad cache."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    params = [*policy.transformer.parameters(), *policy.text_encoders.parameters()]
+    params = [*policy.denoisers.parameters(), *policy.text_encoders.parameters()]
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    policy.transformer.train()
+    policy.denoisers.train()
     losses = []
     for step in range(cfg.steps):
         _cosine_lr(optimizer, cfg.lr, step, cfg.steps)
@@ -169,7 +162,7 @@ def train_flow(
             log("flow", {"flow_loss": loss.item()}, step)
     for p in params:
         p.requires_grad_(False)
-    policy.transformer.eval()
+    policy.denoisers.eval()
     return losses
 
 
@@ -229,7 +222,7 @@ def pretrain(
     torch.manual_seed(cfg.seed)
     base_cfg = dataclasses.replace(model_cfg, pretrained=None, dtype=dtype_name(torch.float32), full_finetune=True)
     policy = build_policy(base_cfg, vocabulary())
-    frames = model_cfg.num_frames if getattr(family_module(model_cfg.family), "FRAME_STEP", None) else 1  # video
+    frames = model_cfg.num_frames if family_spec(model_cfg.family).video else 1
     images, captions = make_dataset(cfg.images, model_cfg.resolution, cfg.seed, frames=frames)
     pixels = images * 2 - 1
 

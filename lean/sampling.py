@@ -1,7 +1,7 @@
 """``lean sample``: images (videos: frames) from a diffusers pipeline folder with a LoRA folder loaded, sampled by the
 pipeline itself, as a user of the trained model samples them.
 
-The pipeline class is the one ``model_index.json`` names (a family's ``PIPELINE``: FluxPipeline,
+The pipeline class is the one ``model_index.json`` names (a family's ``FamilySpec.pipeline``: FluxPipeline,
 StableDiffusion3Pipeline, WanPipeline); the LoRA folder (``<run>/lora``, or ``lean export``'s) is loaded with
 ``pipe.load_lora_weights``. Each prompt is one call ``pipe(prompt=..., num_inference_steps=..., guidance_scale=...,
 generator=...)``: the ODE of the pipeline's scheduler. A folder without ``scheduler/`` (lean's own base folders) gets
@@ -44,7 +44,7 @@ from lean.config import ConfigError
 from lean.dtypes import DTYPES
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
-from lean.models import FAMILIES, build_scheduler, family_module, pipeline_family, pretrained_problem
+from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
 from lean.prompts import read_prompts
 from lean.rollout import sample_generator
 from lean.sde import SIGMA_GRIDS, sigma_schedule
@@ -91,20 +91,20 @@ class SampleOptions:
             raise ConfigError("--resolution", self.resolution, "must be a positive multiple of 16")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
-        spec = family_module(family)
+        spec = family_spec(family)
         if self.sigma_grid is not None:
             if self.sigma_grid not in SIGMA_GRIDS:
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"must be one of {', '.join(SIGMA_GRIDS)}")
             if not takes_sigmas(family):
-                raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.PIPELINE} steps on its scheduler's own grid")
-        if self.true_cfg_scale is not None and not getattr(spec, "GUIDANCE_EMBED", False):
-            raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.PIPELINE} guides with --guidance-scale")
-        step = getattr(spec, "FRAME_STEP", None)
+                raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.pipeline} steps on its scheduler's own grid")
+        if self.true_cfg_scale is not None and not spec.guidance_embed:
+            raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.pipeline} guides with --guidance-scale")
+        step = spec.vae.temporal_compression
         if self.num_frames is not None:
             if step is None:
-                raise ConfigError("--num-frames", self.num_frames, f"{spec.PIPELINE} makes images")
+                raise ConfigError("--num-frames", self.num_frames, f"{spec.pipeline} makes images")
             if self.num_frames < 1 or (self.num_frames - 1) % step:
-                raise ConfigError("--num-frames", self.num_frames, f"{spec.DISPLAY_NAME} needs {step}k+1 frames")
+                raise ConfigError("--num-frames", self.num_frames, f"{spec.display_name} needs {step}k+1 frames")
 
 
 SETTINGS = tuple(
@@ -114,7 +114,7 @@ SETTINGS = tuple(
 
 def takes_sigmas(family: str) -> bool:
     """Whether the family's pipeline call takes ``sigmas`` (:data:`SIGMAS_PIPELINES`)."""
-    return family_module(family).PIPELINE in SIGMAS_PIPELINES
+    return family_spec(family).pipeline in SIGMAS_PIPELINES
 
 
 def run_settings(pretrained: str | Path, lora: str | Path | None) -> tuple[dict, Path] | None:
@@ -144,7 +144,7 @@ def with_run_defaults(
     if found is None:
         return dataclasses.replace(options, seed=0 if options.seed is None else options.seed), None
     settings, path = found
-    pipeline = family_module(family).PIPELINE
+    pipeline = family_spec(family).pipeline
     if settings.get("pipeline") != pipeline:
         flag = "--lora" if lora is not None and path.parent == Path(lora) else "--pretrained"
         why = f"{SAMPLING_FILE} is for a {settings.get('pipeline')}, not the {pipeline} of --pretrained"
@@ -194,7 +194,7 @@ def check_folders(pretrained: str | Path, lora: str | Path | None) -> str:
     folder without diffusers' weight file, is a :class:`ConfigError`."""
     family = pipeline_family(pretrained)
     if family is None:
-        pipelines = ", ".join(family_module(f).PIPELINE for f in FAMILIES)
+        pipelines = ", ".join(spec.pipeline for spec in FAMILIES.values())
         raise ConfigError("--pretrained", str(pretrained), f"is not a diffusers pipeline folder of {pipelines}")
     problem = pretrained_problem(family, pretrained)
     if problem is not None:
@@ -230,19 +230,19 @@ def load_pipeline(pretrained: str | Path, lora: str | Path | None, options: Samp
 
 def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
     """The pipeline call's keyword arguments shared by every prompt."""
-    spec = family_module(family)
+    spec = family_spec(family)
     args = {"num_inference_steps": options.num_steps, "guidance_scale": options.guidance_scale, "output_type": "np"}
     if options.true_cfg_scale is not None:
         args.update(true_cfg_scale=options.true_cfg_scale, negative_prompt="")
     if options.resolution is not None:
         args.update(height=options.resolution, width=options.resolution)
-    if getattr(spec, "FRAME_STEP", None):
+    if spec.video:
         args["num_frames"] = options.num_frames
     if options.sigma_grid is not None:
         steps = options.num_steps or inspect.signature(pipe.__call__).parameters["num_inference_steps"].default
         args["sigmas"] = pipeline_sigmas(steps, options.shift, options.sigma_grid)
-    # the T5 encoder (the family's last tokenizer) sees at most the tokens its tokenizer was saved with
-    t5 = getattr(pipe, list(spec.TOKENIZERS.values())[-1])
+    # the T5 encoder sees at most the tokens its tokenizer was saved with
+    t5 = getattr(pipe, spec.t5_tokenizer)
     default = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
     args["max_sequence_length"] = min(default, t5.model_max_length)
     return {k: v for k, v in args.items() if v is not None}

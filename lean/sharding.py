@@ -63,8 +63,8 @@ def shard_units(net: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_policy(policy, world, dtype: torch.dtype) -> bool:
-    """``fully_shard`` the policy's transformer (and reference copy) over ``world``'s processes, blocks first, as
-    described in the module docstring. Returns whether anything was sharded (not with one process)."""
+    """``fully_shard`` each of the policy's denoisers (and reference copies) over ``world``'s processes, blocks
+    first, as described in the module docstring. Returns whether anything was sharded (not with one process)."""
     if world.size < 2:
         return False
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,9 +79,9 @@ def shard_policy(policy, world, dtype: torch.dtype) -> bool:
     mixed = MixedPrecisionPolicy()
     if policy.full_finetune and policy.drop_master_casts():  # half precision: FSDP gathers the masters at dtype
         mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for net, mp in ((policy.transformer, mixed), (policy.reference_transformer, MixedPrecisionPolicy())):
-        if net is None:
-            continue
+    units = [(net, mixed) for net in policy.denoisers]
+    units += [(net, MixedPrecisionPolicy()) for net in policy.reference_denoisers or []]
+    for net, mp in units:
         base = net.get_base_model() if hasattr(net, "get_base_model") else net
         # Every unit, the root too (FSDP's default keeps the root's gathered weights after a forward), frees its
         # gathered weights after each pass: no gathered copy outlives a pass, so weights written between passes
@@ -124,7 +124,7 @@ def shard_sizes(policy) -> ShardSizes:
     def mb(params) -> float:
         return sum(p.numel() * p.element_size() for p in params if p not in adapter) / 2**20
 
-    nets = [n for n in (policy.transformer, policy.reference_transformer) if n is not None]
+    nets = policy.networks()
     base = [n.get_base_model() if hasattr(n, "get_base_model") else n for n in nets]
     unit = 0.0
     for net in base:  # each block, and the root (what is left of the net outside its blocks)
@@ -132,7 +132,8 @@ def shard_sizes(policy) -> ShardSizes:
         unit = max(unit, *blocks, mb(net.parameters()) - sum(blocks))
     state = 3 * mb(p for _, p in policy.trainable_parameters()) if policy.full_finetune else 0.0
     weights = sum(mb(n.parameters()) for n in nets)
-    return ShardSizes(weights, mb(nets[0].parameters()), state, unit, (3 if policy.full_finetune else 2) * unit)
+    net = max(mb(n.parameters()) for n in policy.denoisers)  # a pass runs one denoiser
+    return ShardSizes(weights, net, state, unit, (3 if policy.full_finetune else 2) * unit)
 
 
 def _inside(module: torch.nn.Module, params: set | None) -> set | None:

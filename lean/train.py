@@ -356,7 +356,7 @@ def describe_model(trainer: Trainer) -> str:
     """What the run loaded: family/size and dtype, the pretrained folder (or random weights), the transformer's
     parameters and how many are trained, and the sigma grid's shift with its source."""
     m, policy = trainer.cfg.model, trainer.policy
-    total = sum(p.numel() for p in policy.transformer.parameters())  # with the LoRA layers, if any
+    total = sum(p.numel() for p in policy.denoisers.parameters())  # with the LoRA layers, if any
     trained = sum(p.numel() for _, p in policy.trainable_parameters())
     how = "full fine-tune" if m.full_finetune else f"LoRA r{m.lora_rank}"
     return (

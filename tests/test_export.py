@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ModelConfig
 from lean.export import LORA_WEIGHTS, SAMPLING_FILE, run_config, sampling_settings, save_diffusers_lora
-from lean.models import FAMILIES, build_policy, family_module
+from lean.models import FAMILIES, build_policy
 from lean.sampling import SETTINGS, SampleOptions, check_folders, load_pipeline, takes_sigmas, with_run_defaults
 from lean.train import train
 
@@ -182,8 +182,8 @@ def test_exports_carry_the_runs_sampling_settings(run, tmp_path):
 def test_sigmas_pipelines_are_those_whose_call_takes_sigmas():
     import diffusers
 
-    for family in FAMILIES:
-        call = getattr(diffusers, family_module(family).PIPELINE).__call__
+    for family, spec in FAMILIES.items():
+        call = getattr(diffusers, spec.pipeline).__call__
         assert takes_sigmas(family) == ("sigmas" in inspect.signature(call).parameters), family
 
 

@@ -76,8 +76,8 @@ def test_half_precision_keeps_float32_masters_grads_and_optimizer_state(tmp_path
 def test_full_finetuning_in_half_precision_trains_float32_masters_against_a_half_reference():
     policy = build_policy(ModelConfig(family="wan", dtype="bfloat16", full_finetune=True), PROMPTS)
     assert all(p.dtype == torch.float32 for _, p in policy.trainable_parameters())
-    assert {p.dtype for p in policy.reference_transformer.parameters()} == {torch.bfloat16, torch.float32}
-    kept = sum(p.dtype == torch.float32 for p in policy.reference_transformer.parameters())
+    assert {p.dtype for p in policy.reference_denoisers.parameters()} == {torch.bfloat16, torch.float32}
+    kept = sum(p.dtype == torch.float32 for p in policy.reference_denoisers.parameters())
     assert kept and len(policy._masters) == len(policy.trainable_parameters()) - kept  # what Wan keeps float32 reads so
     _loss(policy)[1].backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for _, p in policy.trainable_parameters())

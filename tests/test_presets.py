@@ -149,13 +149,13 @@ def test_flux_shift_is_the_pipelines_mu_at_512px():
     The preset leaves the shift to the pipeline folder (or FLUX's published scheduler config)."""
     from types import SimpleNamespace
 
-    from lean.models import family_module, time_shift
+    from lean.models import family_spec, time_shift
     from lean.models.flux import Flux
 
     cfg = load_config(None, [], preset="flowgrpo-flux")
     assert cfg.sample.shift is None
-    full = family_module("flux").SIZES["full"]
-    arch = Flux(SimpleNamespace(**full["transformer"]), SimpleNamespace(**full["vae"]), cfg.model.resolution)
+    full = family_spec("flux").sizes["full"]
+    arch = Flux(SimpleNamespace(**full.transformer), SimpleNamespace(**full.vae), cfg.model.resolution)
     assert arch.image_seq_len == 1024
     shift, source = time_shift("flux", cfg.model.pretrained, cfg.sample.shift, arch.image_seq_len)
     assert shift == pytest.approx(math.exp(0.63), rel=1e-12) and "dynamic" in source

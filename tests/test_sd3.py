@@ -130,11 +130,11 @@ def test_guards():
 def test_full_size_parameter_count():
     """SD3.5 Medium's MMDiT-X: 2.24B parameters, plus a 384 x 384 x 1536 position table (a buffer) = the
     2.47B values of its published checkpoint; built on the meta device."""
-    from lean.models.sd3 import SIZES
+    from lean.models.sd3 import SPEC
 
     n = count_parameters("sd3", "full")
     assert n == pytest.approx(2.243e9, rel=1e-3)
-    arch = SIZES["full"]["transformer"]
+    arch = SPEC.sizes["full"].transformer
     table = arch["pos_embed_max_size"] ** 2 * arch["num_attention_heads"] * arch["attention_head_dim"]
     assert n + table == pytest.approx(2.47e9, rel=2e-3)
     assert count_parameters("sd3", "tiny") < count_parameters("sd3", "small") < 1e7

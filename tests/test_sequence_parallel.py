@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from lean.config import ConfigError, ModelConfig
 from lean.configure import validate
-from lean.models import build_policy, family_module
+from lean.models import build_policy, family_spec
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import METHODS, Overlap
 from lean.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens
@@ -39,18 +39,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _wide_heads(family: str, heads: int) -> str:
     """A tiny size with ``heads`` heads of the same width (so 4 ranks can split them); returns its name."""
-    sizes = family_module(family).SIZES
+    sizes = family_spec(family).sizes
     name = f"tiny{heads}h"
     if name not in sizes:
-        spec = copy.deepcopy(sizes["tiny"])
-        t = spec["transformer"]
+        size = copy.deepcopy(sizes["tiny"])
+        t = size.transformer
         t["attention_head_dim"] = t["attention_head_dim"] * t["num_attention_heads"] // heads
         t["num_attention_heads"] = heads
         if "axes_dims_rope" in t:  # FLUX: the rotary axes must add up to the head width
             t["axes_dims_rope"] = [t["attention_head_dim"] - 2 * (t["attention_head_dim"] // 4 // 2 * 2)] + [
                 t["attention_head_dim"] // 4 // 2 * 2
             ] * 2
-        sizes[name] = spec
+        sizes[name] = size  # this process only (each worker adds it)
     return name
 
 
@@ -79,8 +79,7 @@ def _policy_worker(rank: int, world: int, port: int, family: str, full_finetune:
         emb = policy.encode_prompts(PROMPTS)
         weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
         v_ref, g_ref = _velocity_and_grads(policy, x, sigma, emb, weights)
-        nets = [policy.transformer] + ([policy.reference_transformer] if full_finetune else [])
-        sp = enable(nets, policy.arch, Overlap(METHODS[0]))
+        sp = enable(policy.networks(), policy.arch, Overlap(METHODS[0]))
         result = {}
         for method in METHODS:
             sp.ov = Overlap(method)

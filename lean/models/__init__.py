@@ -1,13 +1,16 @@
 """Model families behind one :class:`Policy`: ``build_policy(model_cfg, prompts)``, ``count_parameters`` and
 ``time_shift`` (the sigma grid's shift from a pretrained folder's scheduler config or the family's published one).
 
-A family is a module (``lean/models/<family>.py``) declaring ``SIZES`` (per-size configs of each component),
-``COMPONENTS`` (folder -> library, model class, config class, as ``model_index.json`` names them), ``TOKENIZERS``,
-``PIPELINE``, ``DISPLAY_NAME``, ``SCHEDULER`` (the published scheduler_config.json: its class and shift settings),
-``lora_targets(ffn)``, optional capabilities (``GUIDANCE_EMBED``, ``FRAME_STEP``)
-and ``ARCH``, a runtime class implementing :class:`lean.models.policy.Family`. Family modules import no diffusers
-at import time (config validation reads their ``SIZES``); the classes are imported when a model is built.
-Adding a family is one new module plus one :data:`FAMILIES` line.
+A family is a package ``lean/models/<family>/`` exposing ``SPEC``, a frozen :class:`lean.models.spec.FamilySpec`:
+display name, diffusers pipeline class, components (folder -> library, model class, config class, as
+``model_index.json`` names them), tokenizers (and which one is T5-like), VAE conventions, latent packing,
+capabilities (guidance embedding, video, sequence parallelism, ...), the published scheduler config, the typed size
+table, the LoRA targets, its denoiser folders (one, or experts chosen by a boundary sigma) and ``runtime``, the class
+implementing the :class:`lean.models.spec.Family` protocol. :data:`FAMILIES` maps each name to its spec
+(:func:`family_spec`); code outside ``lean/models/`` reads spec fields and never probes a family with
+``getattr``/``hasattr``. Family packages import no diffusers at import time (config validation reads their specs);
+the component classes are imported when a model is built. Adding a family is one new package plus one
+:data:`FAMILIES` line.
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
 from lean.config import ConfigError, suggest
 from lean.dtypes import DTYPES, HALF, dtype_name
+from lean.models.flux import SPEC as FLUX
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
+from lean.models.sd3 import SPEC as SD3
+from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
+from lean.models.wan import SPEC as WAN
 from lean.registry import Registry
 
 if TYPE_CHECKING:
@@ -43,25 +49,26 @@ if TYPE_CHECKING:
 __all__ = [
     "FAMILIES",
     "LORA_INITS",
+    "FamilySpec",
     "Policy",
     "PromptEmbeds",
     "build_policy",
     "build_scheduler",
     "check_config",
     "count_parameters",
-    "family_module",
+    "family_spec",
     "lora_config",
     "pipeline_family",
     "scheduler_config",
     "time_shift",
 ]
 
-FAMILIES: Registry[str] = Registry(
+FAMILIES: Registry[FamilySpec] = Registry(
     "model family",
-    [  # name -> module
-        ("flux", "lean.models.flux"),  # the default
-        ("wan", "lean.models.wan"),
-        ("sd3", "lean.models.sd3"),
+    [  # name -> spec
+        ("flux", FLUX),  # the default
+        ("wan", WAN),
+        ("sd3", SD3),
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(
@@ -76,42 +83,45 @@ DEVICE_INIT_SIZE = "full"  # the published size is drawn on the run's device, ev
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"  # in a diffusers pipeline folder
 
 
-def family_module(family: str) -> ModuleType:
-    return importlib.import_module(FAMILIES.get_or_raise(family))
+def family_spec(family: str) -> FamilySpec:
+    """The spec of a registered family (a ``KeyError`` naming the known ones otherwise)."""
+    return FAMILIES.get_or_raise(family)
 
 
-def component_classes(spec: ModuleType, name: str) -> tuple[type, type | None]:
+def component_classes(spec: FamilySpec, name: str) -> tuple[type, type | None]:
     """(model class, transformers config class or None) of component ``name`` of a family."""
-    library, model_class, config_class = spec.COMPONENTS[name]
-    module = importlib.import_module(library)
-    return getattr(module, model_class), (getattr(module, config_class) if config_class else None)
+    component = spec.components[name]
+    module = importlib.import_module(component.library)
+    config_class = component.config_class
+    return getattr(module, component.model_class), (getattr(module, config_class) if config_class else None)
 
 
-def meta_transformer(spec: ModuleType, size: str, pretrained: str | os.PathLike | None = None) -> torch.nn.Module:
-    """The family's transformer at ``size`` (or as ``pretrained``'s ``transformer/config.json`` describes it) on the
-    meta device: no memory, no initialisation (buffers too: SD3.5's 384x384 position table takes 20 s on a CPU)."""
+def meta_transformer(spec: FamilySpec, size: str, pretrained: str | os.PathLike | None = None) -> torch.nn.Module:
+    """The family's (first) denoiser at ``size`` (or as ``pretrained``'s ``transformer/config.json`` describes it) on
+    the meta device: no memory, no initialisation (buffers too: SD3.5's 384x384 position table takes 20 s on a CPU)."""
     from accelerate import init_empty_weights  # local: accelerate's import takes seconds
 
-    cls = component_classes(spec, "transformer")[0]
-    config = cls.load_config(Path(pretrained) / "transformer") if pretrained else spec.SIZES[size]["transformer"]
+    name = spec.denoiser_folders[0]
+    cls = component_classes(spec, name)[0]
+    config = cls.load_config(Path(pretrained) / name) if pretrained else spec.size_config(size, name)
     with init_empty_weights(include_buffers=True):
         return cls.from_config(config)
 
 
 def count_parameters(family: str, size: str) -> int:
-    """Parameters of the family's transformer at ``size``, counted on the meta device."""
-    return sum(p.numel() for p in meta_transformer(family_module(family), size).parameters())
+    """Parameters of the family's transformer (one denoiser) at ``size``, counted on the meta device."""
+    return sum(p.numel() for p in meta_transformer(family_spec(family), size).parameters())
 
 
 def scheduler_config(family: str, pretrained: str | os.PathLike | None) -> tuple[dict, str]:
     """The scheduler settings of a run and where they come from: ``<pretrained>/scheduler/scheduler_config.json``
-    when the folder has one, else the family's published ``SCHEDULER``."""
+    when the folder has one, else the family's published one (``FamilySpec.scheduler``)."""
     if pretrained is not None:
         path = Path(pretrained) / SCHEDULER_CONFIG
         if path.exists():
             return json.loads(path.read_text()), str(path)
-    spec = family_module(family)
-    return dict(spec.SCHEDULER), f"{spec.DISPLAY_NAME}'s published scheduler config"
+    spec = family_spec(family)
+    return dict(spec.scheduler), f"{spec.display_name}'s published scheduler config"
 
 
 def build_scheduler(family: str, pretrained: str | os.PathLike | None, shift: float | None = None):
@@ -122,18 +132,21 @@ def build_scheduler(family: str, pretrained: str | os.PathLike | None, shift: fl
     import diffusers  # local: diffusers takes seconds to import (see component_classes)
 
     config, _ = scheduler_config(family, pretrained)
-    name = config.get("_class_name") or family_module(family).SCHEDULER["_class_name"]
+    name = config.get("_class_name") or family_spec(family).scheduler["_class_name"]
     if shift is not None:
         config = {**config, ("flow_shift" if "flow_shift" in config else "shift"): shift, "use_dynamic_shifting": False}
     return getattr(diffusers, name).from_config(config)
 
 
-def component_config(spec: ModuleType, name: str, size: str, pretrained: str | os.PathLike | None = None):
+def component_config(spec: FamilySpec, name: str, size: str, pretrained: str | os.PathLike | None = None):
     """Component ``name``'s config with its class's defaults filled in (attribute access): the pretrained folder's
-    ``<name>/config.json`` or the family's ``SIZES[size]``; nothing is built."""
+    ``<name>/config.json`` or the family's size table; nothing is built."""
     from diffusers.configuration_utils import FrozenDict  # local: diffusers takes seconds to import
 
-    config = json.loads((Path(pretrained) / name / "config.json").read_text()) if pretrained else spec.SIZES[size][name]
+    if pretrained:
+        config = json.loads((Path(pretrained) / name / "config.json").read_text())
+    else:
+        config = spec.size_config(size, name)
     signature = inspect.signature(component_classes(spec, name)[0].__init__).parameters.values()
     defaults = {p.name: p.default for p in signature if p.default is not inspect.Parameter.empty}
     return FrozenDict({**defaults, **config})
@@ -148,10 +161,10 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     """A lower bound of the bytes one trajectory's tracked transformer step saves for its backward, from the configs
     alone: every block keeps at least its input, [tokens, width] at ``model.dtype``. Every schedule tracks at least
     one such step (Recompute in its update). Returns (bytes, the product spelled out)."""
-    spec = family_module(model_cfg.family)
-    t = component_config(spec, "transformer", model_cfg.size, model_cfg.pretrained)
+    spec = family_spec(model_cfg.family)
+    t = component_config(spec, spec.denoiser_folders[0], model_cfg.size, model_cfg.pretrained)
     vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
-    arch = spec.ARCH(t, vae, model_cfg.resolution, model_cfg.num_frames)
+    arch = spec.runtime(t, vae, model_cfg.resolution, model_cfg.num_frames)
     width = t["num_attention_heads"] * t["attention_head_dim"]
     blocks = transformer_blocks(t)
     size = DTYPES[model_cfg.dtype].itemsize
@@ -196,13 +209,13 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _random_components(spec: ModuleType, size: str, tokenizer, device: torch.device) -> dict[str, torch.nn.Module]:
+def _random_components(spec: FamilySpec, size: str, tokenizer, device: torch.device) -> dict[str, torch.nn.Module]:
     """Every component of ``spec`` at ``size``, drawn on ``device``, each from its own seed so that e.g. the
     transformer does not depend on the vocabulary size of the text encoders."""
     modules = {}
-    for k, name in enumerate(spec.COMPONENTS):
+    for k, name in enumerate(spec.components):
         cls, config_cls = component_classes(spec, name)
-        arch = spec.SIZES[size][name]
+        arch = spec.size_config(size, name)
         with torch.device(device), _seeded(INIT_SEED + k, device):
             if config_cls is None:
                 modules[name] = cls(**arch)
@@ -222,7 +235,7 @@ def _random_components(spec: ModuleType, size: str, tokenizer, device: torch.dev
 def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
     """What keeps ``folder`` from loading as a ``family`` pipeline (one line), or None. Reads only JSON: the checks
     :func:`_load_components` relies on, made before any model is built."""
-    spec, folder = family_module(family), Path(folder)
+    spec, folder = family_spec(family), Path(folder)
     if not folder.is_dir():
         return "is not a folder (a local diffusers pipeline folder, as save_pretrained writes it)"
     try:
@@ -231,14 +244,15 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
         return "has no model_index.json: not a diffusers pipeline folder"
     except (OSError, ValueError) as err:
         return f"model_index.json is not readable JSON ({str(err).splitlines()[0]})"
-    needed = [*spec.COMPONENTS, *spec.TOKENIZERS.values()]
+    needed = [*spec.components, *spec.tokenizers.values()]
     malformed = [n for n in needed if not (isinstance(index.get(n), list) and len(index[n]) == 2)]
     if malformed:
-        return f"model_index.json has no [library, class] for {', '.join(malformed)} (a {spec.DISPLAY_NAME} pipeline)"
-    expected = spec.COMPONENTS["transformer"][1]
-    if index["transformer"][1] != expected:
-        return f"holds a {index['transformer'][1]}, not model.family={family}'s {expected}"
-    for name in spec.COMPONENTS:
+        return f"model_index.json has no [library, class] for {', '.join(malformed)} (a {spec.display_name} pipeline)"
+    for name in spec.denoiser_folders:
+        expected = spec.components[name].model_class
+        if index[name][1] != expected:
+            return f"holds a {index[name][1]}, not model.family={family}'s {expected}"
+    for name in spec.components:
         try:
             json.loads((folder / name / "config.json").read_text())
         except FileNotFoundError:
@@ -249,29 +263,29 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
 
 
 def pipeline_family(folder: str | os.PathLike) -> str | None:
-    """The family whose ``PIPELINE`` class a pipeline folder's ``model_index.json`` names, or None (no readable
+    """The family whose pipeline class a pipeline folder's ``model_index.json`` names, or None (no readable
     index, or a pipeline class no family runs)."""
     try:
         index = json.loads((Path(folder) / "model_index.json").read_text())
     except (OSError, ValueError):
         return None
     name = index.get("_class_name") if isinstance(index, dict) else None
-    return next((family for family in FAMILIES if family_module(family).PIPELINE == name), None)
+    return next((family for family, spec in FAMILIES.items() if spec.pipeline == name), None)
 
 
-def _load_components(spec: ModuleType, folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
+def _load_components(spec: FamilySpec, folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
     """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``."""
     index = json.loads((folder / "model_index.json").read_text())
     modules, tokenizers = {}, {}
-    for name in spec.COMPONENTS:
+    for name in spec.components:
         cls = component_classes(spec, name)[0]
         library, class_name = index[name]
         loaded_cls = getattr(importlib.import_module(library), class_name)
-        if name == "transformer" and not issubclass(loaded_cls, cls):
-            raise ValueError(f"{folder}: transformer is {class_name}, not a {cls.__name__}")
+        if name in spec.denoiser_folders and not issubclass(loaded_cls, cls):
+            raise ValueError(f"{folder}: {name} is {class_name}, not a {cls.__name__}")
         dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"  # transformers 5 renamed it
         modules[name] = loaded_cls.from_pretrained(folder / name, **{dtype_arg: dtype})
-    for tokenizer_name in spec.TOKENIZERS.values():
+    for tokenizer_name in spec.tokenizers.values():
         library, class_name = index[tokenizer_name]
         tokenizers[tokenizer_name] = getattr(importlib.import_module(library), class_name).from_pretrained(
             folder / tokenizer_name
@@ -305,7 +319,7 @@ def lora_config(model_cfg: ModelConfig):
         lora_alpha=model_cfg.lora_alpha,
         lora_dropout=0.0,
         init_lora_weights=LORA_INITS[model_cfg.lora_init],
-        target_modules=model_cfg.lora_targets or family_module(model_cfg.family).lora_targets(model_cfg.lora_ffn),
+        target_modules=model_cfg.lora_targets or family_spec(model_cfg.family).lora_targets(model_cfg.lora_ffn),
     )
 
 
@@ -318,7 +332,7 @@ def build_policy(
     and later builds load it through the pretrained path. Then LoRA (or full fine-tuning) is set up, and every part
     is cast to ``model_cfg.dtype`` on ``device``.
     """
-    spec = family_module(model_cfg.family)
+    spec = family_spec(model_cfg.family)
     dtype, device = DTYPES[model_cfg.dtype], torch.device(device)
     folder = Path(model_cfg.pretrained) if model_cfg.pretrained else None
     if folder is None and cache_dir is not None:
@@ -333,21 +347,24 @@ def build_policy(
         # take minutes to initialise on a CPU, so it is drawn on its device directly.
         init_device = device if model_cfg.size == DEVICE_INIT_SIZE else torch.device("cpu")
         modules = _random_components(spec, model_cfg.size, tokenizer, init_device)
-        tokenizers = {name: tokenizer for name in spec.TOKENIZERS.values()}
+        tokenizers = {name: tokenizer for name in spec.tokenizers.values()}
 
-    transformer = modules.pop("transformer")
+    denoisers = {name: modules.pop(name) for name in spec.denoiser_folders}
     vae = modules.pop("vae")
-    arch = spec.ARCH(transformer.config, vae.config, model_cfg.resolution, model_cfg.num_frames)
+    first = next(iter(denoisers.values()))
+    arch = spec.runtime(first.config, vae.config, model_cfg.resolution, model_cfg.num_frames)
     reference = None
     if model_cfg.full_finetune:
-        transformer.requires_grad_(True)
-        reference = copy.deepcopy(transformer).requires_grad_(False)
+        for net in denoisers.values():
+            net.requires_grad_(True)
+        reference = [copy.deepcopy(net).requires_grad_(False) for net in denoisers.values()]
     else:
         from peft import get_peft_model  # local: peft imports transformers (seconds)
 
-        transformer.requires_grad_(False)
-        with _seeded(INIT_SEED - 1, transformer.device):  # LoRA A is drawn at random (B = 0)
-            transformer = get_peft_model(transformer, lora_config(model_cfg), autocast_adapter_dtype=False)
+        for k, (name, net) in enumerate(denoisers.items()):
+            net.requires_grad_(False)
+            with _seeded(INIT_SEED - 1 - k, net.device):  # LoRA A is drawn at random (B = 0), per denoiser
+                denoisers[name] = get_peft_model(net, lora_config(model_cfg), autocast_adapter_dtype=False)
     vae.requires_grad_(False)
     for encoder in modules.values():
         encoder.requires_grad_(False)
@@ -355,15 +372,16 @@ def build_policy(
     policy = Policy(
         model_cfg.family,
         arch,
-        transformer,
+        denoisers,
         vae,
         modules,
         tokenizers,
         model_cfg.text_max_length,
-        spec.PIPELINE,
+        spec.pipeline,
         device,
         dtype,
-        reference_transformer=reference,
+        reference_denoisers=reference,
+        boundary=spec.boundary,
     )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)
@@ -389,32 +407,27 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """The family's configuration rules (``lean.configure`` runs them): the size and frame count exist, the
     capabilities asked for are the family's, the pretrained folder holds a pipeline of it."""
     m, s = cfg.model, cfg.sample
-    family = family_module(m.family)
-    if m.size not in family.SIZES:
+    family = family_spec(m.family)
+    if m.size not in family.sizes:
         raise ConfigError(
-            "model.size", m.size, f"{m.family} comes in {', '.join(family.SIZES)}" + suggest(m.size, family.SIZES)
+            "model.size", m.size, f"{m.family} comes in {', '.join(family.sizes)}" + suggest(m.size, family.sizes)
         )
-    step = getattr(family, "FRAME_STEP", None)  # video VAEs compress time: F = step k + 1 frames
+    step = family.vae.temporal_compression  # video VAEs compress time: F = step k + 1 frames
     if step and (m.num_frames - 1) % step:
         raise ConfigError(
             "model.num_frames",
             m.num_frames,
-            f"{family.DISPLAY_NAME}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
+            f"{family.display_name}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)",
         )
     if m.pretrained is not None and (problem := pretrained_problem(m.family, m.pretrained)) is not None:
         raise ConfigError("model.pretrained", m.pretrained, problem)
-    if s.guidance_embed is not None and not getattr(family, "GUIDANCE_EMBED", False):
+    if s.guidance_embed is not None and not family.guidance_embed:
         raise ConfigError(
             "sample.guidance_embed",
             s.guidance_embed,
             f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
         )
-    if (
-        cfg.parallel.shard == "fsdp"
-        and m.full_finetune
-        and m.torch_dtype in HALF
-        and getattr(family, "KEEPS_FLOAT32", False)
-    ):
+    if cfg.parallel.shard == "fsdp" and m.full_finetune and m.torch_dtype in HALF and family.keeps_float32:
         raise ConfigError(
             "parallel.shard",
             cfg.parallel.shard,

@@ -1,21 +1,24 @@
-"""The trainable policy: a diffusers flow-matching transformer + LoRA (peft) + frozen VAE and text encoders.
+"""The trainable policy: diffusers flow-matching transformers (its denoisers) + LoRA (peft) + frozen VAE and text
+encoders.
 
 Flow matching convention: x_t = (1 - sigma) x_0 + sigma noise, and the network predicts the velocity
 v = noise - x_0. Classifier-free guidance combines an unconditional (empty prompt) and a conditional prediction:
 v = v_u + s (v_c - v_u). The reference policy of the KL term is the same network with the adapter switched off.
 
 Everything family-specific (latent layout, timestep scale, text conditioning, VAE normalisation) sits behind the
-:class:`Family` interface implemented in ``lean/models/<family>.py``; this module does not know which family it runs.
+:class:`lean.models.spec.Family` protocol implemented in ``lean/models/<family>/``; this module does not know which
+family it runs. A family has one denoiser or several (Wan2.2-A14B: a high-noise and a low-noise expert), each step
+running the one its noise level chooses (:meth:`Policy.denoiser_index`); LoRA, gradient checkpointing, the
+reference and the trainable parameters cover every denoiser.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.utils.checkpoint
@@ -24,31 +27,12 @@ from torch import Tensor
 
 from lean.dtypes import HALF, master_dtype
 from lean.models.precision import float64_scope
+from lean.models.spec import Family
 from lean.models.text import PromptEmbeds
 from lean.sde import compute_dtype
 from lean.sharding import full, full_state_dict, like
 
 LORA_FILE = "lora.safetensors"
-
-
-class Family(Protocol):
-    """What differs between model families, for one resolution / frame count."""
-
-    noise_shape: tuple[int, ...]  # per-sample Gaussian draw, in the VAE latent layout
-    latent_shape: tuple[int, ...]  # per-sample x as the transformer takes it
-    image_seq_len: int  # tokens the transformer sees per sample (a dynamically shifting scheduler's input)
-
-    def noise_to_latents(self, noise: Tensor) -> Tensor: ...
-
-    def encode_text(
-        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
-    ) -> PromptEmbeds: ...
-
-    def forward(
-        self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None
-    ) -> Tensor: ...
-
-    def decode(self, vae, x: Tensor) -> Tensor: ...
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str, Tensor]]:
@@ -93,14 +77,16 @@ class _Reentrant:
 class Policy(torch.nn.Module):
     """Velocity field v_theta(x, sigma, prompt) with CFG, its reference (adapter off), and frozen text/VAE parts.
 
-    ``transformer`` is the peft-wrapped transformer (LoRA), or the bare one under full fine-tuning; then
-    ``reference_transformer`` is a frozen copy of the initial weights (the only case that needs a second copy).
-    Every part is cast to ``dtype`` on ``device`` here, which are then fixed for the policy's life.
+    ``denoisers`` are the peft-wrapped transformers (LoRA), or the bare ones under full fine-tuning; then
+    ``reference_denoisers`` are frozen copies of their initial weights (the only case that needs second copies).
+    ``denoiser_folders`` name them as the pipeline folder does; with two, ``boundary`` splits the noise levels
+    (:meth:`denoiser_index`). Every part is cast to ``dtype`` on ``device`` here, which are then fixed for the
+    policy's life.
 
     Precision: the network computes in ``dtype``, but the trainable parameters (LoRA factors, or the whole trained
-    transformer), hence their gradients and the optimizer state, are float32 masters in half precision
+    denoisers), hence their gradients and the optimizer state, are float32 masters in half precision
     (:func:`lean.dtypes.master_dtype`); each forward reads them cast to ``dtype`` (:meth:`_compute_weights`), so
-    gradients land on the masters in float32. The frozen base, the reference copy, VAE and text encoders are
+    gradients land on the masters in float32. The frozen base, the reference copies, VAE and text encoders are
     ``dtype``. float32 and float64 runs have no masters: nothing is cast.
     """
 
@@ -108,7 +94,7 @@ class Policy(torch.nn.Module):
         self,
         family: str,
         arch: Family,
-        transformer: torch.nn.Module,
+        denoisers: Mapping[str, torch.nn.Module],
         vae: torch.nn.Module,
         text_encoders: dict[str, torch.nn.Module],
         tokenizers: dict,
@@ -116,30 +102,56 @@ class Policy(torch.nn.Module):
         pipeline_class: str,
         device: torch.device,
         dtype: torch.dtype,
-        reference_transformer: torch.nn.Module | None = None,
+        reference_denoisers: Sequence[torch.nn.Module] | None = None,
+        boundary: float | None = None,
     ):
         super().__init__()
+        if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
+            raise ValueError("a policy has one denoiser, or two with a boundary sigma")
         self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
-        self.transformer, self.vae = transformer, vae
+        self.denoiser_folders, self.boundary = tuple(denoisers), boundary
+        self.denoisers = torch.nn.ModuleList(denoisers.values())
+        self.vae = vae
         self.text_encoders = torch.nn.ModuleDict(text_encoders)
         self.tokenizers, self.text_max_length = tokenizers, text_max_length
-        self.reference_transformer = reference_transformer
+        self.reference_denoisers = None if reference_denoisers is None else torch.nn.ModuleList(reference_denoisers)
         self._prompt_cache: dict[str, PromptEmbeds] = {}
         self._use_reference = False
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         self.device, self.dtype = torch.device(device), dtype
         self.to(device=device).eval()
-        for part in (reference_transformer, vae, self.text_encoders):
-            if part is not None:
-                cast_floating(part, dtype)
-        self._masters = cast_floating(transformer, dtype)  # (module, name, float32 master) read at ``dtype``
+        for part in (*(self.reference_denoisers or []), vae, self.text_encoders):  # each its own _keep_in_fp32_modules
+            cast_floating(part, dtype)
+        # (module, name, float32 master) read at ``dtype``
+        self._masters = [m for net in self.denoisers for m in cast_floating(net, dtype)]
 
     @property
     def full_finetune(self) -> bool:
-        return self.reference_transformer is not None
+        return self.reference_denoisers is not None
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoiser of a single-denoiser policy (every family today); a policy with several has none."""
+        if len(self.denoisers) != 1:
+            raise ValueError(f"this policy has {len(self.denoisers)} denoisers: use policy.denoisers")
+        return self.denoisers[0]
+
+    def networks(self) -> list[torch.nn.Module]:
+        """Every denoiser, then (full fine-tuning) every reference copy: what sharding and sequence parallelism
+        install on."""
+        return [*self.denoisers, *(self.reference_denoisers or [])]
+
+    def denoiser_index(self, sigma: float) -> int:
+        """Which denoiser runs at noise level ``sigma``: the first at ``sigma >= boundary`` (the high-noise expert,
+        as WanPipeline compares its timestep with ``boundary_ratio``), the second below; 0 with one denoiser."""
+        return 0 if self.boundary is None or sigma >= self.boundary else 1
+
+    def denoiser_for(self, sigma: float) -> torch.nn.Module:
+        """The network that runs at noise level ``sigma`` (inside :meth:`reference`: its reference)."""
+        return self._nets()[self.denoiser_index(sigma)]
 
     def train(self, mode: bool = True) -> Policy:
-        """Only the transformer changes mode; the frozen VAE and text encoders stay in eval (no dropout)."""
+        """Only the denoisers change mode; the frozen VAE and text encoders stay in eval (no dropout)."""
         super().train(mode)
         self.vae.eval()
         self.text_encoders.eval()
@@ -175,12 +187,25 @@ class Policy(torch.nn.Module):
 
     # ------------------------------------------------------------------ velocity
 
-    def _net(self) -> torch.nn.Module:
-        return self.reference_transformer if self._use_reference else self.transformer
+    def _nets(self) -> torch.nn.ModuleList:
+        return self.reference_denoisers if self._use_reference else self.denoisers
 
     def _forward(self, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         with self._forward_scope():
-            return self.arch.forward(self._net(), x, sigma, emb, guidance_embed)
+            nets = self._nets()
+            if len(nets) == 1:
+                return self.arch.forward(nets[0], x, sigma, emb, guidance_embed)
+            # several denoisers: each sample runs the one its sigma chooses (one forward when they all agree)
+            chosen = (sigma < self.boundary).long()  # denoiser_index of every sample
+            picks = chosen.unique().tolist()
+            if len(picks) == 1:
+                return self.arch.forward(nets[picks[0]], x, sigma, emb, guidance_embed)
+            order = torch.argsort(chosen, stable=True)
+            parts = []
+            for k in picks:
+                rows = (chosen == k).nonzero().squeeze(1)
+                parts.append(self.arch.forward(nets[k], x[rows], sigma[rows], emb.index(rows), guidance_embed))
+            return torch.cat(parts)[torch.argsort(order)]
 
     @contextmanager
     def _forward_scope(self) -> Iterator[None]:
@@ -189,21 +214,21 @@ class Policy(torch.nn.Module):
             yield
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
-        """Activation checkpointing of the trained transformer's blocks (``model.gradient_checkpointing``), through
+        """Activation checkpointing of every denoiser's blocks (``model.gradient_checkpointing``), through
         diffusers' own switch. The recompute in the backward runs outside :meth:`_forward`, so it re-enters the
         same scope (``context_fn``): otherwise a float64 model would recompute in float32 and a half-precision one
         would read its float32 masters, and the recomputed activations would not be the saved ones."""
-        net = self.transformer.get_base_model() if hasattr(self.transformer, "get_base_model") else self.transformer
-        if not enabled:
-            if net.is_gradient_checkpointing:
-                net.disable_gradient_checkpointing()
-            return
 
         def checkpointed(block, *args):
             scopes = lambda: (contextlib.nullcontext(), _Reentrant(self._forward_scope))  # noqa: E731
             return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False, context_fn=scopes)
 
-        net.enable_gradient_checkpointing(gradient_checkpointing_func=checkpointed)
+        for denoiser in self.denoisers:
+            net = denoiser.get_base_model() if hasattr(denoiser, "get_base_model") else denoiser
+            if enabled:
+                net.enable_gradient_checkpointing(gradient_checkpointing_func=checkpointed)
+            elif net.is_gradient_checkpointing:
+                net.disable_gradient_checkpointing()
 
     def drop_master_casts(self) -> bool:
         """Stop casting the float32 masters to ``dtype`` in the forward (another owner casts them: FSDP's mixed
@@ -284,7 +309,9 @@ class Policy(torch.nn.Module):
     def reference(self) -> Iterator[None]:
         """Inside the block the policy is the reference model: the adapter disabled (or the initial weights)."""
         if not self.full_finetune:
-            with self.transformer.disable_adapter():
+            with contextlib.ExitStack() as adapters_off:
+                for net in self.denoisers:
+                    adapters_off.enter_context(net.disable_adapter())
                 yield
             return
         self._use_reference = True
@@ -301,9 +328,16 @@ class Policy(torch.nn.Module):
     # ------------------------------------------------------------------ trainable state
 
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) of what the optimizer updates: LoRA factors, or the whole transformer.
-        Names are module paths, identical in every process."""
-        return [(n, p) for n, p in self.transformer.named_parameters() if p.requires_grad]
+        """(name, parameter) of what the optimizer updates: LoRA factors, or the whole denoisers. Names are module
+        paths inside the denoiser, prefixed with its folder (``transformer_2.``) when there are several; identical in
+        every process."""
+        several = len(self.denoisers) > 1
+        return [
+            (f"{folder}.{n}" if several else n, p)
+            for folder, net in zip(self.denoiser_folders, self.denoisers, strict=True)
+            for n, p in net.named_parameters()
+            if p.requires_grad
+        ]
 
     @torch.no_grad()
     def perturb_lora_(self, std: float, generator: torch.Generator) -> None:
@@ -340,34 +374,36 @@ class Policy(torch.nn.Module):
 
     # ------------------------------------------------------------------ diffusers pipeline folder
 
-    def base_transformer_state_dict(self) -> dict[str, Tensor]:
-        """The transformer's own weights, LoRA layers stripped (peft keeps the base Linear as ``base_layer``); whole
-        tensors (gathered when sharded: every process must call it)."""
+    def base_transformer_state_dict(self, denoiser: int = 0) -> dict[str, Tensor]:
+        """Denoiser ``denoiser``'s own weights, LoRA layers stripped (peft keeps the base Linear as ``base_layer``);
+        whole tensors (gathered when sharded: every process must call it)."""
+        net = self.denoisers[denoiser]
         if self.full_finetune:
-            return full_state_dict(self.transformer)
-        state = full_state_dict(self.transformer.get_base_model())
+            return full_state_dict(net)
+        state = full_state_dict(net.get_base_model())
         return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
 
     def save_pretrained(self, folder: str | Path, adapter: bool = True) -> None:
-        """Write a diffusers pipeline folder: ``model_index.json``, ``transformer/`` (base weights, adapter excluded),
-        ``vae/``, the text encoders and tokenizers; plus, if ``adapter``, the LoRA as ``lora.safetensors``.
-        :func:`lean.models.build_policy` with ``pretrained=folder`` restores this policy exactly."""
+        """Write a diffusers pipeline folder: ``model_index.json``, ``transformer/`` (each denoiser's folder: base
+        weights, adapter excluded), ``vae/``, the text encoders and tokenizers; plus, if ``adapter``, the LoRA as
+        ``lora.safetensors``. :func:`lean.models.build_policy` with ``pretrained=folder`` restores this policy
+        exactly."""
         from diffusers import __version__ as diffusers_version  # local: diffusers takes seconds to import
 
         folder = Path(folder)
-        base = self.transformer if self.full_finetune else self.transformer.get_base_model()
-        base.save_config(folder / "transformer")
-        save_file(
-            {k: v.contiguous() for k, v in self.base_transformer_state_dict().items()},
-            str(folder / "transformer" / "diffusion_pytorch_model.safetensors"),
-        )
+        index = {"_class_name": self.pipeline_class, "_diffusers_version": diffusers_version}
+        for k, (name, net) in enumerate(zip(self.denoiser_folders, self.denoisers, strict=True)):
+            base = net if self.full_finetune else net.get_base_model()
+            base.save_config(folder / name)
+            save_file(
+                {key: v.contiguous() for key, v in self.base_transformer_state_dict(k).items()},
+                str(folder / name / "diffusion_pytorch_model.safetensors"),
+            )
+            index[name] = ["diffusers", type(base).__name__]
+        if self.boundary is not None:
+            index["boundary_ratio"] = self.boundary  # WanPipeline's name for it
         self.vae.save_pretrained(folder / "vae")
-        index = {
-            "_class_name": self.pipeline_class,
-            "_diffusers_version": diffusers_version,
-            "transformer": ["diffusers", type(base).__name__],
-            "vae": ["diffusers", type(self.vae).__name__],
-        }
+        index["vae"] = ["diffusers", type(self.vae).__name__]
         for name, encoder in self.text_encoders.items():
             encoder.save_pretrained(folder / name)
             index[name] = ["transformers", type(encoder).__name__]

@@ -4,7 +4,8 @@ ranks of a sequence-parallel group, Ulysses attention inside diffusers' blocks (
 Every rank of the group holds the same trajectories (data parallelism is over groups); inside the transformer rank r
 computes tokens r*S/P .. (r+1)*S/P through every block and all-gathers the output, so the velocity, the SDE step and
 the loss are the same on every rank. Attention swaps tokens for heads and back with all-to-alls; the families hook
-that in as diffusers attention processors and module hooks (``Family.shard_sequence``), no model code is forked.
+that in as diffusers attention processors and module hooks (``Family.shard_sequence``, each family's
+``sequence_parallel.py``), no model code is forked.
 
 The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``parallel.overlap``:
 
@@ -24,6 +25,7 @@ and ``World.reduce_gradients_`` sums them over the group (and averages over data
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -160,7 +162,7 @@ def base_model(transformer: nn.Module) -> nn.Module:
 
 def sequence_problem(policy, size: int) -> str | None:
     """Why ``policy`` cannot split over ``size`` ranks (heads and tokens must divide), or None."""
-    heads = base_model(policy.transformer).config.num_attention_heads
+    heads = math.lcm(*(base_model(net).config.num_attention_heads for net in policy.denoisers))  # each must divide
     tokens = {"heads": heads, "image/video tokens": policy.arch.image_seq_len}
     if policy.arch.splits_text:
         tokens["text tokens (model.text_max_length)"] = policy.text_max_length
@@ -169,8 +171,9 @@ def sequence_problem(policy, size: int) -> str | None:
 
 
 def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequenceParallel:
-    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy and, in
-    a full fine-tune, its reference copy); one :class:`SequenceParallel` drives them all."""
+    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy's
+    denoisers and, in a full fine-tune, their reference copies: ``Policy.networks``); one :class:`SequenceParallel`
+    drives them all."""
     sp = SequenceParallel(ov)
     for net in transformers:
         sp.handles += arch.shard_sequence(base_model(net), sp)
@@ -180,18 +183,18 @@ def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequencePara
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """Sequence parallelism's rules, all of them (the heads and tokens that must divide are checked when the policy
     is built: :func:`sequence_problem`): the family has it, the processes form its groups, not with FSDP yet."""
-    from lean.models import FAMILIES, family_module
+    from lean.models import FAMILIES, family_spec  # local: the families' package imports this module
 
     p = cfg.parallel
     if p.sequence_parallel == 1:
         return
-    family = family_module(cfg.model.family)
-    if not hasattr(family.ARCH, "shard_sequence"):
-        able = ", ".join(n for n in FAMILIES if hasattr(family_module(n).ARCH, "shard_sequence"))
+    family = family_spec(cfg.model.family)
+    if not family.sequence_parallel:
+        able = ", ".join(n for n, f in FAMILIES.items() if f.sequence_parallel)
         raise ConfigError(
             "parallel.sequence_parallel",
             p.sequence_parallel,
-            f"{family.DISPLAY_NAME} has no sequence parallelism yet (families with it: {able})",
+            f"{family.display_name} has no sequence parallelism yet (families with it: {able})",
         )
     world_size = p.sequence_parallel if world_size is None else world_size
     if world_size % p.sequence_parallel:

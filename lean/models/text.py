@@ -1,7 +1,8 @@
 """Offline text conditioning: a word-level tokenizer trained on the prompt list, and cached prompt embeddings.
 
 Nothing is downloaded: the tokenizer is trained locally with the ``tokenizers`` library and saved as an ordinary
-Hugging Face tokenizer folder; the text encoders are built from ``transformers`` configs (see the family modules).
+Hugging Face tokenizer folder; the text encoders are built from ``transformers`` configs (the families'
+``sizes.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""What a model family is: a typed :class:`FamilySpec` (everything lean reads about a family before or without
+building it) and the :class:`Family` runtime protocol (everything a built policy calls on it).
+
+A family is a package ``lean/models/<family>/`` whose ``SPEC`` is a :class:`FamilySpec`; ``lean.models.FAMILIES``
+maps its name to that spec. Config validation reads specs, so a family package imports no diffusers or transformers
+at import time: components are named by class name (``model_index.json``'s spelling) and imported when a model is
+built. Code outside ``lean/models/`` reads spec fields; it never probes a family for attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from lean.models.sequence_parallel import SequenceParallel
+    from lean.models.text import PromptEmbeds
+
+SCALE_SHIFT = "scale_shift"  # z = (z_vae - shift_factor) * scaling_factor, scalars of the VAE config (FLUX, SD3)
+MEAN_STD = "mean_std"  # z = (z_vae - latents_mean_c) / latents_std_c per channel (Wan)
+Normalisation = Literal["scale_shift", "mean_std"]
+
+
+class Family(Protocol):
+    """A family's runtime object for one resolution / frame count, built by ``FamilySpec.runtime(transformer_config,
+    vae_config, resolution, num_frames)``: the latent geometry, the text conditioning, the network call and the
+    decode, and how sequence parallelism enters the network."""
+
+    noise_shape: tuple[int, ...]  # per-sample Gaussian draw, in the VAE latent layout
+    latent_shape: tuple[int, ...]  # per-sample x as the transformer takes it
+    image_seq_len: int  # tokens the transformer sees per sample (a dynamically shifting scheduler's input)
+    splits_text: bool  # sequence parallelism splits the text tokens too (joint attention), so they must divide
+
+    def noise_to_latents(self, noise: Tensor) -> Tensor:
+        """A draw in the VAE latent layout -> the policy's layout (FLUX packs 2x2 patches; others: unchanged)."""
+        ...
+
+    def latents_from_vae(self, z: Tensor) -> Tensor:
+        """VAE latents -> the policy's normalised latents: the inverse of what :meth:`decode` does before the VAE."""
+        ...
+
+    def encode_text(
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+    ) -> PromptEmbeds: ...
+
+    def forward(
+        self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None
+    ) -> Tensor: ...
+
+    def decode(self, vae, x: Tensor) -> Tensor: ...
+
+    def shard_sequence(self, net, sp: SequenceParallel) -> list:
+        """Install sequence parallelism on ``net`` (a bare diffusers model); returns the hooks' handles. Families
+        without it (``FamilySpec.sequence_parallel`` False) raise."""
+        ...
+
+
+@dataclass(frozen=True)
+class Component:
+    """One folder of a diffusers pipeline, as ``model_index.json`` names it."""
+
+    library: str  # "diffusers" or "transformers"
+    model_class: str
+    config_class: str | None = None  # a transformers text encoder's config class (the size builds it); else None
+
+
+@dataclass(frozen=True)
+class VaeConvention:
+    """How the policy's latents relate to the VAE's."""
+
+    normalisation: Normalisation  # :data:`SCALE_SHIFT` or :data:`MEAN_STD`, read from the VAE config
+    temporal_compression: int | None = None  # video: frames per latent frame t (F = t k + 1 frames); None: images
+
+
+@dataclass(frozen=True)
+class Size:
+    """One size of a family: the constructor arguments of each component (a text encoder: its config class's),
+    what a random build draws. Every denoiser of the family has the ``transformer`` config."""
+
+    transformer: dict[str, Any]
+    vae: dict[str, Any]
+    text_encoders: dict[str, dict[str, Any]]  # text encoder folder -> its config
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything lean reads about a family without building it."""
+
+    display_name: str  # in messages: "FLUX", "SD3", "Wan"
+    pipeline: str  # the diffusers pipeline class (model_index.json's _class_name)
+    # folder -> component, in model_index.json's order (a random build draws component k from seed INIT_SEED + k)
+    components: Mapping[str, Component]
+    tokenizers: Mapping[str, str]  # text encoder folder -> its tokenizer folder
+    t5_tokenizer: str  # the tokenizer of the T5-like encoder, whose length caps the pipeline's max_sequence_length
+    vae: VaeConvention
+    packed_latents: bool  # the policy's x packs VAE latent patches into tokens (FLUX); else the VAE's own layout
+    scheduler: Mapping[str, Any]  # the published scheduler_config.json: its _class_name and shift settings
+    sizes: Mapping[str, Size]  # tiny (tests), small (CPU bench), ..., full (as published)
+    lora_attention: str  # regex (peft full match) of the adapted attention projections
+    lora_ffn: str  # regex of the MLP layers model.lora_ffn adds
+    runtime: Callable[..., Family]  # (transformer_config, vae_config, resolution, num_frames) -> Family
+    # the denoiser folders, in the order steps use them: one, or a high-noise and a low-noise expert (Wan2.2-A14B)
+    denoiser_folders: tuple[str, ...] = ("transformer",)
+    boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below
+    guidance_embed: bool = False  # a distilled-guidance embedding (FLUX.1-dev)
+    sequence_parallel: bool = False  # ``runtime.shard_sequence`` is implemented
+    reference_images: bool = False  # conditioned on reference images (none of today's families)
+    keeps_float32: bool = False  # the transformer class keeps some modules float32 in half precision
+
+    def __post_init__(self) -> None:
+        """A spec that contradicts itself fails at import (every spec is built when lean.models is imported)."""
+        missing = [d for d in (*self.denoiser_folders, "vae", *self.tokenizers) if d not in self.components]
+        if missing:
+            raise ValueError(f"{self.display_name}: {', '.join(missing)} not among the components")
+        if self.t5_tokenizer not in self.tokenizers.values():
+            raise ValueError(f"{self.display_name}: t5_tokenizer {self.t5_tokenizer!r} is not a tokenizer folder")
+        if len(self.denoiser_folders) not in (1, 2) or (len(self.denoiser_folders) == 2) != (self.boundary is not None):
+            raise ValueError(f"{self.display_name}: one denoiser, or two with a boundary sigma")
+        text = {n for n, c in self.components.items() if c.config_class is not None}
+        for name, size in self.sizes.items():
+            if set(size.text_encoders) != text:
+                raise ValueError(f"{self.display_name} size {name}: text encoder configs for {sorted(text)}")
+
+    @property
+    def video(self) -> bool:
+        return self.vae.temporal_compression is not None
+
+    def lora_targets(self, ffn: bool) -> str:
+        """Regex (peft full-match) of the adapted linear layers: the attention projections, optionally the MLPs."""
+        return f"{self.lora_attention}|{self.lora_ffn}" if ffn else self.lora_attention
+
+    def size_config(self, size: str, component: str) -> dict[str, Any]:
+        """Component ``component``'s config at ``size`` (every denoiser has the transformer's)."""
+        s = self.sizes[size]
+        if component in self.denoiser_folders:
+            return s.transformer
+        return s.vae if component == "vae" else s.text_encoders[component]
