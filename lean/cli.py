@@ -18,14 +18,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from lean import equivalence, export, meta_plan, plan, sampling, tracking
-from lean.bench import overlap as bench_overlap
-from lean.bench.schedules import bench_config, bench_schedules
+from lean import export, plan, tracking
 from lean.config import ConfigError, RewardModelConfig, suggest
 from lean.configure import load_config
 from lean.launch import Nodes, launch
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
+from lean.tools import equivalence, meta_plan, sampling
+from lean.tools.bench import overlap as bench_overlap
+from lean.tools.bench.schedules import bench_config, bench_schedules
 from lean.train import train
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_COLLECTIVE, EXIT_REWARD_SERVER = 2, 3, 4, 5
@@ -253,11 +254,11 @@ def _bench(args) -> int:
         _params(args), args.overrides, args.preset, repeats=args.repeats, warmup=args.warmup, threads=args.threads
     )
     if args.bench == "memory":
-        from lean.bench.memory import bench_memory
+        from lean.tools.bench.memory import bench_memory
 
         bench_memory(cfg, out=args.out, options=options)
     elif cfg.parallel.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
-        from lean.bench.sequence_parallel import bench_sequence_parallel
+        from lean.tools.bench.sequence_parallel import bench_sequence_parallel
 
         bench_sequence_parallel(cfg, out=args.out, options=options)
     else:
@@ -291,7 +292,8 @@ def _reward(args) -> int:
         )
     if args.reward in rewards.MODEL_REWARDS:  # checked here even when the config's reward.remote names it
         entry = cfg.reward.models.get(args.reward, RewardModelConfig())
-        entry.validate(f"reward.models.{args.reward}", args.reward)
+        entry.validate(f"reward.models.{args.reward}")
+        rewards.check_folder(f"reward.models.{args.reward}.folder", args.reward, entry.folder)
     if args.token_env is not None and not os.environ.get(args.token_env):
         raise ConfigError("--token-env", args.token_env, "this environment variable is not set")
     reward = rewards.build_reward(args.reward, cfg.reward, device, remote=False)
@@ -322,7 +324,7 @@ def _sync(args) -> int:
 
 
 def _ui(args) -> int:
-    from lean import ui  # local: nothing else needs it
+    from lean.tools import ui  # local: nothing else needs it
 
     return ui.main(args.store, args.experiment, args.host, args.port, args.workers, serve_ui=args.serve)
 

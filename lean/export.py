@@ -86,7 +86,7 @@ def save_diffusers_lora(
 
 def sampling_settings(cfg: RunConfig) -> dict:
     """How the run's evaluation (``lean.evaluation``) draws its images, as the keyword arguments of
-    ``lean.sampling.SampleOptions`` (``lean sample``'s options) that make the family's diffusers pipeline draw the
+    ``lean.tools.sampling.SampleOptions`` (``lean sample``'s options) that make the family's diffusers pipeline draw the
     same: ``num_steps`` (``eval.num_steps`` or ``sample.num_steps``), ``resolution`` (``model.resolution``),
     ``num_frames`` (video: ``model.num_frames``), ``shift`` (``sample.shift`` as the run resolved it, static),
     ``sigma_grid`` (``sample.sigma_grid``), ``seed`` (``eval.seed``) and the guidance: with ``sample.cfg`` CFG at

@@ -202,7 +202,7 @@ def applicable_layouts(inp: PlanInput) -> list[str]:
 
 
 def probe_checkpointing(inp: PlanInput, measure: Callable[[PlanInput], dict] = probe) -> dict[bool, dict]:
-    """``measure`` (:func:`probe`, or ``lean.meta_plan``'s count) with activation checkpointing
+    """``measure`` (:func:`probe`, or ``lean.tools.meta_plan``'s count) with activation checkpointing
     (``model.gradient_checkpointing``) off and on; the run's own setting is probed first and restored."""
     own = inp.cfg.model.gradient_checkpointing
     measured = {}

@@ -34,8 +34,8 @@ import matplotlib.pyplot as plt
 import torch
 from safetensors.torch import load_file
 
-from lean.equivalence import half_tolerance
 from lean.schedules import BASELINE, LEAN_SCHEDULES
+from lean.tools.equivalence import half_tolerance
 from lean.workbench.method import split_update
 from lean.workbench.notebook import NotebookLog
 
@@ -98,7 +98,8 @@ plt.show()
 # `[1 - c, 1 + c]` (c = 1e-4 in FlowGRPO and DanceGRPO) by rounding alone and the clipped surrogate drops those terms'
 # gradient. Retain and Reweight reuse the rollout's own forward: ratio 1, the on-policy gradient. The yardstick is the
 # float64 gradient of each schedule's own trajectories (same x_j, x_{j+1}, advantages); the dashed line is the
-# tolerance, 10 x the relative error bfloat16 puts on the model's own velocity (`lean.equivalence.half_tolerance`).
+# tolerance, 10 x the relative error bfloat16 puts on the model's own velocity
+# (`lean.tools.equivalence.half_tolerance`).
 
 # %%
 bf16 = json.loads((Path(outputs) / "equivalence_bf16" / "equivalence.json").read_text())

@@ -41,10 +41,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from lean.bench.overlap_report import flat_metrics, print_video_ulysses
-from lean.bench.sequence_parallel import COMPUTE_ONLY, format_table
-from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.schedules import SCHEDULES
+from lean.tools.bench.overlap_report import flat_metrics, print_video_ulysses
+from lean.tools.bench.sequence_parallel import COMPUTE_ONLY, format_table
+from lean.tools.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.workbench.notebook import NotebookLog
 
 folder = Path(outputs) / "overlap" / "bench"

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from lean.bench.schedules import flat_metrics
 from lean.schedules import BASELINE, SCHEDULES
+from lean.tools.bench.schedules import flat_metrics
 from lean.workbench.notebook import NotebookLog
 
 bench = json.loads((Path(outputs) / "bench" / "schedules.json").read_text())

@@ -1,9 +1,9 @@
-"""Stage ``bench_schedules``: the schedules timed interleaved (``lean.bench.schedules.bench_schedules``), with the
+"""Stage ``bench_schedules``: the schedules timed interleaved (``lean.tools.bench.schedules.bench_schedules``), with the
 analytic prediction of ``lean.plan`` from the same process.
 
     python -m pipelines.bench [--params params.yaml] [--out outputs/bench]
 
-The config is ``lean bench schedules``' own (``lean.bench.schedules.bench_config``: the run sections, then the
+The config is ``lean bench schedules``' own (``lean.tools.bench.schedules.bench_config``: the run sections, then the
 ``bench`` section's ``run:``), with random weights: timing does not depend on them, and the bench's model size need
 not be the base's.
 
@@ -18,9 +18,9 @@ import argparse
 from pathlib import Path
 
 from lean import tracking
-from lean.bench.schedules import PHASES, bench_config, bench_schedules, flat_metrics
 from lean.outputs import numbers, write_csv, write_json
 from lean.schedules import SCHEDULES
+from lean.tools.bench.schedules import PHASES, bench_config, bench_schedules, flat_metrics
 from lean.workbench.stage import begin_stage
 
 

@@ -1,6 +1,6 @@
-"""Stage ``equivalence_bf16``: the certificate in bfloat16 (``lean.equivalence.run_equivalence``): every schedule's
-gradient against the float64 on-policy gradient of its own trajectories, and what rounding does to the baseline's
-clipped surrogate.
+"""Stage ``equivalence_bf16``: the certificate in bfloat16 (``lean.tools.equivalence.run_equivalence``): every
+schedule's gradient against the float64 on-policy gradient of its own trajectories, and what rounding does to the
+baseline's clipped surrogate.
 
     python -m pipelines.equivalence_bf16 [--params params.yaml] [--out outputs/equivalence_bf16]
 
@@ -18,8 +18,8 @@ import torch
 
 from lean import tracking
 from lean.dtypes import dtype_name
-from lean.equivalence import half_tolerance, passes, run_equivalence
 from lean.outputs import write_json
+from lean.tools.equivalence import half_tolerance, passes, run_equivalence
 from lean.workbench.stage import begin_stage, stage_config
 
 

@@ -1,7 +1,7 @@
 """Stage ``overlap``: FlashOverlap's ops, collective vs sliced vs flash, measured on ``overlap.nproc`` processes under
 Accelerate (``lean bench overlap``), next to the timeline model and its GPU projection; then one GRPO iteration of
 every schedule under sequence parallelism over those processes, with each method and compute-only (``lean bench
-schedules`` with ``parallel.sequence_parallel``, ``lean.bench.sequence_parallel``).
+schedules`` with ``parallel.sequence_parallel``, ``lean.tools.bench.sequence_parallel``).
 
     python -m pipelines.overlap [--params params.yaml] [--out outputs/overlap]
 
@@ -18,10 +18,10 @@ import json
 from pathlib import Path
 
 from lean import tracking
-from lean.bench.overlap_report import flat_metrics
-from lean.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.cli import main as lean_main
 from lean.outputs import write_json
+from lean.tools.bench.overlap_report import flat_metrics
+from lean.tools.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.workbench.stage import begin_stage
 
 

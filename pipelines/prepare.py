@@ -1,4 +1,5 @@
-"""Stage ``prepare``: the synthetic data set and the pretrained base policy (``lean.data``, ``lean.pretrain``).
+"""Stage ``prepare``: the synthetic data set and the pretrained base policy (``lean.workbench.data``,
+``lean.workbench.pretrain``).
 
     python -m pipelines.prepare [--params params.yaml] [--out outputs/prepare]
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from lean import tracking
 from lean.outputs import write_csv, write_json
-from lean.pretrain import PretrainConfig, pretrain
+from lean.workbench.pretrain import PretrainConfig, pretrain
 from lean.workbench.stage import begin_stage, stage_config
 
 

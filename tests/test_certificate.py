@@ -7,8 +7,8 @@ import pytest
 from helpers import tiny
 
 from lean.config import ConfigError
-from lean.equivalence import half_tolerance, passes, run_equivalence
 from lean.schedules import BASELINE, LEAN_SCHEDULES
+from lean.tools.equivalence import half_tolerance, passes, run_equivalence
 
 
 @pytest.mark.timeout(240)

@@ -1,6 +1,6 @@
-"""lean.export and lean.sampling: diffusers' LoRA format round trip (SD3, FLUX), ``lean export`` (LoRA, --ema, --merge
-on a random and on a pretrained base, full fine-tune), the run's sampling settings in every export and ``lean sample``
-without options drawing the run's eval images, ``lean sample`` (images, video frames), one-line errors."""
+"""lean.export and lean.tools.sampling: diffusers' LoRA format round trip (SD3, FLUX), ``lean export`` (LoRA, --ema,
+--merge on a random and on a pretrained base, full fine-tune), the run's sampling settings in every export and ``lean
+sample`` without options drawing the run's eval images, ``lean sample`` (images, video frames), one-line errors."""
 
 import inspect
 import json
@@ -16,7 +16,7 @@ from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ModelConfig
 from lean.export import LORA_WEIGHTS, SAMPLING_FILE, run_config, sampling_settings, save_diffusers_lora
 from lean.models import FAMILIES, build_policy
-from lean.sampling import SETTINGS, SampleOptions, check_folders, load_pipeline, takes_sigmas, with_run_defaults
+from lean.tools.sampling import SETTINGS, SampleOptions, check_folders, load_pipeline, takes_sigmas, with_run_defaults
 from lean.train import train
 
 ATOL = 1e-5  # float32

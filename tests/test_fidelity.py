@@ -365,8 +365,8 @@ def test_dance_rollout_shares_x0_and_decodes_the_prediction():
     differs; reward.decode=x0_prediction hands the decoder x_{N-1} - sigma_{N-1} v (train_grpo_flux_lora.py:192)."""
     from helpers import tiny
 
-    from lean.equivalence import StepRecorder
     from lean.schedules import SCHEDULES
+    from lean.tools.equivalence import StepRecorder
     from lean.train import Trainer
 
     cfg = tiny("sample.init_same_noise=true", "reward.decode=x0_prediction", "sample.cfg=false")

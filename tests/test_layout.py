@@ -12,9 +12,9 @@ from helpers import tiny
 
 from lean.config import ConfigError
 from lean.configure import load_config, validate
-from lean.equivalence import one_update
 from lean.layout import finish_unit, resolve_layout
 from lean.schedules import SCHEDULES
+from lean.tools.equivalence import one_update
 from lean.train import Trainer
 
 # 3 groups of 2 in rollout micro-batches of one group: the group layout finishes 3 times during the rollout
@@ -34,7 +34,7 @@ CASES = {
 def in_layout(trainer: Trainer, layout: str) -> Trainer:
     """``trainer`` set to ``layout`` (the pipeline reads it at every iteration: no rebuild)."""
     cfg = trainer.pipeline.cfg
-    trainer.pipeline.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, layout=layout))
+    trainer.pipeline.cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
     return trainer
 
 
@@ -102,9 +102,9 @@ def test_layout_resolution_and_refusals():
 
 @pytest.mark.timeout(180)
 def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp_path):
-    from lean.bench.memory import bench_memory
-    from lean.bench.schedules import BenchOptions
     from lean.plan import main as plan
+    from lean.tools.bench.memory import bench_memory
+    from lean.tools.bench.schedules import BenchOptions
 
     # 2 groups of 4 in micro-batches of one group, as the README's bench memory table
     cfg = tiny("train.prompts_per_iteration=2", "train.group_size=4", "train.rollout_batch_size=4")
@@ -129,8 +129,8 @@ def test_meta_device_counts_agree_with_the_cpu_measurement():
     of the activations one tracked step keeps and of the decode's working set are the CPU's to 15%."""
     from lean.distributed import World
     from lean.iteration import build_pipeline
-    from lean.meta_plan import meta_input, meta_probe
     from lean.plan import plan_input, probe
+    from lean.tools.meta_plan import meta_input, meta_probe
 
     cfg = load_config(None, ["model.size=small", "model.resolution=256"])
     counted = meta_probe(meta_input(cfg, 1), flops_per_s=1e12)

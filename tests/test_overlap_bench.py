@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lean.bench import overlap, overlap_report
 from lean.config import ConfigError
 from lean.launch import free_port
 from lean.overlap import sim
+from lean.tools.bench import overlap, overlap_report
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -216,7 +216,7 @@ def test_trainer_uses_the_preset_sigma_grid(name):
 def test_retain_and_reweight_are_exact_on_the_on_policy_variant(name):
     """float64: Retain's and Reweight's gradients equal Recompute's on the preset's own SDE, grid, guidance, CFG
     gradient path and step selection."""
-    from lean.equivalence import passes, run_equivalence
+    from lean.tools.equivalence import passes, run_equivalence
 
     cfg = on_policy(name, "model.dtype=float64")
     report = run_equivalence(cfg, reference=False)

@@ -1,5 +1,5 @@
 """Prompt files (``train.prompts_file``): FlowGRPO's train.txt and GenEval metadata.jsonl, read verbatim by
-``lean.data.read_prompts``; bad files are one ConfigError line before any model is built."""
+``lean.workbench.data.read_prompts``; bad files are one ConfigError line before any model is built."""
 
 import json
 

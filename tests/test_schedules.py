@@ -6,8 +6,8 @@ import pytest
 from helpers import tiny
 
 from lean.dtypes import DTYPES
-from lean.equivalence import run_equivalence, tolerance
 from lean.schedules import LEAN_SCHEDULES, SCHEDULES
+from lean.tools.equivalence import run_equivalence, tolerance
 from lean.train import Trainer, resolve_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,8 +126,8 @@ def test_auto_decides_from_the_probe_and_budget():
 def test_bench_config_is_the_bench_section_of_params(tmp_path):
     import yaml
 
-    from lean.bench.schedules import bench_config
     from lean.config import ConfigError
+    from lean.tools.bench.schedules import bench_config
 
     # The repository's default: FlowGRPO-like (10 steps, 9 trained, CFG) at the bench's own model size, 1 thread.
     cfg, opts = bench_config(ROOT / "params.yaml")
@@ -192,4 +192,4 @@ def test_every_schedule_and_the_certificate_compute_the_loss_of_lean_algorithms_
     monkeypatch.setattr(GRPO, "step_loss", recorded)
     report = run_equivalence(tiny("algorithm.beta=0.04"), reference=True)
     assert {"lean.schedules.recompute", "lean.schedules.retain", "lean.schedules.reweight"} <= callers
-    assert "lean.equivalence" in callers and report["reference"]
+    assert "lean.tools.equivalence" in callers and report["reference"]

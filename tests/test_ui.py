@@ -18,8 +18,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from lean import ui
 from lean.cli import main
+from lean.tools import ui
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,7 +176,7 @@ while True:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_forwards_the_signal_to_the_server_group(tmp_path, signum):
     driver = (
-        "import sys; from lean import ui; "
+        "import sys; from lean.tools import ui; "
         f"sys.exit(ui.serve([sys.executable, '-c', {FAKE_SERVER!r}, {str(tmp_path)!r}], grace_s=10))"
     )
     process = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
-from lean import data
 from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
 from lean.configure import load_config
 from lean.launch import free_port
 from lean.rewards import compute_rewards
+from lean.workbench import data
 from lean.workbench.method import compare_updates, run_advantage, run_rollout, run_update
 from lean.workbench.stage import stage_config
 
@@ -77,7 +77,7 @@ def test_dataset_is_seeded_and_shaped():
 @pytest.mark.timeout(120)
 def test_pretrain_writes_a_loadable_calibrated_base(tmp_path):
     from lean.models import build_policy
-    from lean.pretrain import PretrainConfig, encode_latents, normalise_latents, pretrain
+    from lean.workbench.pretrain import PretrainConfig, encode_latents, normalise_latents, pretrain
 
     cfg = PretrainConfig(images=32, vae_steps=3, steps=4, batch_size=8)
     result = pretrain(ModelConfig(), cfg, tmp_path / "base", eval_prompts=DEFAULT_PROMPTS[:2])

@@ -123,9 +123,9 @@ class GRPO(Algorithm):
 
     def reference_loss(self, policy, step: StepOutput, emb, targets: Tensor) -> Tensor:
         """The certificate's anchor (``lean equivalence``): the loss [B] of one recorded trained step
-        (x_j, x_{j+1}) recomputed by ``policy`` (the float64 twin of ``lean.equivalence``) straight from the module
-        docstring, with the ratio 1 by construction (log p - stopgrad(log p)). Summed with the weights 1/(N K), its
-        gradient is the one every schedule computes on-policy."""
+        (x_j, x_{j+1}) recomputed by ``policy`` (the float64 twin of ``lean.tools.equivalence``) straight from the
+        module docstring, with the ratio 1 by construction (log p - stopgrad(log p)). Summed with the weights 1/(N K),
+        its gradient is the one every schedule computes on-policy."""
         x, x_next = step.sample.double(), step.next_sample.double()
         _, log_prob, mean, std = policy_step(policy, x, step.index, emb, self.sample, self.sigmas, next_sample=x_next)
         ref_mean = None

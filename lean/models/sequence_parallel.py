@@ -38,6 +38,7 @@ from lean.config import ConfigError
 from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
 from lean.overlap.p2p import Overlap
 from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
+from lean.registry import catalog
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -183,14 +184,13 @@ def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequencePara
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """Sequence parallelism's rules, all of them (the heads and tokens that must divide are checked when the policy
     is built: :func:`sequence_problem`): the family has it, the processes form its groups, not with FSDP yet."""
-    from lean.models import FAMILIES, family_spec  # local: the families' package imports this module
-
     p = cfg.parallel
     if p.sequence_parallel == 1:
         return
-    family = family_spec(cfg.model.family)
+    families = catalog("model family")  # lean.models.FAMILIES, whose family packages import this module
+    family = families[cfg.model.family]
     if not family.sequence_parallel:
-        able = ", ".join(n for n, f in FAMILIES.items() if f.sequence_parallel)
+        able = ", ".join(n for n, f in families.items() if f.sequence_parallel)
         raise ConfigError(
             "parallel.sequence_parallel",
             p.sequence_parallel,

@@ -2,7 +2,7 @@
 
 Every op has the semantics of its collective reference and three methods (``collective | sliced | flash``, see
 ``p2p.py``); ``sim.py`` models their timelines, ``measure.py`` calibrates the model on a machine, ``projection.py``
-projects it onto datasheet GPUs and checks it against published figures, and ``lean.bench.overlap`` measures them
+projects it onto datasheet GPUs and checks it against published figures, and ``lean.tools.bench.overlap`` measures them
 (``lean bench overlap``).
 """
 

@@ -128,13 +128,14 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     for name, entry in r.models.items():
         check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
         if name not in r.remote:  # a served reward's folder is on the server's machine
-            _check_folder(f"reward.models.{name}.folder", name, entry.folder)
+            check_folder(f"reward.models.{name}.folder", name, entry.folder)
     for name in r.weights:
         if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
 
 
-def _check_folder(key: str, name: str, folder: str | None) -> None:
+def check_folder(key: str, name: str, folder: str | None) -> None:
+    """A ConfigError of ``key`` unless ``folder`` holds what model reward ``name`` loads."""
     if folder is None:
         raise ConfigError(key, None, f"set the local model folder of reward {name}")
     problem = MODEL_REWARDS[name].folder_problem(Path(folder))

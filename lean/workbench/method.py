@@ -12,12 +12,12 @@ A computation graph cannot cross a process boundary, so the stages are honest ab
   Reweight must own the graphs it backpropagates, so it re-runs the rollout in its own process; it first verifies that
   this reproduces the persisted trajectory (x_T, every log-prob, the rewards and advantages) and reports the largest
   differences.
-* ``equivalence`` compares the gradients the updates produced, tensor by tensor (``lean.equivalence.compare``).
+* ``equivalence`` compares the gradients the updates produced, tensor by tensor (``lean.tools.equivalence.compare``).
 
 Every phase is the iteration pipeline's own (``lean.iteration``). Every update starts from the same weights: the
 pretrained base with its LoRA adapter perturbed by ``perturb_std * N(0, I)`` from the run's seed (peft starts B at
 zero, which would make the adapter's A gradients vanish and the check weaker than it looks), as
-``lean.equivalence`` does. The stages run in one process (world 1).
+``lean.tools.equivalence`` does. The stages run in one process (world 1).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from lean.algorithms import build_algorithm
 from lean.algorithms.groups import group_stats
 from lean.config import RunConfig
 from lean.dtypes import dtype_name
-from lean.equivalence import compare, passes, tolerance
 from lean.iteration import IterationPipeline, LocalBatch, Rollout
 from lean.metrics import PeakMemory, SavedBytes
 from lean.optimizer import capture_synced_grads
 from lean.rollout import StepOutput
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, IterationContext, Schedule
 from lean.sde import StepSelection
+from lean.tools.equivalence import compare, passes, tolerance
 from lean.train import Trainer
 
 
@@ -261,8 +261,9 @@ def split_update(tensors: Mapping[str, Tensor]) -> tuple[list[str], list[Tensor]
 
 
 def compare_updates(updates: Mapping[str, Mapping[str, Tensor]], dtype: torch.dtype) -> dict:
-    """The certificate: each Lean schedule's gradient and step against the baseline's (``lean.equivalence.compare``),
-    plus flat metrics ``max_rel_grad_diff_<schedule>`` / ``cosine_<schedule>`` and ``passes``."""
+    """The certificate: each Lean schedule's gradient and step against the baseline's
+    (``lean.tools.equivalence.compare``), plus flat metrics ``max_rel_grad_diff_<schedule>`` / ``cosine_<schedule>``
+    and ``passes``."""
     names, ref_grads, ref_params, start = split_update(updates[BASELINE])
     report: dict[str, Any] = {"dtype": dtype_name(dtype)}
     for schedule in LEAN_SCHEDULES:

@@ -149,7 +149,7 @@ def headline_figures(outputs: str | Path) -> dict[str, Figure]:
         for s in LEAN_SCHEDULES:
             add(f"bf16_rel_l2_{s}", "bf16_rel_l2", bf16.get(f"bf16_rel_l2_{s}"), tolerance)
             cosine = _number((reference.get(s) or {}).get("cosine"))
-            if cosine is not None and tolerance is not None:  # lean.equivalence.half_tolerance: (rel, rel^2 / 2)
+            if cosine is not None and tolerance is not None:  # lean.tools.equivalence.half_tolerance: (rel, rel^2 / 2)
                 add(f"bf16_one_minus_cosine_{s}", "bf16_one_minus_cosine", 1 - cosine, tolerance**2 / 2)
 
     curves = {}
@@ -190,7 +190,7 @@ def headline_figures(outputs: str | Path) -> dict[str, Figure]:
                 add(f"peak_memory_ratio_{s}", "peak_memory_ratio", peak / base_peak)
 
     if overlap := read_json(outputs / "overlap" / "metrics.json"):
-        # lean.bench.sequence_parallel.flat_metrics: sp_time_iteration_s_<schedule>_compute_only
+        # lean.tools.bench.sequence_parallel.flat_metrics: sp_time_iteration_s_<schedule>_compute_only
         base = _number(overlap.get(f"sp_time_iteration_s_{BASELINE}_compute_only"))
         for s in LEAN_SCHEDULES:
             time = _number(overlap.get(f"sp_time_iteration_s_{s}_compute_only"))

@@ -21,8 +21,8 @@ without a communication-only run; where it cannot run, ``overlap.json``'s ``skip
 Every figure is given twice (:func:`overlap_stats`): from the medians and, with a ``_min`` suffix, from the fastest
 repeats. With one process (a single GPU, or ``--nproc 1``) only what needs no peer is measured: the GEMMs, memory
 bandwidth, and on a GPU a copy on a side stream overlapping a GEMM. Rank 0 appends each case to ``measured.jsonl`` as
-soon as it is measured, then hands everything to :mod:`lean.bench.overlap_report`, which compares it with the timeline
-model and writes the files and tables.
+soon as it is measured, then hands everything to :mod:`lean.tools.bench.overlap_report`, which compares it with the
+timeline model and writes the files and tables.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 import lean.launch
-from lean.bench import overlap_report
 from lean.config import ConfigError
 from lean.dtypes import DTYPES, dtype_name
 from lean.metrics import keep_freed_memory, median, peak_flops
@@ -51,6 +50,7 @@ from lean.overlap import ops, sim
 from lean.overlap.dp import gather_linear
 from lean.overlap.measure import calibrate, time_round_robin
 from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
+from lean.tools.bench import overlap_report
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ weights. Reported per variant, beside ``lean plan``'s predictions of the same:
                                                                 same layout and checkpointing
     held ratio  = extra(group layout) / extra(slice layout)     Retain: ~ one group / the groups a process holds
     speedup     = T(recompute) / T(schedule),  bound = T(recompute) / (T(recompute) - recompute forward), both in the
-                  same layout and checkpointing (``lean.bench.schedules``)
+                  same layout and checkpointing (``lean.tools.bench.schedules``)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from lean.bench.schedules import BenchOptions, timed_rounds
 from lean.config import RunConfig
 from lean.distributed import set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median
@@ -35,6 +34,7 @@ from lean.plan import (
 )
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
 from lean.sharding import FSDP, effective_shard, shard_sizes
+from lean.tools.bench.schedules import BenchOptions, timed_rounds
 from lean.train import Trainer
 
 CHECKPOINTING = (False, True)
@@ -45,7 +45,7 @@ def configure(trainer: Trainer, layout: str, checkpointing: bool) -> None:
     cfg = trainer.pipeline.cfg
     trainer.pipeline.cfg = dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, layout=layout),
+        parallel=dataclasses.replace(cfg.parallel, layout=layout),
         model=dataclasses.replace(cfg.model, gradient_checkpointing=checkpointing),
     )
     trainer.policy.set_gradient_checkpointing(checkpointing)

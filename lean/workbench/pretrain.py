@@ -1,5 +1,5 @@
-"""Offline pretraining of a tiny base model on the procedural task of ``lean.data``, so that GRPO starts from a policy
-that roughly follows its prompts (a random network gives reward curves that mean nothing).
+"""Offline pretraining of a tiny base model on the procedural task of ``lean.workbench.data``, so that GRPO starts
+from a policy that roughly follows its prompts (a random network gives reward curves that mean nothing).
 
 Two phases, both on the synthetic images, all weights trained (no LoRA):
 
@@ -17,7 +17,7 @@ Two phases, both on the synthetic images, all weights trained (no LoRA):
 
 The text encoders are trained with the transformer in phase 2 (frozen random encoders make the tiny model learn the
 caption -> image map several times slower; GRPO freezes them again). The tokenizer is trained on every caption of
-the task (``lean.data.vocabulary``), so every prompt built from its words reads without unknown tokens.
+the task (``lean.workbench.data.vocabulary``), so every prompt built from its words reads without unknown tokens.
 The result is written with ``Policy.save_pretrained`` and loads with ``model.pretrained: <folder>``.
 """
 
@@ -34,13 +34,13 @@ import torch
 from torch import Tensor
 
 from lean.config import ModelConfig, SampleConfig
-from lean.data import make_dataset, vocabulary
 from lean.dtypes import dtype_name
 from lean.models import build_policy, family_spec, time_shift
 from lean.models.spec import SCALE_SHIFT
 from lean.rewards import compute_rewards
 from lean.rollout import rollout, sample_generator
 from lean.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
+from lean.workbench.data import make_dataset, vocabulary
 
 
 @dataclass

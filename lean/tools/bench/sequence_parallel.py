@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from lean.bench.schedules import BenchOptions, iteration_metrics, timed_rounds
 from lean.config import ConfigError, RunConfig
 from lean.distributed import set_threads
 from lean.metrics import median
@@ -27,6 +26,7 @@ from lean.outputs import JsonLines, write_json
 from lean.overlap.p2p import METHODS
 from lean.provenance import machine
 from lean.schedules import SCHEDULES
+from lean.tools.bench.schedules import BenchOptions, iteration_metrics, timed_rounds
 from lean.train import Trainer
 
 COMPUTE_ONLY = "compute-only"
