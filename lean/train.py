@@ -135,6 +135,8 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
 
 
 def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopOnSigterm) -> list[dict]:
+    """The run loop of ``lean train``: resume (or start), then per iteration the step, its checks, the logs, the
+    evaluations and the checkpoints, until ``train.iterations`` or a SIGTERM (``stop``); returns the metric rows."""
     t = cfg.train
     set_threads(t.threads)
     saved = checkpoint.latest(out_dir / "checkpoints") if resume else None
