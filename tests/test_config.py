@@ -146,7 +146,8 @@ def test_a_schedule_that_cannot_run_the_algorithm_exactly_is_refused(monkeypatch
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["algorithm.name=unfolded", "train.schedule=reweight"])
     assert str(err.value).startswith(
-        "config error: train.schedule='reweight': cannot run algorithm.name=unfolded exactly: its loss is linear"
+        "config error: train.schedule='reweight': cannot run algorithm.name=unfolded exactly: it needs a loss "
+        "linear in the target"
     )
     with pytest.raises(ConfigError, match="algorithm.name='grpoo'.*did you mean 'grpo'"):
         load_config(overrides=["algorithm.name=grpoo"])

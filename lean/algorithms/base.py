@@ -35,9 +35,9 @@ ROLLOUTS: Registry[str] = Registry(
 # The facts a schedule may need from an algorithm to reproduce its objective's gradient (Schedule.needs).
 RATIO_ONE_ON_POLICY = "ratio_one_on_policy"  # on-policy, the importance ratio is identically 1 (Retain)
 LINEAR_IN_TARGET = "linear_in_target"  # the loss's target-dependent part is linear in the target (Reweight)
-FACTS = {
-    RATIO_ONE_ON_POLICY: "its on-policy ratio is identically 1, so the rollout's own graph gives the gradient",
-    LINEAR_IN_TARGET: "its loss is linear in the target, so a provisional target can be corrected afterwards",
+FACTS = {  # what a schedule needing the fact requires of the algorithm, for messages
+    RATIO_ONE_ON_POLICY: "an on-policy ratio identically 1 (the rollout's own graph then gives the gradient)",
+    LINEAR_IN_TARGET: "a loss linear in the target (a provisional target is then corrected afterwards)",
 }
 
 

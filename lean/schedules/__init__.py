@@ -33,8 +33,8 @@ SCHEDULE_CHOICES = (*SCHEDULES, AUTO)
 def algorithm_problem(schedule: type[Schedule], algorithm: type[Algorithm]) -> str | None:
     """Why ``schedule`` cannot reproduce ``algorithm``'s gradient (a fact it needs that the algorithm lacks), or
     None."""
-    missing = [FACTS[fact] for fact in schedule.needs if fact not in algorithm.facts]
-    return "; ".join(missing) or None
+    missing = [FACTS[fact] for fact in sorted(schedule.needs - algorithm.facts)]
+    return f"it needs {' and '.join(missing)}, which the algorithm does not declare" if missing else None
 
 
 def fsdp_problem(cfg: RunConfig) -> str | None:
