@@ -129,8 +129,8 @@ class GRPO(Algorithm):
         x, x_next = step.sample.double(), step.next_sample.double()
         _, log_prob, mean, std = policy_step(policy, x, step.index, emb, self.sample, self.sigmas, next_sample=x_next)
         ref_mean = None
-        if self.cfg.beta:
+        if self.kl_weight:
             ref_mean = reference_mean(policy, x, step.index, emb, self.sample, self.sigmas, x_next)
         targets = targets.double()
         loss = self.step_loss(step.index, log_prob, log_prob.detach(), targets, mean=mean, std=std, ref_mean=ref_mean)
-        return loss.total(self.cfg.beta)
+        return loss.total(self.kl_weight)

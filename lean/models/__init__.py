@@ -42,6 +42,7 @@ from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.models.wan import SPEC as WAN
 from lean.registry import Registry
+from lean.sharding import FSDP
 
 if TYPE_CHECKING:
     from lean.config import ModelConfig, RunConfig
@@ -427,7 +428,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             s.guidance_embed,
             f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
         )
-    if cfg.parallel.shard == "fsdp" and m.full_finetune and m.torch_dtype in HALF and family.keeps_float32:
+    if cfg.parallel.shard == FSDP and m.full_finetune and m.torch_dtype in HALF and family.keeps_float32:
         raise ConfigError(
             "parallel.shard",
             cfg.parallel.shard,

@@ -39,6 +39,7 @@ from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
 from lean.overlap.p2p import Overlap
 from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
 from lean.registry import catalog
+from lean.sharding import FSDP
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -204,5 +205,5 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             f"must divide the {world_size} processes into sequence-parallel groups (run it under "
             f"`lean launch -n {p.sequence_parallel * max(1, world_size // p.sequence_parallel)} -- ...`)",
         )
-    if p.shard == "fsdp":
+    if p.shard == FSDP:
         raise ConfigError("parallel.shard", p.shard, "is not combined with parallel.sequence_parallel yet; set none")
