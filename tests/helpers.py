@@ -30,14 +30,21 @@ def tiny(*overrides: str) -> RunConfig:
     return load_config(None, [*FAST, *overrides])
 
 
+# What every test process imports (seconds per process: torch, diffusers with peft and transformers). `spawn` forks
+# its processes from one server per pytest worker that imported these once, instead of starting each afresh.
+PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "lean.models.policy", "lean.overlap"]
+
+
 def spawn(fn, world: int, *args, deadline_s: float) -> None:
-    """Runs ``fn(rank, world, port, *args)`` on ``world`` processes (torch.multiprocessing, spawn); kills them all if
-    they outlive the deadline."""
+    """Runs ``fn(rank, world, port, *args)`` on ``world`` processes (torch.multiprocessing, forked from a clean
+    single-threaded server that has :data:`PRELOAD` imported); kills them all if they outlive the deadline."""
+    import multiprocessing
     import time
 
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: at this worker's first spawn
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="forkserver")
     deadline = time.monotonic() + deadline_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

@@ -13,6 +13,7 @@ from helpers import tiny
 from lean.config import ConfigError
 from lean.configure import load_config, validate
 from lean.layout import finish_unit, resolve_layout
+from lean.models import family_spec
 from lean.schedules import SCHEDULES
 from lean.tools.equivalence import one_update
 from lean.train import Trainer
@@ -137,6 +138,22 @@ def test_meta_device_counts_agree_with_the_cpu_measurement():
     measured = probe(plan_input(build_pipeline(cfg, World())))
     for key in ("activation_mb", "decode_mb"):
         assert counted[key] == pytest.approx(measured[key], rel=0.15), key
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])  # SD3's small stack has no run of 3 (checked by hand at full)
+def test_the_plan_extrapolated_from_shallow_stacks_is_the_whole_count(family):
+    """``lean plan`` at published sizes probes the block stacks cut to 2 and 3 blocks of each kind and extrapolates:
+    every figure equals the count of the whole depth (the small sizes: 2 + 4 FLUX blocks, 4 Wan blocks)."""
+    from lean.tools.meta_plan import block_runs, depth_extrapolated, meta_input, meta_probe
+
+    inp = meta_input(load_config(None, [f"model.family={family}", "model.size=small", "model.resolution=32"]), 1)
+    net = inp.policy.denoisers[0].get_base_model()
+    assert max(n for _, _, n in block_runs(net, family_spec(family).block_lists)) == 4  # a run is extrapolated
+    whole = meta_probe(inp, flops_per_s=1e12)
+    extrapolated = depth_extrapolated(inp, lambda i: meta_probe(i, flops_per_s=1e12))
+    assert whole["activation_mb"] > 0 and whole.keys() == extrapolated.keys()
+    for key, value in whole.items():
+        assert extrapolated[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
 @pytest.mark.timeout(240)

@@ -118,7 +118,7 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     """``lean plan`` on 2 processes prints both shard settings (its own measured, the other modelled), and ``lean
     bench memory`` under fsdp measures every schedule x layout x checkpointing beside the plan's figures."""
     cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "parallel.shard=fsdp"]
-    cfg += ["model.full_finetune=true", "train.dist_timeout_s=60"]
+    cfg += ["model.full_finetune=true", "train.dist_timeout_s=60", "sample.num_steps=4"]
     _lean("launch", "-n", "2", "--", "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())["combinations"]
     assert {r["shard"] for r in rows} == {"none", "fsdp"}

@@ -103,6 +103,9 @@ class FamilySpec:
     lora_attention: str  # regex (peft full match) of the adapted attention projections
     lora_ffn: str  # regex of the MLP layers model.lora_ffn adds
     runtime: Callable[..., Family]  # (transformer_config, vae_config, resolution, num_frames) -> Family
+    # the denoiser's stacks of repeated blocks (ModuleList attributes of the diffusers model), in forward order; each
+    # stack's last block may differ from the others (SD3's last joint block updates no text)
+    block_lists: tuple[str, ...] = ("transformer_blocks",)
     # the denoiser folders, in the order steps use them: one, or a high-noise and a low-noise expert (Wan2.2-A14B)
     denoiser_folders: tuple[str, ...] = ("transformer",)
     boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below

@@ -42,6 +42,7 @@ SPEC = FamilySpec(
     lora_attention=_ATTN,
     lora_ffn=_FFN,
     runtime=Flux,
+    block_lists=("transformer_blocks", "single_transformer_blocks"),  # 19 double-stream, then 38 single-stream
     guidance_embed=True,  # FLUX.1-dev is guidance-distilled: it takes the guidance value as an embedding
     sequence_parallel=True,
 )

@@ -34,6 +34,7 @@ SPEC = FamilySpec(
     lora_attention=_ATTN,
     lora_ffn=_FFN,
     runtime=Wan,
+    block_lists=("blocks",),
     sequence_parallel=True,
     keeps_float32=True,  # WanTransformer3DModel._keep_in_fp32_modules: half-precision runs keep some modules float32
 )
