@@ -53,6 +53,14 @@ def spawn(fn, world: int, *args, deadline_s: float) -> None:
             raise TimeoutError(f"{world} test processes still running after {deadline_s}s")
 
 
+def lean_here(*args: str) -> None:
+    """``lean <args>`` on one process, run in this test's process: a separate one would spend its first seconds on
+    the imports this one has done (the reference runs that multi-process runs are compared with)."""
+    from lean.cli import main
+
+    assert main(list(args)) == 0, f"lean {' '.join(args)} failed"
+
+
 def free_port() -> int:
     """A TCP port nothing listens on (now) on 127.0.0.1."""
     import socket

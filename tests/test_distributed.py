@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, lean_here
 from safetensors.torch import load_file
 
 SMALL = [
@@ -41,7 +41,7 @@ EVAL += ["--set", f"eval.prompts=[{', '.join(EVAL_PROMPTS)}]"]
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12)])  # the strict one; float32 runs the same code path
 def test_two_processes_or_two_nodes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
     one, two = tmp_path / "one", tmp_path / "two"
-    _lean("train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(one))
+    lean_here("train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(one))
     proc = _lean("launch", "-n", "2", "--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two))
     assert "2 CPU processes, gloo" in proc.stderr
     a, b = load_file(one / "rollout.safetensors"), load_file(two / "rollout.safetensors")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import spawn, tiny
+from helpers import lean_here, spawn, tiny
 from safetensors.torch import load_file
 
 from lean.config import ConfigError, ModelConfig
@@ -158,8 +158,10 @@ def _lean(*args: str, timeout: float = 200) -> None:
 
 def _train(out: Path, values: list[str], processes: int = 1) -> dict[str, torch.Tensor]:
     sets = [arg for value in values for arg in ("--set", value)]
-    launch = ["launch", "-n", str(processes), "--"] if processes > 1 else []
-    _lean(*launch, "train", *sets, "--out", str(out))
+    if processes == 1:
+        lean_here("train", *sets, "--out", str(out))
+    else:
+        _lean("launch", "-n", str(processes), "--", "train", *sets, "--out", str(out))
     return load_file(out / "lora.safetensors")
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from helpers import lean_here
 from safetensors.torch import load_file
 
 from lean.config import ConfigError
@@ -72,7 +73,7 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     cfg += ["train.ema=true", "train.ema_every=1", "eval.every=2", "eval.num_steps=2", "eval.samples_per_prompt=1"]
     cfg += ["eval.prompts=[a red circle, a green square, a blue circle]", "train.save_every=1"]
     one, two = tmp_path / "one", tmp_path / "two"
-    _lean("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
+    lean_here("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
     sharded = [*cfg, "parallel.shard=fsdp"]
     _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=2"]), "--out", str(two))
     _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=3"]), "--out", str(two), "--resume")
