@@ -53,6 +53,35 @@ def spawn(fn, world: int, *args, deadline_s: float) -> None:
             raise TimeoutError(f"{world} test processes still running after {deadline_s}s")
 
 
+def lean_ranks(world: int, *args: str, deadline_s: float = 280) -> None:
+    """``lean launch -n world -- <args>`` without the launchers: ``world`` gloo ranks forked from the preloaded
+    server (:func:`spawn`), each running ``lean <args>`` in the test's folder and environment, with the variables
+    Accelerate's launcher gives a CPU rank (``torchrun``'s RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, and
+    ACCELERATE_USE_CPU). A rank process then starts in a fraction of a second instead of several: the launch path
+    itself is tested where it matters (tests/test_distributed.py, test_reliability.py, the smoke's overlap stage)."""
+    import os
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    spawn(_lean_rank, world, env, os.getcwd(), list(args), deadline_s=deadline_s)
+
+
+def _lean_rank(rank: int, world: int, port: int, env: dict, cwd: str, args: list[str]) -> None:
+    import os
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    from lean.cli import main
+
+    code = main(args)
+    if code:
+        raise SystemExit(f"rank {rank}: lean {' '.join(args)} exited with {code}")
+
+
 def lean_here(*args: str) -> None:
     """``lean <args>`` on one process, run in this test's process: a separate one would spend its first seconds on
     the imports this one has done (the reference runs that multi-process runs are compared with)."""

@@ -1,4 +1,5 @@
-"""Real gloo ranks through `lean launch`: world size changes neither the trajectories nor the update."""
+"""Real gloo ranks, through `lean launch` (one process, two processes, two nodes) or as it starts them
+(``helpers.lean_ranks``): world size changes neither the trajectories nor the update."""
 
 import csv
 import json
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import free_port, lean_here
+from helpers import free_port, lean_here, lean_ranks
 from safetensors.torch import load_file
 
 SMALL = [
@@ -81,11 +82,8 @@ def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
     """Each process holds two groups and finishes each as soon as it is scored (``lean.layout``): Retain and Reweight
     still give Recompute's synchronised gradient."""
     groups = ["--set", f"train.prompts_per_iteration={2 * processes}", "--set", "train.rollout_batch_size=2"]
-    _lean(
-        "launch",
-        "-n",
-        str(processes),
-        "--",
+    lean_ranks(
+        processes,
         "equivalence",
         *SMALL,
         *groups,

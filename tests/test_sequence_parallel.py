@@ -3,23 +3,21 @@ under it ends with the weights of one process (float64, 1e-10).
 
 Unit level, on real gloo processes: a policy's velocity and its LoRA (or full fine-tune) gradients, the forward and
 backward of every overlap method, against the same policy unsharded in the same process. Training level: ``lean
-launch`` of ``lean train`` with ``sequence_parallel`` (2 ranks = 1 group; 4 ranks = 2 data-parallel x 2 sequence
-parallel) against ``lean train`` on one process, for each schedule.
+train`` with ``sequence_parallel`` on the ranks ``lean launch`` would start (``helpers.lean_ranks``; 2 ranks = 1
+group; 4 ranks = 2 data-parallel x 2 sequence parallel) against ``lean train`` on one process, for each schedule.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import lean_here, spawn, tiny
+from helpers import lean_here, lean_ranks, spawn, tiny
 from safetensors.torch import load_file
 
 from lean.config import ConfigError, ModelConfig
@@ -151,17 +149,12 @@ SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_step
 SMALL += ["model.dtype=float64", "algorithm.beta=0.04", "train.iterations=2", "train.lr=1e-3"]
 
 
-def _lean(*args: str, timeout: float = 200) -> None:
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 def _train(out: Path, values: list[str], processes: int = 1) -> dict[str, torch.Tensor]:
     sets = [arg for value in values for arg in ("--set", value)]
     if processes == 1:
         lean_here("train", *sets, "--out", str(out))
     else:
-        _lean("launch", "-n", str(processes), "--", "train", *sets, "--out", str(out))
+        lean_ranks(processes, "train", *sets, "--out", str(out))
     return load_file(out / "lora.safetensors")
 
 
@@ -183,10 +176,9 @@ def one_process(tmp_path_factory):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "family,processes,schedule,method",
-    [  # every schedule, every method and both families once (three runs: each costs ~25 s of process start-ups and
-        # gloo on 2 cores); 4 processes = 2 data-parallel x 2 sequence-parallel. Retain finishes in the group layout
-        # (its backward beside the scoring) and Reweight batches: both capture per-trajectory gradients through the
-        # fused projections (lean.models.sequence_parallel.linear_slice)
+    [  # every schedule, every method and both families once; 4 processes = 2 data-parallel x 2 sequence-parallel.
+        # Retain finishes in the group layout (its backward beside the scoring) and Reweight batches: both capture
+        # per-trajectory gradients through the fused projections (lean.models.sequence_parallel.linear_slice)
         ("wan", 2, "reweight", "sliced"),
         ("flux", 2, "recompute", "flash"),
         ("flux", 4, "retain", "collective"),
@@ -195,7 +187,7 @@ def one_process(tmp_path_factory):
 def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_process(
     family, processes, schedule, method, one_process, tmp_path
 ):
-    """Two iterations (AdamW, KL) of ``lean launch -n P -- train --set parallel.sequence_parallel=2``: the same LoRA
+    """Two iterations (AdamW, KL) of ``lean train --set parallel.sequence_parallel=2`` on P ranks: the same LoRA
     weights as ``lean train`` on one process (float64, 1e-10 relative)."""
     sp = ["parallel.sequence_parallel=2", f"parallel.overlap={method}"]
     shared = [*SMALL, f"model.family={family}", f"train.schedule={schedule}"]

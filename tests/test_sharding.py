@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import lean_here
+from helpers import lean_here, lean_ranks
 from safetensors.torch import load_file
 
 from lean.config import ConfigError
@@ -53,7 +53,7 @@ def test_sharded_processes_give_the_same_gradients(tmp_path, processes, family, 
     Reweight's gradients are Recompute's and the float64 on-policy gradient's (the certificate), under per-sample
     step selection, checkpointing and the group layout."""
     cfg = [*SMALL, f"model.family={family}", "parallel.shard=fsdp", *extra]
-    _lean("launch", "-n", str(processes), "--", "equivalence", *_sets(cfg), "--out", str(tmp_path))
+    lean_ranks(processes, "equivalence", *_sets(cfg), "--out", str(tmp_path))
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["world_size"] == processes and report["passes"], report
     full_finetune = "model.full_finetune=true" in extra
@@ -75,8 +75,8 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     one, two = tmp_path / "one", tmp_path / "two"
     lean_here("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
     sharded = [*cfg, "parallel.shard=fsdp"]
-    _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=2"]), "--out", str(two))
-    _lean("launch", "-n", "2", "--", "train", *_sets([*sharded, "train.iterations=3"]), "--out", str(two), "--resume")
+    lean_ranks(2, "train", *_sets([*sharded, "train.iterations=2"]), "--out", str(two))
+    lean_ranks(2, "train", *_sets([*sharded, "train.iterations=3"]), "--out", str(two), "--resume")
     for name in ("lora.safetensors", "lora_ema.safetensors"):
         a, b = load_file(one / name), load_file(two / name)
         assert len(a) > 50  # every weight of the transformer is trained
@@ -120,7 +120,7 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     bench memory`` under fsdp measures every schedule x layout x checkpointing beside the plan's figures."""
     cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "parallel.shard=fsdp"]
     cfg += ["model.full_finetune=true", "train.dist_timeout_s=60", "sample.num_steps=4"]
-    _lean("launch", "-n", "2", "--", "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
+    lean_ranks(2, "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())["combinations"]
     assert {r["shard"] for r in rows} == {"none", "fsdp"}
     by = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]): r["peak_memory_mb"] for r in rows}
@@ -129,7 +129,7 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
 
     out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32"]  # not the bench section's size
     bench = ["bench", "memory", *_sets([*cfg, *tiny]), "--repeats", "1", "--warmup", "0", "--out", str(out)]
-    _lean("launch", "-n", "2", "--", *bench)
+    lean_ranks(2, *bench)
     result = json.loads((out / "memory.json").read_text())
     assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 2
     assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"} and len(result["variants"]) == 8
