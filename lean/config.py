@@ -372,6 +372,12 @@ class TrainConfig:
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
     """> 1 is off-policy (FlowGRPO's gradient accumulation)."""
+    on_policy: bool = False
+    """The recipe's on-policy form: each rollout feeds one optimizer step with the recipe's samples per step. With
+    S = optimizer_steps_per_iteration: prompts_per_iteration / S prompts per rollout, iterations x S rollouts, one
+    optimizer step each (S becomes 1). The samples per step and the number of steps stay the recipe's; every step's
+    ratio is 1, so retain, reweight and auto run it exactly. Needs num_inner_epochs 1 (a second pass reuses samples
+    under moved weights)."""
     shuffle_update: bool = True
     """Recompute's update visits the local samples in a shuffled order (FlowGRPO's SD3, FLUX and Wan scripts); false:
     in rollout order (Flow-GRPO-Fast, DanceGRPO). It decides which samples share an optimizer step."""
@@ -453,8 +459,31 @@ class TrainConfig:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
         if self.prompts_file is not None:
             self.prompts = prompts_of_file("train.prompts_file", self.prompts_file)
+        if self.on_policy:
+            self.to_on_policy()
         if not self.prompts:
             raise ConfigError("train.prompts", self.prompts, "needs at least one prompt")
+
+    def to_on_policy(self) -> None:
+        """``on_policy``: S optimizer steps per rollout become S rollouts of one step each (a no-op at S = 1, so a
+        validated config validates again unchanged)."""
+        steps, prompts = self.optimizer_steps_per_iteration, self.prompts_per_iteration
+        if self.num_inner_epochs != 1:
+            raise ConfigError(
+                "train.on_policy",
+                True,
+                f"takes one pass over each rollout; train.num_inner_epochs={self.num_inner_epochs} reuses its samples "
+                "under moved weights: set train.num_inner_epochs=1",
+            )
+        if prompts % steps:
+            raise ConfigError(
+                "train.on_policy",
+                True,
+                f"splits an iteration's train.prompts_per_iteration={prompts} into train.optimizer_steps_per_iteration"
+                f"={steps} rollouts: use a multiple of {steps}",
+            )
+        self.prompts_per_iteration, self.iterations = prompts // steps, self.iterations * steps
+        self.optimizer_steps_per_iteration = 1
 
 
 @dataclass

@@ -44,7 +44,15 @@ from lean.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_he
 from lean.models import family_spec, lora_config, meta_transformer
 from lean.outputs import write_json
 from lean.rollout import policy_step
-from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES, IterationCosts, Prediction, fsdp_problem
+from lean.schedules import (
+    AUTO,
+    LEAN_SCHEDULES,
+    SCHEDULES,
+    IterationCosts,
+    Prediction,
+    fsdp_problem,
+    runnable,
+)
 from lean.schedules.per_sample import linear_owners
 from lean.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 
@@ -341,9 +349,11 @@ def budget_mb(cfg: RunConfig, device: torch.device) -> float:
 
 
 def decide(inp: PlanInput) -> dict:
-    """Probe, predict and choose (``train.schedule: auto``, and the budget check of an explicit Lean schedule)."""
+    """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, and the
+    budget check of an explicit Lean schedule)."""
     predictions = predict(iteration_costs(inp, probe(inp)))
-    return choose(predictions, budget_mb(inp.cfg, inp.policy.device))
+    exact = {name: p for name, p in predictions.items() if name in runnable(inp.cfg) or name == inp.cfg.train.schedule}
+    return choose(exact, budget_mb(inp.cfg, inp.policy.device))
 
 
 def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict:

@@ -182,6 +182,45 @@ def test_lean_schedules_name_the_on_policy_change(name, schedule):
         load_config(None, on_policy, preset=name)
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
+    """``train.on_policy``: S optimizer steps per rollout become S rollouts of one step each, with the recipe's
+    samples per step; the Lean schedules then run it (those that can: Reweight sums KL terms that FlowGRPO's SD3 and
+    Wan recipes drop), and ``auto`` chooses among the schedules that run a config exactly."""
+    from lean.configure import validate
+    from lean.schedules import BASELINE, runnable
+
+    recipe = load_config(None, [], preset=name)
+    t, steps = recipe.train, recipe.train.optimizer_steps_per_iteration
+    assert runnable(recipe) == [BASELINE]  # S > 1: only the recompute is exact (auto takes it)
+    form = load_config(None, ["train.on_policy=true", "train.schedule=auto"], preset=name)
+    assert (
+        form.train.optimizer_steps_per_iteration == 1
+        and form.train.prompts_per_iteration * steps == t.prompts_per_iteration
+    )
+    assert form.train.iterations == t.iterations * steps
+    per_step = t.prompts_per_iteration * t.group_size // steps
+    assert form.train.prompts_per_iteration * form.train.group_size == per_step  # the samples of one optimizer step
+    validate(form)  # validating again changes nothing
+    assert form.train.prompts_per_iteration * steps == t.prompts_per_iteration
+    kl_dropped = recipe.algorithm.skip_zero_advantage and recipe.algorithm.beta > 0
+    assert runnable(form) == ["recompute", "retain"] + ([] if kl_dropped else ["reweight"])
+
+
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["train.num_inner_epochs=2"], "train.num_inner_epochs=2 reuses its samples"),
+        (["train.prompts_per_iteration=3"], "train.prompts_per_iteration=3 into train.optimizer_steps_per_iteration=2"),
+        (["train.on_policy=maybe"], "must be true or false"),
+    ],
+)
+def test_what_the_on_policy_form_cannot_run_is_one_config_line(sets, words):
+    with pytest.raises(ConfigError, match="train.on_policy") as err:
+        load_config(None, ["train.on_policy=true", *sets], preset="flowgrpo-flux")
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", PRESETS)
 def test_recompute_runs_the_off_policy_recipe(name):
@@ -230,25 +269,16 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
     args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
     assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
     assert main([*args, "--set", "train.schedule=retain", "--out", str(tmp_path / "refused")]) == 2
-    assert "train.optimizer_steps_per_iteration=2 (set 1)" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                *args,
-                "--set",
-                "train.schedule=retain",
-                "--set",
-                "train.optimizer_steps_per_iteration=1",
-                "--out",
-                str(tmp_path / "retain"),
-            ]
-        )
-        == 0
-    )
+    assert "train.optimizer_steps_per_iteration=2 (set 1), or set train.on_policy=true" in capsys.readouterr().err
+    on_policy = ["--set", "train.schedule=retain", "--set", "train.on_policy=true"]
+    assert main([*args, *on_policy, "--out", str(tmp_path / "retain")]) == 0
     for run in ("recompute", "retain"):
         metrics = json.loads((tmp_path / run / "metrics.json").read_text())
         assert metrics["schedule"] == run and math.isfinite(metrics["final_reward_mean"])
         assert json.loads((tmp_path / run / "config.json").read_text())["model"]["family"] == "sd3"
+    config = json.loads((tmp_path / "retain" / "config.json").read_text())["train"]  # QUICK: 2 prompts, 1 iteration
+    assert (config["prompts_per_iteration"], config["iterations"], config["optimizer_steps_per_iteration"]) == (1, 2, 1)
+    assert len(json.loads((tmp_path / "retain" / "metrics.json").read_text())["reward_mean"]) == 2
 
 
 @pytest.mark.parametrize(

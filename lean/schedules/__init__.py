@@ -39,13 +39,8 @@ def algorithm_problem(schedule: type[Schedule], algorithm: type[Algorithm]) -> s
 
 def fsdp_problem(cfg: RunConfig) -> str | None:
     """Why ``parallel.shard=fsdp`` cannot run ``cfg``'s schedule (every schedule under ``auto``), or None."""
-    m, t = cfg.model, cfg.train
-    schedules = SCHEDULES.values() if t.schedule == AUTO else [SCHEDULES[t.schedule]]
-    if m.full_finetune and t.schedule != AUTO and SCHEDULES[t.schedule].backward_in_rollout:
-        return (
-            f"with model.full_finetune, {t.schedule}'s per-trajectory buffers would each be a gradient of the whole "
-            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)"
-        )
+    t = cfg.train
+    schedules = [SCHEDULES[name] for name in runnable(cfg)] if t.schedule == AUTO else [SCHEDULES[t.schedule]]
     update_forwards = [s for s in schedules if not s.tracks_rollout_graphs]  # the update recomputes the steps
     if cfg.algorithm.skip_zero_advantage and update_forwards and t.recompute_batching == RECOMPUTE_BATCHINGS.default:
         return (
@@ -56,38 +51,64 @@ def fsdp_problem(cfg: RunConfig) -> str | None:
     return None
 
 
-def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
-    """What the schedule reproduces exactly: the algorithm (its facts), one optimizer step per rollout for the Lean
-    schedules, the KL terms it can drop, and what it can run sharded."""
+def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | None:
+    """(key, value, why) when the schedule ``name`` cannot run ``cfg`` exactly, or None: the algorithm's facts it
+    needs, one optimizer step per rollout for the Lean schedules, the KL terms it must drop, per-trajectory buffers
+    under a sharded full fine-tune."""
     t, a = cfg.train, cfg.algorithm
-    chosen = list(SCHEDULES.values()) if t.schedule == AUTO else [SCHEDULES[t.schedule]]
-    algorithm = ALGORITHMS[a.name]
-    if t.schedule != AUTO and (problem := algorithm_problem(chosen[0], algorithm)):
-        raise ConfigError("train.schedule", t.schedule, f"cannot run algorithm.name={a.name} exactly: {problem}")
+    schedule = SCHEDULES[name]
+    if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
+        return "train.schedule", name, f"cannot run algorithm.name={a.name} exactly: {problem}"
     off_policy = [
         f"train.{k}={getattr(t, k)} (set 1)"
         for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
         if getattr(t, k) != 1
     ]
-    if any(s.exact_only_on_policy for s in chosen) and off_policy:
-        raise ConfigError(
+    if schedule.exact_only_on_policy and off_policy:
+        return (
             "train.schedule",
-            t.schedule,
-            "is exact only on-policy (one optimizer step per rollout "
-            f"batch); change {' and '.join(off_policy)}, or use train.schedule={BASELINE}",
+            name,
+            f"is exact only on-policy (one optimizer step per rollout batch); change {' and '.join(off_policy)}, or "
+            f"set train.on_policy=true (the recipe's one-step form), or use train.schedule={BASELINE}",
         )
+    if a.skip_zero_advantage and a.beta > 0 and not schedule.drops_kl_terms:
+        return (
+            "algorithm.skip_zero_advantage",
+            True,
+            f"drops samples' KL terms after the rollout, which train.schedule={name} cannot (it sums them during "
+            "the rollout); use train.schedule=recompute or retain, or algorithm.beta=0",
+        )
+    if cfg.model.full_finetune and cfg.parallel.shard == FSDP and schedule.backward_in_rollout:
+        return (
+            "parallel.shard",
+            cfg.parallel.shard,
+            f"with model.full_finetune, {name}'s per-trajectory buffers would each be a gradient of the whole "
+            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)",
+        )
+    return None
+
+
+def runnable(cfg: RunConfig) -> list[str]:
+    """The schedules that run ``cfg`` exactly: those ``train.schedule: auto`` chooses among (the baseline always)."""
+    return [name for name in SCHEDULES if schedule_problem(cfg, name) is None]
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """An explicit schedule must run ``cfg`` exactly (:func:`schedule_problem`); ``auto`` takes one that does. Then
+    what Recompute's batching and sharding allow."""
+    t = cfg.train
+    if t.schedule != AUTO and (problem := schedule_problem(cfg, t.schedule)):
+        raise ConfigError(*problem)
+    off_policy = [
+        f"train.{k}={getattr(t, k)} (set 1)"
+        for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
+        if getattr(t, k) != 1
+    ]
     if t.recompute_batching != RECOMPUTE_BATCHINGS.default and off_policy:
         raise ConfigError(
             "train.recompute_batching",
             t.recompute_batching,
             f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
-        )
-    if a.skip_zero_advantage and a.beta > 0 and not all(s.drops_kl_terms for s in chosen):
-        raise ConfigError(
-            "algorithm.skip_zero_advantage",
-            True,
-            f"drops samples' KL terms after the rollout, which train.schedule={t.schedule} cannot (it sums them during "
-            "the rollout); use train.schedule=recompute or retain, or algorithm.beta=0",
         )
     if cfg.parallel.shard == FSDP and (problem := fsdp_problem(cfg)):
         raise ConfigError("parallel.shard", cfg.parallel.shard, problem)
@@ -97,6 +118,8 @@ __all__ = [
     "algorithm_problem",
     "check_config",
     "fsdp_problem",
+    "runnable",
+    "schedule_problem",
     "AUTO",
     "BASELINE",
     "LEAN_SCHEDULES",
