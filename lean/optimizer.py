@@ -155,12 +155,14 @@ def ema_decay(step: int, decay: float, every: int, warmup: bool) -> float | None
 
 @contextlib.contextmanager
 def capture_synced_grads(state: TrainState) -> Iterator[list[Tensor]]:
-    """Inside the block, the synchronised gradients of the last optimizer step are copied into the yielded list
-    (just before clipping): what the equivalence certificate compares."""
+    """Inside the block, the synchronised gradients of the first optimizer step are copied into the yielded list
+    (just before clipping): what the equivalence certificate compares (the on-policy update; with several per
+    rollout the later ones are Recompute's, ``lean.schedules.hybrid``)."""
     captured: list[Tensor] = []
 
     def keep(params: list[torch.nn.Parameter]) -> None:
-        captured[:] = [full(p.grad).detach().clone() for p in params]  # whole (gathered when sharded)
+        if not captured:
+            captured[:] = [full(p.grad).detach().clone() for p in params]  # whole (gathered when sharded)
 
     state.on_synced_grads = keep
     try:

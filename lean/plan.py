@@ -20,8 +20,9 @@ layout x shard x checkpointing.
 
 ``auto`` takes the schedule predicted fastest among those whose predicted peak fits ``train.memory_budget_mb``
 (default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
-Recompute. When none fits, it takes the one predicted smallest. It logs the figures. Retain and Reweight run the
-on-policy variant of an off-policy recipe (one optimizer step per rollout); the report says so. The published sizes
+Recompute. When none fits, it takes the one predicted smallest; it chooses among the schedules that run the config
+exactly (``lean.schedules.runnable``). It logs the figures. With several optimizer steps per rollout, Retain and
+Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). The published sizes
 are not built on a CPU: ``lean plan`` then reports the transformer's parameters and the memory its weights,
 trainable parameters and AdamW moments take, counted on the meta device (:func:`published_size`).
 """
@@ -52,8 +53,10 @@ from lean.schedules import (
     Prediction,
     fsdp_problem,
     runnable,
+    schedule_problem,
 )
 from lean.schedules.per_sample import linear_owners
+from lean.schedules.recompute import first_update_rows
 from lean.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 
 if TYPE_CHECKING:
@@ -197,6 +200,8 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
         held_fraction=unit / local,
         n_known=not cfg.algorithm.skip_zero_advantage,
+        first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
+        epochs=cfg.train.num_inner_epochs,
     )
 
 
@@ -351,9 +356,12 @@ def budget_mb(cfg: RunConfig, device: torch.device) -> float:
 def decide(inp: PlanInput) -> dict:
     """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, and the
     budget check of an explicit Lean schedule)."""
-    predictions = predict(iteration_costs(inp, probe(inp)))
-    exact = {name: p for name, p in predictions.items() if name in runnable(inp.cfg) or name == inp.cfg.train.schedule}
-    return choose(exact, budget_mb(inp.cfg, inp.policy.device))
+    return choose(exact_predictions(inp.cfg, iteration_costs(inp, probe(inp))), budget_mb(inp.cfg, inp.policy.device))
+
+
+def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Prediction]:
+    """:func:`predict` of the schedules that run ``cfg`` exactly (and of its own schedule): what ``auto`` weighs."""
+    return {name: p for name, p in predict(costs).items() if name in runnable(cfg) or name == cfg.train.schedule}
 
 
 def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict:
@@ -396,7 +404,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     measured = by_checkpointing[cfg.model.gradient_checkpointing]
     link = link_speed(pipeline.world, shard_sizes(inp.policy).unit)
     costs = iteration_costs(inp, measured)
-    decision = choose(predict(costs), budget_mb(cfg, pipeline.world.device))
+    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, pipeline.world.device))
     report = {
         "probe": measured,
         "layout": resolve_layout(cfg, inp.world_size),
@@ -448,17 +456,17 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
         f"(decode {measured['t_decode']:.3f} s + reward {measured['t_reward']:.3f} s at batch {measured['batch']})"
     )
     print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
-    predictions = predict(costs)
+    predictions, exact = predict(costs), runnable(cfg)
     for name, p in predictions.items():
-        print(f"{name:10} {p.peak_memory_mb:16.1f} {p.time_iteration_s:17.3f}")
+        why = "" if name in exact else f"  (not exact here: {schedule_problem(cfg, name)[0]})"
+        print(f"{name:10} {p.peak_memory_mb:16.1f} {p.time_iteration_s:17.3f}{why}")
     print(f"budget {decision['budget_mb']:.0f} MiB -> auto takes {decision['choice']}")
     t = cfg.train
-    changes = [f"train.{k}=1" for k in ("optimizer_steps_per_iteration", "num_inner_epochs") if getattr(t, k) != 1]
-    if changes:
-        baseline, fastest = predictions[SCHEDULES.default], min(predictions[s].time_iteration_s for s in LEAN_SCHEDULES)
+    if (steps := t.optimizer_steps_per_iteration * t.num_inner_epochs) > 1:
+        hybrids = [s for s in LEAN_SCHEDULES if s in exact]
+        who = f"{' and '.join(hybrids)} run" if hybrids else "no Lean schedule runs"
         print(
-            f"off-policy recipe ({t.optimizer_steps_per_iteration * t.num_inner_epochs} optimizer steps per "
-            f"rollout): the {' and '.join(LEAN_SCHEDULES)} rows are its on-policy variant; set "
-            f"{' and '.join(changes)} for one step per rollout, and the fastest saves "
-            f"{baseline.time_iteration_s - fastest:.3f} s per iteration over {SCHEDULES.default}"
+            f"{steps} optimizer steps per rollout: {who} it as a hybrid (the first update from the rollout's "
+            f"graphs, the other {steps - 1} recomputed: lean.schedules.hybrid); train.on_policy=true is the recipe's "
+            "one-step form"
         )

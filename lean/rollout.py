@@ -67,7 +67,8 @@ class StepOutput:
     """One SDE step of a micro-batch of trajectories, as ``on_step`` sees it."""
 
     index: int  # step i
-    rows: slice  # which trajectories of the local batch (a contiguous micro-batch)
+    rows: slice | torch.Tensor  # which trajectories of the local batch: a contiguous micro-batch, or host ids [b]
+    # (a hybrid schedule's tracked rows of a micro-batch, or the others: ``rollout``'s ``track_rows``)
     sample: torch.Tensor  # x_i, detached
     next_sample: torch.Tensor  # x_{i+1}, detached
     log_prob: torch.Tensor  # [b]; carries a graph when the step was tracked
@@ -76,7 +77,7 @@ class StepOutput:
 
     @property
     def size(self) -> int:
-        return self.rows.stop - self.rows.start
+        return self.rows.stop - self.rows.start if isinstance(self.rows, slice) else len(self.rows)
 
 
 def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig, joint_cfg: bool = False):
@@ -173,6 +174,28 @@ class StepNoise:
         return self.ready.pop(i)
 
 
+def forward_rows(
+    size: int, tracked: bool, grad_micro_batch: int | None, track_rows: torch.Tensor | None
+) -> list[tuple[slice | torch.Tensor, bool]]:
+    """The forwards of one step of a micro-batch of ``size`` rows: (its rows, autograd on), the rows a slice or host
+    ids. Untracked: one forward. Tracked: ``grad_micro_batch`` rows at a time; with ``track_rows`` [size] only those
+    rows tracked, the others in one forward without autograd."""
+    if not tracked:
+        return [(slice(0, size), False)]
+    if track_rows is None:
+        step = grad_micro_batch or size
+        return [(slice(start, min(start + step, size)), True) for start in range(0, size, step)]
+    ids = torch.arange(size)
+    grads, others = ids[track_rows], ids[~track_rows]
+    split = list(grads.split(grad_micro_batch)) if grad_micro_batch and len(grads) else [grads]
+    return [(rows, rows is not others) for rows in (others, *split) if len(rows)]
+
+
+def local_rows(start: int, sub: slice | torch.Tensor) -> slice | torch.Tensor:
+    """Rows ``sub`` of the micro-batch that starts at local row ``start``, as rows of the local batch."""
+    return slice(start + sub.start, start + sub.stop) if isinstance(sub, slice) else sub + start
+
+
 def rollout(
     policy,
     emb,
@@ -183,6 +206,7 @@ def rollout(
     *,
     on_step: Callable[[StepOutput], None] | None = None,
     track_grad: Callable[[int], bool] = lambda i: False,
+    track_rows: torch.Tensor | None = None,
     micro_batch: int | None = None,
     grad_micro_batch: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -197,9 +221,12 @@ def rollout(
     its steps before the next starts, so that ``on_finished(rows, target)`` can hand a finished micro-batch to the
     decoder and the rewards while the next one rolls out (``lean.scoring``). ``track_grad(i)`` says whether step i
     runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given, and
-    ``on_step`` may backpropagate or keep the graph. The next step always starts from a detached x_{i+1}: as in the
-    recomputed loss, every step's input is a constant. Nothing in the loop reads a value back from the device: the
-    schedule's decisions come from the host-side step selection, and the noise is drawn ahead (:class:`StepNoise`).
+    ``on_step`` may backpropagate or keep the graph. ``track_rows`` (host bool [B], a hybrid schedule's first-update
+    samples) limits the tracking to those rows: a tracked step runs the micro-batch's other rows in one forward
+    without autograd, and hands both to ``on_step`` with ``rows`` as host ids. The next step always starts from a
+    detached x_{i+1}: as in the recomputed loss, every step's input is a constant. Nothing in the loop reads a value
+    back from the device: the schedule's decisions come from the host-side step selection, and the noise is drawn
+    ahead (:class:`StepNoise`).
     ``init_generators`` draw the initial noise instead of the samples' own streams (``sample.init_same_noise``).
     ``progress(i)`` is called after step i of every micro-batch (``num_steps`` calls per micro-batch).
     """
@@ -215,25 +242,24 @@ def rollout(
     def roll_out_rows(rows: slice) -> torch.Tensor:
         """All steps of the trajectories ``rows``; returns their decode target."""
         x_rows = x[rows]
+        mine = None if track_rows is None else track_rows[rows]
         noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
         noise.prefetch(first_stochastic)
         x0 = torch.empty_like(x_rows) if decode == "x0_prediction" else None
         for i in range(cfg.num_steps):
             tracked = stochastic[i] and track_grad(i)
-            size = (grad_micro_batch if tracked and grad_micro_batch else None) or x_rows.shape[0]
             eps = noise.take(i) if stochastic[i] else None
             x_next = torch.empty_like(x_rows)
-            for start in range(0, x_rows.shape[0], size):
-                sub = slice(start, min(start + size, x_rows.shape[0]))  # rows of this micro-batch
-                at = slice(rows.start + sub.start, rows.start + sub.stop)  # the same rows of the local batch
-                with torch.set_grad_enabled(tracked):
+            for sub, grad in forward_rows(x_rows.shape[0], tracked, grad_micro_batch, mine):
+                at = local_rows(rows.start, sub)  # the same rows of the local batch
+                with torch.set_grad_enabled(grad):
                     v = velocity(policy, x_rows[sub], sigmas[i], emb.index(at), cfg)
                 if i == last and x0 is not None:
                     x0[sub] = predicted_x0(v.detach(), x_rows[sub], sigmas, i)
                 if not stochastic[i]:
                     x_next[sub] = ode_step(v, x_rows[sub], sigmas, i)
                     continue
-                with torch.set_grad_enabled(tracked):
+                with torch.set_grad_enabled(grad):
                     nxt, log_prob, mean, std = sde_step(v, x_rows[sub], i, cfg, sigmas, noise=eps[sub])
                 x_next[sub] = nxt.detach()
                 if on_step is not None:

@@ -29,8 +29,7 @@ from lean.outputs import numbers, write_csv, write_json
 from lean.plan import PlanInput, decide, plan_input
 from lean.preemption import Preempted, StopOnSigterm
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES
-
-RECOMPUTE_FORWARD = "recompute_forward"  # the FLOP region a Lean schedule does not need
+from lean.schedules.recompute import RECOMPUTE_FORWARD
 
 
 class Trainer:
@@ -106,7 +105,8 @@ def count_iteration_flops(trainer: Trainer, schedule: str, iteration: int = 0) -
 
 
 def needed_flops(flops: dict[str, int]) -> int:
-    """What the algorithm needs: rollout forwards, reference forwards, decode and backwards; no recompute."""
+    """What the algorithm needs: rollout forwards, reference forwards, decode, backwards and the forwards of updates
+    after the first (``update_forward``, under moved weights); not the on-policy recompute."""
     return sum(v for k, v in flops.items() if k != RECOMPUTE_FORWARD)
 
 

@@ -30,6 +30,28 @@ def tiny(*overrides: str) -> RunConfig:
     return load_config(None, [*FAST, *overrides])
 
 
+def tiny_preset_sets(name: str) -> list[str]:
+    """The ``--set`` values that shrink the preset ``name`` to a CPU batch (:func:`tiny_preset`)."""
+    return [
+        "model.size=tiny",
+        "model.dtype=float32",
+        "model.resolution=32",
+        "model.text_max_length=8",
+        "model.num_frames=5",
+        "train.prompts_per_iteration=2",
+        f"train.group_size={3 if name == 'dancegrpo-flux' else 2}",
+        "train.rollout_batch_size=8",
+        "train.train_batch_size=8",
+    ]
+
+
+def tiny_preset(name: str, *overrides: str) -> RunConfig:
+    """``name`` at tiny size on a CPU batch: 2 prompts x 2 samples (x 3 for DanceGRPO), 32 px, 8 T5 tokens, 5 video
+    frames, float32 (bfloat16 matmuls are slow on CPUs); the preset's steps, SDE, guidance, LoRA and optimizer
+    settings stay."""
+    return load_config(None, [*tiny_preset_sets(name), *overrides], preset=name)
+
+
 # What every test process imports (seconds per process: torch, diffusers with peft and transformers). `spawn` forks
 # its processes from one server per pytest worker that imported these once, instead of starting each afresh.
 PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "lean.models.policy", "lean.overlap"]

@@ -47,13 +47,17 @@ def test_did_you_mean():
         load_config(None, ["train.schedle=retain"])
 
 
-def test_off_policy_lean_schedule_names_the_keys():
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.schedule=retain", "train.optimizer_steps_per_iteration=2"])
-    assert "train.optimizer_steps_per_iteration" in str(err.value)
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.schedule=reweight", "train.num_inner_epochs=2"])
-    assert "train.num_inner_epochs" in str(err.value)
+def test_several_updates_per_rollout_run_as_hybrids_unless_the_first_is_known_late():
+    """A Lean schedule with several updates per rollout is a hybrid (lean.schedules.hybrid): it needs the first
+    update's samples before the rewards, which FlowGRPO's zero-advantage filter decides after them."""
+    for steps in (["train.optimizer_steps_per_iteration=2"], ["train.num_inner_epochs=2"]):
+        for schedule in ("retain", "reweight"):
+            load_config(None, [f"train.schedule={schedule}", *steps])
+            with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage") as err:
+                load_config(None, [f"train.schedule={schedule}", *steps, "algorithm.skip_zero_advantage=true"])
+            assert steps[0] in str(err.value) and "\n" not in str(err.value)
+            # the one-step form needs one pass over the rollout: offered only then
+            assert ("train.on_policy=true" in str(err.value)) == ("num_inner_epochs" not in steps[0])
     load_config(None, ["train.schedule=recompute", "train.num_inner_epochs=2", "train.optimizer_steps_per_iteration=2"])
 
 

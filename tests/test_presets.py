@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import QUICK
+from helpers import QUICK, tiny_preset
 
 from lean.config import ConfigError
 from lean.configure import load_config
@@ -16,25 +16,6 @@ from lean.presets import PRESET_DIR
 from lean.presets import PRESETS as KNOWN_PRESETS
 
 PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan"]
-
-
-def tiny_preset(name: str, *overrides: str):
-    """``name`` at tiny size on a CPU batch: 2 prompts x 2 samples (x 3 for DanceGRPO's 3 optimizer steps), 32 px,
-    8 T5 tokens, 5 video frames, float32 (bfloat16 matmuls are slow on CPUs); the preset's steps, SDE, guidance,
-    LoRA and optimizer settings stay."""
-    group = 3 if name == "dancegrpo-flux" else 2
-    small = [
-        "model.size=tiny",
-        "model.dtype=float32",
-        "model.resolution=32",
-        "model.text_max_length=8",
-        "model.num_frames=5",
-        "train.prompts_per_iteration=2",
-        f"train.group_size={group}",
-        "train.rollout_batch_size=8",
-        "train.train_batch_size=8",
-    ]
-    return load_config(None, [*small, *overrides], preset=name)
 
 
 def on_policy(name: str, *overrides: str):
@@ -163,23 +144,19 @@ def test_flux_shift_is_the_pipelines_mu_at_512px():
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("schedule", ["retain", "reweight"])
-def test_lean_schedules_name_the_on_policy_change(name, schedule):
-    steps = load_config(None, [], preset=name).train.optimizer_steps_per_iteration
-    assert steps > 1  # every published recipe takes several optimizer steps per rollout
-    with pytest.raises(ConfigError) as err:
+def test_lean_schedules_run_the_recipe_as_hybrids_or_name_the_key(name, schedule):
+    """Every published recipe takes several optimizer steps per rollout: a Lean schedule runs it as a hybrid
+    (lean.schedules.hybrid) where the first update's samples are known before the rewards; FlowGRPO's zero-advantage
+    filter decides them after (SD3, Fast, Wan), and the refusal names it and the on-policy form."""
+    recipe = load_config(None, [], preset=name)
+    assert recipe.train.optimizer_steps_per_iteration > 1
+    if not recipe.algorithm.skip_zero_advantage:
+        assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1
+        return
+    with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage") as err:
         load_config(None, [f"train.schedule={schedule}"], preset=name)
-    assert f"train.optimizer_steps_per_iteration={steps} (set 1)" in str(err.value)
-    on_policy = [f"train.schedule={schedule}", "train.optimizer_steps_per_iteration=1"]
-    cfg = load_config(None, [*on_policy, "algorithm.skip_zero_advantage=false"], preset=name)
-    if (
-        schedule == "reweight"
-        and cfg.algorithm.beta > 0
-        and load_config(None, [], preset=name).algorithm.skip_zero_advantage
-    ):
-        with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage"):  # Reweight sums the KL in the rollout
-            load_config(None, on_policy, preset=name)
-    else:
-        load_config(None, on_policy, preset=name)
+    assert "train.optimizer_steps_per_iteration=2" in str(err.value) and "train.on_policy=true" in str(err.value)
+    load_config(None, [f"train.schedule={schedule}", "algorithm.skip_zero_advantage=false"], preset=name)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -192,7 +169,8 @@ def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
 
     recipe = load_config(None, [], preset=name)
     t, steps = recipe.train, recipe.train.optimizer_steps_per_iteration
-    assert runnable(recipe) == [BASELINE]  # S > 1: only the recompute is exact (auto takes it)
+    every = ["recompute", "retain", "reweight"]
+    assert runnable(recipe) == ([BASELINE] if recipe.algorithm.skip_zero_advantage else every)  # hybrids at S > 1
     form = load_config(None, ["train.on_policy=true", "train.schedule=auto"], preset=name)
     assert (
         form.train.optimizer_steps_per_iteration == 1
@@ -204,7 +182,7 @@ def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
     validate(form)  # validating again changes nothing
     assert form.train.prompts_per_iteration * steps == t.prompts_per_iteration
     kl_dropped = recipe.algorithm.skip_zero_advantage and recipe.algorithm.beta > 0
-    assert runnable(form) == ["recompute", "retain"] + ([] if kl_dropped else ["reweight"])
+    assert runnable(form) == every[: 2 if kl_dropped else 3]
 
 
 @pytest.mark.parametrize(
@@ -269,7 +247,7 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
     args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
     assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
     assert main([*args, "--set", "train.schedule=retain", "--out", str(tmp_path / "refused")]) == 2
-    assert "train.optimizer_steps_per_iteration=2 (set 1), or set train.on_policy=true" in capsys.readouterr().err
+    assert "algorithm.skip_zero_advantage" in (err := capsys.readouterr().err) and "train.on_policy=true" in err
     on_policy = ["--set", "train.schedule=retain", "--set", "train.on_policy=true"]
     assert main([*args, *on_policy, "--out", str(tmp_path / "retain")]) == 0
     for run in ("recompute", "retain"):

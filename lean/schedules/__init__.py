@@ -37,9 +37,22 @@ def algorithm_problem(schedule: type[Schedule], algorithm: type[Algorithm]) -> s
     return f"it needs {' and '.join(missing)}, which the algorithm does not declare" if missing else None
 
 
+def whole_gradient_buffers(cfg: RunConfig, name: str) -> str | None:
+    """Why the schedule ``name`` cannot run a sharded full fine-tune (per-trajectory buffers of unsharded gradients),
+    or None."""
+    if cfg.model.full_finetune and SCHEDULES[name].backward_in_rollout:
+        return (
+            f"with model.full_finetune, {name}'s per-trajectory buffers would each be a gradient of the whole "
+            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)"
+        )
+    return None
+
+
 def fsdp_problem(cfg: RunConfig) -> str | None:
     """Why ``parallel.shard=fsdp`` cannot run ``cfg``'s schedule (every schedule under ``auto``), or None."""
     t = cfg.train
+    if t.schedule != AUTO and (problem := whole_gradient_buffers(cfg, t.schedule)):
+        return problem
     schedules = [SCHEDULES[name] for name in runnable(cfg)] if t.schedule == AUTO else [SCHEDULES[t.schedule]]
     update_forwards = [s for s in schedules if not s.tracks_rollout_graphs]  # the update recomputes the steps
     if cfg.algorithm.skip_zero_advantage and update_forwards and t.recompute_batching == RECOMPUTE_BATCHINGS.default:
@@ -59,18 +72,24 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
     schedule = SCHEDULES[name]
     if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
         return "train.schedule", name, f"cannot run algorithm.name={a.name} exactly: {problem}"
-    off_policy = [
-        f"train.{k}={getattr(t, k)} (set 1)"
+    later = [
+        f"train.{k}={getattr(t, k)}"
         for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
         if getattr(t, k) != 1
     ]
-    if schedule.exact_only_on_policy and off_policy:
-        return (
-            "train.schedule",
-            name,
-            f"is exact only on-policy (one optimizer step per rollout batch); change {' and '.join(off_policy)}, or "
-            f"set train.on_policy=true (the recipe's one-step form), or use train.schedule={BASELINE}",
-        )
+    # A hybrid (hybrid.py) draws the first update's samples before the rollout: the same local rows on every process
+    # (the order's stream is shared, the local batches are equal), so sharded passes stay in lockstep.
+    if schedule.exact_only_on_policy and later:
+        if a.skip_zero_advantage:
+            on_policy = "train.on_policy=true (the recipe's one-step form), or " if t.num_inner_epochs == 1 else ""
+            return (
+                "algorithm.skip_zero_advantage",
+                True,
+                f"splits only the nonzero-advantage samples into the updates (FlowGRPO), so with {' and '.join(later)} "
+                f"the first update's samples are known only after the rewards, and train.schedule={name} cannot roll "
+                f"them out with gradients; set algorithm.skip_zero_advantage=false, or {on_policy}use "
+                f"train.schedule={BASELINE}",
+            )
     if a.skip_zero_advantage and a.beta > 0 and not schedule.drops_kl_terms:
         return (
             "algorithm.skip_zero_advantage",
@@ -78,13 +97,8 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
             f"drops samples' KL terms after the rollout, which train.schedule={name} cannot (it sums them during "
             "the rollout); use train.schedule=recompute or retain, or algorithm.beta=0",
         )
-    if cfg.model.full_finetune and cfg.parallel.shard == FSDP and schedule.backward_in_rollout:
-        return (
-            "parallel.shard",
-            cfg.parallel.shard,
-            f"with model.full_finetune, {name}'s per-trajectory buffers would each be a gradient of the whole "
-            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)",
-        )
+    if cfg.parallel.shard == FSDP and (problem := whole_gradient_buffers(cfg, name)):
+        return "parallel.shard", cfg.parallel.shard, problem
     return None
 
 

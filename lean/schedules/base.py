@@ -2,7 +2,8 @@
 buffers, and the inputs of their cost models.
 
 A schedule decides three things and nothing else:
-  * ``track_grad(i)`` / ``grad_micro_batch``: which rollout steps run with autograd on, in which micro-batches;
+  * ``track_grad(i)`` / ``grad_micro_batch`` / ``track_rows``: which rollout steps run with autograd on, in which
+    micro-batches, for which rows;
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
     ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update;
@@ -155,6 +156,24 @@ class IterationCosts:
     held_fraction: float = 1.0  # share of the local batch a schedule holds at once: one finishing unit / B (layout)
     score_at_end: float | None = None  # what a schedule that finishes nothing early waits for (None: ``score``)
     n_known: bool = True  # the update's sample count N is known before the rewards (not with skip_zero_advantage)
+    first_share: float = 1.0  # s: the first update's share of the local batch (1/S with S updates per rollout)
+    epochs: int = 1  # E: inner epochs (passes over the rollout's samples)
+
+    @property
+    def later(self) -> bool:
+        """Updates after the first (S > 1 or E > 1): a Lean schedule is a hybrid (``lean.schedules.hybrid``)."""
+        return self.first_share < 1 or self.epochs > 1
+
+    @property
+    def later_update_s(self) -> float:
+        """Recompute's cost of every update after the first: (E - s) passes of K recomputed steps and their
+        reference forwards."""
+        return (self.epochs - self.first_share) * (self.k * self.fb + self.ref)
+
+    @property
+    def later_update_mb(self) -> float:
+        """What a recomputed update holds at its peak beyond the base (Recompute's update backward)."""
+        return self.act_mb * self.train_rows_fraction + self.transient_mb
 
 
 @dataclass(frozen=True)
@@ -167,7 +186,8 @@ class Schedule:
     """Base class; see the module docstring for the contract."""
 
     grad_micro_batch: int | None = None
-    exact_only_on_policy = False  # its update equals the objective's gradient only with one step per rollout
+    track_rows: torch.Tensor | None = None  # host bool [B]: the only rows the tracked steps track (None: all)
+    exact_only_on_policy = False  # its graphs give the on-policy update only: several per rollout run as hybrid.py
     needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
     backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
@@ -192,8 +212,9 @@ class Schedule:
 
     @property
     def finishes_early(self) -> bool:
-        """Whether :meth:`finish_rows` does anything: the group layout waits for a unit's rewards only then."""
-        return type(self).finish_rows is not Schedule.finish_rows
+        """Whether :meth:`finish_rows` does anything: the group layout waits for a unit's rewards only then. A hybrid
+        (``track_rows``: the first update's samples, across the groups) finishes its whole batch at the end."""
+        return type(self).finish_rows is not Schedule.finish_rows and self.track_rows is None
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         raise NotImplementedError

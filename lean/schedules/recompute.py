@@ -22,7 +22,7 @@ instead (on-policy only): one update, steps in rollout order.
 
 Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE decode or in one update backward,
 
-    memory = base + max(decode, act x train_rows_fraction + transient)      time = n f + score + K fb + ref
+    memory = base + max(decode, act x train_rows_fraction + transient)      time = n f + score + E (K fb + ref)
            (the K recomputed steps each cost a forward f beside the tracked forward + backward fb; it finishes
            nothing early, so in the group layout score is ``score_at_end``: the last micro-batch's wait)
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from lean.algorithms import StepLoss, loss_stats
 from lean.registry import Registry
 from lean.rollout import StepOutput, iteration_generator, policy_step, reference_mean
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig, TrainConfig
 
 RECOMPUTE_BATCHINGS: Registry[str] = Registry(
     "recompute batching",
@@ -47,6 +51,9 @@ RECOMPUTE_BATCHINGS: Registry[str] = Registry(
     ],
 )
 ROLLOUT_BATCHING = "rollout"
+# FLOP and time regions of the update's forwards: the first update's repeats the rollout's (on-policy: what the Lean
+# schedules remove); a later update's runs under weights the earlier ones moved, so the algorithm needs it
+RECOMPUTE_FORWARD, LATER_UPDATE_FORWARD = "recompute_forward", "update_forward"
 
 
 @dataclass
@@ -59,6 +66,32 @@ class Terms:
     next_x: torch.Tensor  # x_{i+1}, as sampled
     old_log_prob: torch.Tensor  # log p_old(x_{i+1} | x_i) from the rollout
     weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
+
+
+def update_order(t: TrainConfig, iteration: int, samples: torch.Tensor, epoch: int) -> torch.Tensor:
+    """``samples`` (host ids) in the order the update visits them in inner epoch ``epoch``: shuffled by a stream every
+    process shares (FlowGRPO's SD3, FLUX and Wan scripts), or as rolled out (``train.shuffle_update: false``)."""
+    if not t.shuffle_update:
+        return samples
+    return samples[torch.randperm(len(samples), generator=iteration_generator(t.seed, iteration, purpose=1 + epoch))]
+
+
+def first_update_rows(cfg: RunConfig, iteration: int, batch: int) -> torch.Tensor | None:
+    """The local samples of an iteration's first optimizer step, host ids ascending, as the update will draw them
+    (every sample kept): the update that runs under the rollout's own weights. None when it is the only update
+    (one optimizer step per rollout, one inner epoch)."""
+    t = cfg.train
+    if t.optimizer_steps_per_iteration == 1 and t.num_inner_epochs == 1:
+        return None
+    order = update_order(t, iteration, torch.arange(batch), epoch=0)
+    return _chunks(order, t.optimizer_steps_per_iteration)[0].sort().values
+
+
+def rows_mask(batch: int, rows: torch.Tensor) -> torch.Tensor:
+    """Host bool [batch]: True at the host ids ``rows``."""
+    mask = torch.zeros(batch, dtype=torch.bool)
+    mask[rows] = True
+    return mask
 
 
 def _chunks(order: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -106,24 +139,36 @@ class Recompute(Schedule):
         step_stats = {}
         kept, n = ctx.kept_samples(advantages)
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
-        for update in batches:
+        for u, update in enumerate(batches):
+            region = RECOMPUTE_FORWARD if u == 0 else LATER_UPDATE_FORWARD
             for batch in update:
-                losses.append(self._backward(batch, advantages, joint_cfg=like_rollout))
+                losses.append(self._backward(batch, advantages, joint_cfg=like_rollout, region=region))
             step_stats = optimizer_step()
         return {**loss_stats(losses), **step_stats}
 
-    def _shuffled_batches(self, kept: torch.Tensor | None) -> Iterator[list[Terms]]:
-        """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) shuffled (unless
-        ``train.shuffle_update`` is off) and split into one chunk per optimizer step, in micro-batches of
-        train_batch_size; within one, the j-th trained step of every sample (ascending)."""
+    def later_updates(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> tuple[list[StepLoss], dict]:
+        """Every update but the first (a hybrid schedule computed that one from the rollout's graphs): (the loss terms
+        recomputed, the last optimizer step's stats)."""
+        losses, step_stats = [], {}
+        for update in self._shuffled_batches(None, skip_first=True):
+            for batch in update:
+                losses.append(self._backward(batch, advantages, joint_cfg=False, region=LATER_UPDATE_FORWARD))
+            step_stats = optimizer_step()
+        return losses, step_stats
+
+    def _shuffled_batches(self, kept: torch.Tensor | None, skip_first: bool = False) -> Iterator[list[Terms]]:
+        """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) in :func:`update_order`, split
+        into one chunk per optimizer step, in micro-batches of train_batch_size; within one, the j-th trained step of
+        every sample (ascending). ``skip_first``: all but the first epoch's first chunk."""
         ctx, t = self.ctx, self.ctx.cfg.train
         trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending (host)
         device = ctx.sigmas.device
         samples = torch.arange(ctx.batch) if kept is None else torch.nonzero(kept.cpu()).flatten()
         for epoch in range(t.num_inner_epochs):
-            gen = iteration_generator(t.seed, ctx.iteration, purpose=1 + epoch)
-            order = samples[torch.randperm(len(samples), generator=gen)] if t.shuffle_update else samples
-            for chunk in _chunks(order, t.optimizer_steps_per_iteration):
+            order = update_order(t, ctx.iteration, samples, epoch)
+            for c, chunk in enumerate(_chunks(order, t.optimizer_steps_per_iteration)):
+                if skip_first and epoch == 0 and c == 0:
+                    continue
                 update = []
                 for rows in chunk.split(t.train_batch_size) if len(chunk) else ():  # host-side ids; device below
                     on_device = rows.to(device)
@@ -157,11 +202,12 @@ class Recompute(Schedule):
                 )
         yield update
 
-    def _backward(self, terms: Terms, advantages: torch.Tensor, joint_cfg: bool) -> StepLoss:
-        """Recompute the terms' log-probs with gradients, the algorithm's loss, and its backward."""
+    def _backward(self, terms: Terms, advantages: torch.Tensor, joint_cfg: bool, region: str) -> StepLoss:
+        """Recompute the terms' log-probs with gradients (timed and counted as ``region``), the algorithm's loss, and
+        its backward."""
         ctx = self.ctx
         emb = ctx.emb.index(terms.rows)
-        with ctx.region("recompute_forward"):
+        with ctx.region(region):
             _, log_prob, mean, std = policy_step(
                 ctx.policy,
                 terms.x,
@@ -187,6 +233,6 @@ class Recompute(Schedule):
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         return Prediction(
-            c.base_mb + max(c.decode_mb, c.act_mb * c.train_rows_fraction + c.transient_mb),
-            c.n * c.f + (c.score if c.score_at_end is None else c.score_at_end) + c.k * c.fb + c.ref,
+            c.base_mb + max(c.decode_mb, c.later_update_mb),
+            c.n * c.f + (c.score if c.score_at_end is None else c.score_at_end) + c.epochs * (c.k * c.fb + c.ref),
         )

@@ -14,6 +14,9 @@ activations of (trained steps x local batch) forward passes stay alive until the
 
     memory = base + K act h + max(decode, transient)      time = (n - K) f + K fb + score + ref
 
+(with S > 1 updates per rollout, the hybrid of ``hybrid.py``: h = s = 1/S, the tracked work s of it, and Recompute's
+later updates on top: time + (E - s)(K fb + ref), memory at least Recompute's update's).
+
 where h is the share of the local batch whose graphs are held at once: 1 in the slice layout, one finishing unit
 (a group) / B in the group layout, where each group is backpropagated as soon as it is scored (``finish_rows``).
 
@@ -39,6 +42,7 @@ from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
 from lean.rollout import StepOutput
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
+from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
@@ -59,7 +63,11 @@ class Retain(Schedule):
         self.losses = []  # every backpropagated step's loss terms, for the stats
         self.provisional_stats: list[tuple[slice, StepLoss]] = []  # (rows, terms) backpropagated with Â
         self.unscaled = False  # an early finish under skip_zero_advantage used N = 1 (N is known only at the end)
-        self.provisional = self._provisional_buffers(ctx)  # (per-trajectory buffers, their hooks) or None
+        self.later = later_updates(ctx)  # several updates per rollout: only the first's rows keep graphs (hybrid.py)
+        if self.later is not None:
+            self.track_rows = self.later.track_rows
+        # (per-trajectory buffers, their hooks) or None
+        self.provisional = self._provisional_buffers(ctx) if self.finishes_early else None
 
     @staticmethod
     def _provisional_buffers(ctx) -> tuple[TrajectoryBuffers, PerSampleGrads] | None:
@@ -74,6 +82,8 @@ class Retain(Schedule):
         return buffers, PerSampleGrads(ctx.policy, params, buffers)
 
     def on_step(self, step: StepOutput) -> None:
+        if self.later is not None:
+            self.later.on_step(step)
         if step.log_prob.requires_grad:
             self.kept.append((step, self.ctx.reference_mean(step)))
 
@@ -131,6 +141,8 @@ class Retain(Schedule):
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         kept, n = self.ctx.kept_samples(advantages)
+        if self.later is not None:  # the first update's samples (skip_zero_advantage is refused with later updates)
+            n = self.later.first_size
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []
         if self.unscaled:
@@ -140,7 +152,11 @@ class Retain(Schedule):
         if self.provisional is not None:
             self.provisional[1].close()
         losses = self.losses + logged_with_true_targets(self.ctx.algorithm, self.provisional_stats, advantages)
-        return {**loss_stats(losses), **optimizer_step()}
+        stats = optimizer_step()
+        if self.later is not None:
+            recomputed, stats = self.later.run(advantages, optimizer_step)
+            losses += recomputed
+        return {**loss_stats(losses), **stats}
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
@@ -156,6 +172,10 @@ class Retain(Schedule):
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
+        if c.later:  # a hybrid: graphs of the first update's share s, then Recompute's later updates
+            s, score = c.first_share, (c.score if c.score_at_end is None else c.score_at_end)
+            memory = c.base_mb + max(c.k * c.act_mb * s + max(c.decode_mb, c.transient_mb), c.later_update_mb)
+            return Prediction(memory, (c.n - c.k * s) * c.f + c.k * s * c.fb + score + s * c.ref + c.later_update_s)
         memory = c.base_mb + c.k * c.act_mb * c.held_fraction + max(c.decode_mb, c.transient_mb)
         score = c.score
         if c.held_fraction < 1 and c.per_row_grads and c.n_known:  # the backward runs beside the scoring

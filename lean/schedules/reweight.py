@@ -36,6 +36,9 @@ in the slice layout, where the folded buffer is not needed):
                 time   = n f + K kl (fb - f) + score + ref
     one by one  memory = base + (U + kl - 1 [+ 1]) P + max(decode, act_one + transient)
                 time   = (n - K) f + K B kl fb_one + score + ref
+
+With S > 1 updates per rollout (the hybrid of ``hybrid.py``, U = B): the backpropagated work is s = 1/S of it, and
+Recompute's later updates come on top: time + (E - s)(K fb + ref), memory at least Recompute's update's.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from lean.schedules.base import (
     set_grads,
     trainable,
 )
+from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
@@ -76,7 +80,10 @@ class Reweight(Schedule):
         dtype = self.params[0].dtype
         # Buffers for one finishing unit (lean.layout): the whole local batch, or in the group layout the groups
         # scored together, whose buffers are folded into ``folded`` (sum_b (A_b / Â_b) P_b) and reused.
-        self.unit = ctx.finish_unit or ctx.batch
+        self.later = later_updates(ctx)  # several updates per rollout: only the first's rows backpropagate (hybrid.py)
+        if self.later is not None:
+            self.track_rows = self.later.track_rows
+        self.unit = (ctx.finish_unit if self.finishes_early else None) or ctx.batch
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
@@ -85,6 +92,7 @@ class Reweight(Schedule):
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
         self.trajectory_ids = torch.arange(ctx.batch, device=device) % self.unit  # row -> its buffer in the unit
         self.kept_stats: list[tuple[slice, StepLoss]] = []  # (rows, detached loss terms) for logging
+        self.samples_per_update = ctx.batch if self.later is None else self.later.first_size  # N of 1/(N K)
         self.per_sample = None
         if linear_owners(ctx.policy, self.params) is not None:
             self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers)
@@ -97,6 +105,8 @@ class Reweight(Schedule):
         return (self.policy_buffers.nbytes + sum(b.numel() * b.element_size() for b in flat)) / 2**20
 
     def on_step(self, step: StepOutput) -> None:
+        if self.later is not None:
+            self.later.on_step(step)
         if not step.log_prob.requires_grad:
             return
         ctx = self.ctx
@@ -104,7 +114,7 @@ class Reweight(Schedule):
         loss = ctx.on_policy_loss(step, ref, self.provisional[step.rows])
         if not ctx.lockstep and not ctx.steps.trained[step.rows, step.index].any():  # host-side: no device read
             return  # DanceGRPO-style selection: another trajectory trains this step, these do not
-        weights = ctx.term_weights(step.rows, step.index, ctx.batch)
+        weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
             self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)
             if ref is not None:
@@ -114,11 +124,12 @@ class Reweight(Schedule):
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
-    def _policy_backward(self, loss: torch.Tensor, rows: slice, retain_graph: bool) -> None:
+    def _policy_backward(self, loss: torch.Tensor, rows: slice | torch.Tensor, retain_graph: bool) -> None:
         """Add each trajectory's gradient of ``loss`` to its own buffer."""
         if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            self.policy_buffers.add(rows.start % self.unit, grads)
+            row = rows.start if isinstance(rows, slice) else int(rows[0])
+            self.policy_buffers.add(row % self.unit, grads)
             return
         self.per_sample.trajectories = self.trajectory_ids[rows]
         self.per_sample.accumulating = True
@@ -141,7 +152,7 @@ class Reweight(Schedule):
         # The buffers hold each trajectory's gradient at weight 1/(N K) and the provisional advantage: rescale both.
         # A dropped sample (skip_zero_advantage) has A = 0, and the others' N is the kept count.
         kept, n = self.ctx.kept_samples(advantages)
-        scale = self.ctx.batch / n if kept is not None else 1.0
+        scale = self.samples_per_update / n if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
         if self.folded is None:  # slice layout: every buffer is combined here
             grad = self.policy_buffers.combine_rows(slice(0, self.ctx.batch), coefficients)
@@ -156,20 +167,26 @@ class Reweight(Schedule):
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
         logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
-        stats = {**loss_stats(logged), "reweight_buffer_mb": self.buffer_mb}
-        return {**stats, **optimizer_step()}
+        step_stats = optimizer_step()
+        if self.later is not None:
+            recomputed, step_stats = self.later.run(advantages, optimizer_step)
+            logged += recomputed
+        return {**loss_stats(logged), "reweight_buffer_mb": self.buffer_mb, **step_stats}
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
-        unit = c.local * c.held_fraction  # trajectories with a buffer: the local batch, or one unit (group layout)
+        # a hybrid (hybrid.py) backpropagates the first update's share s, finishes at the end, then recomputes
+        s, later_mb = c.first_share, (c.later_update_mb if c.later else 0.0)
+        unit = c.local * (1.0 if c.later else c.held_fraction)  # trajectories with a buffer: the batch, or a unit
         buffers = (unit + backwards - 1 + (unit < c.local)) * c.trainable_mb  # + the folded sum of finished units
+        score = c.score if c.score_at_end is None or not c.later else c.score_at_end
         if c.per_row_grads:
             return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb),
-                c.n * c.f + c.k * backwards * (c.fb - c.f) + c.score + c.ref,
+                c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb, later_mb),
+                c.n * c.f + c.k * s * backwards * (c.fb - c.f) + score + s * c.ref + c.later_update_s,
             )
         return Prediction(
-            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb),
-            (c.n - c.k) * c.f + c.k * c.local * c.fb_one * backwards + c.score + c.ref,
+            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, later_mb),
+            (c.n - c.k * s) * c.f + c.k * s * c.local * c.fb_one * backwards + score + s * c.ref + c.later_update_s,
         )

@@ -29,6 +29,7 @@ from lean.plan import with_schedule
 from lean.rollout import velocity
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
 from lean.schedules.base import flat_grad
+from lean.schedules.recompute import first_update_rows, rows_mask
 from lean.sharding import FSDP, full, full_state_dict
 from lean.train import Trainer
 
@@ -120,9 +121,11 @@ class Float64Reference:
         recorded: list[RecordedStep],
         advantages: torch.Tensor,
         mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """g_ref at the weights ``trainable``, over the recorded steps (only the (sample, step) terms where ``mask``
-        [B, num_steps] is True)."""
+        [B, num_steps] is True), of the samples ``rows`` (host ids: the first of several updates per rollout, its N
+        their count; None: every sample)."""
         self.load(trainable)
         kept = batch.steps.trained
         if mask is not None:
@@ -130,6 +133,8 @@ class Float64Reference:
         nonzero, n = self.algorithm.kept_samples(advantages.cpu())
         if nonzero is not None:  # the samples the algorithm drops leave the objective, N counts the others
             kept, n = kept & nonzero[:, None], int(n)
+        if rows is not None:  # skip_zero_advantage is refused with several updates (lean.schedules)
+            kept, n = kept & rows_mask(kept.shape[0], rows)[:, None], len(rows)
         trained = kept.double()
         scale = 1.0 / (n * int(batch.steps.trained[0].sum()))
         emb = self.twin.encode_prompts(batch.prompts)
@@ -189,31 +194,40 @@ def one_update(
         rolled = pipeline.roll_out(iteration, SCHEDULES[schedule], on_step=recorder if reference else None)
         rewards, advantages = pipeline.advantages(rolled)
         start = [p.detach().clone() for p in trainer.params]  # the weights the update starts from
-        ref = reference.gradient(start, rolled.batch, recorder.steps, advantages) if reference else None
+        first = first_update_rows(trainer.cfg, iteration, rolled.ctx.batch)  # the on-policy update's samples
+        ref = reference.gradient(start, rolled.batch, recorder.steps, advantages, rows=first) if reference else None
         error = reference.forward_error(start, rolled.batch, recorder.steps) if reference else None  # (policy at start)
         stats = pipeline.finish(rolled, advantages, state.step)
     update = Update(
         list(grads), [p.detach().clone() for p in trainer.params], {"reward_mean": rewards.mean().item(), **stats}, ref
     )
     if reference is not None and hasattr(rolled.schedule, "ratios"):
-        update.rounding = rounding_report(trainer, reference, rolled, recorder.steps, advantages, ref, start)
+        update.rounding = rounding_report(trainer, reference, rolled, recorder.steps, advantages, ref, start, first)
         update.rounding["forward_error"] = error
     return update
 
 
-def rounding_report(trainer: Trainer, reference: Float64Reference, rolled, recorded, advantages, ref, start) -> dict:
-    """What rounding did to the baseline's clipped surrogate: how far its recomputed ratios moved from 1, the share
-    of (sample, step) terms whose clip bound by rounding alone (A > 0 and r > 1 + c, or A < 0 and r < 1 - c: their
-    policy-gradient term is dropped), that share at other clip ranges, and the norm of the reference gradient those
-    terms carry (what the update lost)."""
+def rounding_report(
+    trainer: Trainer, reference: Float64Reference, rolled, recorded, advantages, ref, start, first=None
+) -> dict:
+    """What rounding did to the baseline's clipped surrogate in its on-policy update (the samples ``first``, or all):
+    how far its recomputed ratios moved from 1, the share of (sample, step) terms whose clip bound by rounding alone
+    (A > 0 and r > 1 + c, or A < 0 and r < 1 - c: their policy-gradient term is dropped), that share at other clip
+    ranges, and the norm of the reference gradient those terms carry (what the update lost)."""
     trained, c = rolled.batch.steps.trained, trainer.cfg.algorithm.clip_range
+    if first is not None:  # the later updates' ratios are off-policy: not rounding
+        trained = trained & rows_mask(trained.shape[0], first)[:, None]
     ratio, adv = rolled.schedule.ratios.cpu(), advantages.cpu()[:, None]
 
     def binding(clip: float) -> torch.Tensor:
         return trained & (((adv > 0) & (ratio > 1 + clip)) | ((adv < 0) & (ratio < 1 - clip)))
 
     clipped = binding(c)
-    removed = reference.gradient(start, rolled.batch, recorded, advantages, mask=clipped) if clipped.any() else None
+    removed = (
+        reference.gradient(start, rolled.batch, recorded, advantages, mask=clipped, rows=first)
+        if clipped.any()
+        else None
+    )
     norm = torch.cat([g.flatten() for g in ref]).norm().item()
     return {
         "ratio_max_dev": (ratio[trained] - 1).abs().max().item(),

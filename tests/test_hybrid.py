@@ -1,0 +1,138 @@
+"""Hybrid schedules (``lean.schedules.hybrid``): with several optimizer steps per rollout, Retain and Reweight take the
+first update from the rollout's graphs and recompute the later ones, and end every iteration with Recompute's
+weights (float64, 1e-10 relative), on the published recipes shrunk to a CPU, in both layouts, on 1 and 2 processes
+(FlowGRPO's Wan recipe runs the same code as its SD3 one: video changes nothing here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import lean_ranks, tiny_preset, tiny_preset_sets
+from safetensors.torch import load_file
+
+from lean.schedules import IterationCosts, Recompute, Retain, Reweight
+from lean.schedules.recompute import first_update_rows
+
+TOLERANCE = 1e-10
+FLOAT64 = ["model.dtype=float64"]
+# FlowGRPO's zero-advantage filter decides the first update after the rewards (refused: tests/test_presets.py)
+KEEP_ALL = ["algorithm.skip_zero_advantage=false"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the trainable weights before, after ``iterations`` iterations of ``schedule``)."""
+    from lean.train import Trainer
+
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    for it in range(iterations):
+        trainer.iteration(it, schedule)
+    assert trainer.state.steps == iterations * cfg.train.optimizer_steps_per_iteration * cfg.train.num_inner_epochs
+    return start, [p.detach().clone() for p in trainer.params]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("flowgrpo-sd3", KEEP_ALL),  # CFG with its gradient path, KL, shuffled update order
+        ("dancegrpo-flux", []),  # per-sample step selection, rollout order, shared initial noise
+        ("flowgrpo-flux", ["train.num_inner_epochs=2"]),  # two passes over the rollout: 4 steps per rollout
+        ("flowgrpo-flux", ["parallel.layout=group", "train.rollout_batch_size=2"]),  # groups finished at the end
+    ],
+)
+def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):
+    start, reference = _trained(tiny_preset(name, *FLOAT64, *extra), "recompute")
+    assert any(not torch.equal(a, b) for a, b in zip(start, reference))
+    for schedule in ("retain", "reweight"):
+        _, weights = _trained(tiny_preset(name, *FLOAT64, *extra, f"train.schedule={schedule}"), schedule)
+        assert max(_rel(w, r) for w, r in zip(weights, reference)) < TOLERANCE, schedule
+
+
+def test_the_rollout_tracks_only_the_first_updates_samples():
+    """Retain keeps the graphs of the first update's samples only; Reweight backpropagates those alone."""
+    from lean.train import Trainer
+
+    cfg = tiny_preset("flowgrpo-flux", *FLOAT64, "train.prompts_per_iteration=4")
+    trainer = Trainer(cfg)
+    first = first_update_rows(cfg, 0, 8)
+    assert len(first) == 4 and first.tolist() != [0, 1, 2, 3]  # FlowGRPO's shuffled order: rows of both halves
+    tracked: list[torch.Tensor] = []
+
+    def record(step):
+        if step.log_prob.requires_grad:
+            tracked.append(torch.as_tensor(step.rows if not isinstance(step.rows, slice) else range(8)[step.rows]))
+
+    rolled = trainer.pipeline.roll_out(0, Retain, on_step=record)
+    assert tracked and all(rows.tolist() == first.tolist() for rows in tracked)
+    assert rolled.schedule.later is not None and not rolled.schedule.finishes_early
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path):
+    """DanceGRPO's recipe shards the frozen base (fsdp): every process tracks the same local rows of its batch, so the
+    sharded passes stay in lockstep."""
+    name = "dancegrpo-flux"
+    sets = [*tiny_preset_sets(name), *FLOAT64, "train.prompts_per_iteration=4", "train.iterations=2"]
+    sets += ["sample.num_steps=4", "train.dist_timeout_s=60"]
+    runs = {}
+    for schedule in ("recompute", "retain", "reweight"):
+        args = [f"--set={value}" for value in [*sets, f"train.schedule={schedule}"]]
+        lean_ranks(2, "train", "--preset", name, *args, "--out", str(tmp_path / schedule))
+        runs[schedule] = load_file(tmp_path / schedule / "lora.safetensors")
+    for schedule in ("retain", "reweight"):
+        assert max(_rel(runs[schedule][k], runs["recompute"][k]) for k in runs["recompute"]) < TOLERANCE, schedule
+
+
+@pytest.mark.timeout(120)
+def test_the_certificate_compares_the_first_update():
+    """``lean equivalence`` with two updates per rollout: the first update's synchronised gradient (on-policy) of each
+    schedule against Recompute's and against the float64 gradient of that update's samples."""
+    from lean.tools.equivalence import passes, run_equivalence
+
+    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *KEEP_ALL)
+    report = run_equivalence(cfg, reference=True)
+    assert passes(report, cfg.model.torch_dtype)
+    for schedule in ("recompute", "retain", "reweight"):
+        assert report["reference"][schedule]["max_rel_grad_diff"] < TOLERANCE, schedule
+    assert report["rounding"]["ratio_max_dev"] < 1e-12  # the first update is on-policy
+
+
+def test_a_hybrid_is_predicted_between_its_on_policy_form_and_recompute():
+    """s = 1 and E = 1 is the on-policy schedule; at s = 1/2 the tracked work halves and Recompute's later update
+    comes on top."""
+    on_policy = IterationCosts(
+        n=10, k=9, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=50, act_one_mb=7,
+        transient_mb=10, decode_mb=20, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
+    )  # fmt: skip
+    hybrid = IterationCosts(**{**vars(on_policy), "first_share": 0.5})
+    for schedule in (Retain, Reweight):
+        full, half, baseline = schedule.predict(on_policy), schedule.predict(hybrid), Recompute.predict(hybrid)
+        assert full.time_iteration_s < half.time_iteration_s < baseline.time_iteration_s
+    assert Recompute.predict(hybrid) == Recompute.predict(on_policy)  # every update recomputed either way
+    # Retain: 10 f - 4.5 f + 4.5 fb + score + Recompute's 0.5 K fb; half the graphs
+    assert Retain.predict(hybrid).time_iteration_s == pytest.approx(5.5 + 13.5 + 2.0 + 13.5)
+    assert Retain.predict(hybrid).peak_memory_mb == pytest.approx(100 + max(9 * 50 * 0.5 + 20, 60))
+
+
+def test_auto_weighs_only_the_schedules_that_run_the_recipe_exactly():
+    from dataclasses import replace
+
+    from lean.configure import load_config
+    from lean.plan import choose, exact_predictions
+
+    costs = IterationCosts(
+        n=10, k=9, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=50, act_one_mb=7,
+        transient_mb=10, decode_mb=20, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
+        first_share=0.5,
+    )  # fmt: skip
+    filtered = load_config(None, [], preset="flowgrpo-sd3")  # the zero-advantage filter: only Recompute is exact
+    assert set(exact_predictions(filtered, costs)) == {"recompute"}
+    assert choose(exact_predictions(filtered, costs), budget_mb=1e6)["choice"] == "recompute"
+    kept = replace(filtered, algorithm=replace(filtered.algorithm, skip_zero_advantage=False))
+    assert choose(exact_predictions(kept, costs), budget_mb=1e6)["choice"] in ("retain", "reweight")
