@@ -43,6 +43,7 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
         ("dancegrpo-flux", []),  # per-sample step selection, rollout order, shared initial noise
         ("flowgrpo-flux", ["train.num_inner_epochs=2"]),  # two passes over the rollout: 4 steps per rollout
         ("flowgrpo-flux", ["parallel.layout=group", "train.rollout_batch_size=2"]),  # groups finished at the end
+        ("flowgrpo-flux", ["model.full_finetune=true"]),  # norms trained too: Reweight one trajectory per forward
     ],
 )
 def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):
@@ -70,6 +71,7 @@ def test_the_rollout_tracks_only_the_first_updates_samples():
     rolled = trainer.pipeline.roll_out(0, Retain, on_step=record)
     assert tracked and all(rows.tolist() == first.tolist() for rows in tracked)
     assert rolled.schedule.later is not None and not rolled.schedule.finishes_early
+    assert trainer.pipeline.roll_out(0, Reweight).schedule.policy_buffers.trajectories == len(first)  # not B
 
 
 @pytest.mark.slow

@@ -64,19 +64,25 @@ def fsdp_problem(cfg: RunConfig) -> str | None:
     return None
 
 
-def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | None:
-    """(key, value, why) when the schedule ``name`` cannot run ``cfg`` exactly, or None: the algorithm's facts it
-    needs, one optimizer step per rollout for the Lean schedules, the KL terms it must drop, per-trajectory buffers
-    under a sharded full fine-tune."""
-    t, a = cfg.train, cfg.algorithm
-    schedule = SCHEDULES[name]
-    if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
-        return "train.schedule", name, f"cannot run algorithm.name={a.name} exactly: {problem}"
-    later = [
+def several_updates(cfg: RunConfig) -> list[str]:
+    """``train.<key>=<value>`` of each key that gives a rollout more than one update (empty: one, on-policy)."""
+    t = cfg.train
+    return [
         f"train.{k}={getattr(t, k)}"
         for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
         if getattr(t, k) != 1
     ]
+
+
+def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | None:
+    """(key, value, why) when the schedule ``name`` cannot run ``cfg`` exactly, or None: the algorithm's facts it
+    needs, the first update's samples before the rollout for a Lean schedule's hybrid (``hybrid.py``), the KL terms it
+    must drop, per-trajectory buffers under a sharded full fine-tune."""
+    t, a = cfg.train, cfg.algorithm
+    schedule = SCHEDULES[name]
+    if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
+        return "train.schedule", name, f"cannot run algorithm.name={a.name} exactly: {problem}"
+    later = several_updates(cfg)
     # A hybrid (hybrid.py) draws the first update's samples before the rollout: the same local rows on every process
     # (the order's stream is shared, the local batches are equal), so sharded passes stay in lockstep.
     if schedule.exact_only_on_policy and later:
@@ -113,16 +119,11 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     t = cfg.train
     if t.schedule != AUTO and (problem := schedule_problem(cfg, t.schedule)):
         raise ConfigError(*problem)
-    off_policy = [
-        f"train.{k}={getattr(t, k)} (set 1)"
-        for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
-        if getattr(t, k) != 1
-    ]
-    if t.recompute_batching != RECOMPUTE_BATCHINGS.default and off_policy:
+    if t.recompute_batching != RECOMPUTE_BATCHINGS.default and (later := several_updates(cfg)):
         raise ConfigError(
             "train.recompute_batching",
             t.recompute_batching,
-            f"batches one on-policy update like the rollout; change {' and '.join(off_policy)}",
+            f"batches one on-policy update like the rollout; change {' and '.join(f'{k} (set 1)' for k in later)}",
         )
     if cfg.parallel.shard == FSDP and (problem := fsdp_problem(cfg)):
         raise ConfigError("parallel.shard", cfg.parallel.shard, problem)

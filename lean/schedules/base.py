@@ -1,7 +1,7 @@
 """What the three schedules share: the contract, the iteration's context, the per-term loss weights, flat gradient
 buffers, and the inputs of their cost models.
 
-A schedule decides three things and nothing else:
+A schedule decides these things and nothing else:
   * ``track_grad(i)`` / ``grad_micro_batch`` / ``track_rows``: which rollout steps run with autograd on, in which
     micro-batches, for which rows;
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);

@@ -69,10 +69,13 @@ class TrajectoryBuffers:
     def combine_rows(self, rows: slice, coefficients: torch.Tensor) -> torch.Tensor:
         """sum_{b in rows} coefficients[b] buffer[b mod n]: the buffers of the local rows ``rows`` (at most n of
         them, whole units), each in its slot."""
-        n = self.trajectories
-        weights = torch.zeros(n, dtype=torch.float64, device=coefficients.device)
-        slots = torch.arange(rows.start, rows.stop, device=coefficients.device) % n
-        weights.index_add_(0, slots, coefficients[rows].to(torch.float64))
+        slots = torch.arange(rows.start, rows.stop, device=coefficients.device) % self.trajectories
+        return self.combine_slots(slots, coefficients[rows])
+
+    def combine_slots(self, slots: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """sum_i coefficients[i] buffer[slots[i]], as one flat vector in parameter order."""
+        weights = torch.zeros(self.trajectories, dtype=torch.float64, device=coefficients.device)
+        weights.index_add_(0, slots, coefficients.to(torch.float64))
         return self.combine(weights)
 
     @property

@@ -37,7 +37,8 @@ in the slice layout, where the folded buffer is not needed):
     one by one  memory = base + (U + kl - 1 [+ 1]) P + max(decode, act_one + transient)
                 time   = (n - K) f + K B kl fb_one + score + ref
 
-With S > 1 updates per rollout (the hybrid of ``hybrid.py``, U = B): the backpropagated work is s = 1/S of it, and
+With S > 1 updates per rollout (the hybrid of ``hybrid.py``, U = s B buffers, one per trajectory of the first
+update): the backpropagated work is s = 1/S of it, and
 Recompute's later updates come on top: time + (E - s)(K fb + ref), memory at least Recompute's update's.
 """
 
@@ -83,14 +84,21 @@ class Reweight(Schedule):
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows backpropagate (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows
+        # a hybrid: one buffer per trajectory of the first update, in its slot; else per row of a finishing unit
         self.unit = (ctx.finish_unit if self.finishes_early else None) or ctx.batch
+        slots = torch.arange(ctx.batch) % self.unit  # host: local row -> its buffer
+        if self.later is not None:
+            self.unit, slots = self.later.first_size, torch.zeros(ctx.batch, dtype=torch.long)
+            slots[self.later.first] = torch.arange(self.later.first_size)  # the other rows are never backpropagated
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
-        self.folded = torch.zeros(n, dtype=dtype, device=device) if self.unit < ctx.batch else None
+        self.folded = (
+            torch.zeros(n, dtype=dtype, device=device) if self.finishes_early and self.unit < ctx.batch else None
+        )
         self.finished = 0  # rows [0, finished) are folded
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
-        self.trajectory_ids = torch.arange(ctx.batch, device=device) % self.unit  # row -> its buffer in the unit
+        self.slots, self.trajectory_ids = slots, slots.to(device)  # on the host, and on the device for the hooks
         self.kept_stats: list[tuple[slice, StepLoss]] = []  # (rows, detached loss terms) for logging
         self.samples_per_update = ctx.batch if self.later is None else self.later.first_size  # N of 1/(N K)
         self.per_sample = None
@@ -129,7 +137,7 @@ class Reweight(Schedule):
         if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
             row = rows.start if isinstance(rows, slice) else int(rows[0])
-            self.policy_buffers.add(row % self.unit, grads)
+            self.policy_buffers.add(int(self.slots[row]), grads)
             return
         self.per_sample.trajectories = self.trajectory_ids[rows]
         self.per_sample.accumulating = True
@@ -154,7 +162,10 @@ class Reweight(Schedule):
         kept, n = self.ctx.kept_samples(advantages)
         scale = self.samples_per_update / n if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
-        if self.folded is None:  # slice layout: every buffer is combined here
+        if self.later is not None:  # a hybrid: the first update's trajectories, each in its slot
+            first = self.later.first.to(coefficients.device)
+            grad = self.policy_buffers.combine_slots(self.trajectory_ids[first], coefficients[first])
+        elif self.folded is None:  # slice layout: every buffer is combined here
             grad = self.policy_buffers.combine_rows(slice(0, self.ctx.batch), coefficients)
         elif self.finished < self.ctx.batch:  # a last unit no early finish folded
             grad = (
@@ -178,8 +189,9 @@ class Reweight(Schedule):
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
         # a hybrid (hybrid.py) backpropagates the first update's share s, finishes at the end, then recomputes
         s, later_mb = c.first_share, (c.later_update_mb if c.later else 0.0)
-        unit = c.local * (1.0 if c.later else c.held_fraction)  # trajectories with a buffer: the batch, or a unit
-        buffers = (unit + backwards - 1 + (unit < c.local)) * c.trainable_mb  # + the folded sum of finished units
+        unit = c.local * (s if c.later else c.held_fraction)  # trajectories with a buffer: the batch, a unit, or s
+        folded = not c.later and unit < c.local  # the folded sum of finished units
+        buffers = (unit + backwards - 1 + folded) * c.trainable_mb
         score = c.score if c.score_at_end is None or not c.later else c.score_at_end
         if c.per_row_grads:
             return Prediction(
