@@ -186,9 +186,11 @@ def forward_rows(
         step = grad_micro_batch or size
         return [(slice(start, min(start + step, size)), True) for start in range(0, size, step)]
     ids = torch.arange(size)
-    grads, others = ids[track_rows], ids[~track_rows]
-    split = list(grads.split(grad_micro_batch)) if grad_micro_batch and len(grads) else [grads]
-    return [(rows, rows is not others) for rows in (others, *split) if len(rows)]
+    tracked_ids, others = ids[track_rows], ids[~track_rows]
+    forwards = [(others, False)] if len(others) else []
+    if len(tracked_ids):
+        forwards += [(rows, True) for rows in tracked_ids.split(grad_micro_batch or len(tracked_ids))]
+    return forwards
 
 
 def local_rows(start: int, sub: slice | torch.Tensor) -> slice | torch.Tensor:

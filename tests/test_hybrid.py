@@ -18,6 +18,13 @@ FLOAT64 = ["model.dtype=float64"]
 # FlowGRPO's zero-advantage filter decides the first update after the rewards (refused: tests/test_presets.py)
 KEEP_ALL = ["algorithm.skip_zero_advantage=false"]
 
+# One process's iteration in the cost models' terms (lean.schedules.IterationCosts): on-policy, and its hybrid at S = 2
+ON_POLICY_COSTS = IterationCosts(
+    n=10, k=9, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=50, act_one_mb=7,
+    transient_mb=10, decode_mb=20, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
+)  # fmt: skip
+HYBRID_COSTS = IterationCosts(**{**vars(ON_POLICY_COSTS), "first_share": 0.5})
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -108,11 +115,7 @@ def test_the_certificate_compares_the_first_update():
 def test_a_hybrid_is_predicted_between_its_on_policy_form_and_recompute():
     """s = 1 and E = 1 is the on-policy schedule; at s = 1/2 the tracked work halves and Recompute's later update
     comes on top."""
-    on_policy = IterationCosts(
-        n=10, k=9, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=50, act_one_mb=7,
-        transient_mb=10, decode_mb=20, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
-    )  # fmt: skip
-    hybrid = IterationCosts(**{**vars(on_policy), "first_share": 0.5})
+    on_policy, hybrid = ON_POLICY_COSTS, HYBRID_COSTS
     for schedule in (Retain, Reweight):
         full, half, baseline = schedule.predict(on_policy), schedule.predict(hybrid), Recompute.predict(hybrid)
         assert full.time_iteration_s < half.time_iteration_s < baseline.time_iteration_s
@@ -128,11 +131,7 @@ def test_auto_weighs_only_the_schedules_that_run_the_recipe_exactly():
     from lean.configure import load_config
     from lean.plan import choose, exact_predictions
 
-    costs = IterationCosts(
-        n=10, k=9, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=50, act_one_mb=7,
-        transient_mb=10, decode_mb=20, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
-        first_share=0.5,
-    )  # fmt: skip
+    costs = HYBRID_COSTS
     filtered = load_config(None, [], preset="flowgrpo-sd3")  # the zero-advantage filter: only Recompute is exact
     assert set(exact_predictions(filtered, costs)) == {"recompute"}
     assert choose(exact_predictions(filtered, costs), budget_mb=1e6)["choice"] == "recompute"
