@@ -97,6 +97,9 @@ def choices(section: Any, prefix: str) -> None:
             check_choice(f"{prefix}.{f.name}", getattr(section, f.name), allowed)
 
 
+AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that fits (lean.schedules); layouts too
+
+
 # ---------------------------------------------------------------- sections
 
 
@@ -341,6 +344,12 @@ class AlgorithmConfig:
     skip_zero_advantage: bool = False
     """Samples whose advantage is 0 (a group with equal rewards) leave the update, and the loss is averaged over the
     others (FlowGRPO's SD3, Fast and Wan scripts filter them; its FLUX script does not)."""
+    zero_advantage_order: str = choice("zero-advantage order", AUTO, also=(AUTO,))
+    """With ``skip_zero_advantage`` and several updates per rollout, a name of
+    ``lean.schedules.recompute.ZERO_ADVANTAGE_ORDERS``: ``filter_then_split`` (FlowGRPO: the kept samples are split
+    into the updates), ``split_then_filter`` (the updates' samples are drawn from all before the rollout, each update
+    drops its zero-advantage ones: what the hybrid schedules need), or ``auto``: the second under a hybrid schedule,
+    else the first."""
 
     def validate(self) -> None:
         choices(self, "algorithm")
@@ -351,7 +360,6 @@ class AlgorithmConfig:
 
 
 ON_NONFINITE = ("abort", "skip")
-AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that fits (lean.schedules); layouts too
 
 
 @dataclass

@@ -49,16 +49,23 @@ def test_did_you_mean():
 
 def test_several_updates_per_rollout_run_as_hybrids_unless_the_first_is_known_late():
     """A Lean schedule with several updates per rollout is a hybrid (lean.schedules.hybrid): it needs the first
-    update's samples before the rewards, which FlowGRPO's zero-advantage filter decides after them."""
+    update's samples before the rewards. With the zero-advantage filter it splits first (``auto``); FlowGRPO's order,
+    asked for explicitly, decides them after the rewards and is refused in one line naming the key."""
+    skip = "algorithm.skip_zero_advantage=true"
     for steps in (["train.optimizer_steps_per_iteration=2"], ["train.num_inner_epochs=2"]):
         for schedule in ("retain", "reweight"):
             load_config(None, [f"train.schedule={schedule}", *steps])
-            with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage") as err:
-                load_config(None, [f"train.schedule={schedule}", *steps, "algorithm.skip_zero_advantage=true"])
+            load_config(None, [f"train.schedule={schedule}", *steps, skip, "algorithm.beta=0.04"])
+            filter_first = "algorithm.zero_advantage_order=filter_then_split"
+            with pytest.raises(ConfigError, match="algorithm.zero_advantage_order") as err:
+                load_config(None, [f"train.schedule={schedule}", *steps, skip, filter_first])
             assert steps[0] in str(err.value) and "\n" not in str(err.value)
             # the one-step form needs one pass over the rollout: offered only then
             assert ("train.on_policy=true" in str(err.value)) == ("num_inner_epochs" not in steps[0])
     load_config(None, ["train.schedule=recompute", "train.num_inner_epochs=2", "train.optimizer_steps_per_iteration=2"])
+    with pytest.raises(ConfigError, match="algorithm.zero_advantage_order=.first") as err:
+        load_config(None, ["algorithm.zero_advantage_order=first"])
+    assert "split_then_filter" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_world_size_must_divide_the_batch():

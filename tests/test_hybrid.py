@@ -15,8 +15,10 @@ from lean.schedules.recompute import first_update_rows
 
 TOLERANCE = 1e-10
 FLOAT64 = ["model.dtype=float64"]
-# FlowGRPO's zero-advantage filter decides the first update after the rewards (refused: tests/test_presets.py)
-KEEP_ALL = ["algorithm.skip_zero_advantage=false"]
+# The colourless prompt's group scores 0 throughout (color_match): its advantages are 0, and FlowGRPO's filter drops it
+ZERO_GROUP = ["train.prompts=[a red circle on a white background, plain]"]
+# what the hybrids run under the filter (auto): Recompute with the same order is the reference
+SPLIT_FIRST = ["algorithm.zero_advantage_order=split_then_filter"]
 
 # One process's iteration in the cost models' terms (lean.schedules.IterationCosts): on-policy, and its hybrid at S = 2
 ON_POLICY_COSTS = IterationCosts(
@@ -46,7 +48,7 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
 @pytest.mark.parametrize(
     "name,extra",
     [
-        ("flowgrpo-sd3", KEEP_ALL),  # CFG with its gradient path, KL, shuffled update order
+        ("flowgrpo-sd3", ZERO_GROUP),  # CFG with its gradient path, KL, shuffled order, zero-advantage filter
         ("dancegrpo-flux", []),  # per-sample step selection, rollout order, shared initial noise
         ("flowgrpo-flux", ["train.num_inner_epochs=2"]),  # two passes over the rollout: 4 steps per rollout
         ("flowgrpo-flux", ["parallel.layout=group", "train.rollout_batch_size=2"]),  # groups finished at the end
@@ -54,7 +56,7 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
     ],
 )
 def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):
-    start, reference = _trained(tiny_preset(name, *FLOAT64, *extra), "recompute")
+    start, reference = _trained(tiny_preset(name, *FLOAT64, *extra, *SPLIT_FIRST), "recompute")
     assert any(not torch.equal(a, b) for a, b in zip(start, reference))
     for schedule in ("retain", "reweight"):
         _, weights = _trained(tiny_preset(name, *FLOAT64, *extra, f"train.schedule={schedule}"), schedule)
@@ -83,15 +85,22 @@ def test_the_rollout_tracks_only_the_first_updates_samples():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path):
-    """DanceGRPO's recipe shards the frozen base (fsdp): every process tracks the same local rows of its batch, so the
-    sharded passes stay in lockstep."""
-    name = "dancegrpo-flux"
-    sets = [*tiny_preset_sets(name), *FLOAT64, "train.prompts_per_iteration=4", "train.iterations=2"]
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("dancegrpo-flux", []),  # sharded base (fsdp): every process tracks the same local rows, passes in lockstep
+        ("flowgrpo-sd3", ["train.prompts=[a red circle on a white background, plain, a green square, blue]"]),
+    ],
+)
+def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path, name, extra):
+    """Two processes, each with half of every update: DanceGRPO's sharded recipe, and FlowGRPO's SD3 one with a group
+    of zero advantages (each process filters its own share of every update)."""
+    sets = [*tiny_preset_sets(name), *FLOAT64, *extra, "train.prompts_per_iteration=4", "train.iterations=2"]
     sets += ["sample.num_steps=4", "train.dist_timeout_s=60"]
     runs = {}
     for schedule in ("recompute", "retain", "reweight"):
-        args = [f"--set={value}" for value in [*sets, f"train.schedule={schedule}"]]
+        reference = SPLIT_FIRST if schedule == "recompute" else []
+        args = [f"--set={value}" for value in [*sets, *reference, f"train.schedule={schedule}"]]
         lean_ranks(2, "train", "--preset", name, *args, "--out", str(tmp_path / schedule))
         runs[schedule] = load_file(tmp_path / schedule / "lora.safetensors")
     for schedule in ("retain", "reweight"):
@@ -104,7 +113,9 @@ def test_the_certificate_compares_the_first_update():
     schedule against Recompute's and against the float64 gradient of that update's samples."""
     from lean.tools.equivalence import passes, run_equivalence
 
-    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *KEEP_ALL)
+    # zero_advantage_order auto: the hybrids' order; 4 groups, one of zero advantages, so the first update keeps some
+    prompts = "train.prompts=[a red circle on a white background, plain, a green square, a blue triangle]"
+    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, prompts, "train.prompts_per_iteration=4")
     report = run_equivalence(cfg, reference=True)
     assert passes(report, cfg.model.torch_dtype)
     for schedule in ("recompute", "retain", "reweight"):
@@ -132,8 +143,19 @@ def test_auto_weighs_only_the_schedules_that_run_the_recipe_exactly():
     from lean.plan import choose, exact_predictions
 
     costs = HYBRID_COSTS
-    filtered = load_config(None, [], preset="flowgrpo-sd3")  # the zero-advantage filter: only Recompute is exact
+    recipe = load_config(None, [], preset="flowgrpo-sd3")
+    assert choose(exact_predictions(recipe, costs), budget_mb=1e6)["choice"] in ("retain", "reweight")
+    # FlowGRPO's own filter order decides the first update after the rewards: only Recompute is exact
+    filtered = replace(recipe, algorithm=replace(recipe.algorithm, zero_advantage_order="filter_then_split"))
     assert set(exact_predictions(filtered, costs)) == {"recompute"}
     assert choose(exact_predictions(filtered, costs), budget_mb=1e6)["choice"] == "recompute"
-    kept = replace(filtered, algorithm=replace(filtered.algorithm, skip_zero_advantage=False))
-    assert choose(exact_predictions(kept, costs), budget_mb=1e6)["choice"] in ("retain", "reweight")
+
+
+@pytest.mark.timeout(120)
+def test_the_zero_advantage_order_changes_the_updates():
+    """With a group of zero advantages the two orders train different updates (the cases above drop samples), and
+    each hybrid update averages over the kept samples it holds."""
+    sets = ["flowgrpo-sd3", *FLOAT64, *ZERO_GROUP]
+    _, filtered = _trained(tiny_preset(*sets, "algorithm.zero_advantage_order=filter_then_split"), "recompute", 1)
+    _, split = _trained(tiny_preset(*sets, *SPLIT_FIRST), "recompute", 1)
+    assert max(_rel(a, b) for a, b in zip(filtered, split)) > 1e-6

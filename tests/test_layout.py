@@ -25,8 +25,9 @@ CASES = {
     "kl": ["algorithm.beta=0.04"],
     "half-group-micro-batches": ["train.group_size=4", "train.rollout_batch_size=2", "sample.cfg=false"],
     "two-groups-per-micro-batch": ["train.prompts_per_iteration=4", "train.rollout_batch_size=4"],
-    "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update
+    "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update, KL terms too
         "algorithm.skip_zero_advantage=true",
+        "algorithm.beta=0.04",
         "train.prompts=[a red circle on a white background, plain, a blue square on a green background]",
     ],
 }

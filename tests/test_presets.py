@@ -144,33 +144,35 @@ def test_flux_shift_is_the_pipelines_mu_at_512px():
 
 @pytest.mark.parametrize("name", PRESETS)
 @pytest.mark.parametrize("schedule", ["retain", "reweight"])
-def test_lean_schedules_run_the_recipe_as_hybrids_or_name_the_key(name, schedule):
+def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     """Every published recipe takes several optimizer steps per rollout: a Lean schedule runs it as a hybrid
-    (lean.schedules.hybrid) where the first update's samples are known before the rewards; FlowGRPO's zero-advantage
-    filter decides them after (SD3, Fast, Wan), and the refusal names it and the on-policy form."""
+    (lean.schedules.hybrid). Under FlowGRPO's zero-advantage filter (SD3, Fast, Wan) the hybrid splits before it
+    filters; FlowGRPO's own order, asked for explicitly, decides the first update after the rewards: refused, naming
+    the key and the on-policy form."""
     recipe = load_config(None, [], preset=name)
     assert recipe.train.optimizer_steps_per_iteration > 1
+    assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1
     if not recipe.algorithm.skip_zero_advantage:
-        assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1
         return
-    with pytest.raises(ConfigError, match="algorithm.skip_zero_advantage") as err:
-        load_config(None, [f"train.schedule={schedule}"], preset=name)
+    with pytest.raises(ConfigError, match="algorithm.zero_advantage_order") as err:
+        load_config(None, [f"train.schedule={schedule}", "algorithm.zero_advantage_order=filter_then_split"], preset=name)
     assert "train.optimizer_steps_per_iteration=2" in str(err.value) and "train.on_policy=true" in str(err.value)
-    load_config(None, [f"train.schedule={schedule}", "algorithm.skip_zero_advantage=false"], preset=name)
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
     """``train.on_policy``: S optimizer steps per rollout become S rollouts of one step each, with the recipe's
-    samples per step; the Lean schedules then run it (those that can: Reweight sums KL terms that FlowGRPO's SD3 and
-    Wan recipes drop), and ``auto`` chooses among the schedules that run a config exactly."""
+    samples per step; the Lean schedules then run it, and ``auto`` chooses among the schedules that run a config
+    exactly."""
     from lean.configure import validate
     from lean.schedules import BASELINE, runnable
 
     recipe = load_config(None, [], preset=name)
     t, steps = recipe.train, recipe.train.optimizer_steps_per_iteration
     every = ["recompute", "retain", "reweight"]
-    assert runnable(recipe) == ([BASELINE] if recipe.algorithm.skip_zero_advantage else every)  # hybrids at S > 1
+    assert runnable(recipe) == every  # hybrids at S > 1
+    filter_first = load_config(None, ["algorithm.zero_advantage_order=filter_then_split"], preset=name)
+    assert runnable(filter_first) == ([BASELINE] if recipe.algorithm.skip_zero_advantage else every)
     form = load_config(None, ["train.on_policy=true", "train.schedule=auto"], preset=name)
     assert (
         form.train.optimizer_steps_per_iteration == 1
@@ -181,8 +183,7 @@ def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
     assert form.train.prompts_per_iteration * form.train.group_size == per_step  # the samples of one optimizer step
     validate(form)  # validating again changes nothing
     assert form.train.prompts_per_iteration * steps == t.prompts_per_iteration
-    kl_dropped = recipe.algorithm.skip_zero_advantage and recipe.algorithm.beta > 0
-    assert runnable(form) == every[: 2 if kl_dropped else 3]
+    assert runnable(form) == every  # Reweight keeps the KL gradients per trajectory where samples may be dropped
 
 
 @pytest.mark.parametrize(
@@ -246,8 +247,9 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
 
     args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
     assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
-    assert main([*args, "--set", "train.schedule=retain", "--out", str(tmp_path / "refused")]) == 2
-    assert "algorithm.skip_zero_advantage" in (err := capsys.readouterr().err) and "train.on_policy=true" in err
+    refused = ["--set", "train.schedule=retain", "--set", "algorithm.zero_advantage_order=filter_then_split"]
+    assert main([*args, *refused, "--out", str(tmp_path / "refused")]) == 2
+    assert "algorithm.zero_advantage_order" in (err := capsys.readouterr().err) and "train.on_policy=true" in err
     on_policy = ["--set", "train.schedule=retain", "--set", "train.on_policy=true"]
     assert main([*args, *on_policy, "--out", str(tmp_path / "retain")]) == 0
     for run in ("recompute", "retain"):

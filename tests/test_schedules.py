@@ -44,8 +44,9 @@ MATRIX = {
         "algorithm.adv_eps=1e-8",
         "train.shuffle_update=false",
     ],
-    "flux-skip-zero-advantage": [  # the colourless prompt's group scores 0 throughout: A = 0, dropped
+    "flux-skip-zero-advantage": [  # the colourless prompt's group scores 0 throughout: A = 0, dropped with its KL
         "algorithm.skip_zero_advantage=true",
+        "algorithm.beta=0.04",
         "train.prompts=[a red circle on a white background, plain]",
     ],
     # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.scoring)

@@ -88,6 +88,11 @@ class Algorithm:
         """Every sample's target [N] (float64) from the rewards [N] of the whole batch (all processes)."""
         raise NotImplementedError
 
+    @property
+    def drops_samples(self) -> bool:
+        """Whether :meth:`kept_samples` can leave samples out (then with their regulariser terms)."""
+        return False
+
     def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
         """(which samples an update keeps [B], or None for all; how many, the N of the objective's 1/(N K))."""
         return None, targets.shape[0]

@@ -102,10 +102,14 @@ class GRPO(Algorithm):
             rewards, group_ids, global_std=a.global_std, clip=a.adv_clip_max, eps=a.adv_eps, std_estimator=a.adv_std
         )
 
+    @property
+    def drops_samples(self) -> bool:
+        return self.cfg.skip_zero_advantage
+
     def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
         """With ``skip_zero_advantage`` the samples whose advantage is 0 leave the update. The count stays on the
         advantages' device (no host read); an all-dropped batch counts 1 and weighs 0."""
-        if not self.cfg.skip_zero_advantage:
+        if not self.drops_samples:
             return None, targets.shape[0]
         kept = targets != 0
         return kept, kept.sum().clamp_min(1)

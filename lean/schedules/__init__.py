@@ -3,13 +3,14 @@ the contract and what they share. Adding a schedule is one new file plus one :da
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from lean.algorithms import ALGORITHMS, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
 from lean.registry import Registry
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
-from lean.schedules.recompute import RECOMPUTE_BATCHINGS, Recompute
+from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.retain import Retain
 from lean.schedules.reweight import Reweight
 from lean.sharding import FSDP
@@ -50,11 +51,12 @@ def whole_gradient_buffers(cfg: RunConfig, name: str) -> str | None:
 
 def fsdp_problem(cfg: RunConfig) -> str | None:
     """Why ``parallel.shard=fsdp`` cannot run ``cfg``'s schedule (every schedule under ``auto``), or None."""
-    t = cfg.train
+    t, later = cfg.train, several_updates(cfg)
     if t.schedule != AUTO and (problem := whole_gradient_buffers(cfg, t.schedule)):
         return problem
     schedules = [SCHEDULES[name] for name in runnable(cfg)] if t.schedule == AUTO else [SCHEDULES[t.schedule]]
-    update_forwards = [s for s in schedules if not s.tracks_rollout_graphs]  # the update recomputes the steps
+    # the update recomputes the steps: Recompute, and a hybrid's later updates
+    update_forwards = [s for s in schedules if not s.tracks_rollout_graphs or (s.exact_only_on_policy and later)]
     if cfg.algorithm.skip_zero_advantage and update_forwards and t.recompute_batching == RECOMPUTE_BATCHINGS.default:
         return (
             f"with algorithm.skip_zero_advantage, {BASELINE}'s update runs as many forwards as a process keeps "
@@ -76,8 +78,8 @@ def several_updates(cfg: RunConfig) -> list[str]:
 
 def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | None:
     """(key, value, why) when the schedule ``name`` cannot run ``cfg`` exactly, or None: the algorithm's facts it
-    needs, the first update's samples before the rollout for a Lean schedule's hybrid (``hybrid.py``), the KL terms it
-    must drop, per-trajectory buffers under a sharded full fine-tune."""
+    needs, the first update's samples before the rollout for a Lean schedule's hybrid (``hybrid.py``), per-trajectory
+    buffers under a sharded full fine-tune."""
     t, a = cfg.train, cfg.algorithm
     schedule = SCHEDULES[name]
     if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
@@ -85,27 +87,28 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
     later = several_updates(cfg)
     # A hybrid (hybrid.py) draws the first update's samples before the rollout: the same local rows on every process
     # (the order's stream is shared, the local batches are equal), so sharded passes stay in lockstep.
-    if schedule.exact_only_on_policy and later:
-        if a.skip_zero_advantage:
-            on_policy = "train.on_policy=true (the recipe's one-step form), or " if t.num_inner_epochs == 1 else ""
-            return (
-                "algorithm.skip_zero_advantage",
-                True,
-                f"splits only the nonzero-advantage samples into the updates (FlowGRPO), so with {' and '.join(later)} "
-                f"the first update's samples are known only after the rewards, and train.schedule={name} cannot roll "
-                f"them out with gradients; set algorithm.skip_zero_advantage=false, or {on_policy}use "
-                f"train.schedule={BASELINE}",
-            )
-    if a.skip_zero_advantage and a.beta > 0 and not schedule.drops_kl_terms:
+    if schedule.exact_only_on_policy and later and a.skip_zero_advantage and not splits_first(cfg, hybrid=True):
+        on_policy = "train.on_policy=true (the recipe's one-step form), or " if t.num_inner_epochs == 1 else ""
         return (
-            "algorithm.skip_zero_advantage",
-            True,
-            f"drops samples' KL terms after the rollout, which train.schedule={name} cannot (it sums them during "
-            "the rollout); use train.schedule=recompute or retain, or algorithm.beta=0",
+            "algorithm.zero_advantage_order",
+            a.zero_advantage_order,
+            f"splits only the nonzero-advantage samples into the updates (FlowGRPO), so with {' and '.join(later)} "
+            f"the first update's samples are known only after the rewards, and train.schedule={name} cannot roll "
+            f"them out with gradients; set algorithm.zero_advantage_order=split_then_filter (or auto), or "
+            f"{on_policy}use train.schedule={BASELINE}",
         )
     if cfg.parallel.shard == FSDP and (problem := whole_gradient_buffers(cfg, name)):
         return "parallel.shard", cfg.parallel.shard, problem
     return None
+
+
+def compared_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as the certificate runs every schedule on it: ``algorithm.zero_advantage_order: auto`` resolved to the
+    hybrids' order when they apply (Recompute then draws its first update as they do, and the gradients compare)."""
+    a = cfg.algorithm
+    if a.skip_zero_advantage and a.zero_advantage_order == AUTO and several_updates(cfg):
+        return dataclasses.replace(cfg, algorithm=dataclasses.replace(a, zero_advantage_order=SPLIT_THEN_FILTER))
+    return cfg
 
 
 def runnable(cfg: RunConfig) -> list[str]:
@@ -132,6 +135,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
 __all__ = [
     "algorithm_problem",
     "check_config",
+    "compared_config",
     "fsdp_problem",
     "runnable",
     "schedule_problem",

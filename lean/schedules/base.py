@@ -191,7 +191,6 @@ class Schedule:
     needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
     backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
-    drops_kl_terms = True  # it can leave a sample's KL term out once the advantages are known (skip_zero_advantage)
 
     def __init__(self, ctx: IterationContext):
         self.ctx = ctx

@@ -14,8 +14,16 @@ of the graphs, Reweight backpropagates |C_1| / B of the trajectories, and step 1
 stores every trained step's x_i, x_{i+1} and log p_old (:class:`LaterUpdates`, a Recompute), from which steps 2..SE
 are recomputed exactly as Recompute computes them. The iteration ends with Recompute's weights.
 
-Not with ``algorithm.skip_zero_advantage``: FlowGRPO drops the zero-advantage samples first and splits the rest, so
-C_1 is known only after the rewards (``lean.schedules.schedule_problem`` refuses, naming the key).
+With ``algorithm.skip_zero_advantage`` the order of the filter and the split matters. FlowGRPO drops the
+zero-advantage samples first and splits the rest (``algorithm.zero_advantage_order: filter_then_split``), so C_1 would
+be known only after the rewards. A hybrid splits first and filters each chunk (``split_then_filter``, what ``auto``
+takes under a hybrid): C_1 is drawn from every sample before the rollout, and step 1 averages over its kept samples,
+
+    grad = 1/(|C_1 kept| K) sum_{b in C_1, A_b != 0} sum_{j in T_b} [ -A_b dlog p_bj + beta dKL_bj ]
+
+Each update still averages over the kept samples it holds, and every sample is in exactly one update per epoch: only
+how many kept samples each update gets varies (hypergeometric around FlowGRPO's even split). Recompute with
+``split_then_filter`` computes the same steps, and the certificate compares against it.
 
 Cost against the on-policy schedule (``predict``, s = |C_1| / B): the tracked work of the rollout is s of it, and the
 later updates cost Recompute's (E - s) K fb.
@@ -37,13 +45,20 @@ class LaterUpdates:
 
     def __init__(self, ctx: IterationContext, first: torch.Tensor):
         self.first = first  # host ids of the first update's local samples, ascending
-        self.recompute = Recompute(ctx)
+        self.recompute = Recompute(ctx, hybrid=True)
         self.track_rows = rows_mask(ctx.batch, first)
 
     @property
     def first_size(self) -> int:
-        """|C_1|: the N of the first update's 1/(N K)."""
+        """|C_1|: the rows the rollout tracks."""
         return len(self.first)
+
+    def first_count(self, kept: torch.Tensor | None) -> int | torch.Tensor:
+        """The N of the first update's 1/(N K): |C_1|, or with ``kept`` [B] (skip_zero_advantage) the kept samples
+        of C_1 (on kept's device; an all-dropped C_1 counts 1 and weighs 0)."""
+        if kept is None:
+            return self.first_size
+        return kept[self.first.to(kept.device)].sum().clamp_min(1)
 
     def on_step(self, step: StepOutput) -> None:
         self.recompute.on_step(step)

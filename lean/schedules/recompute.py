@@ -51,6 +51,16 @@ RECOMPUTE_BATCHINGS: Registry[str] = Registry(
     ],
 )
 ROLLOUT_BATCHING = "rollout"
+# With algorithm.skip_zero_advantage and several updates per rollout: which comes first, dropping the zero-advantage
+# samples or splitting the samples into the updates (algorithm.zero_advantage_order; auto resolves per schedule)
+ZERO_ADVANTAGE_ORDERS: Registry[str] = Registry(
+    "zero-advantage order",
+    [
+        ("filter_then_split", "FlowGRPO: the kept samples are split into the updates (known after the rewards)"),
+        ("split_then_filter", "the updates' samples are drawn before the rollout; each drops its zero-advantage ones"),
+    ],
+)
+FILTER_THEN_SPLIT, SPLIT_THEN_FILTER = ZERO_ADVANTAGE_ORDERS
 # FLOP and time regions of the update's forwards: the first update's repeats the rollout's (on-policy: what the Lean
 # schedules remove); a later update's runs under weights the earlier ones moved, so the algorithm needs it
 RECOMPUTE_FORWARD, LATER_UPDATE_FORWARD = "recompute_forward", "update_forward"
@@ -78,8 +88,8 @@ def update_order(t: TrainConfig, iteration: int, samples: torch.Tensor, epoch: i
 
 def first_update_rows(cfg: RunConfig, iteration: int, batch: int) -> torch.Tensor | None:
     """The local samples of an iteration's first optimizer step, host ids ascending, as the update will draw them
-    (every sample kept): the update that runs under the rollout's own weights. None when it is the only update
-    (one optimizer step per rollout, one inner epoch)."""
+    before any zero-advantage sample leaves (``split_then_filter``): the update that runs under the rollout's own
+    weights. None when it is the only update (one optimizer step per rollout, one inner epoch)."""
     t = cfg.train
     if t.optimizer_steps_per_iteration == 1 and t.num_inner_epochs == 1:
         return None
@@ -101,11 +111,22 @@ def _chunks(order: torch.Tensor, count: int) -> list[torch.Tensor]:
     return chunks + [order[:0]] * (count - len(chunks))
 
 
+def splits_first(cfg: RunConfig, hybrid: bool) -> bool:
+    """Whether the updates' samples are split before the zero-advantage ones leave (``split_then_filter``), for a
+    hybrid schedule's updates or Recompute's: ``algorithm.zero_advantage_order``, ``auto`` taking the one each
+    needs (a hybrid draws its first update before the rollout; Recompute keeps FlowGRPO's order)."""
+    order = cfg.algorithm.zero_advantage_order
+    return order == SPLIT_THEN_FILTER or (order not in ZERO_ADVANTAGE_ORDERS and hybrid)
+
+
 class Recompute(Schedule):
     tracks_rollout_graphs = False
 
-    def __init__(self, ctx: IterationContext):
+    def __init__(self, ctx: IterationContext, hybrid: bool = False):
+        """``hybrid``: the later updates of a hybrid schedule (``hybrid.py``), whose first update drew its samples
+        before the rollout."""
         super().__init__(ctx)
+        self.split_first = splits_first(ctx.cfg, hybrid)
         self.samples: dict[int, torch.Tensor] = {}  # step i -> x_i [B, ...]
         self.next_samples: dict[int, torch.Tensor] = {}
         self.old_log_probs: dict[int, torch.Tensor] = {}
@@ -150,7 +171,8 @@ class Recompute(Schedule):
         """Every update but the first (a hybrid schedule computed that one from the rollout's graphs): (the loss terms
         recomputed, the last optimizer step's stats)."""
         losses, step_stats = [], {}
-        for update in self._shuffled_batches(None, skip_first=True):
+        kept, _ = self.ctx.kept_samples(advantages)
+        for update in self._shuffled_batches(kept, skip_first=True):
             for batch in update:
                 losses.append(self._backward(batch, advantages, joint_cfg=False, region=LATER_UPDATE_FORWARD))
             step_stats = optimizer_step()
@@ -159,16 +181,22 @@ class Recompute(Schedule):
     def _shuffled_batches(self, kept: torch.Tensor | None, skip_first: bool = False) -> Iterator[list[Terms]]:
         """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) in :func:`update_order`, split
         into one chunk per optimizer step, in micro-batches of train_batch_size; within one, the j-th trained step of
-        every sample (ascending). ``skip_first``: all but the first epoch's first chunk."""
+        every sample (ascending). With ``split_first`` every sample is ordered and split, and each chunk then drops
+        the samples not kept. ``skip_first``: all but the first epoch's first chunk."""
         ctx, t = self.ctx, self.ctx.cfg.train
         trained_steps = [torch.nonzero(row).flatten() for row in ctx.steps.trained]  # per sample, ascending (host)
         device = ctx.sigmas.device
-        samples = torch.arange(ctx.batch) if kept is None else torch.nonzero(kept.cpu()).flatten()
+        keep = None if kept is None else kept.cpu()
+        samples = torch.arange(ctx.batch)
+        if keep is not None and not self.split_first:
+            samples = samples[keep]
         for epoch in range(t.num_inner_epochs):
             order = update_order(t, ctx.iteration, samples, epoch)
             for c, chunk in enumerate(_chunks(order, t.optimizer_steps_per_iteration)):
                 if skip_first and epoch == 0 and c == 0:
                     continue
+                if keep is not None and self.split_first:
+                    chunk = chunk[keep[chunk]]
                 update = []
                 for rows in chunk.split(t.train_batch_size) if len(chunk) else ():  # host-side ids; device below
                     on_device = rows.to(device)

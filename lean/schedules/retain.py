@@ -141,8 +141,8 @@ class Retain(Schedule):
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         kept, n = self.ctx.kept_samples(advantages)
-        if self.later is not None:  # the first update's samples (skip_zero_advantage is refused with later updates)
-            n = self.later.first_size
+        if self.later is not None:  # the first update's (kept) samples
+            n = self.later.first_count(kept)
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []
         if self.unscaled:

@@ -32,10 +32,14 @@ B buffers become U + 1.
 Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1; U = B
 in the slice layout, where the folded buffer is not needed):
 
-    batched     memory = base + (U + kl - 1 [+ 1]) P + max(decode, act + transient)
+    batched     memory = base + (U + Q [+ 1]) P + max(decode, act + transient)
                 time   = n f + K kl (fb - f) + score + ref
-    one by one  memory = base + (U + kl - 1 [+ 1]) P + max(decode, act_one + transient)
+    one by one  memory = base + (U + Q [+ 1]) P + max(decode, act_one + transient)
                 time   = (n - K) f + K B kl fb_one + score + ref
+
+where Q counts the KL buffers: 0 without the KL term, 1, or U when the algorithm drops samples after the rewards
+(``algorithm.skip_zero_advantage``: a dropped sample's KL term leaves with it, so each trajectory keeps its own Q_b
+and grad = sum_b (A_b / Â_b) P_b + sum_{b kept} Q_b).
 
 With S > 1 updates per rollout (the hybrid of ``hybrid.py``, U = s B buffers, one per trajectory of the first
 update): the backpropagated work is s = 1/S of it, and
@@ -72,7 +76,6 @@ class Reweight(Schedule):
     exact_only_on_policy = True
     needs = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET})  # the rollout's graph, and the A / Â fold
     backward_in_rollout = True
-    drops_kl_terms = False  # the KL gradient is summed over trajectories during the rollout
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -93,6 +96,11 @@ class Reweight(Schedule):
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
+        # a sample the algorithm may drop after the rewards (skip_zero_advantage) takes its KL term with it: then the
+        # KL gradients are kept per trajectory too, Q_b, and only the kept ones are summed
+        self.kl_buffers = None
+        if ctx.algorithm.kl_weight and ctx.algorithm.drops_samples:
+            self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, self.unit), None
         self.folded = (
             torch.zeros(n, dtype=dtype, device=device) if self.finishes_early and self.unit < ctx.batch else None
         )
@@ -110,7 +118,8 @@ class Reweight(Schedule):
     @property
     def buffer_mb(self) -> float:
         flat = [b for b in (self.kl_buffer, self.folded) if b is not None]
-        return (self.policy_buffers.nbytes + sum(b.numel() * b.element_size() for b in flat)) / 2**20
+        per_trajectory = self.policy_buffers.nbytes + (self.kl_buffers.nbytes if self.kl_buffers else 0)
+        return (per_trajectory + sum(b.numel() * b.element_size() for b in flat)) / 2**20
 
     def on_step(self, step: StepOutput) -> None:
         if self.later is not None:
@@ -124,22 +133,30 @@ class Reweight(Schedule):
             return  # DanceGRPO-style selection: another trajectory trains this step, these do not
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
-            self._policy_backward((weights * loss.policy).sum(), step.rows, retain_graph=ref is not None)
+            self._per_trajectory_backward(
+                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=ref is not None
+            )
             if ref is not None:
                 kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
-                grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
-                self.kl_buffer += flat_grad(self.params, grads)
+                if self.kl_buffers is not None:
+                    self._per_trajectory_backward(kl_loss, step.rows, self.kl_buffers, retain_graph=False)
+                else:
+                    grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
+                    self.kl_buffer += flat_grad(self.params, grads)
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
-    def _policy_backward(self, loss: torch.Tensor, rows: slice | torch.Tensor, retain_graph: bool) -> None:
-        """Add each trajectory's gradient of ``loss`` to its own buffer."""
+    def _per_trajectory_backward(
+        self, loss: torch.Tensor, rows: slice | torch.Tensor, buffers: TrajectoryBuffers, retain_graph: bool
+    ) -> None:
+        """Add each trajectory's gradient of ``loss`` to its own buffer of ``buffers``."""
         if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
             row = rows.start if isinstance(rows, slice) else int(rows[0])
-            self.policy_buffers.add(int(self.slots[row]), grads)
+            buffers.add(int(self.slots[row]), grads)
             return
         self.per_sample.trajectories = self.trajectory_ids[rows]
+        self.per_sample.buffers = buffers
         self.per_sample.accumulating = True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
             torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
@@ -150,6 +167,10 @@ class Reweight(Schedule):
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
         advantages and free the buffers for the next unit."""
         folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
+        if self.kl_buffers is not None:  # the kept trajectories' KL terms
+            kept, _ = self.ctx.kept_samples(advantages)
+            folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
+            self.kl_buffers.storage.zero_()
         self.folded += folded
         self.policy_buffers.storage.zero_()
         self.finished = rows.stop
@@ -160,18 +181,21 @@ class Reweight(Schedule):
         # The buffers hold each trajectory's gradient at weight 1/(N K) and the provisional advantage: rescale both.
         # A dropped sample (skip_zero_advantage) has A = 0, and the others' N is the kept count.
         kept, n = self.ctx.kept_samples(advantages)
+        if self.later is not None:
+            n = self.later.first_count(kept)
         scale = self.samples_per_update / n if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
+        kl_coefficients = None if self.kl_buffers is None else kept.to(torch.float64) * scale  # Q_b of kept b
         if self.later is not None:  # a hybrid: the first update's trajectories, each in its slot
             first = self.later.first.to(coefficients.device)
-            grad = self.policy_buffers.combine_slots(self.trajectory_ids[first], coefficients[first])
+            grad = self._combine(self.trajectory_ids[first], coefficients[first], kl_coefficients, first)
         elif self.folded is None:  # slice layout: every buffer is combined here
-            grad = self.policy_buffers.combine_rows(slice(0, self.ctx.batch), coefficients)
+            rows = torch.arange(self.ctx.batch, device=coefficients.device)
+            grad = self._combine(self.trajectory_ids, coefficients, kl_coefficients, rows)
         elif self.finished < self.ctx.batch:  # a last unit no early finish folded
-            grad = (
-                self.policy_buffers.combine_rows(slice(self.finished, self.ctx.batch), coefficients)
-                + self.folded * scale
-            )
+            rows = torch.arange(self.finished, self.ctx.batch, device=coefficients.device)
+            grad = self._combine(self.trajectory_ids[rows], coefficients[rows], kl_coefficients, rows)
+            grad = grad + self.folded * scale
         else:
             grad = self.folded * scale
         if self.kl_buffer is not None:
@@ -184,6 +208,15 @@ class Reweight(Schedule):
             logged += recomputed
         return {**loss_stats(logged), "reweight_buffer_mb": self.buffer_mb, **step_stats}
 
+    def _combine(
+        self, slots: torch.Tensor, coefficients: torch.Tensor, kl_coefficients: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_i coefficients[i] P_{slots[i]} (+ kl_coefficients[rows[i]] Q_{slots[i]} with per-trajectory KL)."""
+        grad = self.policy_buffers.combine_slots(slots, coefficients)
+        if kl_coefficients is not None:
+            grad = grad + self.kl_buffers.combine_slots(slots, kl_coefficients[rows])
+        return grad
+
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
@@ -191,7 +224,9 @@ class Reweight(Schedule):
         s, later_mb = c.first_share, (c.later_update_mb if c.later else 0.0)
         unit = c.local * (s if c.later else c.held_fraction)  # trajectories with a buffer: the batch, a unit, or s
         folded = not c.later and unit < c.local  # the folded sum of finished units
-        buffers = (unit + backwards - 1 + folded) * c.trainable_mb
+        # the KL gradient: one buffer, or with samples dropped after the rewards (not n_known) one per trajectory
+        kl_buffers = 0 if not c.kl else (1 if c.n_known else unit)
+        buffers = (unit + kl_buffers + folded) * c.trainable_mb
         score = c.score if c.score_at_end is None or not c.later else c.score_at_end
         if c.per_row_grads:
             return Prediction(

@@ -27,7 +27,7 @@ from lean.optimizer import capture_synced_grads
 from lean.outputs import write_json
 from lean.plan import with_schedule
 from lean.rollout import velocity
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, compared_config, fsdp_problem
 from lean.schedules.base import flat_grad
 from lean.schedules.recompute import first_update_rows, rows_mask
 from lean.sharding import FSDP, full, full_state_dict
@@ -133,8 +133,10 @@ class Float64Reference:
         nonzero, n = self.algorithm.kept_samples(advantages.cpu())
         if nonzero is not None:  # the samples the algorithm drops leave the objective, N counts the others
             kept, n = kept & nonzero[:, None], int(n)
-        if rows is not None:  # skip_zero_advantage is refused with several updates (lean.schedules)
-            kept, n = kept & rows_mask(kept.shape[0], rows)[:, None], len(rows)
+        if rows is not None:  # the first update's samples (with skip_zero_advantage: split, then filtered)
+            in_first = rows_mask(kept.shape[0], rows)
+            kept = kept & in_first[:, None]
+            n = len(rows) if nonzero is None else max(int((nonzero & in_first).sum()), 1)
         trained = kept.double()
         scale = 1.0 / (n * int(batch.steps.trained[0].sum()))
         emb = self.twin.encode_prompts(batch.prompts)
@@ -250,6 +252,7 @@ def run_equivalence(
     Every Lean schedule's gradient is compared with the baseline's and, with ``reference``, every schedule's with the
     float64 on-policy gradient of its own trajectories (:class:`Float64Reference`); the baseline's rounding drift is
     reported beside it."""
+    cfg = compared_config(cfg)
     trainer = trainer or Trainer(cfg)
     trainer.policy.perturb_lora_(perturb_std, torch.Generator().manual_seed(cfg.train.seed))
     twin = Float64Reference(trainer) if reference else None
@@ -336,6 +339,7 @@ def passes(report: dict, dtype: torch.dtype) -> bool:
 
 def main(cfg: RunConfig, out: str | None = None) -> dict:
     """``lean equivalence``: write DIR/equivalence.json and print a summary (rank 0)."""
+    cfg = compared_config(cfg)
     trainer = Trainer(cfg)
     report = run_equivalence(cfg, trainer)
     report["passes"] = passes(report, cfg.model.torch_dtype)
