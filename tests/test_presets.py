@@ -154,8 +154,9 @@ def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1
     if not recipe.algorithm.skip_zero_advantage:
         return
+    filter_first = "algorithm.zero_advantage_order=filter_then_split"
     with pytest.raises(ConfigError, match="algorithm.zero_advantage_order") as err:
-        load_config(None, [f"train.schedule={schedule}", "algorithm.zero_advantage_order=filter_then_split"], preset=name)
+        load_config(None, [f"train.schedule={schedule}", filter_first], preset=name)
     assert "train.optimizer_steps_per_iteration=2" in str(err.value) and "train.on_policy=true" in str(err.value)
 
 
