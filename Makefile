@@ -35,10 +35,11 @@ test: lint
 repro: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
-# Re-measures the benchmarks on this machine (the bench_schedules and overlap stages, forced; their figures then carry
-# this machine's `measured_on`), then the reproduction check alone: outputs/report/reproduction.json and its verdict.
+# Re-measures the benchmarks on this machine (the bench_schedules, overlap and bench_presets stages, forced, the last
+# about 40 min on one core; their figures then carry this machine's `measured_on`), then the reproduction check
+# alone: outputs/report/reproduction.json and its verdict.
 bench: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro -f -s bench_schedules overlap
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro -f -s bench_schedules overlap bench_presets
 	$(BIN)/python -m pipelines.report --check
 
 # MLflow's UI on the workbench's store (./mlflow.db, or $MLFLOW_TRACKING_URI): prints the URL of the experiment's

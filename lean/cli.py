@@ -24,9 +24,10 @@ from lean.configure import load_config
 from lean.launch import Nodes, launch
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
+from lean.schedules import several_updates
 from lean.tools import equivalence, meta_plan, sampling
 from lean.tools.bench import overlap as bench_overlap
-from lean.tools.bench.schedules import bench_config, bench_schedules
+from lean.tools.bench.schedules import bench_config, bench_recipe, bench_schedules
 from lean.train import train
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_COLLECTIVE, EXIT_REWARD_SERVER = 2, 3, 4, 5
@@ -93,6 +94,9 @@ def _bench_commands(sub) -> None:
     b.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
     b.add_argument(
         "--threads", type=int, default=None, help="torch threads, 0: torch's default (default: bench.threads)"
+    )
+    b.add_argument(
+        "--cores", type=int, default=None, help="CPUs the process may run on, 0: all (default: bench.cores, 1)"
     )
     m = bench.add_parser("memory", help="peak memory and time per schedule x layout x activation checkpointing")
     _add_run_options(m)
@@ -250,9 +254,8 @@ def _bench(args) -> int:
     if args.bench == "overlap":
         return bench_overlap.main(bench_overlap.options_from_args(args))
     # the params.yaml `bench` section is the benchmark's default config
-    cfg, options = bench_config(
-        _params(args), args.overrides, args.preset, repeats=args.repeats, warmup=args.warmup, threads=args.threads
-    )
+    chosen = {k: getattr(args, k, None) for k in ("repeats", "warmup", "threads", "cores")}
+    cfg, options = bench_config(_params(args), args.overrides, args.preset, **chosen)
     if args.bench == "memory":
         from lean.tools.bench.memory import bench_memory
 
@@ -261,6 +264,8 @@ def _bench(args) -> int:
         from lean.tools.bench.sequence_parallel import bench_sequence_parallel
 
         bench_sequence_parallel(cfg, out=args.out, options=options)
+    elif several_updates(cfg) and cfg.train.num_inner_epochs == 1:  # a recipe: its hybrids and its on-policy form
+        bench_recipe(cfg, out=args.out, options=options)
     else:
         bench_schedules(cfg, out=args.out, options=options)
     return 0

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from lean.dtypes import DTYPES
+from lean.dtypes import DTYPES, or_model
 from lean.presets import PRESETS
 from lean.prompts import read_prompts
 from lean.registry import catalog
@@ -97,6 +97,7 @@ def choices(section: Any, prefix: str) -> None:
             check_choice(f"{prefix}.{f.name}", getattr(section, f.name), allowed)
 
 
+MODEL_DTYPE = "model"  # model.vae_dtype, sample.latent_dtype: model.dtype's
 AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that fits (lean.schedules); layouts too
 
 
@@ -131,6 +132,10 @@ class ModelConfig:
     """Video frames (video families only); the family's VAE fixes which counts exist."""
     dtype: str = choice("dtype", DTYPES.default)
     """Precision of the policy: a name of ``lean.dtypes.DTYPES``."""
+    vae_dtype: str = choice("dtype", MODEL_DTYPE, also=(MODEL_DTYPE,))
+    """Precision of the VAE that decodes the samples, at least ``model.dtype``'s: a name of ``lean.dtypes.DTYPES``, or
+    ``model``. FlowGRPO decodes in float32 (its SD3, FLUX and Wan scripts build the VAE in float32); DanceGRPO in
+    bf16."""
     tf32: bool = True
     """float32 runs on a GPU: matmuls and convolutions on TF32 tensor cores (about 7x the plain FP32 rate on an
     H100; 10 mantissa bits per product, float32 accumulation). false: full float32."""
@@ -168,6 +173,10 @@ class ModelConfig:
     @property
     def torch_dtype(self):
         return DTYPES[self.dtype]
+
+    @property
+    def torch_vae_dtype(self):
+        return or_model(self.vae_dtype, self.torch_dtype)
 
 
 @dataclass
@@ -210,6 +219,12 @@ class SampleConfig:
     init_same_noise: bool = False
     """Every sample of a group starts from the same x_0 (DanceGRPO's --init_same_noise); the SDE noise still
     differs."""
+
+    latent_dtype: str = choice("dtype", MODEL_DTYPE, also=(MODEL_DTYPE,))
+    """Precision of the trajectory x_0..x_N, stored for the update and fed to each step (the network sees it cast to
+    ``model.dtype``), at least ``model.dtype``'s: a name of ``lean.dtypes.DTYPES``, or ``model``. DanceGRPO and
+    FlowGRPO's SD3 and Wan scripts keep it in float32 (their SDE step returns float32); FlowGRPO's FLUX script casts it
+    back to bf16 every step."""
 
     def validate(self) -> None:
         """The fields alone; which SDE kind runs on which grid is ``lean.sde.check_config``'s."""
@@ -344,6 +359,10 @@ class AlgorithmConfig:
     skip_zero_advantage: bool = False
     """Samples whose advantage is 0 (a group with equal rewards) leave the update, and the loss is averaged over the
     others (FlowGRPO's SD3, Fast and Wan scripts filter them; its FLUX script does not)."""
+    all_zero_advantage: str = choice("all-zero advantage")
+    """With ``skip_zero_advantage``, when every sample of a process has advantage 0: a name of
+    ``lean.algorithms.ALL_ZERO_ADVANTAGES`` (drop: none is trained, the update's gradient is 0; keep: all are, so the
+    KL term keeps acting, as FlowGRPO's Wan script, which adds 1e-6 to their advantages; lean keeps them at 0)."""
     zero_advantage_order: str = choice("zero-advantage order", AUTO, also=(AUTO,))
     """With ``skip_zero_advantage`` and several updates per rollout, a name of
     ``lean.schedules.recompute.ZERO_ADVANTAGE_ORDERS``: ``filter_then_split`` (FlowGRPO: the kept samples are split
@@ -737,10 +756,12 @@ def read_config(
     preset: str | None = None,
     tree: dict | None = None,
     stage: str | None = None,
+    variant: str | None = None,
 ) -> RunConfig:
     """The run config, typed but not yet validated (``lean.configure.load_config`` validates it). Layers, each on
     top of the one before: the run sections of ``params`` (or ``tree``), the preset, the ``stage`` section's
-    ``run:`` mapping of ``params``, the ``--set`` overrides."""
+    ``run:`` mapping of ``params`` (then its ``<variant>.run:``, a second run of the stage), the ``--set``
+    overrides."""
     whole = read_params(params) if params is not None else {}
     raw = dict(tree) if tree is not None else {k: v for k, v in whole.items() if k in SECTIONS}
     if preset is not None:
@@ -752,6 +773,9 @@ def read_config(
     raw = _deep_merge({}, raw)
     if stage is not None:
         apply_run_section(raw, (whole.get(stage) or {}).get("run"), f"{stage}.run")
+        if variant is not None:
+            section = ((whole.get(stage) or {}).get(variant) or {}).get("run")
+            apply_run_section(raw, section, f"{stage}.{variant}.run")
     for item in overrides:
         apply_override(raw, item)
     for name in raw:

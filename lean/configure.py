@@ -7,6 +7,7 @@ that owns them, and :data:`RULES` lists them in the order they run. Each takes t
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterable
 
@@ -40,14 +41,24 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         rule(cfg, world_size)
 
 
+def on_policy_form(cfg: RunConfig) -> RunConfig:
+    """``cfg``'s one-step form (``train.on_policy=true``: S rollouts of one optimizer step each, the samples per step
+    kept), validated; a new config."""
+    form = copy.deepcopy(cfg)
+    form.train.on_policy = True
+    validate(form)
+    return form
+
+
 def load_config(
     params: str | os.PathLike | None = None,
     overrides: Iterable[str] = (),
     preset: str | None = None,
     tree: dict | None = None,
     stage: str | None = None,
+    variant: str | None = None,
 ) -> RunConfig:
     """The run config, validated (the layers: ``lean.config.read_config``)."""
-    cfg = read_config(params, overrides, preset, tree, stage)
+    cfg = read_config(params, overrides, preset, tree, stage, variant)
     validate(cfg)
     return cfg

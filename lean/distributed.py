@@ -11,6 +11,7 @@ ranks. So ``lean launch -n 4`` with P = 2 is 2 data-parallel x 2 sequence-parall
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -86,6 +87,16 @@ def set_threads(threads: int | None) -> None:
     by per-op overhead, and on a shared machine a thread that waits for a busy core makes every op slower."""
     if threads:
         torch.set_num_threads(threads)
+
+
+def pin_cores(cores: int) -> list[int]:
+    """Let this process (every thread of it) run on ``cores`` of the CPUs it may use (the last ones; 0: all), so that
+    work overlapped in a second thread competes for the same core instead of taking an idle one. Returns the CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = allowed[-cores:] if cores else allowed
+    for thread in os.listdir("/proc/self/task"):  # Linux: an affinity is per thread; new threads inherit it
+        os.sched_setaffinity(int(thread), chosen)
+    return chosen
 
 
 CPU_TIMEOUT_S, GPU_TIMEOUT_S = 60.0, 1800.0  # gloo on a laptop vs NCCL, where checkpoints and loading take minutes

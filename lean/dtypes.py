@@ -29,6 +29,12 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF else dtype
 
 
+def or_model(name: str, model: torch.dtype) -> torch.dtype:
+    """A precision that keys such as ``model.vae_dtype`` widen ``model.dtype`` to: the wider of the dtype named
+    ``name`` and ``model`` (``model`` itself for the name ``model``), so that a float64 run stays float64."""
+    return model if name == "model" else torch.promote_types(DTYPES[name], model)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The registry name of a torch dtype (``torch.float64 -> "float64"``)."""
     for name, value in DTYPES.items():

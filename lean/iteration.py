@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.schedules import SCHEDULES, IterationContext, Schedule
 from lean.schedules.base import OptimizerStep
+from lean.schedules.recompute import rolled_out_in_update_order, shuffled
 from lean.scoring import RolloutScoring, ScoredBatch, score_worker
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
 from lean.sharding import FSDP, shard_policy
@@ -67,14 +69,13 @@ class NonFiniteError(FloatingPointError):
 
 def global_samples(cfg: RunConfig, iteration: int) -> list[SampleKey]:
     """(group, prompt index, sample index) of every sample of the iteration, in global order: the prompts of the
-    iteration are drawn from a stream every process shares (without replacement when there are enough)."""
+    iteration are drawn from a stream every process shares, without replacement; with more groups than prompts, in
+    passes over a fresh permutation each, so that every prompt is drawn as often as the count allows."""
     t = cfg.train
     gen = iteration_generator(t.seed, iteration)
     n = len(t.prompts)
-    if t.prompts_per_iteration <= n:
-        chosen = torch.randperm(n, generator=gen)[: t.prompts_per_iteration].tolist()
-    else:
-        chosen = torch.randint(n, (t.prompts_per_iteration,), generator=gen).tolist()
+    passes = -(-t.prompts_per_iteration // n)
+    chosen = torch.cat([torch.randperm(n, generator=gen) for _ in range(passes)])[: t.prompts_per_iteration].tolist()
     return [(g, p, k) for g, p in enumerate(chosen) for k in range(t.group_size)]
 
 
@@ -103,6 +104,10 @@ def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int =
     """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
     ``parallel.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
     samples = global_samples(cfg, iteration)
+    if rolled_out_in_update_order(cfg.train):  # each share in its first update order: every share permuted alike
+        share = len(samples) // world_size
+        order = shuffled(cfg.train, iteration, share, epoch=0).tolist()
+        samples = [samples[start + i] for start in range(0, len(samples), share) for i in order]
     local = local_slice(len(samples), rank, world_size)
     generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
     steps = select_local_steps(cfg, iteration, samples[local], generators)
@@ -405,6 +410,7 @@ class IterationPipeline:
     ) -> IterationResult:
         """One whole iteration with the named schedule: roll out, score, advantages, finish."""
         timer = PhaseTimer(self.world.device)
+        cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
         with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
             rolled = self.roll_out(iteration, SCHEDULES[schedule], timer=timer, tally=tally, progress=progress)
             rewards, advantages = self.advantages(rolled)
@@ -419,6 +425,7 @@ class IterationPipeline:
                 for k, v in rolled.parts.items()
             },
             **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+            "cpu_iteration_s": time.process_time() - cpu,
             "peak_memory_mb": memory.peak_mb,
             "peak_memory_delta_mb": memory.delta_mb,
             **stats,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lean.dtypes import or_model
 from lean.registry import Registry
 from lean.sde import StepSelection, compute_dtype, ode_step, sde_step_with_logprob
 
@@ -179,10 +180,10 @@ def forward_rows(
 ) -> list[tuple[slice | torch.Tensor, bool]]:
     """The forwards of one step of a micro-batch of ``size`` rows: (its rows, autograd on), the rows a slice or host
     ids. Untracked: one forward. Tracked: ``grad_micro_batch`` rows at a time; with ``track_rows`` [size] only those
-    rows tracked, the others in one forward without autograd."""
-    if not tracked:
+    rows tracked, the others in one forward without autograd (a micro-batch all tracked or all not: as without)."""
+    if not tracked or (track_rows is not None and not track_rows.any()):
         return [(slice(0, size), False)]
-    if track_rows is None:
+    if track_rows is None or track_rows.all():
         step = grad_micro_batch or size
         return [(slice(start, min(start + step, size)), True) for start in range(0, size, step)]
     ids = torch.arange(size)
@@ -234,7 +235,8 @@ def rollout(
     """
     if decode not in DECODE_TARGETS:
         raise ValueError(f"decode={decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
-    x = policy.init_latents(init_generators or generators)  # every sample's first draw, before any step's
+    # every sample's first draw, before any step's; kept at the sampler's precision (sample.latent_dtype)
+    x = policy.init_latents(init_generators or generators, or_model(cfg.latent_dtype, policy.dtype))
     batch = x.shape[0]
     stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
     upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]

@@ -33,6 +33,7 @@ outputs = "../outputs"  # the DVC pipeline's outputs folder
 track = True  # log figures and metrics to MLflow (experiment lean-workbench)
 parent_run_id = None  # set by the report stage: this notebook's run is nested under it
 summary_path = None  # set by the report stage: where this notebook's metrics go (JSON)
+time_to_reward_gain = 0.08  # set by the report stage (params rl.time_to_reward_gain): the time-to-reward target
 
 # %%
 import csv
@@ -46,6 +47,7 @@ from PIL import Image
 
 from lean.schedules import BASELINE, SCHEDULES
 from lean.workbench.notebook import NotebookLog
+from lean.workbench.time_to_reward import eval_curve, time_to_reward
 
 schedules = list(SCHEDULES)
 MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN and > NOISE_MULTIPLE x its noise std
@@ -175,6 +177,39 @@ if evaluated:
         f"noise std {noise:.4f} = {NOISE_MULTIPLE * noise:.4f}: " + ("learns" if learns else "does NOT visibly learn")
     )
 
+# %% [markdown]
+# ## Time to reward: the recipe, its exact hybrid and its on-policy form
+#
+# What a user buys is eval reward per hour. The runs above are the on-policy form (one optimizer step per rollout) of
+# the recipe `rl.recipe` runs as FlowGRPO does: two optimizer steps per rollout of twice the samples, the second
+# under weights the first has moved (`recipe-recompute`), and its exact hybrid (`recipe-retain`: the first update from
+# the rollout's graphs). Every run takes the same optimizer steps of the same number of samples from the same base.
+# The x axis is each run's own CPU seconds of training (the runs shared the cores: CPU time is each one's work, not
+# its wait); the time to reward is when the eval curve first reaches the base's eval reward + `time_to_reward_gain`.
+
+# %%
+recipe_runs = [r for r in ("recipe-recompute", "recipe-retain") if (Path(outputs) / "train" / r / "eval.csv").exists()]
+forms = {**{s: s for s in schedules}, **{r: r for r in recipe_runs}}
+reached = {}
+if evaluated and recipe_runs:
+    target = evals[BASELINE][0]["eval_reward_mean"] + time_to_reward_gain
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for name, style in zip(forms, ("-o", "--s", ":^", "-D", "--v")):
+        rows, steps = read_rows(name, "eval.csv"), read_rows(name, "metrics.csv")
+        curve = eval_curve(rows, steps, "cpu_iteration_s" if "cpu_iteration_s" in steps[0] else "time_iteration_s")
+        reached[name] = time_to_reward(curve, target)
+        ax.plot([t for t, _ in curve], [r for _, r in curve], style, ms=4, label=name)
+    ax.axhline(target, color="green", ls="--", lw=1, label=f"target: base + {time_to_reward_gain}")
+    ax.set_xlabel("training CPU seconds (each run's own)")
+    ax.set_ylabel("mean eval reward")
+    ax.set_title("eval reward against compute: recipe (2 steps per rollout) vs on-policy form")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    log.figure(fig, "training_time_to_reward.png")
+    plt.show()
+    for name, seconds in reached.items():
+        print(f"{name:18s} " + (f"reaches {target:.4f} after {seconds:7.1f} CPU s" if seconds else "never reaches it"))
+
 # %%
 metrics = {
     "max_reward_curve_diff": max(
@@ -190,6 +225,14 @@ if evaluated:
     if noises:
         metrics["eval_reward_noise_std"] = noise
     metrics["eval_learning_passes"] = float(learns)
+for name, seconds in reached.items():  # a run that never reaches the target has no time, and says so
+    key = name.replace("-", "_")
+    metrics[f"reached_reward_target_{key}"] = float(seconds is not None)
+    if seconds is not None:
+        metrics[f"time_to_reward_{key}"] = seconds
+for name in recipe_runs:
+    rows = read_rows(name, "eval.csv")
+    metrics[f"eval_reward_gain_{name.replace('-', '_')}"] = rows[-1]["eval_reward_mean"] - rows[0]["eval_reward_mean"]
 log.log(metrics)
 for k, v in metrics.items():
     print(f"{k:28s} {v:.6f}")

@@ -41,6 +41,12 @@ def check_reproduction(params: dict, outputs: str, out: Path, reference: str) ->
     return result
 
 
+def notebook_parameters(params: dict, name: str) -> dict:
+    """What a notebook reads from params.yaml beside the outputs (the training notebook: its time-to-reward target)."""
+    gain = (params.get("rl") or {}).get("time_to_reward_gain")
+    return {"time_to_reward_gain": gain} if name == "training" and gain is not None else {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", default="params.yaml")
@@ -82,6 +88,7 @@ def main() -> None:
                     "track": tracking.enabled(),
                     "parent_run_id": run.run_id,
                     "summary_path": str(summary_path.resolve()),
+                    **notebook_parameters(params, name),
                 },
             )
             summary = json.loads(summary_path.read_text())

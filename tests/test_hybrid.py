@@ -63,22 +63,33 @@ def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):
         assert max(_rel(w, r) for w, r in zip(weights, reference)) < TOLERANCE, schedule
 
 
-def test_the_rollout_tracks_only_the_first_updates_samples():
-    """Retain keeps the graphs of the first update's samples only; Reweight backpropagates those alone."""
+@pytest.mark.parametrize("micro_batch", [4, 8])
+def test_the_rollout_tracks_only_the_first_updates_samples(micro_batch):
+    """Retain keeps the graphs of the first update's samples only; Reweight backpropagates those alone. FlowGRPO's
+    shuffled update order is drawn before the rollout, and the local batch laid out in it: the first update's samples
+    are the first rows, whole rollout micro-batches when they align (4), else one is split (8)."""
+    from lean.iteration import global_samples, local_batch
     from lean.train import Trainer
 
-    cfg = tiny_preset("flowgrpo-flux", *FLOAT64, "train.prompts_per_iteration=4")
+    cfg = tiny_preset(
+        "flowgrpo-flux", *FLOAT64, "train.prompts_per_iteration=4", f"train.rollout_batch_size={micro_batch}"
+    )
+    assert local_batch(cfg, 0).samples != global_samples(cfg, 0)  # shuffled: rows of both halves first
+    assert sorted(local_batch(cfg, 0).samples) == sorted(global_samples(cfg, 0))
     trainer = Trainer(cfg)
     first = first_update_rows(cfg, 0, 8)
-    assert len(first) == 4 and first.tolist() != [0, 1, 2, 3]  # FlowGRPO's shuffled order: rows of both halves
+    assert first.tolist() == [0, 1, 2, 3]
     tracked: list[torch.Tensor] = []
 
     def record(step):
         if step.log_prob.requires_grad:
-            tracked.append(torch.as_tensor(step.rows if not isinstance(step.rows, slice) else range(8)[step.rows]))
+            tracked.append(step.rows)
 
     rolled = trainer.pipeline.roll_out(0, Retain, on_step=record)
-    assert tracked and all(rows.tolist() == first.tolist() for rows in tracked)
+    assert tracked and all(
+        torch.as_tensor(range(8)[r] if isinstance(r, slice) else r).tolist() == first.tolist() for r in tracked
+    )
+    assert all(isinstance(r, slice) for r in tracked) == (micro_batch == 4)  # whole micro-batches: no split forward
     assert rolled.schedule.later is not None and not rolled.schedule.finishes_early
     assert trainer.pipeline.roll_out(0, Reweight).schedule.policy_buffers.trajectories == len(first)  # not B
 

@@ -38,6 +38,10 @@ REQUIRED = {
         "eval_reward_last_reweight",
         "eval_reward_noise_std",
         "eval_learning_passes",
+        "time_to_reward_recipe_recompute",  # the recipe (2 updates per rollout), its exact hybrid, the on-policy form
+        "time_to_reward_recipe_retain",
+        "time_to_reward_retain",
+        "time_to_reward_reweight",
     ),
     "overlap": ("overlap_exposed_ms_flash", "overlap_exposed_ms_collective", "sp_exposed_ms_reweight_collective"),
 }

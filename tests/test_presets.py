@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import QUICK, tiny_preset
+from helpers import QUICK, tiny_preset, tiny_preset_sets
 
 from lean.config import ConfigError
 from lean.configure import load_config
@@ -276,3 +276,18 @@ def test_plan_reports_the_published_size_without_building_it(name, published, tm
     assert 0 < report["trainable_parameters"] < 0.03 * report["transformer_parameters"]  # LoRA
     assert report["trainable_state_mb"] == pytest.approx(4 * report["trainable_parameters"] * 4 / 2**20)  # float32
     assert json.loads((tmp_path / "plan.json").read_text())["published_size"] == report
+
+
+@pytest.mark.timeout(120)
+def test_dancegrpo_first_update_ratio_is_exactly_one_in_bfloat16():
+    """DanceGRPO rolls out and recomputes one sample per forward (the preset's micro-batches 1 and 1): the first
+    update recomputes the rollout's own forward bit for bit in bfloat16, so its ratio is exactly 1; the second runs
+    under moved weights."""
+    from lean.train import Trainer
+
+    recipe = load_config(None, [], preset="dancegrpo-flux")
+    assert (recipe.train.rollout_batch_size, recipe.train.train_batch_size) == (1, 1)
+    sets = [s for s in tiny_preset_sets("dancegrpo-flux") if "batch_size" not in s and "dtype" not in s]
+    cfg = load_config(None, [*sets, "model.dtype=bfloat16"], preset="dancegrpo-flux")
+    metrics = Trainer(cfg).iteration(0, "recompute").metrics
+    assert metrics["ratio_max_dev_first_update"] == 0.0 and metrics["ratio_max_dev"] > 0.0

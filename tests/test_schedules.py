@@ -79,6 +79,17 @@ def test_equivalence_float32(case):
 
 
 @pytest.mark.timeout(120)
+def test_an_all_zero_advantage_batch_is_dropped_or_kept_with_its_kl():
+    """Every group colourless: all advantages 0. ``drop`` trains nothing; ``keep`` (FlowGRPO's Wan) trains every
+    sample's KL term, and the three schedules agree on it."""
+    plain = ["algorithm.skip_zero_advantage=true", "algorithm.beta=0.04", "train.prompts=[plain, blank]"]
+    dropped = run_equivalence(tiny("model.dtype=float64", *plain), reference=False)
+    kept = run_equivalence(tiny("model.dtype=float64", *plain, "algorithm.all_zero_advantage=keep"), reference=False)
+    assert dropped["retain"]["max_abs_grad_diff"] == 0.0 and dropped["reweight"]["cosine"] == 0.0  # zero gradients
+    _check(kept, "float64")
+
+
+@pytest.mark.timeout(120)
 def test_equivalence_detects_a_wrong_gradient(monkeypatch):
     """The certificate is not vacuous: a Reweight that drops the advantages' sign fails it."""
     from lean.schedules.reweight import Reweight

@@ -171,7 +171,13 @@ TINY = {
             # evaluated (the training notebook's base-vs-trained images and eval-reward curves are drawn): 2 prompts x
             # 2 samples, 2 Euler steps, after every iteration; the base model also under a second eval seed
             "eval": {"every": 1, "samples_per_prompt": 2, "num_steps": 2, "noise_seeds": 2},
-        }
+        },
+        # the recipe of the time to reward: its one iteration of 2 updates holds the samples of the 2 above
+        "recipe": {
+            "run": {"train": {"prompts_per_iteration": 4, "optimizer_steps_per_iteration": 2, "iterations": 1}},
+            "schedules": ["recompute", "retain"],
+        },
+        "time_to_reward_gain": -1.0,  # a target every run reaches: the notebook's time-to-reward cell runs through
     },
     "bench": {
         "repeats": 1,

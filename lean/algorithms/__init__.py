@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from lean.algorithms.base import FACTS, ROLLOUTS, Algorithm, StepLoss, loss_stats
 from lean.algorithms.groups import STD_ESTIMATORS
-from lean.algorithms.grpo import GRPO, KL_FORMS
+from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.registry import Registry
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ __all__ = [
     "ALGORITHMS",
     "FACTS",
     "KL_FORMS",
+    "ALL_ZERO_ADVANTAGES",
     "ROLLOUTS",
     "STD_ESTIMATORS",
     "Algorithm",

@@ -53,13 +53,21 @@ class StepLoss:
         return self.policy if self.kl is None else self.policy + kl_weight * self.kl
 
 
-def loss_stats(losses: list[StepLoss]) -> dict[str, float]:
-    """Means over all (sample, step) terms, for logging."""
+def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[str, float]:
+    """Means over all (sample, step) terms, for logging; the ratio's largest distance from 1 over all of them and over
+    the first update's (the first ``first_update`` entries; None: all), which is on-policy: 1 up to the rounding of
+    its recompute (0 for the schedules that reuse the rollout's graph)."""
     if not losses:
         return {}
     pol = torch.cat([loss.policy.detach() for loss in losses])
     ratio = torch.cat([loss.ratio for loss in losses])
-    stats = {"policy_loss": pol.mean(), "ratio_mean": ratio.mean(), "ratio_max_dev": (ratio - 1).abs().max()}
+    first = torch.cat([loss.ratio for loss in losses[:first_update]] or [torch.ones_like(ratio[:1])])
+    stats = {
+        "policy_loss": pol.mean(),
+        "ratio_mean": ratio.mean(),
+        "ratio_max_dev": (ratio - 1).abs().max(),
+        "ratio_max_dev_first_update": (first - 1).abs().max(),
+    }
     if losses[0].kl is not None:
         stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
     values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs

@@ -28,7 +28,8 @@ The objective of one optimizer step over N samples (all processes) and K trained
     L = 1/(N K) sum_b sum_{j in T_b} loss_bj
 
 where, with ``algorithm.skip_zero_advantage`` (FlowGRPO's SD3, Fast and Wan scripts), samples with A = 0 leave the
-sum and N counts the others.
+sum and N counts the others; as in FlowGRPO, each process averages over its own kept samples and the processes'
+gradients are averaged (``algorithm.all_zero_advantage`` decides a process with none left).
 
 Why the Lean schedules are exact for it: on-policy r = exp(log p - stopgrad(log p)) = 1 identically, where the clip
 does not bind, so grad L = 1/(N K) sum [-A_b grad log p + beta grad kl]: the rollout's own graph gives it (Retain),
@@ -53,6 +54,15 @@ KL_FORMS: Registry[str] = Registry(
     [
         ("exact", "the KL divergence of the two Gaussian steps (FlowGRPO's Wan2.1 script)"),
         ("flow_grpo", "FlowGRPO's SD3/FLUX scripts: divided by the noise scale before its sqrt(-dt) factor"),
+    ],
+)
+
+
+ALL_ZERO_ADVANTAGES: Registry[str] = Registry(
+    "all-zero advantage",
+    [
+        ("drop", "every sample leaves: the update's gradient is 0 (FlowGRPO's Fast script trains them at A = 0)"),
+        ("keep", "every sample stays, so the KL term keeps acting (FlowGRPO's Wan script, at A = 1e-6)"),
     ],
 )
 
@@ -107,11 +117,14 @@ class GRPO(Algorithm):
         return self.cfg.skip_zero_advantage
 
     def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
-        """With ``skip_zero_advantage`` the samples whose advantage is 0 leave the update. The count stays on the
-        advantages' device (no host read); an all-dropped batch counts 1 and weighs 0."""
+        """With ``skip_zero_advantage`` the samples whose advantage is 0 leave the update; when none of the
+        process's samples is left, ``algorithm.all_zero_advantage`` drops them all (the batch counts 1 and weighs 0)
+        or keeps them all. The count stays on the advantages' device (no host read)."""
         if not self.drops_samples:
             return None, targets.shape[0]
         kept = targets != 0
+        if self.cfg.all_zero_advantage == "keep":
+            kept = kept | ~kept.any()
         return kept, kept.sum().clamp_min(1)
 
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:

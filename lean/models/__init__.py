@@ -274,8 +274,11 @@ def pipeline_family(folder: str | os.PathLike) -> str | None:
     return next((family for family, spec in FAMILIES.items() if spec.pipeline == name), None)
 
 
-def _load_components(spec: FamilySpec, folder: Path, dtype: torch.dtype) -> tuple[dict, dict]:
-    """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``."""
+def _load_components(
+    spec: FamilySpec, folder: Path, dtype: torch.dtype, vae_dtype: torch.dtype | None = None
+) -> tuple[dict, dict]:
+    """Models and tokenizers from a diffusers pipeline folder, each with its own class's ``from_pretrained``, in
+    ``dtype`` (the VAE in ``vae_dtype``, when given)."""
     index = json.loads((folder / "model_index.json").read_text())
     modules, tokenizers = {}, {}
     for name in spec.components:
@@ -285,7 +288,8 @@ def _load_components(spec: FamilySpec, folder: Path, dtype: torch.dtype) -> tupl
         if name in spec.denoiser_folders and not issubclass(loaded_cls, cls):
             raise ValueError(f"{folder}: {name} is {class_name}, not a {cls.__name__}")
         dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"  # transformers 5 renamed it
-        modules[name] = loaded_cls.from_pretrained(folder / name, **{dtype_arg: dtype})
+        part_dtype = vae_dtype if name == "vae" and vae_dtype is not None else dtype
+        modules[name] = loaded_cls.from_pretrained(folder / name, **{dtype_arg: part_dtype})
     for tokenizer_name in spec.tokenizers.values():
         library, class_name = index[tokenizer_name]
         tokenizers[tokenizer_name] = getattr(importlib.import_module(library), class_name).from_pretrained(
@@ -341,7 +345,7 @@ def build_policy(
         if not (folder / "model_index.json").exists():
             _write_cache(model_cfg, prompts, folder)
     if folder is not None:
-        modules, tokenizers = _load_components(spec, folder, dtype)
+        modules, tokenizers = _load_components(spec, folder, dtype, model_cfg.torch_vae_dtype)
     else:
         tokenizer = train_tokenizer([*prompts, ""], model_cfg.text_max_length)
         # Weights are drawn on the CPU (identical on every machine), except the published size: 12B parameters
@@ -383,6 +387,7 @@ def build_policy(
         dtype,
         reference_denoisers=reference,
         boundary=spec.boundary,
+        vae_dtype=model_cfg.torch_vae_dtype,
     )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)

@@ -104,6 +104,7 @@ class Policy(torch.nn.Module):
         dtype: torch.dtype,
         reference_denoisers: Sequence[torch.nn.Module] | None = None,
         boundary: float | None = None,
+        vae_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
@@ -119,9 +120,11 @@ class Policy(torch.nn.Module):
         self._use_reference = False
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         self.device, self.dtype = torch.device(device), dtype
+        self.vae_dtype = vae_dtype or dtype  # FlowGRPO decodes in float32 whatever the policy computes in
         self.to(device=device).eval()
-        for part in (*(self.reference_denoisers or []), vae, self.text_encoders):  # each its own _keep_in_fp32_modules
+        for part in (*(self.reference_denoisers or []), self.text_encoders):  # each its own _keep_in_fp32_modules
             cast_floating(part, dtype)
+        cast_floating(vae, self.vae_dtype)
         # (module, name, float32 master) read at ``dtype``
         self._masters = [m for net in self.denoisers for m in cast_floating(net, dtype)]
 
@@ -177,13 +180,13 @@ class Policy(torch.nn.Module):
         """Per-sample shape of x in the layout :meth:`velocity` takes."""
         return tuple(self.arch.latent_shape)
 
-    def init_latents(self, generators: list[torch.Generator]) -> Tensor:
-        """x_1 ~ N(0, I): sample b is a float32 draw from ``generators[b]`` (CPU), so it never depends on batching
-        or on the dtype / device of the run."""
+    def init_latents(self, generators: list[torch.Generator], dtype: torch.dtype | None = None) -> Tensor:
+        """x_1 ~ N(0, I) in ``dtype`` (default: the policy's): sample b is a float32 draw from ``generators[b]``
+        (CPU), so it never depends on batching or on the dtype / device of the run."""
         noise = torch.stack([torch.randn(self.arch.noise_shape, generator=g) for g in generators])
         latents = self.arch.noise_to_latents(noise)
         latents = latents.pin_memory() if self.device.type == "cuda" else latents  # a copy the host need not wait for
-        return latents.to(self.device, self.dtype, non_blocking=True)
+        return latents.to(self.device, dtype or self.dtype, non_blocking=True)
 
     # ------------------------------------------------------------------ velocity
 
@@ -282,6 +285,7 @@ class Policy(torch.nn.Module):
         as the no-grad rollout's did. ``truncate_timestep``: the network sees floor(1000 sigma) / 1000, computed in
         float32 as DanceGRPO does.
         """
+        x = x.to(self.dtype)  # a trajectory kept wider than the network (sample.latent_dtype) is read at its precision
         sigma = torch.as_tensor(sigma, device=x.device)
         if truncate_timestep:
             sigma = torch.floor(sigma.float() * 1000) / 1000
@@ -322,8 +326,9 @@ class Policy(torch.nn.Module):
 
     @torch.no_grad()
     def decode(self, x: Tensor) -> Tensor:
-        """Images ``[B, 3, H, W]`` (video: ``[B, 3, F, H, W]``), float32 in [0, 1]."""
-        return (self.arch.decode(self.vae, x) / 2 + 0.5).clamp(0, 1).float()
+        """Images ``[B, 3, H, W]`` (video: ``[B, 3, F, H, W]``), float32 in [0, 1], decoded at the VAE's
+        precision."""
+        return (self.arch.decode(self.vae, x.to(self.vae_dtype)) / 2 + 0.5).clamp(0, 1).float()
 
     # ------------------------------------------------------------------ trainable state
 

@@ -78,12 +78,27 @@ class Terms:
     weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
 
 
+def shuffled(t: TrainConfig, iteration: int, count: int, epoch: int) -> torch.Tensor:
+    """A permutation of ``count`` from the stream of inner epoch ``epoch`` of ``iteration``, the same on every
+    process."""
+    return torch.randperm(count, generator=iteration_generator(t.seed, iteration, purpose=1 + epoch))
+
+
+def rolled_out_in_update_order(t: TrainConfig) -> bool:
+    """Whether each process's local batch is laid out in the first epoch's shuffled update order before the rollout
+    (``lean.iteration.local_batch``): with several updates per rollout, so that each update's samples are contiguous
+    rows and a hybrid's first update whole rollout micro-batches (none split into a tracked and an untracked
+    forward). The order is drawn before the rewards either way, and a sample's trajectory does not depend on its row."""
+    return t.shuffle_update and (t.optimizer_steps_per_iteration > 1 or t.num_inner_epochs > 1)
+
+
 def update_order(t: TrainConfig, iteration: int, samples: torch.Tensor, epoch: int) -> torch.Tensor:
     """``samples`` (host ids) in the order the update visits them in inner epoch ``epoch``: shuffled by a stream every
-    process shares (FlowGRPO's SD3, FLUX and Wan scripts), or as rolled out (``train.shuffle_update: false``)."""
-    if not t.shuffle_update:
+    process shares (FlowGRPO's SD3, FLUX and Wan scripts), or as rolled out (``train.shuffle_update: false``, and the
+    first epoch of a batch already laid out in that order: :func:`rolled_out_in_update_order`)."""
+    if not t.shuffle_update or (epoch == 0 and rolled_out_in_update_order(t)):
         return samples
-    return samples[torch.randperm(len(samples), generator=iteration_generator(t.seed, iteration, purpose=1 + epoch))]
+    return samples[shuffled(t, iteration, len(samples), epoch)]
 
 
 def first_update_rows(cfg: RunConfig, iteration: int, batch: int) -> torch.Tensor | None:
@@ -160,12 +175,14 @@ class Recompute(Schedule):
         step_stats = {}
         kept, n = ctx.kept_samples(advantages)
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
+        first = None  # how many of the losses are the first update's
         for u, update in enumerate(batches):
             region = RECOMPUTE_FORWARD if u == 0 else LATER_UPDATE_FORWARD
             for batch in update:
                 losses.append(self._backward(batch, advantages, joint_cfg=like_rollout, region=region))
+            first = len(losses) if first is None else first
             step_stats = optimizer_step()
-        return {**loss_stats(losses), **step_stats}
+        return {**loss_stats(losses, first), **step_stats}
 
     def later_updates(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> tuple[list[StepLoss], dict]:
         """Every update but the first (a hybrid schedule computed that one from the rollout's graphs): (the loss terms

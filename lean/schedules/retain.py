@@ -152,11 +152,12 @@ class Retain(Schedule):
         if self.provisional is not None:
             self.provisional[1].close()
         losses = self.losses + logged_with_true_targets(self.ctx.algorithm, self.provisional_stats, advantages)
+        first = len(losses)
         stats = optimizer_step()
         if self.later is not None:
             recomputed, stats = self.later.run(advantages, optimizer_step)
             losses += recomputed
-        return {**loss_stats(losses), **stats}
+        return {**loss_stats(losses, first), **stats}
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""

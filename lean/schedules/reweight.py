@@ -202,11 +202,12 @@ class Reweight(Schedule):
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
         logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
+        first = len(logged)
         step_stats = optimizer_step()
         if self.later is not None:
             recomputed, step_stats = self.later.run(advantages, optimizer_step)
             logged += recomputed
-        return {**loss_stats(logged), "reweight_buffer_mb": self.buffer_mb, **step_stats}
+        return {**loss_stats(logged, first), "reweight_buffer_mb": self.buffer_mb, **step_stats}
 
     def _combine(
         self, slots: torch.Tensor, coefficients: torch.Tensor, kl_coefficients: torch.Tensor | None, rows: torch.Tensor

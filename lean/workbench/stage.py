@@ -33,12 +33,14 @@ def stage_config(
     pretrained: str | None = None,
     schedule: str | None = None,
     dtype: str | None = None,
+    variant: str | None = None,
 ) -> RunConfig:
-    """The run config of a stage: ``params``' run sections, then ``<section>.run`` on top, then the stage's own
-    choices (the pretrained base the ``prepare`` stage made, the schedule of a matrix stage, a precision)."""
+    """The run config of a stage: ``params``' run sections, then ``<section>.run`` on top (and
+    ``<section>.<variant>.run``, e.g. ``rl.recipe.run``), then the stage's own choices (the pretrained base the
+    ``prepare`` stage made, the schedule of a matrix stage, a precision)."""
     overrides = [] if dtype is None else [f"model.dtype={dtype}"]
     if pretrained is not None:
         overrides.append(f"model.pretrained={pretrained}")
     if schedule is not None:
         overrides.append(f"train.schedule={schedule}")
-    return load_config(params, overrides, stage=section)
+    return load_config(params, overrides, stage=section, variant=variant)

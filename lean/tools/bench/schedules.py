@@ -11,10 +11,14 @@ live tensor bytes as ``max_memory_allocated`` does on GPU, and keeps freed pages
 (``keep_freed_memory``), as the CUDA caching allocator does.
 
     speedup        = median T_iter(recompute) / median T_iter(schedule)
-    speedup_bound  = (rollout + recompute_forward + backward) / (rollout + backward), from Recompute's phases in this
-                     run, where "rollout" is the whole rollout phase of GRPO (sampling, decode, rewards, advantages,
-                     and the optimizer step: everything that is neither the recompute forward nor the backward), i.e.
-                     T_iter / (T_iter - recompute_forward): the speedup if removing the recompute forward were free
+    speedup_bound  = T_iter / (T_iter - recompute_forward), from Recompute's phases in this run: the speedup if
+                     removing what the Lean schedules remove were free. recompute_forward is the forward of the first
+                     update (all of it on-policy; with several updates per rollout the later updates' forwards are
+                     ``update_forward``, which the hybrids run too). Nothing else is removed, and on one core
+                     (``cores: 1``, the default) nothing overlapped can run on hardware the others leave idle: the
+                     scoring thread and the backward share the core, as the decode, the rewards and the backward
+                     share one GPU. A speedup above its bound is then noise, not a result.
+    cpu_speedup    = the same ratio of process CPU time (every thread), beside wall time
     MFU            = FLOPs the algorithm needs (rollout, reference and decode forwards + backwards; no recompute)
                      / (T_iter x peak FLOP/s)
     HFU            = FLOPs executed / (T_iter x peak FLOP/s)
@@ -25,15 +29,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from math import nan
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, read_params
-from lean.configure import load_config
-from lean.distributed import set_threads
+from lean.configure import load_config, on_policy_form
+from lean.distributed import pin_cores, set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
 from lean.plan import iteration_costs, prediction_table, probe
@@ -47,9 +52,12 @@ PHASES = (
     "time_update_s",
     "time_backward_s",
     "time_recompute_forward_s",
+    "time_update_forward_s",
+    "time_reference_forward_s",
     "time_reward_s",
     "time_reward_exposed_s",
     "time_advantage_s",
+    "cpu_iteration_s",
 )
 
 
@@ -63,6 +71,11 @@ class BenchOptions:
     """Discarded rounds."""
     threads: int = 1
     """Torch threads; 0: torch's default."""
+    cores: int = 1
+    """CPUs the process runs on (its affinity, every thread); 0: all it may use. One, so that a schedule that overlaps
+    work in a second thread (the scoring) does not gain a core the others leave idle."""
+    flops: bool = True
+    """Count each schedule's FLOPs (one more iteration each, under ``FlopCounterMode``: MFU and HFU)."""
 
 
 def bench_config(
@@ -74,13 +87,134 @@ def bench_config(
     has_params = params is not None and Path(params).exists()
     section = (read_params(params).get("bench") or {}) if has_params else {}
     cfg = load_config(params if has_params else None, overrides, preset=preset, stage="bench" if has_params else None)
-    chosen = {k: (f"bench.{k}", section[k]) for k in ("repeats", "warmup", "threads") if k in section}
+    keys = ("repeats", "warmup", "threads", "cores", "flops")
+    chosen = {k: (f"bench.{k}", section[k]) for k in keys if k in section}
     chosen.update({k: (f"--{k}", v) for k, v in options.items() if v is not None})  # the command line wins
-    for key, low in (("repeats", 1), ("warmup", 0), ("threads", 0)):
+    if "flops" in chosen and not isinstance(chosen["flops"][1], bool):
+        raise ConfigError(*chosen["flops"], "must be true or false")
+    for key, low in (("repeats", 1), ("warmup", 0), ("threads", 0), ("cores", 0)):
         name, value = chosen.get(key, (key, getattr(BenchOptions, key)))
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(name, value, f"must be an integer >= {low}")
     return cfg, BenchOptions(**{k: v for k, (_, v) in chosen.items()})
+
+
+@dataclass
+class Subject:
+    """One config under the bench: its trainer, the state every measured iteration starts from, its memory pass
+    (one untimed iteration per schedule) and ``lean plan``'s probe and prediction, taken in the same process. Configs
+    that differ only in their loop (a recipe and its on-policy form) share one trainer, its model and weights: each
+    iteration sets the trainer's config first (:meth:`activate`), so no form runs on a model whose weights another
+    has just pushed out of the caches."""
+
+    cfg: RunConfig
+    trainer: Trainer
+    state: dict
+    memory: dict = field(default_factory=dict)
+    plan_input: object = None
+    measured: dict = field(default_factory=dict)
+    prediction: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, trainer: Trainer | None = None) -> Subject:
+        trainer = trainer or Trainer(cfg)
+        return cls(trainer.cfg, trainer, trainer.state.state_dict())  # the trainer's config: sample.shift resolved
+
+    def activate(self) -> Subject:
+        """Set the (possibly shared) trainer to this config: the pipeline reads it at every iteration."""
+        self.trainer.cfg = self.trainer.pipeline.cfg = self.cfg
+        return self
+
+    def iteration(self, schedule: str) -> dict:
+        """One timed iteration's metrics (memory is measured in its own pass)."""
+        return iteration_metrics(self.activate().trainer, schedule)
+
+    def memory_pass(self, log: JsonLines, label: str = "") -> None:
+        """Peak memory per schedule (run under ``live_bytes_heap``, before the timed rounds grow the heap)."""
+        self.activate()
+        for s in SCHEDULES:
+            self.trainer.state.load_state_dict(self.state)
+            self.memory[s] = self.trainer.iteration(0, s).metrics
+            log.append({"pass": "memory", "variant": f"{label}{s}", **self.memory[s]})
+
+    def plan(self) -> None:
+        """The probe ``lean plan`` predicts from, and its prediction per schedule."""
+        self.plan_input = self.activate().trainer.plan_input()
+        self.measured = probe(self.plan_input)
+        self.prediction = prediction_table(iteration_costs(self.plan_input, self.measured))
+
+    def result(self, rows: dict[str, list[dict]], options: BenchOptions, cores: list[int]) -> dict:
+        """Medians of the timed ``rows`` per schedule, with memory, FLOPs, MFU/HFU, the plan's errors and the
+        speedups (see the module docstring)."""
+        cfg, trainer, prediction = self.cfg, self.activate().trainer, self.prediction
+        peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
+        result: dict = {
+            "config": {
+                "family": cfg.model.family,
+                "size": cfg.model.size,
+                "dtype": cfg.model.dtype,
+                "num_steps": cfg.sample.num_steps,
+                "cfg": cfg.sample.cfg,
+                "beta": cfg.algorithm.beta,
+                "samples_per_process": len(self.plan_input.batch.prompts),
+                "world_size": trainer.world.size,
+                "repeats": options.repeats,
+                "warmup": options.warmup,
+                "resolution": cfg.model.resolution,
+                "uncond_grad": cfg.sample.uncond_grad,
+                "threads": torch.get_num_threads(),
+                "cores": len(cores),
+                "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
+                "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
+            },
+            "peak_flops": peak,
+            "peak_flops_source": peak_source,
+            "plan": {"probe": self.measured, "prediction": prediction},
+            "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
+        }
+        for s in SCHEDULES:
+            entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}
+            t = entry["time_iteration_s"]
+            if options.flops:
+                trainer.state.load_state_dict(self.state)
+                flops = count_iteration_flops(trainer, s)
+                entry.update(
+                    {
+                        "flops_per_iteration": sum(flops.values()),
+                        "flops_needed_per_iteration": needed_flops(flops),
+                        "flops_by_region": flops,
+                        "mfu": needed_flops(flops) / (t * peak),
+                        "hfu": sum(flops.values()) / (t * peak),
+                    }
+                )
+            entry.update(
+                {
+                    "peak_memory_mb": self.memory[s]["peak_memory_mb"],
+                    "peak_memory_delta_mb": self.memory[s]["peak_memory_delta_mb"],
+                    "plan_peak_memory_mb": prediction[s]["peak_memory_mb"],
+                    "plan_peak_memory_error": prediction[s]["peak_memory_mb"] / self.memory[s]["peak_memory_mb"] - 1,
+                    "plan_time_iteration_s": prediction[s]["time_iteration_s"],
+                    "plan_time_error": prediction[s]["time_iteration_s"] / t - 1,
+                    "time_iteration_all_s": [row["time_iteration_s"] for row in rows[s]],
+                    # decode + rewards done while the rollout went on (reward.async_scoring): the median round's.
+                    # Scored after the rollout, the exposed time is the work plus its timer's overhead: nothing hidden
+                    "reward_hidden_s": median(
+                        max(r["time_reward_s"] - r.get("time_reward_exposed_s", 0.0), 0.0) for r in rows[s]
+                    ),
+                }
+            )
+            if "reweight_buffer_mb" in rows[s][0]:
+                entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
+            result[s] = entry
+        trainer.state.load_state_dict(self.state)
+        add_speedups(result, rows)
+        return result
+
+
+def pinned(options: BenchOptions) -> list[int]:
+    """Torch threads and CPU affinity as ``options`` ask (on a CPU); the CPUs the process runs on."""
+    set_threads(options.threads)
+    return pin_cores(options.cores) if not torch.cuda.is_available() else []
 
 
 def bench_schedules(
@@ -89,83 +223,98 @@ def bench_schedules(
     """Every registered schedule, measured interleaved on ``cfg`` (see the module docstring); writes
     ``out/schedules.json`` and returns it. Each measured iteration is appended to ``out/measured.jsonl`` as soon as it
     ends, so that a run stopped by a time limit keeps what it measured."""
-    set_threads(options.threads)
-    trainer = trainer or Trainer(cfg)
-    log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
-    state = trainer.state.state_dict()
-    # Memory first, before the timed rounds grow the heap: one untimed iteration per schedule, each from a trimmed
-    # heap that follows live bytes; then the probe `lean plan` predicts from, in the same process.
-    memory = {}
+    cores = pinned(options)
+    subject = Subject.build(cfg, trainer)
+    log = JsonLines(Path(out) / "measured.jsonl" if out and subject.trainer.world.is_main else None)
     with live_bytes_heap():
-        for s in SCHEDULES:
-            trainer.state.load_state_dict(state)
-            memory[s] = trainer.iteration(0, s).metrics
-            log.append({"pass": "memory", **memory[s]})
-    if trainer.world.device.type == "cpu":
+        subject.memory_pass(log)
+    if subject.trainer.world.device.type == "cpu":
         keep_freed_memory()  # before the probe too: its step times are then taken as the rounds' are
-    plan_input = trainer.plan_input()
-    measured = probe(plan_input)
-    prediction = prediction_table(iteration_costs(plan_input, measured))
-    rows = timed_rounds(trainer, state, options, log)
-    peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
-
-    result: dict = {
-        "config": {
-            "family": cfg.model.family,
-            "size": cfg.model.size,
-            "dtype": cfg.model.dtype,
-            "num_steps": cfg.sample.num_steps,
-            "cfg": cfg.sample.cfg,
-            "beta": cfg.algorithm.beta,
-            "samples_per_process": len(plan_input.batch.prompts),
-            "world_size": trainer.world.size,
-            "repeats": options.repeats,
-            "warmup": options.warmup,
-            "resolution": cfg.model.resolution,
-            "uncond_grad": cfg.sample.uncond_grad,
-            "threads": torch.get_num_threads(),
-        },
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
-        "plan": {"probe": measured, "prediction": prediction},
-        "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
-    }
-    for s in SCHEDULES:
-        trainer.state.load_state_dict(state)
-        flops = count_iteration_flops(trainer, s)
-        entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}
-        t = entry["time_iteration_s"]
-        entry.update(
-            {
-                "peak_memory_mb": memory[s]["peak_memory_mb"],
-                "peak_memory_delta_mb": memory[s]["peak_memory_delta_mb"],
-                "plan_peak_memory_mb": prediction[s]["peak_memory_mb"],
-                "plan_peak_memory_error": prediction[s]["peak_memory_mb"] / memory[s]["peak_memory_mb"] - 1,
-                "plan_time_iteration_s": prediction[s]["time_iteration_s"],
-                "plan_time_error": prediction[s]["time_iteration_s"] / t - 1,
-                "flops_per_iteration": sum(flops.values()),
-                "flops_needed_per_iteration": needed_flops(flops),
-                "flops_by_region": flops,
-                "mfu": needed_flops(flops) / (t * peak),
-                "hfu": sum(flops.values()) / (t * peak),
-                "time_iteration_all_s": [row["time_iteration_s"] for row in rows[s]],
-                # decode + rewards done while the rollout went on (reward.async_scoring): the median round's. Scored
-                # after the rollout, the exposed time is the work plus its timer's overhead: nothing hidden (0)
-                "reward_hidden_s": median(
-                    max(r["time_reward_s"] - r.get("time_reward_exposed_s", 0.0), 0.0) for r in rows[s]
-                ),
-            }
-        )
-        if "reweight_buffer_mb" in rows[s][0]:
-            entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
-        result[s] = entry
-    trainer.state.load_state_dict(state)
-    add_speedups(result)
-    if trainer.world.is_main:
+    subject.plan()
+    rows = timed_rounds(subject.trainer, subject.state, options, log)
+    result = subject.result(rows, options, cores)
+    if subject.trainer.world.is_main:
         print(format_table(result))
         if out:
             write_json(Path(out) / "schedules.json", result)
     return result
+
+
+FORMS = ("recipe", "on_policy")  # a recipe of several updates per rollout, and its one-step form (train.on_policy)
+
+
+def bench_recipe(cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions()) -> dict:
+    """A recipe with several updates per rollout (every published preset): Recompute and the exact hybrids on the
+    recipe, and the three schedules on its on-policy form (``train.on_policy``: the samples per optimizer step kept,
+    half of them per rollout at S = 2), all six interleaved in the same rounds, on one model (:class:`Subject`). Each
+    form's schedules compare with its own Recompute against its own bound; :func:`recipe_rows` puts both per sample
+    beside the recipe's Recompute.
+    Writes ``out/{recipe,on_policy}/schedules.json`` and ``out/recipe.json``."""
+    cores = pinned(options)
+    recipe = Subject.build(cfg)
+    on_policy = Subject(on_policy_form(recipe.cfg), recipe.trainer, recipe.state)  # the same model, another loop
+    subjects = dict(zip(FORMS, (recipe, on_policy)))
+    is_main = recipe.trainer.world.is_main
+    log = JsonLines(Path(out) / "measured.jsonl" if out and is_main else None)
+    with live_bytes_heap():
+        for name, subject in subjects.items():
+            subject.memory_pass(log, label=f"{name}/")
+    if recipe.trainer.world.device.type == "cpu":
+        keep_freed_memory()
+    for subject in subjects.values():
+        subject.plan()
+    variants = {
+        f"{name}/{s}": functools.partial(subject.iteration, s) for name, subject in subjects.items() for s in SCHEDULES
+    }
+    rows = timed_rounds(recipe.trainer, recipe.state, options, log, variants)
+    results = {
+        name: subject.result({s: rows[f"{name}/{s}"] for s in SCHEDULES}, options, cores)
+        for name, subject in subjects.items()
+    }
+    report = {**results, "table": recipe_rows(results), "measured_on": results["recipe"]["measured_on"]}
+    if is_main:
+        print(format_recipe_table(report))
+        if out:
+            for form in FORMS:
+                write_json(Path(out) / form / "schedules.json", results[form])
+            write_json(Path(out) / "recipe.json", report)
+    return report
+
+
+def recipe_rows(results: dict[str, dict]) -> list[dict]:
+    """One row per (form, schedule): time per sample and its speedup against the recipe's Recompute (what a user
+    buys per sample), the speedup against its own form's Recompute with that form's bound, peak memory, the plan's
+    errors, and the trained steps per sample (K of the num_steps: a small K leaves little to remove)."""
+
+    def per_sample(result: dict, s: str) -> float:
+        c = result["config"]
+        return result[s]["time_iteration_s"] / (c["samples_per_process"] * c["world_size"])
+
+    baseline = per_sample(results["recipe"], BASELINE)
+    rows = []
+    for form in FORMS:
+        result = results[form]
+        c = result["config"]
+        for s in SCHEDULES:
+            e = result[s]
+            rows.append(
+                {
+                    "form": form,
+                    "schedule": s,
+                    "updates_per_rollout": c["optimizer_steps_per_iteration"],
+                    "trained_steps": f"{c['trained_steps_per_sample']}/{c['num_steps']}",
+                    "time_per_sample_s": per_sample(result, s),
+                    "speedup_vs_recipe_recompute": baseline / per_sample(result, s),
+                    "speedup": e.get("speedup", 1.0),
+                    "speedup_bound": e.get("speedup_bound"),
+                    "speedup_vs_bound": e.get("speedup_vs_bound"),
+                    "cpu_speedup": e.get("cpu_speedup", 1.0),
+                    "peak_memory_mb": e["peak_memory_mb"],
+                    "plan_time_error": e["plan_time_error"],
+                    "plan_peak_memory_error": e["plan_peak_memory_error"],
+                }
+            )
+    return rows
 
 
 def iteration_metrics(trainer: Trainer, schedule: str) -> dict:
@@ -197,14 +346,19 @@ def timed_rounds(
     return rows
 
 
-def add_speedups(result: dict) -> None:
-    """Each Lean schedule's speedup over the baseline, the analytic bound, and the ratio of the two."""
-    rc = result[BASELINE]
-    bound = rc["time_iteration_s"] / (rc["time_iteration_s"] - rc["time_recompute_forward_s"])
+def add_speedups(result: dict, rows: dict[str, list[dict]]) -> None:
+    """Each Lean schedule's speedup over the baseline, the analytic bound, and the ratio of the two: medians over the
+    rounds of each round's ratio (the two iterations of a round ran next to each other, so a machine whose speed
+    drifts between rounds moves both), in wall and in CPU time."""
+    base = rows[BASELINE]
+    bounds = [r["time_iteration_s"] / (r["time_iteration_s"] - r.get("time_recompute_forward_s", 0.0)) for r in base]
     for s in LEAN_SCHEDULES:
-        result[s]["speedup"] = rc["time_iteration_s"] / result[s]["time_iteration_s"]
-        result[s]["speedup_bound"] = bound
-        result[s]["speedup_vs_bound"] = result[s]["speedup"] / bound
+        pairs = list(zip(base, rows[s]))
+        speedups = [b["time_iteration_s"] / r["time_iteration_s"] for b, r in pairs]
+        result[s]["speedup"] = median(speedups)
+        result[s]["speedup_bound"] = median(bounds)
+        result[s]["speedup_vs_bound"] = median(x / bound for x, bound in zip(speedups, bounds))
+        result[s]["cpu_speedup"] = median(b["cpu_iteration_s"] / r["cpu_iteration_s"] for b, r in pairs)
 
 
 def flat_metrics(result: dict) -> dict[str, float]:
@@ -251,6 +405,37 @@ def format_table(result: dict) -> str:
             f"{s:10} {e['time_iteration_s']:8.3f} {e['plan_time_iteration_s']:7.2f} {e['time_rollout_s']:10.3f} "
             f"{e['time_reward_s']:9.3f} {e['reward_hidden_s']:9.3f} {e['time_update_s']:9.3f} "
             f"{e['peak_memory_mb']:9.1f} {e['plan_peak_memory_mb']:9.1f} "
-            f"{e['flops_per_iteration'] / 1e9:8.2f} {e['mfu']:6.3f} {e['hfu']:6.3f} {extra}"
+            f"{e.get('flops_per_iteration', nan) / 1e9:8.2f} {e.get('mfu', nan):6.3f} {e.get('hfu', nan):6.3f} {extra}"
+        )
+    return "\n".join(lines)
+
+
+def recipe_metrics(report: dict) -> dict[str, float]:
+    """The per-sample table of :func:`bench_recipe`, one flat key each (``<figure>_<form>_<schedule>``)."""
+    out = {}
+    for row in report["table"]:
+        tag = f"{row['form']}_{row['schedule']}"
+        for key in ("time_per_sample_s", "speedup_vs_recipe_recompute", "speedup", "cpu_speedup", "peak_memory_mb"):
+            out[f"{key}_{tag}"] = row[key]
+        if row["speedup_bound"] is not None:
+            out[f"speedup_bound_{tag}"], out[f"speedup_vs_bound_{tag}"] = row["speedup_bound"], row["speedup_vs_bound"]
+    return out
+
+
+def format_recipe_table(report: dict) -> str:
+    c = report["recipe"]["config"]
+    lines = [
+        f"lean bench schedules, recipe and on-policy form: {c['family']}/{c['size']} {c['resolution']} px "
+        f"{c['dtype']}, {c['trained_steps_per_sample']} of {c['num_steps']} steps trained, "
+        f"{c['optimizer_steps_per_iteration']} updates per rollout, {c['cores']} core(s), median of {c['repeats']}",
+        f"{'form':10} {'schedule':10} {'s/sample':>9} {'vs recipe':>10} {'speedup':>8} {'bound':>6} {'of bound':>9} "
+        f"{'cpu':>6} {'peak MiB':>9} {'plan t':>7} {'plan mem':>9}",
+    ]
+    for r in report["table"]:
+        bound = "" if r["speedup_bound"] is None else f"{r['speedup_bound']:6.3f} {r['speedup_vs_bound']:9.3f}"
+        lines.append(
+            f"{r['form']:10} {r['schedule']:10} {r['time_per_sample_s']:9.3f} {r['speedup_vs_recipe_recompute']:10.3f} "
+            f"{r['speedup']:8.3f} {bound or ' ' * 16:>16} {r['cpu_speedup']:6.3f} {r['peak_memory_mb']:9.1f} "
+            f"{r['plan_time_error']:+7.2f} {r['plan_peak_memory_error']:+9.2f}"
         )
     return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""Time to reward: what a user buys is eval reward per hour of compute, not seconds per iteration.
+
+A run's eval curve is its eval reward r_e (``eval.csv``: ODE samples from fixed noise) after i_e iterations; its cost
+curve the time T_i spent training the first i iterations (``metrics.csv``: per iteration, process CPU seconds
+``cpu_iteration_s``, or wall seconds ``time_iteration_s``; evaluations excluded):
+
+    T_i = sum_{j < i} t_j
+
+The time to reach a target eval reward r* is where the curve (T_{i_e}, r_e) first crosses r*, linear between the two
+evaluations around the crossing; None when the run never reaches it. The workbench's target is the base model's eval
+reward plus ``rl.time_to_reward_gain``: one number for every run (they share the base and the eval noise).
+
+CPU seconds compare runs that shared the cores (the train stage runs them side by side): each process's own work,
+not the time it waited for a core. Samples are the other axis: runs with the same samples per optimizer step
+differ per sample only in how each step learns (on-policy or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def cumulative(costs: Sequence[float]) -> list[float]:
+    """T_i for i = 0..len(costs): the cost of the first i iterations."""
+    totals = [0.0]
+    for cost in costs:
+        totals.append(totals[-1] + cost)
+    return totals
+
+
+def eval_curve(evals: Sequence[dict], iterations: Sequence[dict], key: str = "cpu_iteration_s") -> list[tuple]:
+    """(T_{i_e}, r_e) of every evaluation, from ``eval.csv``'s rows and ``metrics.csv``'s (``key``: the cost)."""
+    ordered = sorted(iterations, key=lambda row: row["iteration"])
+    spent = cumulative([row[key] for row in ordered])
+    return [(spent[int(row["iteration"])], row["eval_reward_mean"]) for row in evals]
+
+
+def time_to_reward(curve: Sequence[tuple], target: float) -> float | None:
+    """When the curve ``[(time, reward), ...]`` first reaches ``target`` (linear between evaluations), or None."""
+    for (t0, r0), (t1, r1) in zip(curve, curve[1:]):
+        if r0 >= target:
+            return t0
+        if r1 >= target:
+            return t0 + (t1 - t0) * (target - r0) / (r1 - r0)
+    return curve[-1][0] if curve and curve[-1][1] >= target else None
