@@ -89,11 +89,13 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def pin_cores(cores: int) -> list[int]:
-    """Let this process (every thread of it) run on ``cores`` of the CPUs it may use (the last ones; 0: all), so that
-    work overlapped in a second thread competes for the same core instead of taking an idle one. Returns the CPUs."""
+def pin_cores(cores: int, index: int = 0) -> list[int]:
+    """Let this process (every thread of it) run on ``cores`` of the CPUs it may use (0: all), so that work overlapped
+    in a second thread competes for the same core instead of taking an idle one: the ``index``-th group of ``cores``
+    from the last CPU (a launch's local rank: each process its own cores, wrapping around when there are too few).
+    Returns the CPUs."""
     allowed = sorted(os.sched_getaffinity(0))
-    chosen = allowed[-cores:] if cores else allowed
+    chosen = sorted({allowed[-1 - (index * cores + k) % len(allowed)] for k in range(cores)}) if cores else allowed
     for thread in os.listdir("/proc/self/task"):  # Linux: an affinity is per thread; new threads inherit it
         os.sched_setaffinity(int(thread), chosen)
     return chosen

@@ -214,7 +214,8 @@ class Subject:
 def pinned(options: BenchOptions) -> list[int]:
     """Torch threads and CPU affinity as ``options`` ask (on a CPU); the CPUs the process runs on."""
     set_threads(options.threads)
-    return pin_cores(options.cores) if not torch.cuda.is_available() else []
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # under a launch each process on cores of its own
+    return pin_cores(options.cores, local_rank) if not torch.cuda.is_available() else []
 
 
 def bench_schedules(
