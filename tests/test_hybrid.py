@@ -17,6 +17,8 @@ TOLERANCE = 1e-10
 FLOAT64 = ["model.dtype=float64"]
 # The colourless prompt's group scores 0 throughout (color_match): its advantages are 0, and FlowGRPO's filter drops it
 ZERO_GROUP = ["train.prompts=[a red circle on a white background, plain]"]
+# 4 groups, one of them all zero: an update keeps 3 of its 4 samples, whose 1/N (4 / 3) float32 would round
+FOUR_GROUPS = ["train.prompts=[a red circle on a white background, plain, a green square, blue]"]
 # what the hybrids run under the filter (auto): Recompute with the same order is the reference
 SPLIT_FIRST = ["algorithm.zero_advantage_order=split_then_filter"]
 
@@ -49,6 +51,7 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
     "name,extra",
     [
         ("flowgrpo-sd3", ZERO_GROUP),  # CFG with its gradient path, KL, shuffled order, zero-advantage filter
+        ("flowgrpo-wan", [*FOUR_GROUPS, "train.prompts_per_iteration=4"]),  # video, exact KL, all_zero keep
         ("dancegrpo-flux", []),  # per-sample step selection, rollout order, shared initial noise
         ("flowgrpo-flux", ["train.num_inner_epochs=2"]),  # two passes over the rollout: 4 steps per rollout
         ("flowgrpo-flux", ["parallel.layout=group", "train.rollout_batch_size=2"]),  # groups finished at the end
@@ -100,7 +103,7 @@ def test_the_rollout_tracks_only_the_first_updates_samples(micro_batch):
     "name,extra",
     [
         ("dancegrpo-flux", []),  # sharded base (fsdp): every process tracks the same local rows, passes in lockstep
-        ("flowgrpo-sd3", ["train.prompts=[a red circle on a white background, plain, a green square, blue]"]),
+        ("flowgrpo-sd3", FOUR_GROUPS),
     ],
 )
 def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path, name, extra):

@@ -183,7 +183,8 @@ class Reweight(Schedule):
         kept, n = self.ctx.kept_samples(advantages)
         if self.later is not None:
             n = self.later.first_count(kept)
-        scale = self.samples_per_update / n if kept is not None else 1.0
+        # in float64: a kept count is an integer tensor, and int / int in torch rounds to float32 (4 / 3 to 3e-8)
+        scale = self.samples_per_update / torch.as_tensor(n, dtype=torch.float64) if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
         kl_coefficients = None if self.kl_buffers is None else kept.to(torch.float64) * scale  # Q_b of kept b
         if self.later is not None:  # a hybrid: the first update's trajectories, each in its slot
