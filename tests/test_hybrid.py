@@ -128,8 +128,7 @@ def test_the_certificate_compares_the_first_update():
     from lean.tools.equivalence import passes, run_equivalence
 
     # zero_advantage_order auto: the hybrids' order; 4 groups, one of zero advantages, so the first update keeps some
-    prompts = "train.prompts=[a red circle on a white background, plain, a green square, a blue triangle]"
-    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, prompts, "train.prompts_per_iteration=4")
+    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *FOUR_GROUPS, "train.prompts_per_iteration=4")
     report = run_equivalence(cfg, reference=True)
     assert passes(report, cfg.model.torch_dtype)
     for schedule in ("recompute", "retain", "reweight"):
