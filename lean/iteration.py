@@ -275,7 +275,7 @@ class IterationPipeline:
                 self.sigmas,
                 on_step=hook,
                 track_grad=schedule.track_grad,
-                track_rows=schedule.track_rows,
+                rows_tracked=schedule.rows_tracked,
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
                 progress=progress,

@@ -69,7 +69,7 @@ class StepOutput:
 
     index: int  # step i
     rows: slice | torch.Tensor  # which trajectories of the local batch: a contiguous micro-batch, or host ids [b]
-    # (a hybrid schedule's tracked rows of a micro-batch, or the others: ``rollout``'s ``track_rows``)
+    # (the rows of a micro-batch that a step tracks, or the others: ``rollout``'s ``rows_tracked``)
     sample: torch.Tensor  # x_i, detached
     next_sample: torch.Tensor  # x_{i+1}, detached
     log_prob: torch.Tensor  # [b]; carries a graph when the step was tracked
@@ -194,6 +194,11 @@ def forward_rows(
     return forwards
 
 
+def row_ids(rows: slice | torch.Tensor) -> torch.Tensor:
+    """A step's rows (``StepOutput.rows``: a contiguous slice, or host ids) as host ids [b]."""
+    return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+
+
 def local_rows(start: int, sub: slice | torch.Tensor) -> slice | torch.Tensor:
     """Rows ``sub`` of the micro-batch that starts at local row ``start``, as rows of the local batch."""
     return slice(start + sub.start, start + sub.stop) if isinstance(sub, slice) else sub + start
@@ -209,7 +214,7 @@ def rollout(
     *,
     on_step: Callable[[StepOutput], None] | None = None,
     track_grad: Callable[[int], bool] = lambda i: False,
-    track_rows: torch.Tensor | None = None,
+    rows_tracked: Callable[[int], torch.Tensor | None] = lambda i: None,
     micro_batch: int | None = None,
     grad_micro_batch: int | None = None,
     progress: Callable[[int], None] | None = None,
@@ -224,9 +229,10 @@ def rollout(
     its steps before the next starts, so that ``on_finished(rows, target)`` can hand a finished micro-batch to the
     decoder and the rewards while the next one rolls out (``lean.scoring``). ``track_grad(i)`` says whether step i
     runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given, and
-    ``on_step`` may backpropagate or keep the graph. ``track_rows`` (host bool [B], a hybrid schedule's first-update
-    samples) limits the tracking to those rows: a tracked step runs the micro-batch's other rows in one forward
-    without autograd, and hands both to ``on_step`` with ``rows`` as host ids. The next step always starts from a
+    ``on_step`` may backpropagate or keep the graph. ``rows_tracked(i)`` (host bool [B] or None: all; the rows that
+    train step i, among a hybrid schedule's first-update samples) limits the tracking of step i to those rows: the
+    step runs the micro-batch's other rows in one forward without autograd, and hands both to ``on_step`` with
+    ``rows`` as host ids. The next step always starts from a
     detached x_{i+1}: as in the recomputed loss, every step's input is a constant. Nothing in the loop reads a value
     back from the device: the schedule's decisions come from the host-side step selection, and the noise is drawn
     ahead (:class:`StepNoise`).
@@ -246,7 +252,6 @@ def rollout(
     def roll_out_rows(rows: slice) -> torch.Tensor:
         """All steps of the trajectories ``rows``; returns their decode target."""
         x_rows = x[rows]
-        mine = None if track_rows is None else track_rows[rows]
         noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
         noise.prefetch(first_stochastic)
         x0 = torch.empty_like(x_rows) if decode == "x0_prediction" else None
@@ -254,6 +259,8 @@ def rollout(
             tracked = stochastic[i] and track_grad(i)
             eps = noise.take(i) if stochastic[i] else None
             x_next = torch.empty_like(x_rows)
+            mine = rows_tracked(i) if tracked else None
+            mine = None if mine is None else mine[rows]
             for sub, grad in forward_rows(x_rows.shape[0], tracked, grad_micro_batch, mine):
                 at = local_rows(rows.start, sub)  # the same rows of the local batch
                 with torch.set_grad_enabled(grad):

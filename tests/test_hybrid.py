@@ -10,6 +10,7 @@ import torch
 from helpers import lean_ranks, tiny_preset, tiny_preset_sets
 from safetensors.torch import load_file
 
+from lean.schedules import LEAN_SCHEDULES as LEAN
 from lean.schedules import IterationCosts, Recompute, Retain, Reweight
 from lean.schedules.recompute import first_update_rows
 
@@ -172,3 +173,21 @@ def test_the_zero_advantage_order_changes_the_updates():
     _, filtered = _trained(tiny_preset(*sets, "algorithm.zero_advantage_order=filter_then_split"), "recompute", 1)
     _, split = _trained(tiny_preset(*sets, *SPLIT_FIRST), "recompute", 1)
     assert max(_rel(a, b) for a, b in zip(filtered, split)) > 1e-6
+
+
+@pytest.mark.timeout(180)
+def test_bench_recipe_measures_both_forms_and_marks_what_auto_takes(tmp_path):
+    """``lean bench schedules --preset P`` on a recipe: six rows (two forms x three schedules), each form's Lean
+    schedules against their bound, exactly one row per form marked as ``auto``'s choice, and flat metrics for DVC."""
+    from lean.tools.bench.schedules import FORMS, BenchOptions, bench_recipe, recipe_metrics
+
+    cfg = tiny_preset("flowgrpo-flux", "sample.num_steps=4")
+    report = bench_recipe(cfg, str(tmp_path), BenchOptions(repeats=1, warmup=0, cores=0, flops=False))
+    rows = report["table"]
+    assert [(r["form"], r["schedule"]) for r in rows] == [(f, s) for f in FORMS for s in ("recompute", *LEAN)]
+    for form in FORMS:
+        assert sum(r["taken_by_auto"] for r in rows if r["form"] == form) == 1
+        assert all(r["speedup_bound"] > 1 for r in rows if r["form"] == form and r["schedule"] in LEAN)
+    assert (tmp_path / "recipe.json").exists() and (tmp_path / "on_policy" / "schedules.json").exists()
+    metrics = recipe_metrics(report)
+    assert {"speedup_recipe_auto", "speedup_on_policy_auto", "speedup_vs_bound_recipe_retain"} <= set(metrics)

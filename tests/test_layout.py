@@ -25,6 +25,12 @@ CASES = {
     "kl": ["algorithm.beta=0.04"],
     "half-group-micro-batches": ["train.group_size=4", "train.rollout_batch_size=2", "sample.cfg=false"],
     "two-groups-per-micro-batch": ["train.prompts_per_iteration=4", "train.rollout_batch_size=4"],
+    "per-sample-steps": [  # DanceGRPO's selection: a step tracks only the rows of a micro-batch that train it
+        "sample.timestep_selection=random",
+        "sample.timestep_fraction=0.5",
+        "sample.sde_kind=dance",
+        "sample.cfg=false",
+    ],
     "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update, KL terms too
         "algorithm.skip_zero_advantage=true",
         "algorithm.beta=0.04",

@@ -6,6 +6,7 @@ import pytest
 from helpers import tiny
 
 from lean.dtypes import DTYPES
+from lean.rollout import row_ids
 from lean.schedules import LEAN_SCHEDULES, SCHEDULES
 from lean.tools.equivalence import run_equivalence, tolerance
 from lean.train import Trainer, resolve_schedule
@@ -98,6 +99,21 @@ def test_equivalence_detects_a_wrong_gradient(monkeypatch):
     monkeypatch.setattr(Reweight, "finish", lambda self, adv, step: original(self, adv.abs(), step))
     report = run_equivalence(tiny("model.dtype=float64"), reference=False)
     assert report["reweight"]["max_rel_grad_diff"] > 1e-3 and report["retain"]["max_rel_grad_diff"] < 1e-10
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", LEAN_SCHEDULES)
+def test_the_rollout_tracks_each_sample_only_at_the_steps_it_trains(schedule):
+    """DanceGRPO draws K trained steps per sample: a step runs with autograd only for the rows that train it, so no
+    graph is kept or backpropagated for a term of weight 0 (Retain once held every row's graph at every step some
+    sample trains: 11/6 of the backward at DanceGRPO's K = 6 of 11)."""
+    trainer = Trainer(tiny(*MATRIX["flux-dance-random"], "train.rollout_batch_size=4"))
+    tracked = []
+    trainer.pipeline.roll_out(0, SCHEDULES[schedule], on_step=tracked.append)
+    trained = trainer.pipeline.local_batch(0).steps.trained
+    tracked = [(step.index, int(b)) for step in tracked if step.log_prob.requires_grad for b in row_ids(step.rows)]
+    assert sorted(tracked) == sorted((int(i), int(b)) for b, i in trained.nonzero())
+    assert not trained.all(dim=0).any()  # so every tracked step split its micro-batch
 
 
 @pytest.mark.timeout(120)

@@ -2,8 +2,8 @@
 buffers, and the inputs of their cost models.
 
 A schedule decides these things and nothing else:
-  * ``track_grad(i)`` / ``grad_micro_batch`` / ``track_rows``: which rollout steps run with autograd on, in which
-    micro-batches, for which rows;
+  * ``track_grad(i)`` / ``grad_micro_batch`` / ``rows_tracked(i)``: which rollout steps run with autograd on, in
+    which micro-batches, for which rows;
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
     ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update;
@@ -198,6 +198,18 @@ class Schedule:
 
     def track_grad(self, i: int) -> bool:
         return bool(self.any_trained[i])
+
+    def rows_tracked(self, i: int) -> torch.Tensor | None:
+        """Host bool [B]: the rows whose step i runs with autograd when ``track_grad(i)`` (None: every row): the rows
+        that train step i (DanceGRPO draws the trained steps per sample), among ``track_rows``. A row that does not
+        train step i would carry a graph that nothing backpropagates, or that is backpropagated with weight 0. In
+        lockstep (sharded passes) every process tracks the same forwards, so step i is tracked for every row."""
+        if self.ctx.lockstep:
+            return self.track_rows
+        trained = self.ctx.steps.trained[:, i]
+        if trained.all():
+            return self.track_rows
+        return trained if self.track_rows is None else trained & self.track_rows
 
     def on_step(self, step: StepOutput) -> None:
         raise NotImplementedError

@@ -40,7 +40,7 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
-from lean.rollout import StepOutput
+from lean.rollout import StepOutput, row_ids
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
 from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
@@ -89,7 +89,7 @@ class Retain(Schedule):
 
     def _take(self, rows: slice) -> list:
         """Remove and return the kept steps of the rows ``rows`` (whole micro-batches)."""
-        inside = [rows.start <= step.rows.start and step.rows.stop <= rows.stop for step, _ in self.kept]
+        inside = [rows.start <= int(row_ids(step.rows)[0]) < rows.stop for step, _ in self.kept]
         taken = [e for e, yes in zip(self.kept, inside) if yes]
         self.kept = [e for e, yes in zip(self.kept, inside) if not yes]
         return taken
@@ -103,8 +103,9 @@ class Retain(Schedule):
         ctx, params = self.ctx, buffers.params
         unit = ctx.finish_unit
         entries = self._take(rows)
-        for start in sorted({step.rows.start for step, _ in entries}):  # one backward per rollout micro-batch
-            mine = [(step, ref) for step, ref in entries if step.rows.start == start]
+        # one backward per set of tracked rows (a rollout micro-batch, or the rows of it that train a step)
+        for ids in sorted({tuple(row_ids(step.rows).tolist()) for step, _ in entries}):
+            mine = [(step, ref) for step, ref in entries if tuple(row_ids(step.rows).tolist()) == ids]
             policy, kl = 0.0, 0.0
             for step, ref in mine:
                 provisional = torch.full_like(step.log_prob, PROVISIONAL_ADVANTAGE)  # one per row of the step
@@ -115,7 +116,7 @@ class Retain(Schedule):
                     kl = kl + (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 kl_term = None if loss.kl is None else loss.kl.detach()
                 self.provisional_stats.append((step.rows, StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())))
-            per_sample.trajectories = torch.arange(start, mine[0][0].rows.stop, device=params[0].device) % unit
+            per_sample.trajectories = torch.tensor(ids, device=params[0].device) % unit
             per_sample.accumulating = True
             with ctx.region("backward"):
                 try:

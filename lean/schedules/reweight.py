@@ -21,9 +21,14 @@ Layout. A plain batched backward would sum the gradients of every trajectory in 
 When every trainable parameter lives in an ``nn.Linear`` (LoRA, or full fine-tuning of linear layers only), the
 backward stays batched and ``per_sample.PerSampleGrads`` splits each layer's weight gradient by row (= trajectory);
 otherwise the tracked steps run one trajectory per micro-batch. The buffers hold (local trajectories + 1) copies of
-the trainable parameters: small with LoRA; their size is reported as ``reweight_buffer_mb``. With the KL term on, each
-step takes a second backward (the two parts need separate vector-Jacobian products); with beta = 0 there is exactly
-one backward per trained step.
+the trainable parameters: small with LoRA; their size is reported as ``reweight_buffer_mb``. With beta = 0 there is
+exactly one backward per trained step. With the KL term on, each step takes a second backward, and no schedule of
+this kind can avoid it: both parts go through the step's Jacobian J (P_b = J^T u_b, Q_b = J^T v_b, u and v the
+derivatives of log p and KL in the transition mean), and grad = sum_b J_b^T (A_b u_b + beta v_b) needs both products
+while A_b is unknown. A trained step then costs f + 2 (fb - f) against Recompute's f + fb: Reweight is slower than
+Recompute whenever a backward costs more than a forward (always), so ``auto`` never takes it with a KL term
+(FlowGRPO's SD3 and Wan recipes: 0.88x and 0.90x in ``lean bench schedules --preset``), and Retain, or Retain in the
+group layout where memory is short, is the recompute-free schedule there.
 
 In the group layout (``lean.layout``) the buffers cover one finishing unit of U trajectories (a group): when its
 advantages are known, sum_b (A_b / Â_b) P_b is added to one folded buffer and the unit's buffers are reused, so
@@ -52,7 +57,7 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
-from lean.rollout import StepOutput
+from lean.rollout import StepOutput, row_ids
 from lean.schedules.base import (
     IterationCosts,
     OptimizerStep,
@@ -129,8 +134,6 @@ class Reweight(Schedule):
         ctx = self.ctx
         ref = ctx.reference_mean(step)
         loss = ctx.on_policy_loss(step, ref, self.provisional[step.rows])
-        if not ctx.lockstep and not ctx.steps.trained[step.rows, step.index].any():  # host-side: no device read
-            return  # DanceGRPO-style selection: another trajectory trains this step, these do not
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
             self._per_trajectory_backward(
@@ -152,7 +155,7 @@ class Reweight(Schedule):
         """Add each trajectory's gradient of ``loss`` to its own buffer of ``buffers``."""
         if self.per_sample is None:  # one trajectory per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            row = rows.start if isinstance(rows, slice) else int(rows[0])
+            row = int(row_ids(rows)[0])
             buffers.add(int(self.slots[row]), grads)
             return
         self.per_sample.trajectories = self.trajectory_ids[rows]

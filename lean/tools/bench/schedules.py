@@ -41,7 +41,7 @@ from lean.configure import load_config, on_policy_form
 from lean.distributed import pin_cores, set_threads
 from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
-from lean.plan import iteration_costs, prediction_table, probe
+from lean.plan import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.provenance import machine
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.train import Trainer, count_iteration_flops, needed_flops
@@ -114,6 +114,7 @@ class Subject:
     plan_input: object = None
     measured: dict = field(default_factory=dict)
     prediction: dict = field(default_factory=dict)
+    auto: str = ""  # the schedule ``train.schedule=auto`` takes from that prediction
 
     @classmethod
     def build(cls, cfg: RunConfig, trainer: Trainer | None = None) -> Subject:
@@ -141,7 +142,10 @@ class Subject:
         """The probe ``lean plan`` predicts from, and its prediction per schedule."""
         self.plan_input = self.activate().trainer.plan_input()
         self.measured = probe(self.plan_input)
-        self.prediction = prediction_table(iteration_costs(self.plan_input, self.measured))
+        costs = iteration_costs(self.plan_input, self.measured)
+        self.prediction = prediction_table(costs)
+        budget = budget_mb(self.cfg, self.trainer.world.device)
+        self.auto = choose(exact_predictions(self.cfg, costs), budget)["choice"]
 
     def result(self, rows: dict[str, list[dict]], options: BenchOptions, cores: list[int]) -> dict:
         """Medians of the timed ``rows`` per schedule, with memory, FLOPs, MFU/HFU, the plan's errors and the
@@ -169,7 +173,7 @@ class Subject:
             },
             "peak_flops": peak,
             "peak_flops_source": peak_source,
-            "plan": {"probe": self.measured, "prediction": prediction},
+            "plan": {"probe": self.measured, "prediction": prediction, "auto_choice": self.auto},
             "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
         }
         for s in SCHEDULES:
@@ -304,6 +308,7 @@ def recipe_rows(results: dict[str, dict]) -> list[dict]:
                     "schedule": s,
                     "updates_per_rollout": c["optimizer_steps_per_iteration"],
                     "trained_steps": f"{c['trained_steps_per_sample']}/{c['num_steps']}",
+                    "taken_by_auto": s == result["plan"]["auto_choice"],  # what train.schedule=auto takes on this form
                     "time_per_sample_s": per_sample(result, s),
                     "speedup_vs_recipe_recompute": baseline / per_sample(result, s),
                     "speedup": e.get("speedup", 1.0),
@@ -420,6 +425,8 @@ def recipe_metrics(report: dict) -> dict[str, float]:
             out[f"{key}_{tag}"] = row[key]
         if row["speedup_bound"] is not None:
             out[f"speedup_bound_{tag}"], out[f"speedup_vs_bound_{tag}"] = row["speedup_bound"], row["speedup_vs_bound"]
+        if row["taken_by_auto"]:
+            out[f"speedup_{row['form']}_auto"] = row["speedup"]
     return out
 
 
@@ -428,14 +435,16 @@ def format_recipe_table(report: dict) -> str:
     lines = [
         f"lean bench schedules, recipe and on-policy form: {c['family']}/{c['size']} {c['resolution']} px "
         f"{c['dtype']}, {c['trained_steps_per_sample']} of {c['num_steps']} steps trained, "
-        f"{c['optimizer_steps_per_iteration']} updates per rollout, {c['cores']} core(s), median of {c['repeats']}",
-        f"{'form':10} {'schedule':10} {'s/sample':>9} {'vs recipe':>10} {'speedup':>8} {'bound':>6} {'of bound':>9} "
+        f"{c['optimizer_steps_per_iteration']} updates per rollout, {c['cores']} core(s), median of {c['repeats']} "
+        "(*: what train.schedule=auto takes)",
+        f"{'form':10} {'schedule':11} {'s/sample':>9} {'vs recipe':>10} {'speedup':>8} {'bound':>6} {'of bound':>9} "
         f"{'cpu':>6} {'peak MiB':>9} {'plan t':>7} {'plan mem':>9}",
     ]
     for r in report["table"]:
         bound = "" if r["speedup_bound"] is None else f"{r['speedup_bound']:6.3f} {r['speedup_vs_bound']:9.3f}"
         lines.append(
-            f"{r['form']:10} {r['schedule']:10} {r['time_per_sample_s']:9.3f} {r['speedup_vs_recipe_recompute']:10.3f} "
+            f"{r['form']:10} {r['schedule'] + (' *' if r['taken_by_auto'] else ''):11} {r['time_per_sample_s']:9.3f} "
+            f"{r['speedup_vs_recipe_recompute']:10.3f} "
             f"{r['speedup']:8.3f} {bound or ' ' * 16:>16} {r['cpu_speedup']:6.3f} {r['peak_memory_mb']:9.1f} "
             f"{r['plan_time_error']:+7.2f} {r['plan_peak_memory_error']:+9.2f}"
         )
