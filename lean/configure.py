@@ -24,6 +24,7 @@ Rule = Callable[[RunConfig, "int | None"], None]
 RULES: tuple[Rule, ...] = (
     models.check_config,  # the family: its sizes, frame counts, capabilities, the pretrained folder
     sde.check_config,  # which SDE kind runs on which sigma grid and noise level
+    algorithms.check_config,  # what the algorithm runs with (GRPO-Guard: a Gaussian transition)
     rewards.check_config,  # the reward names and the model rewards' folders
     schedules.check_config,  # what each schedule reproduces exactly: on-policy, the algorithm's facts, sharded
     sequence_parallel.check_config,  # the family has it, the processes form its groups

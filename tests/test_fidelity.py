@@ -15,6 +15,8 @@ XueZeyue/DanceGRPO at 15cc71d):
   F5  flow_grpo/rewards.py  jpeg_compressibility = -kB / 500
   D1  fastvideo/train_grpo_flux_lora.py (as train_grpo_flux.py)  flux_step, the dance SDE (:69-108); use_group
       advantages, torch's std + 1e-8 (:477-490); the clamped advantage and clipped loss (:533-547)
+  G1  scripts/train_sd3_GRPO_Guard.py (flow_grpo 2e2f712, GRPO-Guard)  RatioNorm (:915-919, its shift averaged over
+      the micro-batch and the latent), the clipped loss divided by -dt (:931-932), the KL added after (:934-937)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ TOY_REWARDS = torch.tensor([0.61, 0.55, 0.58, 0.20, 0.31, 0.22, 0.50, 0.50, 0.50
 # F2b: train_sd3.py:801-821, train_sd3_fast.py:806-826, train_wan2_1.py:846-869 drop the samples whose advantage is 0
 # before the update (train_flux.py does not); DanceGRPO does not. The constant is exact in binary: a mean with a
 # rounding residue would leave the published advantage at ~1e-12 instead of 0, and the sample in.
-DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan"}
+DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan", "grpo-guard-sd3"}  # + G1 :825-846
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 
@@ -139,18 +141,24 @@ def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, g
     return out
 
 
-def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas, j, cfg, algorithm, preset):
+def published_loss(theta, theta_ref, c, x, x_next, old_log_p, old_mean, advantages, sigmas, j, cfg, algorithm, preset):
     """F2 / D1: mean over the batch of max(-A r, -A clip(r)) (+ beta KL) with A clamped to +-adv_clip_max;
     the KL's denominator is the source's (F2: std_dev_t^2 before sqrt(-dt); F3: the transition's variance). F2b: the
-    batch is the samples with A != 0 where the source filters."""
+    batch is the samples with A != 0 where the source filters. G1: GRPO-Guard's ratio and 1 / (-dt)."""
     if preset in DROPS_ZERO_ADVANTAGE:
         keep = advantages != 0
-        x, x_next, old_log_p, advantages, c = x[keep], x_next[keep], old_log_p[keep], advantages[keep], c
+        x, x_next, old_log_p, advantages = x[keep], x_next[keep], old_log_p[keep], advantages[keep]
+        old_mean = old_mean[keep]
     v = published_velocity(theta, x, c, cfg)
     mean, log_p, scale, std = published_step(v, x, x_next, sigmas, j, cfg)
     a = advantages.clamp(-algorithm.adv_clip_max, algorithm.adv_clip_max)
     ratio = torch.exp(log_p - old_log_p)
+    if algorithm.name == "grpo_guard":  # G1 :915-919: the shift's .mean(dim=()) averages every dimension
+        s = std.reshape(-1)[0]  # sqrt_dt.mean() * std_dev_t.mean(): the transition std
+        ratio = torch.exp((log_p - old_log_p + ((mean - old_mean) ** 2).mean() / (2 * s**2)) * s)
     policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - algorithm.clip_range, 1 + algorithm.clip_range)).mean()
+    if algorithm.name == "grpo_guard":  # G1 :931-932: divided by sqrt_dt.mean()**2 = -dt
+        policy = policy / (sigmas[j] - sigmas[j + 1])
     if algorithm.beta == 0:
         return policy
     with torch.no_grad():
@@ -165,7 +173,7 @@ def published_loss(theta, theta_ref, c, x, x_next, old_log_p, advantages, sigmas
 
 def fixed_inputs(dtype: torch.dtype, j: int, cfg, sigmas):
     """theta (a policy a little off the rollout's), theta_ref, c, x_j, x_{j+1} sampled by the rollout's policy,
-    and its log-probs."""
+    its log-probs and its transition means."""
     g = torch.Generator().manual_seed(0)
     n = len(GROUPS)
     theta = (0.3 + 0.1 * torch.randn(SHAPE, generator=g)).to(dtype)
@@ -178,10 +186,10 @@ def fixed_inputs(dtype: torch.dtype, j: int, cfg, sigmas):
         mean, _, _, std = published_step(v_old, x, x, sigmas, j, cfg)
         x_next = mean + std.reshape(-1, *([1] * len(SHAPE))) * torch.randn((n, *SHAPE), generator=g).to(dtype)
         old_log_p = published_step(v_old, x, x_next, sigmas, j, cfg)[1]
-    return theta, theta_ref, c, x, x_next, old_log_p
+    return theta, theta_ref, c, x, x_next, old_log_p, mean
 
 
-def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
+def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, old_mean, rewards, j):
     """One Recompute update that trains step j of every sample: (loss, theta's gradient)."""
     n = x.shape[0]
     trained = torch.zeros(n, cfg.sample.num_steps, dtype=torch.bool)
@@ -190,7 +198,7 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, rewards, j):
     algorithm = build_algorithm(cfg, sigmas)
     ctx = IterationContext(policy, cfg, algorithm, sigmas, policy.encode_prompts(["p"] * n), steps)
     schedule = Recompute(ctx)
-    schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, None, None))
+    schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, old_mean, None))
     advantages = algorithm.targets(rewards, GROUPS).to(x.dtype)
     stats = schedule.finish(advantages, lambda: {})
     loss = stats["policy_loss"] + cfg.algorithm.beta * stats.get("kl", 0.0)
@@ -218,10 +226,10 @@ def test_recompute_update_equals_published_objective(preset, j, dtype):
     sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift or 3.0, cfg.sample.sigma_grid).to(
         dtype
     )  # null: the folder's (both sides share the grid)
-    theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(dtype, j, cfg.sample, sigmas)
+    theta, theta_ref, c, x, x_next, old_log_p, old_mean = fixed_inputs(dtype, j, cfg.sample, sigmas)
     rewards = TOY_REWARDS
-
-    lean_loss, lean_grad = lean_update(ToyPolicy(theta, theta_ref, c), cfg, sigmas, x, x_next, old_log_p, rewards, j)
+    policy = ToyPolicy(theta, theta_ref, c)
+    lean_loss, lean_grad = lean_update(policy, cfg, sigmas, x, x_next, old_log_p, old_mean, rewards, j)
 
     advantages = published_advantages(rewards.numpy(), GROUPS.numpy(), preset, cfg.algorithm.global_std)
     theta_pub = theta.clone().requires_grad_(True)
@@ -232,6 +240,7 @@ def test_recompute_update_equals_published_objective(preset, j, dtype):
         x,
         x_next,
         old_log_p,
+        old_mean,
         torch.tensor(advantages, dtype=dtype),
         sigmas,
         j,
@@ -249,13 +258,13 @@ def test_the_fixture_exercises_each_term():
     """The check above can fail: the clip binds for some sample, the KL and the detached branch move the gradient."""
     cfg = preset_config("flowgrpo-sd3", torch.float64)
     sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift or 3.0, cfg.sample.sigma_grid).double()
-    theta, theta_ref, c, x, x_next, old_log_p = fixed_inputs(torch.float64, 2, cfg.sample, sigmas)
+    theta, theta_ref, c, x, x_next, old_log_p, old_mean = fixed_inputs(torch.float64, 2, cfg.sample, sigmas)
     adv = torch.tensor(published_advantages(TOY_REWARDS.numpy(), GROUPS.numpy(), "", True))
 
     def grad(sample, algorithm):
         t = theta.clone().requires_grad_(True)
         published_loss(
-            t, theta_ref, c, x, x_next, old_log_p, adv, sigmas, 2, sample, algorithm, "flowgrpo-sd3"
+            t, theta_ref, c, x, x_next, old_log_p, old_mean, adv, sigmas, 2, sample, algorithm, "flowgrpo-sd3"
         ).backward()
         return t.grad
 
@@ -305,6 +314,8 @@ PUBLISHED_TARGETS = {
     "attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # train_flux.py:411-424
     "flowgrpo-wan": "add_k_proj add_q_proj add_v_proj to_add_out to_k to_out.0 to_q to_v",  # train_wan2_1.py:451-460
     "dancegrpo-flux": "to_k to_q to_v to_out.0",  # DanceGRPO train_grpo_flux_lora.py:663
+    "grpo-guard-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # train_sd3_GRPO_Guard.py:421-430
 }
 
 

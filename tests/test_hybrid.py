@@ -57,6 +57,7 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
         ("flowgrpo-flux", ["train.num_inner_epochs=2"]),  # two passes over the rollout: 4 steps per rollout
         ("flowgrpo-flux", ["parallel.layout=group", "train.rollout_batch_size=2"]),  # groups finished at the end
         ("flowgrpo-flux", ["model.full_finetune=true"]),  # norms trained too: Reweight one trajectory per forward
+        ("grpo-guard-sd3", ZERO_GROUP),  # RatioNorm: the later update reads the rollout's transition means
     ],
 )
 def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):

@@ -15,7 +15,7 @@ from lean.configure import load_config
 from lean.presets import PRESET_DIR
 from lean.presets import PRESETS as KNOWN_PRESETS
 
-PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan"]
+PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan", "grpo-guard-sd3"]
 
 
 def on_policy(name: str, *overrides: str):
@@ -112,6 +112,24 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "algorithm.clip_range": 1e-3,
         "algorithm.beta": 0.004,
         "train.group_size": 4,
+    },
+    "grpo-guard-sd3": {  # config/grpo_guard.py general_ocr_sd3_rationorm at 2e2f712
+        "algorithm.name": "grpo_guard",
+        "model.family": "sd3",
+        "sample.num_steps": 10,
+        "sample.noise_level": 0.7,
+        "sample.timestep_fraction": 0.99,
+        "sample.cfg": True,
+        "model.lora_rank": 32,
+        "train.lr": 1e-4,
+        "algorithm.clip_range": 2e-6,
+        "algorithm.beta": 0.0,
+        "algorithm.global_std": False,
+        "algorithm.skip_zero_advantage": True,
+        "train.prompts_per_iteration": 48,
+        "train.group_size": 24,
+        "train.optimizer_steps_per_iteration": 2,
+        "train.ema_repeats": 4,
     },
 }
 

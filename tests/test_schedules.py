@@ -54,6 +54,9 @@ MATRIX = {
     "flux-micro-batches": ["train.rollout_batch_size=1", "algorithm.beta=0.04", "reward.decode=x0_prediction"],
     "wan-cfg-kl": ["model.family=wan", "algorithm.beta=0.04"],
     "wan-nocfg-window": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6"],
+    # GRPO-Guard (lean/algorithms/grpo_guard.py): RatioNorm and 1 / Delta_j, against its closed-form float64 reference
+    "flux-grpo-guard-kl": ["algorithm.name=grpo_guard", "algorithm.beta=0.04"],
+    "wan-grpo-guard": ["model.family=wan", "algorithm.name=grpo_guard"],
 }
 
 

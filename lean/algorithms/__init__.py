@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from lean.algorithms.base import FACTS, ROLLOUTS, Algorithm, StepLoss, loss_stats
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
+from lean.algorithms.grpo_guard import GRPOGuard
+from lean.config import ConfigError
 from lean.registry import Registry
 
 if TYPE_CHECKING:
@@ -23,8 +25,17 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
     "algorithm",
     [
         ("grpo", GRPO),  # FlowGRPO's and DanceGRPO's objective, and the default
+        ("grpo_guard", GRPOGuard),  # FlowGRPO's GRPO-Guard: RatioNorm and per-step gradient reweighting
     ],
 )
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """The algorithm runs with the other sections' settings (``Algorithm.problem``)."""
+    problem = ALGORITHMS[cfg.algorithm.name].problem(cfg)
+    if problem is not None:
+        key, value, allowed = problem
+        raise ConfigError(key, value, f"{allowed} (algorithm.name={cfg.algorithm.name})")
 
 
 def build_algorithm(cfg: RunConfig, sigmas: Tensor | None) -> Algorithm:
@@ -43,5 +54,6 @@ __all__ = [
     "Algorithm",
     "StepLoss",
     "build_algorithm",
+    "check_config",
     "loss_stats",
 ]

@@ -80,12 +80,18 @@ class Algorithm:
 
     rollout: ClassVar[str] = ROLLOUTS.default
     facts: ClassVar[frozenset[str]] = frozenset()
+    uses_old_mean: ClassVar[bool] = False  # step_loss reads the rollout's transition mean (Recompute stores it)
 
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm
         self.sample = cfg.sample
         # [num_steps + 1]: the rollout's grid, on the device (float64 for the reference); None: targets only
         self.sigmas = sigmas
+
+    @classmethod
+    def problem(cls, cfg: RunConfig) -> tuple[str, object, str] | None:
+        """(key, value, what is allowed) of a setting the algorithm cannot run with, or None."""
+        return None
 
     @property
     def kl_weight(self) -> float:
@@ -115,10 +121,11 @@ class Algorithm:
         mean: Tensor | None = None,
         std: Tensor | None = None,
         ref_mean: Tensor | None = None,
+        old_mean: Tensor | None = None,
     ) -> StepLoss:
         """The loss terms [B] of trained step ``step`` (an index, or one per row): the policy's transition
         log-prob and mean / std at it, the rollout's log-prob, the rows' targets, the reference's mean (None: no
-        regulariser)."""
+        regulariser), the rollout's transition mean (given when :attr:`uses_old_mean`)."""
         raise NotImplementedError
 
     def reference_loss(self, policy, step, emb, targets: Tensor) -> Tensor:

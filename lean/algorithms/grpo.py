@@ -130,7 +130,9 @@ class GRPO(Algorithm):
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:
         return clipped_surrogate(ratio, targets.to(ratio.dtype), self.cfg.clip_range)
 
-    def step_loss(self, step, log_prob, old_log_prob, targets, *, mean=None, std=None, ref_mean=None) -> StepLoss:
+    def step_loss(
+        self, step, log_prob, old_log_prob, targets, *, mean=None, std=None, ref_mean=None, old_mean=None
+    ) -> StepLoss:
         ratio = torch.exp(log_prob - old_log_prob)
         policy = self.policy_term(ratio, targets)
         kl = None

@@ -100,6 +100,7 @@ class IterationContext:
             mean=step.mean,
             std=step.std,
             ref_mean=ref_mean,
+            old_mean=step.mean.detach(),
         )
 
     def reference_mean(self, step: StepOutput) -> torch.Tensor | None:

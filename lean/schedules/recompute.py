@@ -76,6 +76,7 @@ class Terms:
     next_x: torch.Tensor  # x_{i+1}, as sampled
     old_log_prob: torch.Tensor  # log p_old(x_{i+1} | x_i) from the rollout
     weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
+    old_mean: torch.Tensor | None = None  # the rollout's transition mean, where the algorithm reads it
 
 
 def shuffled(t: TrainConfig, iteration: int, count: int, epoch: int) -> torch.Tensor:
@@ -145,6 +146,7 @@ class Recompute(Schedule):
         self.samples: dict[int, torch.Tensor] = {}  # step i -> x_i [B, ...]
         self.next_samples: dict[int, torch.Tensor] = {}
         self.old_log_probs: dict[int, torch.Tensor] = {}
+        self.old_means: dict[int, torch.Tensor] | None = {} if ctx.algorithm.uses_old_mean else None
         # ratio r = p_theta / p_old of every (sample, step) term its update computed (1 where none was), on the device:
         # on-policy r is 1 up to rounding, and the certificate reports how often rounding alone made the clip bind
         self.ratios = torch.ones(ctx.steps.trained.shape, dtype=torch.float64, device=ctx.sigmas.device)
@@ -160,9 +162,13 @@ class Recompute(Schedule):
             self.samples[i] = step.sample.new_empty((batch, *step.sample.shape[1:]))
             self.next_samples[i] = torch.empty_like(self.samples[i])
             self.old_log_probs[i] = step.log_prob.new_empty(batch)
+            if self.old_means is not None:
+                self.old_means[i] = step.mean.new_empty((batch, *step.mean.shape[1:]))
         self.samples[i][rows] = step.sample
         self.next_samples[i][rows] = step.next_sample
         self.old_log_probs[i][rows] = step.log_prob.detach()
+        if self.old_means is not None:
+            self.old_means[i][rows] = step.mean.detach()
 
     def _gather(self, store: dict[int, torch.Tensor], rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """x[b] at step steps[b] for each sample b of ``rows`` (host-side ids; views of the stored device tensors)."""
@@ -223,7 +229,8 @@ class Recompute(Schedule):
                         nxt = self._gather(self.next_samples, rows, steps)
                         old = torch.stack([self.old_log_probs[int(s)][int(b)] for b, s in zip(rows, steps)])
                         weight = 1.0 / (len(chunk) * ctx.steps_per_sample)
-                        update.append(Terms(on_device, steps.to(device), x, nxt, old, weight))
+                        old_mean = None if self.old_means is None else self._gather(self.old_means, rows, steps)
+                        update.append(Terms(on_device, steps.to(device), x, nxt, old, weight, old_mean))
                 yield update
 
     def _batches_like_rollout(self, kept: torch.Tensor | None, n: int | torch.Tensor) -> Iterator[list[Terms]]:
@@ -243,6 +250,7 @@ class Recompute(Schedule):
                         self.next_samples[i][rows],
                         self.old_log_probs[i][rows],
                         ctx.term_weights(rows, i, n, kept),
+                        None if self.old_means is None else self.old_means[i][rows],
                     )
                 )
         yield update
@@ -268,7 +276,14 @@ class Recompute(Schedule):
             with ctx.region("reference_forward"):
                 ref = reference_mean(ctx.policy, terms.x, terms.steps, emb, ctx.cfg.sample, ctx.sigmas, terms.next_x)
         loss = ctx.algorithm.step_loss(
-            terms.steps, log_prob, terms.old_log_prob, advantages[terms.rows], mean=mean, std=std, ref_mean=ref
+            terms.steps,
+            log_prob,
+            terms.old_log_prob,
+            advantages[terms.rows],
+            mean=mean,
+            std=std,
+            ref_mean=ref,
+            old_mean=terms.old_mean,
         )
         self.ratios[terms.rows, terms.steps] = loss.ratio.detach().double()
         with ctx.region("backward"):

@@ -154,19 +154,12 @@ class Subject:
         peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
         result: dict = {
             "config": {
-                "family": cfg.model.family,
-                "size": cfg.model.size,
-                "dtype": cfg.model.dtype,
-                "num_steps": cfg.sample.num_steps,
+                **measured_config(cfg, options),
                 "cfg": cfg.sample.cfg,
                 "beta": cfg.algorithm.beta,
                 "samples_per_process": len(self.plan_input.batch.prompts),
                 "world_size": trainer.world.size,
-                "repeats": options.repeats,
-                "warmup": options.warmup,
-                "resolution": cfg.model.resolution,
                 "uncond_grad": cfg.sample.uncond_grad,
-                "threads": torch.get_num_threads(),
                 "cores": len(cores),
                 "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
                 "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
@@ -213,6 +206,20 @@ class Subject:
         trainer.state.load_state_dict(self.state)
         add_speedups(result, rows)
         return result
+
+
+def measured_config(cfg: RunConfig, options: BenchOptions) -> dict:
+    """What every benchmark's result states of the model, the sampler and the measurement."""
+    return {
+        "family": cfg.model.family,
+        "size": cfg.model.size,
+        "dtype": cfg.model.dtype,
+        "num_steps": cfg.sample.num_steps,
+        "resolution": cfg.model.resolution,
+        "repeats": options.repeats,
+        "warmup": options.warmup,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def pinned(options: BenchOptions) -> list[int]:

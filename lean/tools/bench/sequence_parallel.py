@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from lean.config import ConfigError, RunConfig
 from lean.distributed import set_threads
 from lean.metrics import median
@@ -26,7 +24,7 @@ from lean.outputs import JsonLines, write_json
 from lean.overlap.p2p import METHODS
 from lean.provenance import machine
 from lean.schedules import SCHEDULES
-from lean.tools.bench.schedules import BenchOptions, iteration_metrics, timed_rounds
+from lean.tools.bench.schedules import BenchOptions, iteration_metrics, measured_config, timed_rounds
 from lean.train import Trainer
 
 COMPUTE_ONLY = "compute-only"
@@ -66,18 +64,11 @@ def bench_sequence_parallel(
         trainer.state.load_state_dict(state)
     result: dict = {
         "config": {
-            "family": cfg.model.family,
-            "size": cfg.model.size,
-            "dtype": cfg.model.dtype,
-            "num_steps": cfg.sample.num_steps,
-            "resolution": cfg.model.resolution,
+            **measured_config(cfg, options),
             "sequence_parallel": sp.size,
             "processes": trainer.world.size,
             "tokens": trainer.policy.arch.image_seq_len,
             "samples_per_group": len(trainer.pipeline.local_batch(0).prompts),
-            "repeats": options.repeats,
-            "warmup": options.warmup,
-            "threads": torch.get_num_threads(),
         },
         "methods": list(overlaps),
         "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
