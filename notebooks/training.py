@@ -62,6 +62,17 @@ def read_rows(schedule: str, name: str) -> list[dict]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def show_eval_figure(fig, ax, xlabel: str, title: str, name: str) -> None:
+    """Label an eval-reward plot, log it to MLflow as ``name`` and show it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean eval reward")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    log.figure(fig, name)
+    plt.show()
+
+
 curves = {s: read_rows(s, "metrics.csv") for s in schedules}
 evals = {s: read_rows(s, "eval.csv") for s in schedules}
 summaries = {s: json.loads((Path(outputs) / "train" / s / "metrics.json").read_text()) for s in schedules}
@@ -165,13 +176,9 @@ if evaluated:
     if noises:
         ax.axhspan(base - noise, base + noise, color="grey", alpha=0.25, label="base ± noise std")
     ax.axhline(base + needed, color="green", ls="--", lw=1, label=f"base + {needed:.3f} (criterion)")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("mean eval reward")
-    ax.set_title("eval (ODE, fixed noise) reward per evaluation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    log.figure(fig, "training_eval_reward_curves.png")
-    plt.show()
+    show_eval_figure(
+        fig, ax, "iteration", "eval (ODE, fixed noise) reward per evaluation", "training_eval_reward_curves.png"
+    )
     print(
         f"eval reward gain {gain:.4f} (the smallest of the three) against >= {MIN_GAIN} and > {NOISE_MULTIPLE} x "
         f"noise std {noise:.4f} = {NOISE_MULTIPLE * noise:.4f}: " + ("learns" if learns else "does NOT visibly learn")
@@ -200,13 +207,13 @@ if evaluated and recipe_runs:
         reached[name] = time_to_reward(curve, target)
         ax.plot([t for t, _ in curve], [r for _, r in curve], style, ms=4, label=name)
     ax.axhline(target, color="green", ls="--", lw=1, label=f"target: base + {time_to_reward_gain}")
-    ax.set_xlabel("training CPU seconds (each run's own)")
-    ax.set_ylabel("mean eval reward")
-    ax.set_title("eval reward against compute: recipe (2 steps per rollout) vs on-policy form")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    log.figure(fig, "training_time_to_reward.png")
-    plt.show()
+    show_eval_figure(
+        fig,
+        ax,
+        "training CPU seconds (each run's own)",
+        "eval reward against compute: recipe (2 steps per rollout) vs on-policy form",
+        "training_time_to_reward.png",
+    )
     for name, seconds in reached.items():
         print(f"{name:18s} " + (f"reaches {target:.4f} after {seconds:7.1f} CPU s" if seconds else "never reaches it"))
 
