@@ -84,12 +84,17 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_range: float) -> T
     return torch.maximum(unclipped, clipped)
 
 
+def transition_std(std: Tensor) -> Tensor:
+    """The std of each row's Gaussian transition [B] (or [1], broadcast), from the SDE step's [B, 1, ..., 1]."""
+    return std.reshape(std.shape[0], -1)[:, 0]
+
+
 def kl_penalty(mean: Tensor, ref_mean: Tensor, std: Tensor, weight: Tensor | float = 1.0) -> Tensor:
     """Per-sample ``weight`` x KL between N(mean, std^2) and N(ref_mean, std^2), averaged over the non-batch
     dimensions [B]. ``weight``: a number or [B] (:func:`kl_step_weights` at each sample's step)."""
     dims = tuple(range(1, mean.ndim))
     sq = ((mean - ref_mean) ** 2).mean(dim=dims)
-    return weight * sq / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
+    return weight * sq / (2 * transition_std(std) ** 2)
 
 
 class GRPO(Algorithm):
@@ -130,11 +135,19 @@ class GRPO(Algorithm):
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:
         return clipped_surrogate(ratio, targets.to(ratio.dtype), self.cfg.clip_range)
 
+    def log_ratio(self, log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+        """log r [B] of a trained step: log p_theta - log p_old."""
+        return log_prob - old_log_prob
+
+    def step_policy_term(self, step: int | Tensor, ratio: Tensor, targets: Tensor) -> Tensor:
+        """The target-dependent term [B] of trained step ``step`` at ``ratio``: the clipped surrogate."""
+        return self.policy_term(ratio, targets)
+
     def step_loss(
         self, step, log_prob, old_log_prob, targets, *, mean=None, std=None, ref_mean=None, old_mean=None
     ) -> StepLoss:
-        ratio = torch.exp(log_prob - old_log_prob)
-        policy = self.policy_term(ratio, targets)
+        ratio = torch.exp(self.log_ratio(log_prob, old_log_prob, mean, old_mean, std))
+        policy = self.step_policy_term(step, ratio, targets)
         kl = None
         if ref_mean is not None:
             kl = kl_penalty(mean, ref_mean, std, self.kl_weights[step]).to(policy.dtype)

@@ -49,8 +49,7 @@ import functools
 import torch
 from torch import Tensor
 
-from lean.algorithms.base import StepLoss
-from lean.algorithms.grpo import GRPO, kl_penalty
+from lean.algorithms.grpo import GRPO, kl_penalty, transition_std
 from lean.rollout import StepOutput, policy_step, reference_mean
 
 NON_GAUSSIAN_KINDS = ("cps",)  # log p is -(x' - mean)^2 without the Gaussian's 1 / (2 std^2): no RatioNorm
@@ -59,11 +58,6 @@ NON_GAUSSIAN_KINDS = ("cps",)  # log p is -(x' - mean)^2 without the Gaussian's 
 def sample_means(x: Tensor) -> Tensor:
     """mean_D of every sample [B]: the average over all non-batch dimensions."""
     return x.mean(dim=tuple(range(1, x.ndim)))
-
-
-def transition_std(std: Tensor) -> Tensor:
-    """The transition std s_j of each row [B] (or [1], broadcast), from the SDE step's [B, 1, ..., 1]."""
-    return std.reshape(std.shape[0], -1)[:, 0]
 
 
 class GRPOGuard(GRPO):
@@ -88,15 +82,9 @@ class GRPOGuard(GRPO):
         shift = ((mean - old_mean) ** 2).mean() / (2 * s**2)
         return s * (log_prob - old_log_prob + shift)
 
-    def step_loss(
-        self, step, log_prob, old_log_prob, targets, *, mean=None, std=None, ref_mean=None, old_mean=None
-    ) -> StepLoss:
-        ratio = torch.exp(self.log_ratio(log_prob, old_log_prob, mean, old_mean, std))
-        policy = self.policy_term(ratio, targets) / self.step_sizes[step].to(ratio.dtype)
-        kl = None
-        if ref_mean is not None:
-            kl = kl_penalty(mean, ref_mean, std, self.kl_weights[step]).to(policy.dtype)
-        return StepLoss(policy, kl, ratio.detach())
+    def step_policy_term(self, step: int | Tensor, ratio: Tensor, targets: Tensor) -> Tensor:
+        """The clipped surrogate divided by the step size Delta_j (the KL term, added by ``step_loss``, is not)."""
+        return self.policy_term(ratio, targets) / self.step_sizes[step].to(ratio.dtype)
 
     def reference_loss(self, policy, step: StepOutput, emb, targets: Tensor) -> Tensor:
         """The certificate's anchor: the loss [B] of one recorded trained step recomputed in float64 from the closed
@@ -106,7 +94,7 @@ class GRPOGuard(GRPO):
         eps, delta, s = (x_next - mean.detach()) / std, mean - mean.detach(), transition_std(std)
         squares = sample_means(delta**2)
         ratio = torch.exp(sample_means(eps * delta) + (squares.mean() - squares) / (2 * s))
-        loss = self.policy_term(ratio, targets.double()) / self.step_sizes[step.index]
+        loss = self.step_policy_term(step.index, ratio, targets.double())
         if self.kl_weight:
             ref = reference_mean(policy, x, step.index, emb, self.sample, self.sigmas, x_next)
             loss = loss + self.kl_weight * kl_penalty(mean, ref, std, self.kl_weights[step.index])

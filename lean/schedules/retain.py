@@ -104,8 +104,10 @@ class Retain(Schedule):
         unit = ctx.finish_unit
         entries = self._take(rows)
         # one backward per set of tracked rows (a rollout micro-batch, or the rows of it that train a step)
-        for ids in sorted({tuple(row_ids(step.rows).tolist()) for step, _ in entries}):
-            mine = [(step, ref) for step, ref in entries if tuple(row_ids(step.rows).tolist()) == ids]
+        by_rows: dict[tuple[int, ...], list] = {}
+        for step, ref in entries:
+            by_rows.setdefault(tuple(row_ids(step.rows).tolist()), []).append((step, ref))
+        for ids, mine in sorted(by_rows.items()):
             policy, kl = 0.0, 0.0
             for step, ref in mine:
                 provisional = torch.full_like(step.log_prob, PROVISIONAL_ADVANTAGE)  # one per row of the step
