@@ -213,6 +213,12 @@ class SampleConfig:
     """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
     sde_window_max_start: int | None = None
     """The window starts in [0, this]; default: it stays in the first half."""
+    tail_solver: str = choice("ODE solver")
+    """The solver of the deterministic steps after the last SDE step: a name of ``lean.sde.ODE_SOLVERS`` (euler, or
+    MixGRPO-Flash's dpmsolver++). The steps before it are Euler steps either way."""
+    tail_compress: float = 1.0
+    """MixGRPO-Flash: the steps after the last SDE step L run on a coarser grid of int(max((N - L) x tail_compress,
+    1)) points (``lean.sde.tail_sigmas``; 1: the run's own grid). Needs ``sigma_grid: uniform``."""
     truncate_timestep: bool = False
     """The model sees floor(1000 sigma) / 1000 instead of sigma (DanceGRPO feeds int(1000 sigma) / 1000); the SDE step
     uses the exact sigma either way."""
@@ -251,6 +257,8 @@ class SampleConfig:
             raise ConfigError(
                 "sample.sde_window", self.sde_window, f"must be <= sample.num_steps - 1 = {self.num_steps - 1}"
             )
+        if not 0 < self.tail_compress <= 1:
+            raise ConfigError("sample.tail_compress", self.tail_compress, "must be in (0, 1]")
         last_start = self.num_steps - 1 - self.sde_window
         if self.sde_window_max_start is not None and not 0 <= self.sde_window_max_start <= last_start:
             raise ConfigError(
@@ -334,6 +342,61 @@ class RewardConfig:
 
 
 @dataclass
+class MixGRPOConfig:
+    """MixGRPO's sliding SDE window (``lean/algorithms/mixgrpo.py``): steps [s, s + window) are SDE steps and trained,
+    the others ODE steps; s = floor(iteration / move_every) x stride, rolled back to 0 past the last trainable start."""
+
+    window: int = 4
+    """SDE (and trained) steps per rollout (MixGRPO's --group_size 4)."""
+    move_every: int = 25
+    """Iterations before the window moves (--iters_per_group: 25; Flash 20)."""
+    stride: int = 1
+    """Steps the window moves by (--prog_overlap_step: 1; 0 freezes it at the first steps, Flash*)."""
+
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.window", self.window)
+        check_positive(f"{prefix}.move_every", self.move_every)
+        check_positive(f"{prefix}.stride", self.stride, strict=False)
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT's keys (``lean/algorithms/nft.py``)."""
+
+    beta: float = 1.0
+    """beta: the implicit positive policy is beta v_theta + (1 - beta) v_old, the negative (1 + beta) v_old -
+    beta v_theta (config/nft.py: 1.0; its multi-reward and OCR recipes 0.1)."""
+    kl_weight: float = 1e-4
+    """Weight of mean (v_theta - v_ref)^2 against the reference (adapter off) (config/nft.py: train.beta 1e-4)."""
+    old_decay: str = choice("old-policy decay")
+    """How the old (sampling) policy follows the trained one after each rollout's updates: a name of
+    ``lean.algorithms.nft.OLD_POLICY_DECAYS``."""
+
+    def validate(self, prefix: str) -> None:
+        choices(self, prefix)
+        check_positive(f"{prefix}.beta", self.beta)
+        check_positive(f"{prefix}.kl_weight", self.kl_weight, strict=False)
+
+
+@dataclass
+class DPOConfig:
+    """Online Diffusion-DPO's keys (``lean/algorithms/dpo.py``)."""
+
+    beta: float = 100.0
+    """beta of the logit -beta / 2 [(e_w - e_w^ref) - (e_l - e_l^ref)] (FlowGRPO config/dpo.py: 100)."""
+    ref_update_every: int = 40
+    """Optimizer steps between copies of the trained weights into the reference (and sampler): FlowGRPO's
+    OnlineDPO (its config's comment: 40); 0: never, the reference stays the starting weights (its shipped 1e7)."""
+    sample_from: str = choice("DPO sampler")
+    """Which weights roll out: a name of ``lean.algorithms.dpo.DPO_SAMPLERS``."""
+
+    def validate(self, prefix: str) -> None:
+        choices(self, prefix)
+        check_positive(f"{prefix}.beta", self.beta)
+        check_positive(f"{prefix}.ref_update_every", self.ref_update_every, strict=False)
+
+
+@dataclass
 class AlgorithmConfig:
     """What is optimised (``lean.algorithms``): the algorithm and its keys. GRPO's (``lean/algorithms/grpo.py``): the
     group advantages, the clipped surrogate and the KL term."""
@@ -369,9 +432,18 @@ class AlgorithmConfig:
     into the updates), ``split_then_filter`` (the updates' samples are drawn from all before the rollout, each update
     drops its zero-advantage ones: what the hybrid schedules need), or ``auto``: the second under a hybrid schedule,
     else the first."""
+    mixgrpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
+    """``algorithm.name: mixgrpo``'s window."""
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    """``algorithm.name: nft``'s keys."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """``algorithm.name: dpo``'s keys."""
 
     def validate(self) -> None:
         choices(self, "algorithm")
+        self.mixgrpo.validate("algorithm.mixgrpo")
+        self.nft.validate("algorithm.nft")
+        self.dpo.validate("algorithm.dpo")
         for key in ("clip_range", "adv_clip_max"):
             check_positive(f"algorithm.{key}", getattr(self, key))
         for key in ("adv_eps", "beta"):

@@ -51,7 +51,7 @@ from torch import Tensor
 from lean.models import family_spec
 from lean.outputs import write_csv
 from lean.rollout import rollout, sample_generator
-from lean.sde import StepSelection, sigma_schedule
+from lean.sde import EULER, StepSelection, sigma_schedule
 from lean.sharding import FSDP
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class Evaluator:
             cfg.sample,
             num_steps=e.num_steps or cfg.sample.num_steps,
             guidance_scale=cfg.sample.guidance_scale if e.guidance_scale is None else e.guidance_scale,
+            tail_solver=EULER,  # Euler steps whatever the run samples with: every run evaluates alike
+            tail_compress=1.0,
         )
         grid = sigma_schedule(self.sample_cfg.num_steps, cfg.sample.shift, cfg.sample.sigma_grid)
         self.sigmas = grid.to(self.world.device)

@@ -21,6 +21,7 @@ of the same prompt differ.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from lean.algorithms import Algorithm, build_algorithm
+from lean.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from lean.config import ConfigError
 from lean.configure import validate
 from lean.distributed import CPU_TIMEOUT_S, World
@@ -48,12 +49,13 @@ from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import Overlap
 from lean.rewards import RewardServerError, Scorer
 from lean.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
-from lean.schedules import SCHEDULES, IterationContext, Schedule
+from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
 from lean.schedules.recompute import rolled_out_in_update_order, shuffled
 from lean.scoring import RolloutScoring, ScoredBatch, score_worker
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
 from lean.sharding import FSDP, shard_policy
+from lean.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -131,6 +133,9 @@ def select_local_steps(
     selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
     if generators is None:
         generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
+    own = ALGORITHMS[cfg.algorithm.name].steps(cfg, iteration, len(samples))
+    if own is not None:  # the algorithm places the SDE steps itself (MixGRPO's sliding window)
+        return own
     return select_steps_for(
         cfg.sample,
         len(generators),
@@ -205,6 +210,10 @@ class IterationPipeline:
     def __init__(self, policy: Policy, cfg: RunConfig, sigmas: Tensor, world: World | None = None):
         self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
         self.algorithm: Algorithm = build_algorithm(cfg, sigmas)  # what is optimised (lean.algorithms)
+        # the algorithm's second weights (NFT's old policy, DPO's reference): the trained ones at the start
+        self.snapshot = (
+            Snapshot([p for _, p in policy.trainable_parameters()]) if self.algorithm.uses_snapshot else None
+        )
         self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
         self.world = world or World(device=policy.device)
         self.failed_rollouts: Path | None = None  # where score() keeps a batch no reward server scored (lean train)
@@ -245,7 +254,19 @@ class IterationPipeline:
             finish_unit(self.cfg, self.world.data_size),
             tally or FlopTally(),
             timer or PhaseTimer(self.world.device),
+            batch.mine,
+            self.snapshot,
         )
+
+    def refresh_snapshot(self, iteration: int) -> None:
+        """Move the algorithm's snapshot as it says before the rollout of ``iteration`` (after iteration x S x E
+        optimizer steps: every iteration takes the same number, ``lean.schedules.recompute._chunks``)."""
+        if self.snapshot is None:
+            return
+        t = self.cfg.train
+        decay = self.algorithm.snapshot_decay(iteration * t.optimizer_steps_per_iteration * t.num_inner_epochs)
+        if decay is not None:
+            self.snapshot.blend(decay)
 
     def rollout(
         self,
@@ -265,7 +286,8 @@ class IterationPipeline:
                 on_step(step)
             schedule.on_step(step)
 
-        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"):
+        weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
+        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
             return rollout(
                 self.policy,
                 ctx.emb,
@@ -374,6 +396,7 @@ class IterationPipeline:
         progress: Callable[[int], None] | None = None,
     ) -> Rollout:
         """The first half of an iteration: local batch -> embed -> rollout -> score."""
+        self.refresh_snapshot(iteration)
         batch = self.local_batch(iteration)
         ctx = self.context(batch, self.embed(batch), timer, tally)
         schedule = make_schedule(ctx)
@@ -412,7 +435,8 @@ class IterationPipeline:
         timer = PhaseTimer(self.world.device)
         cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
         with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
-            rolled = self.roll_out(iteration, SCHEDULES[schedule], timer=timer, tally=tally, progress=progress)
+            make_schedule = schedule_class(schedule, self.algorithm)
+            rolled = self.roll_out(iteration, make_schedule, timer=timer, tally=tally, progress=progress)
             rewards, advantages = self.advantages(rolled)
             stats = self.finish(rolled, advantages, optimizer_step)
         metrics = {
@@ -447,6 +471,7 @@ class EarlyFinish:
         self.groups = batch.group_ids()[batch.local]  # of the local rows
 
     def __call__(self, rows: slice, final: Tensor) -> None:
+        self.schedule.on_finished(rows, final)
         self.scoring.submit(final, self.batch.prompts[rows])
         unit = self.ctx.finish_unit
         if unit is None or rows.stop % unit or not self.schedule.finishes_early:

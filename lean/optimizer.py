@@ -17,6 +17,7 @@ from lean.distributed import World
 from lean.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
 from lean.sharding import full, is_sharded, like, local_mb
+from lean.snapshot import Snapshot, swapped_in
 
 
 class TrainState:
@@ -38,6 +39,7 @@ class TrainState:
         self.steps = 0
         self.iteration = 0  # for messages: the iteration whose update is being applied
         self.on_synced_grads: Callable[[list[torch.nn.Parameter]], None] | None = None  # see capture_synced_grads
+        self.snapshot: Snapshot | None = None  # the algorithm's second weights, saved with the rest (Trainer sets it)
 
     def step(self) -> dict:
         """Average gradients across processes, clip, AdamW, EMA."""
@@ -80,16 +82,8 @@ class TrainState:
         if not use_ema or self.ema is None:
             yield False
             return
-        with torch.no_grad():
-            own = [p.detach().clone() for p in self.params]
-            for p, e in zip(self.params, self.ema):
-                p.copy_(e)
-        try:
+        with swapped_in(self.params, self.ema):
             yield True
-        finally:
-            with torch.no_grad():
-                for p, v in zip(self.params, own):
-                    p.copy_(v)
 
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
@@ -101,6 +95,7 @@ class TrainState:
             "params": [copy(p) for p in self.params],
             "optimizer": _map_tensors(self.optimizer.state_dict(), copy),
             "ema": None if self.ema is None else [copy(e) for e in self.ema],
+            "snapshot": None if self.snapshot is None else [copy(v) for v in self.snapshot.values],
             "optimizer_steps": self.steps,
         }
 
@@ -118,6 +113,8 @@ class TrainState:
         self.optimizer.load_state_dict(optimizer)
         if state["ema"] is not None:  # on this process's device, whatever device saved it
             self.ema = [like(e, p).clone() for e, p in zip(state["ema"], self.params)]
+        if self.snapshot is not None and state.get("snapshot") is not None:
+            self.snapshot.values = [like(v, p).clone() for v, p in zip(state["snapshot"], self.params)]
         self.steps = state["optimizer_steps"]
 
     def resident_mb(self, policy: torch.nn.Module) -> float:
@@ -125,7 +122,8 @@ class TrainState:
         EMA (its shards, under ``parallel.shard=fsdp``)."""
         states = [t for slots in self.optimizer.state.values() for t in slots.values() if t.dim() > 0]
         grads = [p.grad for p in self.params if p.grad is not None]
-        return local_mb([*policy.parameters(), *grads, *states, *(self.ema or [])])
+        snapshot = self.snapshot.values if self.snapshot is not None else []
+        return local_mb([*policy.parameters(), *grads, *states, *(self.ema or []), *snapshot])
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, ROLLOUT_STEPS, build_algorithm
 from lean.distributed import init_world
 from lean.dtypes import DTYPES, master_dtype
 from lean.iteration import IterationPipeline, LocalBatch, build_pipeline
@@ -51,12 +52,15 @@ from lean.schedules import (
     SCHEDULES,
     IterationCosts,
     Prediction,
+    algorithm_problem,
+    algorithm_schedules,
     fsdp_problem,
     runnable,
     schedule_problem,
 )
 from lean.schedules.per_sample import linear_owners
 from lean.schedules.recompute import first_update_rows
+from lean.sde import rollout_sigmas
 from lean.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 
 if TYPE_CHECKING:
@@ -106,6 +110,9 @@ def _timed(fn, repeats: int = 3, warmup: int = 1) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return median(times)
+
+
+TERMS = {ROLLOUT_STEPS: "trained", CLEAN_SAMPLES: "re-noised draws"}  # per sample, by what the algorithm trains on
 
 
 def probe(inp: PlanInput) -> dict:
@@ -163,14 +170,19 @@ def probe(inp: PlanInput) -> dict:
 def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -> IterationCosts:
     """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`), in the run's
     layout or in ``layout`` (``lean.layout``)."""
-    cfg, steps = inp.cfg, inp.batch.steps
+    cfg = inp.cfg
     laid_out = (
         cfg if layout is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
     )
     local, probed = len(inp.batch.prompts), measured["batch"]
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
-    k = int(steps.trained[0].sum())
+    algorithm = build_algorithm(cfg, None)  # its terms: GRPO's trained steps, NFT's and DPO's re-noised draws
+    k = algorithm.terms_per_sample or int(inp.batch.steps.trained[0].sum())
+    share = algorithm.trained_share
+    fb = measured["t_forward_backward"] * rounds
+    # the re-noised terms are conditional only: the probed step's CFG half (the unconditional forward) is not theirs
+    f_cfg = f / 2 if cfg.sample.cfg and algorithm.trains_on == CLEAN_SAMPLES else 0.0
     unit = finish_unit(laid_out, inp.world_size) or local  # trajectories held at once (group layout: one unit)
     # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
     # reward.async_scoring while the next rolls out (lean.scoring), so a unit waits for its last one's only. The
@@ -178,13 +190,13 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
     concurrent = cfg.reward.async_scoring and rounds > 1
     waited_for = -(-local // unit) * (min(probed, unit) if concurrent else unit)
     return IterationCosts(
-        n=cfg.sample.num_steps,
+        n=len(rollout_sigmas(inp.sigmas, inp.batch.steps.stochastic.tolist(), cfg.sample)) - 1,  # Flash: fewer
         k=k,
         local=local,
         f=f,
-        fb=measured["t_forward_backward"] * rounds,
+        fb=(fb - f_cfg) * share,
         fb_one=measured["t_forward_backward_one"],
-        ref=k * f if cfg.algorithm.beta else 0.0,
+        ref=k * (f - f_cfg) * share * algorithm.untracked_forwards_per_term,
         score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
         score_at_end=(measured["t_decode"] + measured["t_reward"])
         * (min(probed, local) if concurrent else local)
@@ -196,7 +208,7 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         decode_mb=measured["decode_mb"],
         trainable_mb=measured["param_mb"],
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
-        kl=bool(cfg.algorithm.beta),
+        kl=bool(algorithm.kl_weight),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
         held_fraction=unit / local,
         n_known=not cfg.algorithm.skip_zero_advantage,
@@ -311,6 +323,8 @@ def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[d
             for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
                 if shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule)):
                     continue
+                if schedule not in algorithm_schedules(inp.cfg):
+                    continue  # never this algorithm's gradient
                 rows.append(
                     {
                         "schedule": schedule,
@@ -447,8 +461,9 @@ def print_combinations(rows: list[dict], own: tuple[str, str, bool]) -> None:
 
 def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:
     print(
-        f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.sample.num_steps} steps, "
-        f"{costs.k} trained, one step saves {measured['activation_mb']:.1f} MiB of activations at batch "
+        f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.algorithm.name}, "
+        f"{cfg.sample.num_steps} steps, {costs.k} {TERMS[ALGORITHMS[cfg.algorithm.name].trains_on]}, one step "
+        f"saves {measured['activation_mb']:.1f} MiB of activations at batch "
         f"{measured['batch']}"
     )
     print(
@@ -458,6 +473,9 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
     print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
     predictions, exact = predict(costs), runnable(cfg)
     for name, p in predictions.items():
+        if problem := algorithm_problem(SCHEDULES[name], ALGORITHMS[cfg.algorithm.name]):
+            print(f"{name:10} {'':>16} {'':>17}  (never {cfg.algorithm.name}'s gradient: {problem.split(',')[0]})")
+            continue
         why = "" if name in exact else f"  (not exact here: {schedule_problem(cfg, name)[0]})"
         print(f"{name:10} {p.peak_memory_mb:16.1f} {p.time_iteration_s:17.3f}{why}")
     print(f"budget {decision['budget_mb']:.0f} MiB -> auto takes {decision['choice']}")

@@ -28,7 +28,15 @@ import torch
 
 from lean.dtypes import or_model
 from lean.registry import Registry
-from lean.sde import StepSelection, compute_dtype, ode_step, sde_step_with_logprob
+from lean.sde import (
+    EULER,
+    StepSelection,
+    compute_dtype,
+    dpm_solver_pp_step,
+    ode_step,
+    rollout_sigmas,
+    sde_step_with_logprob,
+)
 
 if TYPE_CHECKING:
     from lean.config import SampleConfig
@@ -55,6 +63,17 @@ def group_init_generator(seed: int, iteration: int, group: int, prompt_index: in
     """The stream of a group's shared initial noise (``sample.init_same_noise``): keyed like a sample's, with a
     sample index no sample has, so it never repeats a sample's draws."""
     return sample_generator(seed, iteration, group, prompt_index, _GROUP_STREAM)
+
+
+RENOISE_STREAM = 1  # the sixth key of a sample's re-noising stream (lean.schedules.renoised)
+
+
+def renoise_generator(seed: int, iteration: int, group: int, prompt_index: int, sample_index: int) -> torch.Generator:
+    """The stream of a sample's re-noising draws after the rollout (NFT, DPO): keyed like the sample's own with a
+    sixth key, so it never repeats the rollout's draws and never depends on the batching."""
+    keys = [seed, iteration, group, prompt_index, sample_index, RENOISE_STREAM]
+    state = np.random.SeedSequence(keys).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
 def iteration_generator(seed: int, iteration: int, purpose: int = 0) -> torch.Generator:
@@ -175,6 +194,43 @@ class StepNoise:
         return self.ready.pop(i)
 
 
+class OdeSteps:
+    """The deterministic steps of a rollout over ``grid``: Euler before step ``tail`` (the first after the last SDE
+    step), ``solver`` (``lean.sde.ODE_SOLVERS``) from it on. DPM-Solver++(2M) reads the previous step's data
+    prediction, whatever kind of step that was (MixGRPO-Flash feeds its solver state at every step,
+    fastvideo/utils/sampling_utils.py:114-116)."""
+
+    def __init__(self, grid: torch.Tensor, solver: str, tail: int):
+        self.grid, self.solver, self.tail = grid, solver, tail
+
+    def start(self) -> OdeSteps.Trajectories:
+        return OdeSteps.Trajectories(self)
+
+    class Trajectories:
+        """One micro-batch's pass: the data predictions x0 = x - sigma v of its previous step (multistep only)."""
+
+        def __init__(self, steps: OdeSteps):
+            self.steps = steps
+            self.multistep = steps.solver != EULER and steps.tail < len(steps.grid) - 1
+            self.x0: dict[int, torch.Tensor] = {}  # step -> x0 prediction [b, ...] of the micro-batch
+
+        def observe(self, i: int, sub, v: torch.Tensor, x_rows: torch.Tensor) -> None:
+            """Record step i's data prediction of the rows ``sub`` of the micro-batch ``x_rows`` (``v``: theirs)
+            where a later multistep step reads it."""
+            if self.multistep and i >= self.steps.tail - 1:
+                if i not in self.x0:
+                    self.x0[i] = torch.empty_like(x_rows)  # the whole micro-batch: a step may run it in parts
+                self.x0[i][sub] = predicted_x0(v, x_rows[sub], self.steps.grid, i)
+                self.x0.pop(i - 2, None)
+
+        def step(self, i: int, sub, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            g = self.steps.grid
+            if not self.multistep or i < self.steps.tail:
+                return ode_step(v, x, g, i)
+            prev = self.x0[i - 1][sub] if i - 1 in self.x0 else None
+            return dpm_solver_pp_step(x, self.x0[i][sub], prev, g[i - 1], g[i], g[i + 1])
+
+
 def forward_rows(
     size: int, tracked: bool, grad_micro_batch: int | None, track_rows: torch.Tensor | None
 ) -> list[tuple[slice | torch.Tensor, bool]]:
@@ -244,10 +300,14 @@ def rollout(
     # every sample's first draw, before any step's; kept at the sampler's precision (sample.latent_dtype)
     x = policy.init_latents(init_generators or generators, or_model(cfg.latent_dtype, policy.dtype))
     batch = x.shape[0]
-    stochastic = [bool(s) for s in steps.stochastic]  # host-side: which steps draw noise
-    upcoming = [next((j for j in range(i + 1, cfg.num_steps) if stochastic[j]), None) for i in range(cfg.num_steps)]
-    first_stochastic = next((j for j in range(cfg.num_steps) if stochastic[j]), None)
-    last = cfg.num_steps - 1
+    grid = rollout_sigmas(sigmas, steps.stochastic.tolist(), cfg)  # sigmas, or a compressed tail after the window
+    num_steps = len(grid) - 1
+    stochastic = steps.stochastic.tolist() + [False] * (num_steps - cfg.num_steps)  # host-side: which draw noise
+    upcoming = [next((j for j in range(i + 1, num_steps) if stochastic[j]), None) for i in range(num_steps)]
+    first_stochastic = next((j for j in range(num_steps) if stochastic[j]), None)
+    tail = max((i + 1 for i in range(num_steps) if stochastic[i]), default=0)  # first step after the SDE
+    ode_steps = OdeSteps(grid, cfg.tail_solver, tail)
+    last = num_steps - 1
 
     def roll_out_rows(rows: slice) -> torch.Tensor:
         """All steps of the trajectories ``rows``; returns their decode target."""
@@ -255,7 +315,8 @@ def rollout(
         noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
         noise.prefetch(first_stochastic)
         x0 = torch.empty_like(x_rows) if decode == "x0_prediction" else None
-        for i in range(cfg.num_steps):
+        ode = ode_steps.start()
+        for i in range(num_steps):
             tracked = stochastic[i] and track_grad(i)
             eps = noise.take(i) if stochastic[i] else None
             x_next = torch.empty_like(x_rows)
@@ -264,11 +325,12 @@ def rollout(
             for sub, grad in forward_rows(x_rows.shape[0], tracked, grad_micro_batch, mine):
                 at = local_rows(rows.start, sub)  # the same rows of the local batch
                 with torch.set_grad_enabled(grad):
-                    v = velocity(policy, x_rows[sub], sigmas[i], emb.index(at), cfg)
+                    v = velocity(policy, x_rows[sub], grid[i], emb.index(at), cfg)
                 if i == last and x0 is not None:
-                    x0[sub] = predicted_x0(v.detach(), x_rows[sub], sigmas, i)
+                    x0[sub] = predicted_x0(v.detach(), x_rows[sub], grid, i)
+                ode.observe(i, sub, v.detach(), x_rows)
                 if not stochastic[i]:
-                    x_next[sub] = ode_step(v, x_rows[sub], sigmas, i)
+                    x_next[sub] = ode.step(i, sub, v, x_rows[sub])
                     continue
                 with torch.set_grad_enabled(grad):
                     nxt, log_prob, mean, std = sde_step(v, x_rows[sub], i, cfg, sigmas, noise=eps[sub])

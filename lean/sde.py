@@ -48,6 +48,14 @@ SIGMA_GRIDS: Registry[str] = Registry(
         ("unipc", "WanPipeline's UniPCMultistepScheduler"),
     ],
 )
+ODE_SOLVERS: Registry[str] = Registry(
+    "ODE solver",
+    [
+        ("euler", "x' = x + (sigma' - sigma) v"),
+        ("dpmsolver++", "DPM-Solver++(2M), midpoint, on the data prediction x0 = x - sigma v (MixGRPO-Flash)"),
+    ],
+)
+EULER = ODE_SOLVERS.default
 SQRT_DT_KINDS = ("flow_grpo", "flow_grpo_linear")  # transition std = noise scale s x sqrt(-dt)
 STEP_SELECTIONS: Registry[str] = Registry(
     "timestep selection",
@@ -82,12 +90,17 @@ def incompatibility(kind: str, grid: str, noise_level: float) -> tuple[str, str]
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
-    """The SDE kind runs on the sigma grid at the noise level (:func:`incompatibility`)."""
+    """The SDE kind runs on the sigma grid at the noise level (:func:`incompatibility`); a compressed tail needs the
+    uniform grid, whose time it re-spaces (:func:`tail_sigmas`)."""
     s = cfg.sample
     problem = incompatibility(s.sde_kind, s.sigma_grid, s.noise_level)
     if problem is not None:
         key, allowed = problem
         raise ConfigError(f"sample.{key}", getattr(s, key), allowed)
+    if s.tail_compress != 1 and s.sigma_grid != "uniform":
+        raise ConfigError(
+            "sample.tail_compress", s.tail_compress, "re-spaces the uniform grid's time: set sample.sigma_grid=uniform"
+        )
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -227,6 +240,57 @@ def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | 
     return (sample.to(dtype) + (sigma_next - sigma) * model_output.to(dtype)).to(sample.dtype)
 
 
+def dpm_solver_pp_step(
+    sample: Tensor, x0: Tensor, prev_x0: Tensor | None, sigma_prev: Tensor | None, sigma: Tensor, sigma_next: Tensor
+) -> Tensor:
+    """One deterministic DPM-Solver++ step (Lu et al. 2022, arXiv:2211.01095, eq. 5 and the 2M midpoint form) from
+    sigma to sigma' on the data prediction x0 = x - sigma v, with alpha = 1 - sigma, lambda = log(alpha / sigma),
+    h = lambda' - lambda:
+
+        first order:   x' = (sigma' / sigma) x - alpha' (e^-h - 1) D0                         (DDIM)
+        second order:  x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),  D1 = (D0 - D_prev) / r,
+                       r = (lambda - lambda_prev) / h
+
+    where D0 = x0, D_prev = ``prev_x0`` (the previous step's, at ``sigma_prev``; None: first order). At sigma' = 0
+    (lambda' = inf) the step is x0, first order, as MixGRPO's solver takes its last step
+    (fastvideo/utils/sampling_utils.py:316-318). Computed in the sample's compute dtype, returned in its dtype."""
+    dtype = compute_dtype(sample)
+    if float(sigma_next) == 0:
+        return x0.to(sample.dtype)
+    x, d0 = sample.to(dtype), x0.to(dtype)
+    sigma, sigma_next = sigma.to(dtype), sigma_next.to(dtype)
+    lam, lam_next = torch.log((1 - sigma) / sigma), torch.log((1 - sigma_next) / sigma_next)
+    h = lam_next - lam
+    step = d0
+    if prev_x0 is not None:
+        sigma_prev = sigma_prev.to(dtype)
+        r = (lam - torch.log((1 - sigma_prev) / sigma_prev)) / h
+        step = d0 + (d0 - prev_x0.to(dtype)) / (2 * r)
+    return (sigma_next / sigma * x - (1 - sigma_next) * torch.expm1(-h) * step).to(sample.dtype)
+
+
+def tail_sigmas(sigmas: Tensor, last_sde: int, compress: float, shift: float) -> Tensor:
+    """The sigmas after the SDE window whose last step is ``last_sde`` = L (MixGRPO-Flash,
+    fastvideo/utils/sampling_utils.py:33-44): with N steps and t = linspace(1, 0, N + 1) the uniform grid's time,
+    int(max((N - L) x compress, 1)) points from t_{L+1} to 0, shifted as the grid is (:func:`sigma_schedule`); with
+    ``compress`` 1, the run's own ``sigmas[L + 1:]``. On ``sigmas``' device and dtype."""
+    if compress == 1:
+        return sigmas[last_sde + 1 :]
+    n = len(sigmas) - 1
+    start = torch.linspace(1, 0, n + 1, dtype=torch.float32)[last_sde + 1]
+    t = torch.linspace(float(start), 0, int(max((n - last_sde) * compress, 1)), dtype=torch.float32)
+    return (shift * t / (1 + (shift - 1) * t)).to(device=sigmas.device, dtype=sigmas.dtype)
+
+
+def rollout_sigmas(sigmas: Tensor, stochastic: Sequence[bool], cfg: SampleConfig) -> Tensor:
+    """The grid a rollout walks: ``sigmas`` up to the step after the last SDE step, then :func:`tail_sigmas` (the run's
+    own grid unless ``sample.tail_compress`` < 1). The trained steps, all SDE steps, keep their sigmas."""
+    last_sde = max((i for i, s in enumerate(stochastic) if s), default=None)
+    if last_sde is None or cfg.tail_compress == 1:
+        return sigmas
+    return torch.cat([sigmas[: last_sde + 1], tail_sigmas(sigmas, last_sde, cfg.tail_compress, cfg.shift)])
+
+
 def sigma_schedule(num_steps: int, shift: float, grid: str = "euler") -> Tensor:
     """The ``num_steps + 1`` descending sampling sigmas (last entry 0) of a published pipeline, as float64 (from the
     float32 values diffusers computes). With ``f(s) = shift·s/(1 + (shift−1)·s)`` and ``n = num_steps``:
@@ -278,6 +342,16 @@ class StepSelection:
     def grad_steps(self) -> Tensor:
         """BoolTensor [num_steps]: steps that at least one sample trains on (where a rollout needs a graph)."""
         return self.trained.any(dim=0) if self.shared_grad_steps is None else self.shared_grad_steps
+
+
+def window_selection(num_steps: int, batch_size: int, start: int, size: int) -> StepSelection:
+    """Steps ``start .. start + size - 1`` stochastic and trained for every sample, all others ODE steps
+    (FlowGRPO-Fast's window, MixGRPO's sliding one). The last step is never in it."""
+    if not (size >= 1 and 0 <= start and start + size <= num_steps - 1):
+        raise ValueError(f"window [{start}, {start + size}): must lie in [0, num_steps - 1 = {num_steps - 1}]")
+    stochastic = torch.zeros(num_steps, dtype=torch.bool)
+    stochastic[start : start + size] = True
+    return StepSelection(stochastic=stochastic, trained=stochastic.expand(batch_size, -1).clone(), window_start=start)
 
 
 def num_trained_steps(num_steps: int, timestep_fraction: float, base: str = "all") -> int:
@@ -332,10 +406,7 @@ def select_steps(
         if not 0 <= max_start <= num_steps - 1 - sde_window:
             raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {num_steps - 1 - sde_window}]")
         start = int(torch.randint(0, max_start + 1, (1,), generator=window_generator))
-        stochastic = torch.zeros(num_steps, dtype=torch.bool)
-        stochastic[start : start + sde_window] = True
-        trained[:] = stochastic
-        return StepSelection(stochastic=stochastic, trained=trained, window_start=start)
+        return window_selection(num_steps, batch_size, start, sde_window)
 
     k = num_trained_steps(num_steps, timestep_fraction, fraction_of)
     if selection == "first":

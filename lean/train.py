@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from lean import checkpoint, export, tracking
+from lean.algorithms import ALGORITHMS
 from lean.config import SECTIONS, ConfigError, RunConfig
 from lean.distributed import World, init_world, set_threads
 from lean.evaluation import Evaluator
@@ -40,6 +41,7 @@ class Trainer:
         self.pipeline = build_pipeline(cfg, self.world)
         self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
         self.state = TrainState(self.policy.trainable_parameters(), cfg.train, self.world)
+        self.state.snapshot = self.pipeline.snapshot  # checkpointed with the weights
 
     @property
     def params(self):
@@ -293,7 +295,10 @@ def tracking_run(trainer: Trainer, out_dir: Path, schedule: str, run_id: str | N
         return tracking.Run()
     if run_id is not None:
         return tracking.attach(run_id, spool=spool, resume=True)
-    return tracking.start_run(f"train[{schedule}]", schedule=schedule, params=trainer.cfg.to_dict(), spool=spool)
+    algorithm = trainer.cfg.algorithm.name  # named beside GRPO's runs (the algorithms side by side in the chart view)
+    name = f"train[{schedule}]" if algorithm == ALGORITHMS.default else f"train[{algorithm}:{schedule}]"
+    tags = {"lean.algorithm": algorithm}
+    return tracking.start_run(name, schedule=schedule, params=trainer.cfg.to_dict(), spool=spool, tags=tags)
 
 
 def evaluate(

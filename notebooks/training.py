@@ -45,17 +45,20 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from PIL import Image
 
+from lean.algorithms import ALGORITHMS
 from lean.schedules import BASELINE, SCHEDULES
 from lean.workbench.notebook import NotebookLog
+from lean.workbench.reproduction import GRPO_RUN
 from lean.workbench.time_to_reward import eval_curve, time_to_reward
 
 schedules = list(SCHEDULES)
 MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN and > NOISE_MULTIPLE x its noise std
 
 
-def read_rows(schedule: str, name: str) -> list[dict]:
-    """A run's CSV (metrics.csv, eval.csv) as numbers; no rows when the file is missing (a run without evaluation)."""
-    path = Path(outputs) / "train" / schedule / name
+def read_rows(schedule: str, name: str, stage: str = "train") -> list[dict]:
+    """A run's CSV (metrics.csv, eval.csv) as numbers; no rows when the file is missing (a run without evaluation).
+    The ``train`` stage's runs are its schedules; ``stage="algorithms"``: the train_algorithm stage's runs."""
+    path = Path(outputs) / stage / schedule / name
     if not path.exists():
         return []
     with open(path) as f:
@@ -217,6 +220,79 @@ if evaluated and recipe_runs:
     for name, seconds in reached.items():
         print(f"{name:18s} " + (f"reaches {target:.4f} after {seconds:7.1f} CPU s" if seconds else "never reaches it"))
 
+# %% [markdown]
+# ## The algorithms side by side
+#
+# The `train_algorithm` stage ran each algorithm of `lean/algorithms/` on the same task, from the same base, with the
+# same prompts, samples per iteration and evaluation (`rl.run`, with each algorithm's own keys from
+# `rl.<algorithm>.run`): GRPO-Guard and MixGRPO with Retain (exact for them), DiffusionNFT and online DPO with their own
+# update on re-noised clean samples. GRPO is the `train` stage's Retain run. The x axis is each run's own training CPU
+# seconds; the criterion is the one above (gain >= 0.15 and > 5 x the base's eval-noise std).
+
+# %%
+algorithm_runs = {ALGORITHMS.default: (GRPO_RUN, "train")}  # GRPO's run: the train stage's Retain
+for name in ALGORITHMS:
+    if (Path(outputs) / "algorithms" / name / "eval.csv").exists():
+        algorithm_runs[name] = (name, "algorithms")
+algorithm_summaries = {
+    name: json.loads((Path(outputs) / stage / run / "metrics.json").read_text())
+    for name, (run, stage) in algorithm_runs.items()
+}
+algorithm_reached = {}
+if evaluated and len(algorithm_runs) > 1:
+    target = evals[BASELINE][0]["eval_reward_mean"] + time_to_reward_gain
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for (name, (run, stage)), style in zip(algorithm_runs.items(), ("-o", "--s", ":^", "-D", "--v")):
+        rows, steps = read_rows(run, "eval.csv", stage), read_rows(run, "metrics.csv", stage)
+        curve = eval_curve(rows, steps, "cpu_iteration_s")
+        algorithm_reached[name] = time_to_reward(curve, target)
+        ax1.plot([r["iteration"] for r in rows], [r["eval_reward_mean"] for r in rows], style, ms=4, label=name)
+        ax2.plot([t for t, _ in curve], [r for _, r in curve], style, ms=4, label=name)
+    for ax in (ax1, ax2):
+        ax.axhline(target, color="green", ls="--", lw=1, label=f"base + {time_to_reward_gain}")
+        ax.set_ylabel("mean eval reward")
+        ax.legend(fontsize=8)
+    ax1.set_xlabel("iteration")
+    ax1.set_title("eval reward per iteration")
+    ax2.set_xlabel("training CPU seconds (each run's own)")
+    ax2.set_title("eval reward against compute")
+    fig.tight_layout()
+    log.figure(fig, "training_algorithms.png")
+    plt.show()
+    for name, summary in algorithm_summaries.items():
+        gain, noise_std = summary["eval_reward_gain"], summary.get("eval_reward_noise_std", math.nan)
+        ok = gain >= MIN_GAIN and gain > NOISE_MULTIPLE * noise_std
+        seconds = algorithm_reached[name]
+        print(
+            f"{name:11s} eval gain {gain:.4f} ({gain / noise_std:5.1f} x noise): "
+            + ("learns" if ok else "does NOT visibly learn")
+            + (f"; base + {time_to_reward_gain} after {seconds:6.1f} CPU s" if seconds else "")
+        )
+
+# %% [markdown]
+# What each algorithm's model draws at its last evaluation, from the same eval noise (each title: the reward).
+
+# %%
+if evaluated and len(algorithm_runs) > 1:
+    fig, axes = plt.subplots(len(algorithm_runs), 4, figsize=(6.5, 1.7 * len(algorithm_runs)), squeeze=False)
+    for row, (name, (run, stage)) in enumerate(algorithm_runs.items()):
+        folder = Path(outputs) / stage / run / "eval"
+        last = max(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+        with open(folder / str(last) / "samples.csv") as f:
+            shown = [r for r in csv.DictReader(f)][:4]
+        for col, r in enumerate(shown):
+            ax = axes[row, col]
+            with Image.open(folder / str(last) / r["file"]) as image:
+                ax.imshow(image.convert("RGB"), interpolation="nearest")
+            ax.set_title(f"{float(r['reward']):.3f}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[row, 0].set_ylabel(name, fontsize=9)
+    fig.suptitle("each algorithm's model after its run, the same eval noise", fontsize=10)
+    fig.tight_layout()
+    log.figure(fig, "training_algorithms_samples.png")
+    plt.show()
+
 # %%
 metrics = {
     "max_reward_curve_diff": max(
@@ -237,6 +313,13 @@ for name, seconds in reached.items():  # a run that never reaches the target has
     metrics[f"reached_reward_target_{key}"] = float(seconds is not None)
     if seconds is not None:
         metrics[f"time_to_reward_{key}"] = seconds
+for name, summary in algorithm_summaries.items():
+    if "eval_reward_gain" in summary:
+        metrics[f"eval_reward_gain_{name}"] = summary["eval_reward_gain"]
+        if summary.get("eval_reward_noise_std"):
+            metrics[f"eval_gain_over_noise_{name}"] = summary["eval_reward_gain"] / summary["eval_reward_noise_std"]
+    if algorithm_reached.get(name) is not None:
+        metrics[f"time_to_reward_{name}"] = algorithm_reached[name]
 for name in recipe_runs:
     rows = read_rows(name, "eval.csv")
     metrics[f"eval_reward_gain_{name.replace('-', '_')}"] = rows[-1]["eval_reward_mean"] - rows[0]["eval_reward_mean"]

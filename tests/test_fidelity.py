@@ -31,7 +31,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lean.algorithms import build_algorithm
+from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, build_algorithm
 from lean.configure import load_config
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
@@ -49,6 +49,12 @@ TOY_REWARDS = torch.tensor([0.61, 0.55, 0.58, 0.20, 0.31, 0.22, 0.50, 0.50, 0.50
 # before the update (train_flux.py does not); DanceGRPO does not. The constant is exact in binary: a mean with a
 # rounding residue would leave the published advantage at ~1e-12 instead of 0, and the sample in.
 DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan", "grpo-guard-sd3"}  # + G1 :825-846
+# D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
+# has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
+DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
+# the presets whose update trains on the rollout's steps: the ones this file's published GRPO objective covers (NFT
+# and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
+STEP_PRESETS = [p for p in PRESETS if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES]
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 
@@ -133,7 +139,7 @@ def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, g
     out = np.empty_like(rewards)
     for g in np.unique(groups):
         r = rewards[groups == g]
-        if preset.startswith("dancegrpo"):
+        if preset in DANCE_FAMILY:
             out[groups == g] = (r - r.mean()) / (torch.tensor(r).std().item() + 1e-8)
         else:
             std = rewards.std() if global_std else r.std()
@@ -209,7 +215,7 @@ def preset_config(preset: str, dtype: torch.dtype):
     """The preset's sampler and loss; one update over the toy batch (the update's split does not change the
     objective of one step), and a KL weight where the source has a KL at all."""
     cfg = load_config(preset=preset)
-    beta = cfg.algorithm.beta or (0.0 if preset.startswith("dancegrpo") else 0.04)  # DanceGRPO has no KL term
+    beta = cfg.algorithm.beta or (0.0 if preset in DANCE_FAMILY else 0.04)  # DanceGRPO and MixGRPO: no KL term
     train = dataclasses.replace(
         cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1
     )
@@ -220,7 +226,7 @@ def preset_config(preset: str, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("j", [0, 2])
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", STEP_PRESETS)
 def test_recompute_update_equals_published_objective(preset, j, dtype):
     cfg = preset_config(preset, dtype)
     sigmas = sigma_schedule(cfg.sample.num_steps, cfg.sample.shift or 3.0, cfg.sample.sigma_grid).to(
@@ -316,11 +322,20 @@ PUBLISHED_TARGETS = {
     "dancegrpo-flux": "to_k to_q to_v to_out.0",  # DanceGRPO train_grpo_flux_lora.py:663
     "grpo-guard-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # train_sd3_GRPO_Guard.py:421-430
+    "nft-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # DiffusionNFT train_nft_sd3.py:420-429
+    "dpo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # FlowGRPO train_sd3_dpo.py:389-398
 }
+ADAPTED = [p for p in PRESETS if p in PUBLISHED_TARGETS]  # MixGRPO fine-tunes the whole transformer
+
+
+def test_every_lora_preset_names_its_published_modules():
+    assert {p for p in PRESETS if not load_config(preset=p).model.full_finetune} == set(ADAPTED)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", ADAPTED)
 def test_lora_adapts_the_published_modules(preset):
     """Each preset's adapter sits on exactly the linear layers its source's target list names (tiny model), and
     starts as its source's does (FlowGRPO: gaussian A; DanceGRPO: peft's default)."""

@@ -15,7 +15,20 @@ from lean.configure import load_config
 from lean.presets import PRESET_DIR
 from lean.presets import PRESETS as KNOWN_PRESETS
 
-PRESETS = ["flowgrpo-sd3", "flowgrpo-flux", "flowgrpo-fast", "dancegrpo-flux", "flowgrpo-wan", "grpo-guard-sd3"]
+# the recipes whose update trains on the rollout's steps (GRPO and its kin: Lean schedules run them as hybrids), and
+# the ones that train on re-noised clean samples (their own update: lean/algorithms/clean_samples.py)
+STEP_PRESETS = [
+    "flowgrpo-sd3",
+    "flowgrpo-flux",
+    "flowgrpo-fast",
+    "dancegrpo-flux",
+    "flowgrpo-wan",
+    "grpo-guard-sd3",
+    "mixgrpo-flux",
+    "mixgrpo-flash-flux",
+]
+CLEAN_SAMPLE_PRESETS = ["nft-sd3", "dpo-sd3"]
+PRESETS = STEP_PRESETS + CLEAN_SAMPLE_PRESETS
 
 
 def on_policy(name: str, *overrides: str):
@@ -131,6 +144,53 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "train.optimizer_steps_per_iteration": 2,
         "train.ema_repeats": 4,
     },
+    "mixgrpo-flux": {  # Tencent-Hunyuan/MixGRPO at e5cdd6a: finetune_flux_grpo_MixGRPO.sh
+        "algorithm.name": "mixgrpo",
+        "model.family": "flux",
+        "model.full_finetune": True,
+        "sample.num_steps": 25,
+        "sample.noise_level": 0.7,
+        "sample.shift": 3.0,
+        "sample.tail_solver": "euler",
+        "train.lr": 1e-5,
+        "train.prompts_per_iteration": 32,
+        "train.group_size": 12,
+        "train.optimizer_steps_per_iteration": 4,
+        "train.seed": 714,
+        "algorithm.clip_range": 1e-4,
+        "algorithm.adv_eps": 1e-8,
+    },
+    "mixgrpo-flash-flux": {  # finetune_flux_grpo_MixGRPO_Flash.sh
+        "algorithm.name": "mixgrpo",
+        "sample.num_steps": 25,
+        "sample.tail_solver": "dpmsolver++",
+        "sample.tail_compress": 0.4,
+        "train.optimizer_steps_per_iteration": 4,
+    },
+    "nft-sd3": {  # NVlabs/DiffusionNFT at 24af555: config/nft.py sd3_geneval
+        "algorithm.name": "nft",
+        "model.family": "sd3",
+        "sample.num_steps": 10,
+        "sample.cfg": False,
+        "sample.tail_solver": "dpmsolver++",
+        "model.lora_rank": 32,
+        "train.lr": 3e-4,
+        "algorithm.global_std": True,
+        "train.prompts_per_iteration": 48,
+        "train.group_size": 24,
+        "train.optimizer_steps_per_iteration": 1,
+    },
+    "dpo-sd3": {  # yifan123/flow_grpo at ac4c86e: config/dpo.py geneval_sd3
+        "algorithm.name": "dpo",
+        "model.family": "sd3",
+        "sample.num_steps": 40,
+        "sample.guidance_scale": 4.5,
+        "sample.timestep_fraction": 0.99,
+        "model.lora_rank": 32,
+        "train.lr": 3e-4,
+        "train.group_size": 24,
+        "train.optimizer_steps_per_iteration": 1,
+    },
 }
 
 
@@ -160,7 +220,7 @@ def test_flux_shift_is_the_pipelines_mu_at_512px():
     assert shift == pytest.approx(math.exp(0.63), rel=1e-12) and "dynamic" in source
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", STEP_PRESETS)
 @pytest.mark.parametrize("schedule", ["retain", "reweight"])
 def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     """Every published recipe takes several optimizer steps per rollout: a Lean schedule runs it as a hybrid
@@ -169,6 +229,10 @@ def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     the key and the on-policy form."""
     recipe = load_config(None, [], preset=name)
     assert recipe.train.optimizer_steps_per_iteration > 1
+    if schedule == "reweight" and recipe.model.full_finetune:  # MixGRPO: a whole-model gradient per trajectory
+        with pytest.raises(ConfigError, match=r"parallel\.shard='fsdp'.*per-trajectory buffers"):
+            load_config(None, [f"train.schedule={schedule}"], preset=name)
+        return
     assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1
     if not recipe.algorithm.skip_zero_advantage:
         return
@@ -178,7 +242,7 @@ def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     assert "train.optimizer_steps_per_iteration=2" in str(err.value) and "train.on_policy=true" in str(err.value)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", STEP_PRESETS)
 def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
     """``train.on_policy``: S optimizer steps per rollout become S rollouts of one step each, with the recipe's
     samples per step; the Lean schedules then run it, and ``auto`` chooses among the schedules that run a config
@@ -188,7 +252,8 @@ def test_the_on_policy_form_keeps_the_samples_and_steps_of_the_recipe(name):
 
     recipe = load_config(None, [], preset=name)
     t, steps = recipe.train, recipe.train.optimizer_steps_per_iteration
-    every = ["recompute", "retain", "reweight"]
+    # a sharded full fine-tune (MixGRPO) cannot hold Reweight's per-trajectory gradients
+    every = ["recompute", "retain"] + ([] if recipe.model.full_finetune else ["reweight"])
     assert runnable(recipe) == every  # hybrids at S > 1
     filter_first = load_config(None, ["algorithm.zero_advantage_order=filter_then_split"], preset=name)
     assert runnable(filter_first) == ([BASELINE] if recipe.algorithm.skip_zero_advantage else every)
@@ -220,7 +285,7 @@ def test_what_the_on_policy_form_cannot_run_is_one_config_line(sets, words):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", STEP_PRESETS)
 def test_recompute_runs_the_off_policy_recipe(name):
     """Two iterations as published: S optimizer steps per rollout, all but the first off-policy. In float64 an
     on-policy ratio is 1 to rounding (< 1e-15); here the later chunks are scored by a policy that has already moved."""
@@ -236,6 +301,21 @@ def test_recompute_runs_the_off_policy_recipe(name):
     assert any(not torch.equal(p, s) for p, s in zip(trainer.params, start))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", CLEAN_SAMPLE_PRESETS)
+def test_clean_sample_recipes_train_and_refuse_the_lean_schedules_in_one_line(name):
+    from lean.train import Trainer
+
+    trainer = Trainer(tiny_preset(name, "model.dtype=float64"))
+    start = [p.detach().clone() for p in trainer.params]
+    rows = [trainer.iteration(it, "recompute").metrics for it in range(2)]
+    assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["policy_loss"]) for r in rows)
+    assert any(not torch.equal(p, s) for p, s in zip(trainer.params, start))
+    with pytest.raises(ConfigError, match=r"train\.schedule='retain'.*re-noised") as err:
+        load_config(None, ["train.schedule=retain"], preset=name)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_trainer_uses_the_preset_sigma_grid(name):
     from lean.sde import sigma_schedule
@@ -249,7 +329,7 @@ def test_trainer_uses_the_preset_sigma_grid(name):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", STEP_PRESETS)
 def test_retain_and_reweight_are_exact_on_the_on_policy_variant(name):
     """float64: Retain's and Reweight's gradients equal Recompute's on the preset's own SDE, grid, guidance, CFG
     gradient path and step selection."""

@@ -26,7 +26,7 @@ RUN = [
     "--set",
     "sample.num_steps=6",
     "--set",
-    "train.iterations=4",
+    "train.iterations=12",  # a tiny iteration takes ~0.1 s: enough of them that a stop lands mid-run
     "--set",
     "train.save_every=1",
     "--set",
@@ -67,7 +67,7 @@ def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path, uninterrup
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     # A changed objective is refused before anything is built, naming the key; --force takes it.
-    changed = [*cmd, "--out", str(killed), "--resume", "--set", "train.lr=2e-4", "--set", "train.iterations=9"]
+    changed = [*cmd, "--out", str(killed), "--resume", "--set", "train.lr=2e-4", "--set", "train.iterations=13"]
     refused = subprocess.run(changed, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "train.lr: " in refused.stderr and "-> 0.0002" in refused.stderr
     assert "train.iterations" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
@@ -90,7 +90,7 @@ def test_sigterm_stops_at_the_next_safe_point_with_a_checkpoint_then_resume_is_b
     saved = checkpoint.latest(stopped / "checkpoints")
     assert saved is not None and not (stopped / "lora.safetensors").exists()
     done = len(saved["history"])
-    assert 1 <= done < 4, done
+    assert 1 <= done < 12, done
 
     subprocess.run([*cmd, "--out", str(stopped), "--resume"], check=True, capture_output=True, timeout=300)
     a, b = uninterrupted, load_file(stopped / "lora.safetensors")

@@ -57,6 +57,15 @@ MATRIX = {
     # GRPO-Guard (lean/algorithms/grpo_guard.py): RatioNorm and 1 / Delta_j, against its closed-form float64 reference
     "flux-grpo-guard-kl": ["algorithm.name=grpo_guard", "algorithm.beta=0.04"],
     "wan-grpo-guard": ["model.family=wan", "algorithm.name=grpo_guard"],
+    # MixGRPO-Flash (lean/algorithms/mixgrpo.py): the sliding window, DPM-Solver++(2M) on a compressed tail after it
+    "flux-mixgrpo-flash": [
+        "algorithm.name=mixgrpo",
+        "algorithm.mixgrpo.window=2",
+        "sample.num_steps=8",
+        "sample.sigma_grid=uniform",
+        "sample.tail_solver=dpmsolver++",
+        "sample.tail_compress=0.5",
+    ],
 }
 
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lean.algorithms.base import FACTS, ROLLOUTS, Algorithm, StepLoss, loss_stats
+from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, Algorithm, StepLoss, loss_stats
+from lean.algorithms.clean_samples import CleanSampleAlgorithm
+from lean.algorithms.dpo import DPO
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.algorithms.grpo_guard import GRPOGuard
+from lean.algorithms.mixgrpo import MixGRPO
+from lean.algorithms.nft import NFT
 from lean.config import ConfigError
 from lean.registry import Registry
 
@@ -26,6 +30,9 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
     [
         ("grpo", GRPO),  # FlowGRPO's and DanceGRPO's objective, and the default
         ("grpo_guard", GRPOGuard),  # FlowGRPO's GRPO-Guard: RatioNorm and per-step gradient reweighting
+        ("mixgrpo", MixGRPO),  # Tencent-Hunyuan's MixGRPO: GRPO on a sliding SDE window of an ODE rollout
+        ("nft", NFT),  # NVlabs' DiffusionNFT: negative-aware flow matching on re-noised clean samples
+        ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
     ],
 )
 
@@ -46,6 +53,9 @@ def build_algorithm(cfg: RunConfig, sigmas: Tensor | None) -> Algorithm:
 
 __all__ = [
     "ALGORITHMS",
+    "CLEAN_SAMPLES",
+    "ROLLOUT_STEPS",
+    "CleanSampleAlgorithm",
     "FACTS",
     "KL_FORMS",
     "ALL_ZERO_ADVANTAGES",

@@ -26,11 +26,18 @@ from lean.registry import Registry
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
+    from lean.sde import StepSelection
 
 ROLLOUTS: Registry[str] = Registry(
     "rollout",
-    [("sde", "stochastic SDE transitions x_i -> x_{i+1}, each with its Gaussian log-prob (FlowGRPO, DanceGRPO)")],
+    [
+        ("sde", "stochastic SDE transitions x_i -> x_{i+1}, each with its Gaussian log-prob (FlowGRPO, DanceGRPO)"),
+        ("ode", "deterministic steps only; the clean samples are what the update trains on (DiffusionNFT)"),
+    ],
 )
+# What an algorithm's update trains on: the rollout's own SDE steps (GRPO and its kin), or its clean samples x_0
+# re-noised afresh (NFT, DPO), where no rollout forward is reused
+ROLLOUT_STEPS, CLEAN_SAMPLES = "rollout_steps", "clean_samples"
 
 # The facts a schedule may need from an algorithm to reproduce its objective's gradient (Schedule.needs).
 RATIO_ONE_ON_POLICY = "ratio_one_on_policy"  # on-policy, the importance ratio is identically 1 (Retain)
@@ -81,6 +88,8 @@ class Algorithm:
     rollout: ClassVar[str] = ROLLOUTS.default
     facts: ClassVar[frozenset[str]] = frozenset()
     uses_old_mean: ClassVar[bool] = False  # step_loss reads the rollout's transition mean (Recompute stores it)
+    trains_on: ClassVar[str] = ROLLOUT_STEPS  # or CLEAN_SAMPLES (lean.algorithms.clean_samples)
+    uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.optimizer.Snapshot)
 
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm
@@ -97,6 +106,39 @@ class Algorithm:
     def kl_weight(self) -> float:
         """The weight of the target-free regulariser in the total loss (0: off, and no reference forward runs)."""
         return 0.0
+
+    @classmethod
+    def steps(cls, cfg: RunConfig, iteration: int, batch_size: int) -> StepSelection | None:
+        """The SDE and trained steps of ``batch_size`` samples at ``iteration`` when the algorithm places them itself
+        (MixGRPO's sliding window); None: the sampler's own selection (``sample.*``, ``lean.sde.select_steps``)."""
+        return None
+
+    def snapshot_decay(self, optimizer_steps: int) -> float | None:
+        """With :attr:`uses_snapshot`, before the rollout that follows ``optimizer_steps`` optimizer steps: the decay
+        eta of snapshot <- eta snapshot + (1 - eta) theta (0: a copy), or None: the snapshot stays."""
+        return None
+
+    @property
+    def rolls_out_snapshot(self) -> bool:
+        """Whether the rollout samples with the snapshot's weights (NFT's old policy) instead of the trained ones."""
+        return False
+
+    @property
+    def terms_per_sample(self) -> int | None:
+        """K: the loss terms each trained sample contributes where they are not rollout steps (NFT, DPO: their
+        draws); None: its trained steps (the step selection's)."""
+        return None
+
+    @property
+    def untracked_forwards_per_term(self) -> int:
+        """Forwards without gradients each loss term needs beside its own (GRPO: the KL's reference), for ``lean
+        plan``."""
+        return 1 if self.kl_weight else 0
+
+    @property
+    def trained_share(self) -> float:
+        """The share of the rollout's samples the update trains (DPO: a pair of each group), for ``lean plan``."""
+        return 1.0
 
     def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
         """Every sample's target [N] (float64) from the rewards [N] of the whole batch (all processes)."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from lean.algorithms import ALGORITHMS, FACTS, Algorithm
+from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
 from lean.registry import Registry
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
+from lean.schedules.renoised import Renoised
 from lean.schedules.retain import Retain
 from lean.schedules.reweight import Reweight
 from lean.sharding import FSDP
@@ -31,11 +32,31 @@ LEAN_SCHEDULES = tuple(name for name in SCHEDULES if name != BASELINE)  # the on
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO)
 
 
+def schedule_class(name: str, algorithm: type[Algorithm] | Algorithm) -> type[Schedule]:
+    """The class that runs schedule ``name`` for ``algorithm``: for one that trains on re-noised clean samples, the
+    baseline is its own update (``renoised.py``; the Lean schedules are refused at configuration)."""
+    if algorithm.trains_on == CLEAN_SAMPLES:
+        return Renoised
+    return SCHEDULES[name]
+
+
 def algorithm_problem(schedule: type[Schedule], algorithm: type[Algorithm]) -> str | None:
     """Why ``schedule`` cannot reproduce ``algorithm``'s gradient (a fact it needs that the algorithm lacks), or
     None."""
+    if algorithm.trains_on == CLEAN_SAMPLES and schedule is not SCHEDULES[BASELINE]:
+        return (
+            "it trains on re-noised clean samples, so no rollout forward is reused and the saving has nothing to "
+            f"act on; its update is {BASELINE}'s (forwards after the rewards)"
+        )
     missing = [FACTS[fact] for fact in sorted(schedule.needs - algorithm.facts)]
     return f"it needs {' and '.join(missing)}, which the algorithm does not declare" if missing else None
+
+
+def algorithm_schedules(cfg: RunConfig) -> list[str]:
+    """The registered schedules that compute ``cfg``'s algorithm's gradient (NFT and DPO: the baseline alone),
+    whatever else of ``cfg`` may refuse one of them."""
+    algorithm = ALGORITHMS[cfg.algorithm.name]
+    return [name for name, schedule in SCHEDULES.items() if algorithm_problem(schedule, algorithm) is None]
 
 
 def whole_gradient_buffers(cfg: RunConfig, name: str) -> str | None:
@@ -134,10 +155,12 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
 
 __all__ = [
     "algorithm_problem",
+    "algorithm_schedules",
     "check_config",
     "compared_config",
     "fsdp_problem",
     "runnable",
+    "schedule_class",
     "schedule_problem",
     "AUTO",
     "BASELINE",

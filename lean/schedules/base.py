@@ -28,6 +28,7 @@ from lean.algorithms import Algorithm, StepLoss
 from lean.metrics import FlopTally, PhaseTimer
 from lean.rollout import StepOutput, reference_mean
 from lean.sde import StepSelection
+from lean.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -47,6 +48,8 @@ class IterationContext:
     finish_unit: int | None = None  # rows finished together before the rollout goes on (lean.layout); None: all
     tally: FlopTally = field(default_factory=FlopTally)  # counts only inside tally.measuring()
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    samples: list[tuple[int, int, int]] = field(default_factory=list)  # (group, prompt, sample) of each local row
+    snapshot: Snapshot | None = None  # the algorithm's second weights (lean.snapshot), where it keeps them
 
     @contextlib.contextmanager
     def region(self, name: str):
@@ -214,6 +217,10 @@ class Schedule:
 
     def on_step(self, step: StepOutput) -> None:
         raise NotImplementedError
+
+    def on_finished(self, rows: slice, final: torch.Tensor) -> None:
+        """The rows ``rows`` are rolled out; ``final`` [b, ...] is what they decode (their clean samples). By default
+        nothing (the schedules of rollout steps keep what they need in :meth:`on_step`)."""
 
     def unit_rolled_out(self, rows: slice) -> None:
         """Group layout: the rows ``rows`` (whole groups) are rolled out and being scored; what needs no advantage

@@ -35,8 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from lean import provenance
+from lean.algorithms import ALGORITHMS
 from lean.outputs import write_json
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+
+GRPO_RUN = LEAN_SCHEDULES[0]
+"""GRPO's run among the algorithms side by side: the train stage's Retain run (the others: outputs/algorithms/)."""
 
 REFERENCE = "reproduction/reference.json"
 """The committed reference (relative to the repository root), unless params.yaml ``report.reference`` says else."""
@@ -76,6 +80,8 @@ FAMILIES = {
     "reward_mean": ("train", "the training-reward curve's mean over the iterations"),
     "reward_last10": ("train", "the training-reward curve's mean over its last 10 iterations"),
     "reward_curves_max_diff": ("train", "largest gap between a schedule's reward curve and the baseline's"),
+    "algorithm_eval_reward_gain": ("train_algorithm", "eval reward after an algorithm's run minus the base's"),
+    "algorithm_gain_over_noise": ("train_algorithm", "an algorithm's eval gain in units of the eval-noise std"),
     "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
     "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
     "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
@@ -176,6 +182,16 @@ def headline_figures(outputs: str | Path) -> dict[str, Figure]:
             if s != BASELINE
         ]
         add("reward_curves_max_diff", "reward_curves_max_diff", max(gaps))
+
+    # the algorithms side by side: GRPO's is the train stage's Retain run, the others train_algorithm@<algorithm>'s
+    runs = {ALGORITHMS.default: outputs / "train" / GRPO_RUN}
+    runs.update({p.name: p for p in sorted((outputs / "algorithms").glob("*")) if p.is_dir()})
+    for name, folder in runs.items():
+        if run := read_json(folder / "metrics.json"):
+            gain, noise = _number(run.get("eval_reward_gain")), _number(run.get("eval_reward_noise_std"))
+            add(f"eval_reward_gain_{name}", "algorithm_eval_reward_gain", gain)
+            if gain is not None and noise:
+                add(f"eval_gain_over_noise_{name}", "algorithm_gain_over_noise", gain / noise)
 
     if bench := read_json(outputs / "bench" / "schedules.json"):
         base = bench.get(BASELINE) or {}

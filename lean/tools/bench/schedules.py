@@ -43,7 +43,7 @@ from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.outputs import JsonLines, write_json
 from lean.plan import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.provenance import machine
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
 PHASES = (
@@ -116,6 +116,11 @@ class Subject:
     prediction: dict = field(default_factory=dict)
     auto: str = ""  # the schedule ``train.schedule=auto`` takes from that prediction
 
+    @property
+    def schedules(self) -> list[str]:
+        """The schedules that compute this algorithm's gradient (:func:`algorithm_schedules`)."""
+        return algorithm_schedules(self.cfg)
+
     @classmethod
     def build(cls, cfg: RunConfig, trainer: Trainer | None = None) -> Subject:
         trainer = trainer or Trainer(cfg)
@@ -133,7 +138,7 @@ class Subject:
     def memory_pass(self, log: JsonLines, label: str = "") -> None:
         """Peak memory per schedule (run under ``live_bytes_heap``, before the timed rounds grow the heap)."""
         self.activate()
-        for s in SCHEDULES:
+        for s in self.schedules:
             self.trainer.state.load_state_dict(self.state)
             self.memory[s] = self.trainer.iteration(0, s).metrics
             log.append({"pass": "memory", "variant": f"{label}{s}", **self.memory[s]})
@@ -169,7 +174,7 @@ class Subject:
             "plan": {"probe": self.measured, "prediction": prediction, "auto_choice": self.auto},
             "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
         }
-        for s in SCHEDULES:
+        for s in self.schedules:
             entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}
             t = entry["time_iteration_s"]
             if options.flops:
@@ -346,7 +351,7 @@ def timed_rounds(
     variant once from ``state``, in alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up
     rounds are dropped."""
     if variants is None:
-        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in SCHEDULES}
+        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in algorithm_schedules(trainer.cfg)}
     names = list(variants)
     rows: dict[str, list[dict]] = {s: [] for s in names}
     for r in tqdm(range(options.warmup + options.repeats), desc="bench rounds", disable=not trainer.world.is_main):
@@ -365,7 +370,7 @@ def add_speedups(result: dict, rows: dict[str, list[dict]]) -> None:
     drifts between rounds moves both), in wall and in CPU time."""
     base = rows[BASELINE]
     bounds = [r["time_iteration_s"] / (r["time_iteration_s"] - r.get("time_recompute_forward_s", 0.0)) for r in base]
-    for s in LEAN_SCHEDULES:
+    for s in (s for s in LEAN_SCHEDULES if s in rows):
         pairs = list(zip(base, rows[s]))
         speedups = [b["time_iteration_s"] / r["time_iteration_s"] for b, r in pairs]
         result[s]["speedup"] = median(speedups)
@@ -377,7 +382,7 @@ def add_speedups(result: dict, rows: dict[str, list[dict]]) -> None:
 def flat_metrics(result: dict) -> dict[str, float]:
     """The numbers a comparison needs, one flat key each (the bench_schedules stage's metrics.json)."""
     out = {}
-    for s in SCHEDULES:
+    for s in (s for s in SCHEDULES if s in result):
         e = result[s]
         out.update(
             {
@@ -407,7 +412,7 @@ def format_table(result: dict) -> str:
         f"{'peak MiB':>9} {'plan MiB':>9} "
         f"{'GFLOP':>8} {'MFU':>6} {'HFU':>6} {'speedup':>8} {'bound':>6} {'of bound':>9}",
     ]
-    for s in SCHEDULES:
+    for s in (s for s in SCHEDULES if s in result):
         e = result[s]
         extra = (
             f"{e['speedup']:8.3f} {e['speedup_bound']:6.3f} {e['speedup_vs_bound']:9.3f}"
