@@ -198,7 +198,7 @@ class OdeSteps:
     """The deterministic steps of a rollout over ``grid``: Euler before step ``tail`` (the first after the last SDE
     step), ``solver`` (``lean.sde.ODE_SOLVERS``) from it on. DPM-Solver++(2M) reads the previous step's data
     prediction, whatever kind of step that was (MixGRPO-Flash feeds its solver state at every step,
-    fastvideo/utils/sampling_utils.py:114-116)."""
+    fastvideo/utils/sampling_utils.py:114-117, :127)."""
 
     def __init__(self, grid: torch.Tensor, solver: str, tail: int):
         self.grid, self.solver, self.tail = grid, solver, tail

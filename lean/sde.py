@@ -101,6 +101,10 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(
             "sample.tail_compress", s.tail_compress, "re-spaces the uniform grid's time: set sample.sigma_grid=uniform"
         )
+    if s.tail_compress != 1 and s.tail_solver == EULER:  # the source compresses for its DPM solver only
+        raise ConfigError(
+            "sample.tail_compress", s.tail_compress, "compresses the steps of a multistep tail: set sample.tail_solver"
+        )
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -253,7 +257,8 @@ def dpm_solver_pp_step(
 
     where D0 = x0, D_prev = ``prev_x0`` (the previous step's, at ``sigma_prev``; None: first order). At sigma' = 0
     (lambda' = inf) the step is x0, first order, as MixGRPO's solver takes its last step
-    (fastvideo/utils/sampling_utils.py:316-318). Computed in the sample's compute dtype, returned in its dtype."""
+    (fastvideo/utils/sampling_utils.py:308, :328-337, :436). Computed in the sample's compute dtype, returned in its
+    dtype."""
     dtype = compute_dtype(sample)
     if float(sigma_next) == 0:
         return x0.to(sample.dtype)
@@ -271,7 +276,7 @@ def dpm_solver_pp_step(
 
 def tail_sigmas(sigmas: Tensor, last_sde: int, compress: float, shift: float) -> Tensor:
     """The sigmas after the SDE window whose last step is ``last_sde`` = L (MixGRPO-Flash,
-    fastvideo/utils/sampling_utils.py:33-44): with N steps and t = linspace(1, 0, N + 1) the uniform grid's time,
+    fastvideo/utils/sampling_utils.py:41-54): with N steps and t = linspace(1, 0, N + 1) the uniform grid's time,
     int(max((N - L) x compress, 1)) points from t_{L+1} to 0, shifted as the grid is (:func:`sigma_schedule`); with
     ``compress`` 1, the run's own ``sigmas[L + 1:]``. On ``sigmas``' device and dtype."""
     if compress == 1:

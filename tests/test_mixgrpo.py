@@ -37,7 +37,7 @@ def test_the_window_moves_as_the_sources_states(every, stride):
     cfg = tiny(
         *MIX, "sample.num_steps=25", f"algorithm.mixgrpo.move_every={every}", f"algorithm.mixgrpo.stride={stride}"
     )
-    expected = published_windows(300 if every > 3 else 30, 25, 4, every, stride)
+    expected = published_windows(300 if every > 3 else 120, 25, 4, every, stride)  # (3, 2): past its roll-back
     for g, window in enumerate(expected):
         if not window:  # the source's window at start N - 2 is empty (its script then fails); lean rolls back earlier
             continue
@@ -68,7 +68,8 @@ def test_flash_tail_grid_is_the_sources_compressed_grid():
     torch.testing.assert_close(tail, (shift * t / (1 + (shift - 1) * t)).double())
     torch.testing.assert_close(tail[0], sigmas[last + 1], rtol=1e-6, atol=0)  # the grid goes on where it was
     assert torch.equal(tail_sigmas(sigmas, last, 1.0, shift), sigmas[last + 1 :])
-    cfg = tiny(*MIX, "sample.sigma_grid=uniform", "sample.tail_compress=0.4", "sample.num_steps=25", "sample.shift=3")
+    sets = ["sample.sigma_grid=uniform", "sample.tail_solver=dpmsolver++", "sample.tail_compress=0.4"]
+    cfg = tiny(*MIX, *sets, "sample.num_steps=25", "sample.shift=3")
     stochastic = [False] * 25
     stochastic[2:4] = [True, True]
     grid = rollout_sigmas(sigmas, stochastic, cfg.sample)
@@ -76,9 +77,11 @@ def test_flash_tail_grid_is_the_sources_compressed_grid():
     assert torch.equal(grid[: last + 1], sigmas[: last + 1])
 
 
-def test_a_compressed_tail_needs_the_uniform_grid():
+def test_a_compressed_tail_needs_the_uniform_grid_and_a_multistep_solver():
     with pytest.raises(ConfigError, match=r"sample\.tail_compress=0\.4.*sigma_grid=uniform"):
-        tiny(*MIX, "sample.tail_compress=0.4", "sample.sigma_grid=euler")
+        tiny(*MIX, "sample.tail_compress=0.4", "sample.sigma_grid=euler", "sample.tail_solver=dpmsolver++")
+    with pytest.raises(ConfigError, match=r"sample\.tail_compress=0\.4.*sample\.tail_solver"):
+        tiny(*MIX, "sample.tail_compress=0.4", "sample.sigma_grid=uniform")
 
 
 def gaussian_flow(scale: float):

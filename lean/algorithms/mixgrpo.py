@@ -12,9 +12,10 @@ and trained; every other step is a deterministic Euler step (sampling:198-199, t
 
 at iteration g (the script's global_step, from 0: it reads the window before it moves it, :945-947). The window never
 reaches step N - 2 (``max_timesteps = sampling_steps - 2``). The published runs shift the window by one step every 25
-iterations (Flash: 20) of 300, so it covers steps 0..15 (Flash 0..18); Flash* (stride 0) keeps it at steps 0..3.
-Where the source would start a window at N - 2 itself (past iteration (N - 2) x move_every), its window is empty and
-the script stops on an undefined ratio (:582, :611); lean rolls back one start earlier.
+iterations (Flash: 20) for 300 iterations, so it covers steps 0..14 (Flash 0..17); Flash* (stride 0) keeps it at
+steps 0..3. Where the source would start a window at N - 2 itself (with stride 1: at iteration (N - 2) x
+move_every, 575 with 25 steps), that window is empty and the script stops on an undefined ratio (:611-612; Flash:
+sampling:44); lean rolls back to 0 instead, so from then on its windows run one block ahead of the source's.
 
 MixGRPO-Flash runs the steps after the window with DPM-Solver++(2M) on a coarser grid (``sample.tail_solver``,
 ``sample.tail_compress``; ``lean.sde.dpm_solver_pp_step`` and ``lean.sde.tail_sigmas``). They are untracked ODE steps
@@ -48,9 +49,13 @@ if TYPE_CHECKING:
 
 
 def window_start(iteration: int, num_steps: int, move_every: int, stride: int) -> int:
-    """The window's first step at ``iteration``: floor(iteration / move_every) x stride, rolled back over the starts
-    0 .. N - 3 (a window must hold at least step s < N - 2)."""
-    return (iteration // move_every) * stride % (num_steps - 2)
+    """The window's first step at ``iteration``: floor(iteration / move_every) x stride, back to 0 once it would pass
+    the last start N - 3 (a window must hold at least one step s < N - 2), as the source's roll-back resets it
+    (grpo_states.py:95-97, :136-139)."""
+    if stride == 0:
+        return 0
+    starts = (num_steps - 3) // stride + 1  # 0, stride, ..., the last one <= N - 3
+    return (iteration // move_every) % starts * stride
 
 
 class MixGRPO(GRPO):

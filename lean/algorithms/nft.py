@@ -36,8 +36,14 @@ after each rollout's updates, old <- eta old + (1 - eta) theta with eta from the
 Why no Lean schedule: every trained forward is at a freshly re-noised x_t, never a rollout step; there is no forward
 to keep or reweight (``lean.algorithms.clean_samples``).
 
-What differs from the source: the draws' random streams (lean's are keyed per sample, the source's the global RNG);
-its rollout feeds the network int(1000 sigma) (``sample.truncate_timestep``), its training the float value, as lean.
+What differs from the source:
+  * the draws' random streams (lean's are keyed per sample, the source's the global RNG);
+  * its epoch draws its prompts in 16 batches of 3, independently, and merges the samples of a prompt drawn twice
+    into one group (stat_tracking.py:17-25, grouped by the prompt's text); lean draws an iteration's prompts without
+    replacement, a group per draw;
+  * at ``sample.timestep_fraction`` 1 the source trains all N grid points, lean N - 1 (the published 0.99 gives 9 of
+    10 in both).
+Its rollout feeds the network int(1000 sigma) (``sample.truncate_timestep``), its training the float value, as lean.
 """
 
 from __future__ import annotations
