@@ -135,3 +135,12 @@ def test_plan_counts_each_algorithms_terms_and_schedules(sets, terms, schedules)
     assert iteration_costs(inp, measured).k == terms
     rows = combinations(inp, {("none", False): measured})
     assert {r["schedule"] for r in rows} == schedules
+
+
+def test_dpo_needs_whole_groups_on_every_process():
+    from lean.configure import validate
+
+    cfg = tiny("algorithm.name=dpo", "train.prompts_per_iteration=3")
+    validate(cfg, world_size=3)
+    with pytest.raises(ConfigError, match=r"train\.prompts_per_iteration=3.*whole groups.*2 data ranks"):
+        validate(cfg, world_size=2)

@@ -39,7 +39,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """The algorithm runs with the other sections' settings (``Algorithm.problem``)."""
-    problem = ALGORITHMS[cfg.algorithm.name].problem(cfg)
+    problem = ALGORITHMS[cfg.algorithm.name].problem(cfg, world_size)
     if problem is not None:
         key, value, allowed = problem
         raise ConfigError(key, value, f"{allowed} (algorithm.name={cfg.algorithm.name})")

@@ -98,8 +98,9 @@ class Algorithm:
         self.sigmas = sigmas
 
     @classmethod
-    def problem(cls, cfg: RunConfig) -> tuple[str, object, str] | None:
-        """(key, value, what is allowed) of a setting the algorithm cannot run with, or None."""
+    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
+        """(key, value, what is allowed) of a setting the algorithm cannot run with (on ``world_size`` processes,
+        when known), or None."""
         return None
 
     @property

@@ -89,9 +89,17 @@ class DPO(CleanSampleAlgorithm):
         self.group_size = cfg.train.group_size
 
     @classmethod
-    def problem(cls, cfg: RunConfig) -> tuple[str, object, str] | None:
-        if cfg.train.group_size < 2:
-            return "train.group_size", cfg.train.group_size, "dpo pairs two samples of a group: needs >= 2"
+    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
+        t = cfg.train
+        if t.group_size < 2:
+            return "train.group_size", t.group_size, "dpo pairs two samples of a group: needs >= 2"
+        ranks = (world_size or 1) // cfg.parallel.sequence_parallel  # data-parallel ranks: each holds P / ranks groups
+        if ranks > 1 and t.prompts_per_iteration % ranks:
+            return (
+                "train.prompts_per_iteration",
+                t.prompts_per_iteration,
+                f"dpo pairs within a group, so each rank needs whole groups: a multiple of the {ranks} data ranks",
+            )
         return None
 
     def snapshot_decay(self, optimizer_steps: int) -> float | None:

@@ -66,7 +66,7 @@ class GRPOGuard(GRPO):
     uses_old_mean = True
 
     @classmethod
-    def problem(cls, cfg) -> tuple[str, object, str] | None:
+    def problem(cls, cfg, world_size: int | None = None) -> tuple[str, object, str] | None:
         if cfg.sample.sde_kind in NON_GAUSSIAN_KINDS:
             return "sample.sde_kind", cfg.sample.sde_kind, "grpo_guard's RatioNorm needs a Gaussian transition"
         return None

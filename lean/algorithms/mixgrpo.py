@@ -62,7 +62,7 @@ class MixGRPO(GRPO):
     """GRPO with the sliding SDE window of the module docstring (``algorithm.mixgrpo``)."""
 
     @classmethod
-    def problem(cls, cfg: RunConfig) -> tuple[str, object, str] | None:
+    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
         if cfg.sample.sde_window:
             return "sample.sde_window", cfg.sample.sde_window, "mixgrpo slides its own window: algorithm.mixgrpo.window"
         if cfg.sample.num_steps < 3:

@@ -88,7 +88,7 @@ class NFT(CleanSampleAlgorithm):
     uses_snapshot = True
 
     @classmethod
-    def problem(cls, cfg: RunConfig) -> tuple[str, object, str] | None:
+    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
         if cfg.sample.sde_window:
             return "sample.sde_window", cfg.sample.sde_window, "nft rolls out ODE steps only: set 0"
         return None
