@@ -131,11 +131,11 @@ def select_local_steps(
 ) -> StepSelection:
     """The trained-step selection of ``samples``, drawn from their streams (``generators``, or fresh ones). The
     selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
-    if generators is None:
-        generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
     own = ALGORITHMS[cfg.algorithm.name].steps(cfg, iteration, len(samples))
     if own is not None:  # the algorithm places the SDE steps itself (MixGRPO's sliding window)
         return own
+    if generators is None:
+        generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
     return select_steps_for(
         cfg.sample,
         len(generators),

@@ -315,7 +315,7 @@ def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[d
     """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
     checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.schedules.fsdp_problem``) is
     left out of the fsdp rows."""
-    rows = []
+    rows, exact = [], algorithm_schedules(inp.cfg)  # the schedules that compute the algorithm's gradient
     for layout in applicable_layouts(inp):
         for (shard, checkpointing), measured in sorted(
             probes.items(), key=lambda kv: (SHARDS.names.index(kv[0][0]), kv[0][1])
@@ -323,8 +323,8 @@ def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[d
             for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
                 if shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule)):
                     continue
-                if schedule not in algorithm_schedules(inp.cfg):
-                    continue  # never this algorithm's gradient
+                if schedule not in exact:
+                    continue
                 rows.append(
                     {
                         "schedule": schedule,

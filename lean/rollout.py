@@ -42,11 +42,16 @@ if TYPE_CHECKING:
     from lean.config import SampleConfig
 
 
+def keyed_generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded from a hash of ``keys`` (numpy's SeedSequence): distinct keys, independent streams."""
+    state = np.random.SeedSequence(list(keys)).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+
+
 def sample_generator(seed: int, iteration: int, group: int, prompt_index: int, sample_index: int) -> torch.Generator:
     """The random stream of one sample: a CPU generator seeded from a hash of its five keys. The group is one of them:
     a prompt drawn twice in one iteration makes two groups, which must not roll out the same trajectories."""
-    state = np.random.SeedSequence([seed, iteration, group, prompt_index, sample_index]).generate_state(2, np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+    return keyed_generator(seed, iteration, group, prompt_index, sample_index)
 
 
 DECODE_TARGETS: Registry[str] = Registry(
@@ -71,15 +76,12 @@ RENOISE_STREAM = 1  # the sixth key of a sample's re-noising stream (lean.schedu
 def renoise_generator(seed: int, iteration: int, group: int, prompt_index: int, sample_index: int) -> torch.Generator:
     """The stream of a sample's re-noising draws after the rollout (NFT, DPO): keyed like the sample's own with a
     sixth key, so it never repeats the rollout's draws and never depends on the batching."""
-    keys = [seed, iteration, group, prompt_index, sample_index, RENOISE_STREAM]
-    state = np.random.SeedSequence(keys).generate_state(2, np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+    return keyed_generator(seed, iteration, group, prompt_index, sample_index, RENOISE_STREAM)
 
 
 def iteration_generator(seed: int, iteration: int, purpose: int = 0) -> torch.Generator:
     """A stream shared by all processes for one iteration (prompt choice, SDE window)."""
-    state = np.random.SeedSequence([seed, iteration, 2**31 + purpose]).generate_state(2, np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+    return keyed_generator(seed, iteration, 2**31 + purpose)
 
 
 @dataclass

@@ -23,7 +23,10 @@ DPO's reference).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,30 +39,48 @@ from lean.schedules.recompute import LATER_UPDATE_FORWARD, RECOMPUTE_FORWARD, Re
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from lean.config import SampleConfig
 
-class UpdateVelocities:
-    """The three weights' velocities at re-noised samples (``lean.algorithms.clean_samples.Velocities``), timed and
-    counted as regions; conditional only (the clean-sample losses train no CFG)."""
 
-    def __init__(self, ctx: IterationContext, region: str = RECOMPUTE_FORWARD):
-        self.ctx, self.region = ctx, region
-        self.sample = dataclasses.replace(ctx.cfg.sample, cfg=False, truncate_timestep=False)
+class ConditionalVelocities:
+    """The three weights' velocities of ``policy`` at re-noised samples (``lean.algorithms.clean_samples.
+    Velocities``), conditional only (the clean-sample losses train no CFG), sigma in ``sigma_dtype``; each forward
+    inside ``region(name)`` (timed and counted in the update; nothing for the certificate's float64 twin)."""
+
+    def __init__(
+        self,
+        policy,
+        emb,
+        sample: SampleConfig,
+        snapshot_swapped_in: Callable[[], AbstractContextManager],
+        sigma_dtype: torch.dtype,
+        region: Callable[[str], AbstractContextManager] = lambda name: contextlib.nullcontext(),
+        policy_region: str = RECOMPUTE_FORWARD,
+    ):
+        self.model, self.emb, self.swapped_in, self.sigma_dtype = policy, emb, snapshot_swapped_in, sigma_dtype
+        self.sample = dataclasses.replace(sample, cfg=False, truncate_timestep=False)
+        self.region, self.policy_region = region, policy_region
+
+    @classmethod
+    def of(cls, ctx: IterationContext, region: str = RECOMPUTE_FORWARD) -> ConditionalVelocities:
+        """The update's: the run's policy, prompts and snapshot, each forward a region of ``ctx``."""
+        snapshot = ctx.snapshot.swapped_in if ctx.snapshot is not None else contextlib.nullcontext
+        return cls(ctx.policy, ctx.emb, ctx.cfg.sample, snapshot, ctx.sigmas.dtype, ctx.region, region)
 
     def _velocity(self, x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
-        ctx = self.ctx
-        sigma = t.to(device=x.device, dtype=ctx.sigmas.dtype)
-        return velocity(ctx.policy, x, sigma, ctx.emb.index(rows.to(ctx.sigmas.device)), self.sample)
+        sigma = t.to(device=x.device, dtype=self.sigma_dtype)
+        return velocity(self.model, x, sigma, self.emb.index(rows.to(x.device)), self.sample)
 
     def policy(self, x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
-        with self.ctx.region(self.region):
+        with self.region(self.policy_region):
             return self._velocity(x, t, rows)
 
     def snapshot(self, x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
-        with torch.no_grad(), self.ctx.region("snapshot_forward"), self.ctx.snapshot.swapped_in():
+        with torch.no_grad(), self.region("snapshot_forward"), self.swapped_in():
             return self._velocity(x, t, rows)
 
     def reference(self, x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
-        with torch.no_grad(), self.ctx.region("reference_forward"), self.ctx.policy.reference():
+        with torch.no_grad(), self.region("reference_forward"), self.model.reference():
             return self._velocity(x, t, rows)
 
 
@@ -111,7 +132,7 @@ class Renoised(Schedule):
             order = update_order(t, ctx.iteration, torch.arange(len(units)), epoch)
             for c, chunk in enumerate(_chunks(order, t.optimizer_steps_per_iteration)):
                 region = RECOMPUTE_FORWARD if epoch == 0 and c == 0 else LATER_UPDATE_FORWARD
-                velocities = UpdateVelocities(ctx, region)
+                velocities = ConditionalVelocities.of(ctx, region)
                 for batch in chunk.split(per_micro_batch) if len(chunk) else ():
                     rows = units[batch].flatten()
                     on_device = rows.to(ctx.sigmas.device)

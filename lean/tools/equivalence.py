@@ -38,7 +38,7 @@ from lean.schedules import (
 )
 from lean.schedules.base import flat_grad
 from lean.schedules.recompute import _chunks, first_update_rows, rows_mask, update_order
-from lean.schedules.renoised import UnitDraws
+from lean.schedules.renoised import ConditionalVelocities, UnitDraws
 from lean.sharding import FSDP, full, full_state_dict
 from lean.snapshot import swapped_in
 from lean.train import Trainer
@@ -218,27 +218,13 @@ class Float64Reference:
         return ((v.double() - v64).abs().max() / v64.abs().max()).item()
 
 
-class TwinVelocities:
-    """``lean.algorithms.clean_samples.Velocities`` of the float64 twin: conditional, as the update's."""
+class TwinVelocities(ConditionalVelocities):
+    """The update's velocities (``lean.schedules.renoised.ConditionalVelocities``) of the float64 twin, its snapshot
+    the run's ``snapshot`` values, upcast."""
 
     def __init__(self, twin, emb, cfg: RunConfig, snapshot: list[torch.Tensor] | None):
-        self.twin, self.emb, self.snapshot_values = twin, emb, snapshot
-        self.sample = replace(cfg.sample, cfg=False, truncate_timestep=False)
-
-    def _velocity(self, x, t, rows):
-        return velocity(self.twin, x.double(), t.double().to(x.device), self.emb.index(rows), self.sample)
-
-    def policy(self, x, t, rows):
-        return self._velocity(x, t, rows)
-
-    def snapshot(self, x, t, rows):
-        params = [p for _, p in self.twin.trainable_parameters()]
-        with torch.no_grad(), swapped_in(params, self.snapshot_values):
-            return self._velocity(x, t, rows)
-
-    def reference(self, x, t, rows):
-        with torch.no_grad(), self.twin.reference():
-            return self._velocity(x, t, rows)
+        params = [p for _, p in twin.trainable_parameters()]
+        super().__init__(twin, emb, cfg.sample, lambda: swapped_in(params, snapshot), torch.float64)
 
 
 @dataclass
