@@ -38,6 +38,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     divides over the data-parallel ranks (processes / ``parallel.sequence_parallel``)."""
     for name in SECTIONS:
         getattr(cfg, name).validate()
+    models.family_defaults(cfg)  # an editing family's default prompts carry reference images
     for rule in RULES:
         rule(cfg, world_size)
 

@@ -38,6 +38,7 @@ prompts that no training prompt has read as unknown tokens (a pretrained folder 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import math
 import textwrap
@@ -50,6 +51,7 @@ from torch import Tensor
 
 from lean.models import family_spec
 from lean.outputs import write_csv
+from lean.prompts import reference_image
 from lean.rollout import rollout, sample_generator
 from lean.sde import EULER, StepSelection, sigma_schedule
 from lean.sharding import FSDP
@@ -223,12 +225,36 @@ class Evaluator:
         ]
         write_csv(folder / "samples.csv", rows)
         columns = self.cfg.eval.samples_per_prompt
+        rewards = scores[:, 0].view(len(self.prompts), columns).tolist()
+        labels = [[f"{r:.4f}" for r in row] for row in rewards]
         write_grid(
             folder / "grid.png",
             self.prompts,
             [[folder / self.file(p, k) for k in range(columns)] for p in range(len(self.prompts))],
-            scores[:, 0].view(len(self.prompts), columns).tolist(),
+            labels,
         )
+        if any(reference_image(p) is not None for p in self.prompts):
+            self.write_edit_grid(folder, labels)
+
+    def write_edit_grid(self, folder: Path, labels: list[list[str]]) -> None:
+        """``edits.png`` of an edit evaluation: per prompt its reference image | the base model's first sample
+        (iteration 0's evaluation, when it ran) | this evaluation's samples, each with its reward."""
+        base = self.folder(0)
+        base_rewards = {}
+        if base != folder and (base / "samples.csv").exists():
+            with open(base / "samples.csv", newline="") as f:
+                base_rewards = {
+                    int(r["prompt_index"]): r["reward"] for r in csv.DictReader(f) if r["sample_index"] == "0"
+                }
+        files, texts = [], []
+        for p, prompt in enumerate(self.prompts):
+            row, text = [Path(reference_image(prompt))], ["reference"]
+            if p in base_rewards:
+                row.append(base / self.file(p, 0))
+                text.append(f"base {float(base_rewards[p]):.4f}")
+            files.append(row + [folder / self.file(p, k) for k in range(self.cfg.eval.samples_per_prompt)])
+            texts.append(text + labels[p])
+        write_grid(folder / "edits.png", self.prompts, files, texts)
 
 
 # ---------------------------------------------------------------- files
@@ -266,8 +292,9 @@ def cell(path: Path) -> Image.Image:
     return image.resize(size, Image.Resampling.NEAREST if scale > 1 else Image.Resampling.LANCZOS)
 
 
-def write_grid(path: Path, prompts: list[str], files: list[list[Path]], rewards: list[list[float]]) -> None:
-    """``grid.png``: one row per prompt (its text on the left), one column per sample (its reward below)."""
+def write_grid(path: Path, prompts: list[str], files: list[list[Path]], labels: list[list[str]]) -> None:
+    """``grid.png``: one row per prompt (its text on the left), one column per image (its label, e.g. its reward,
+    below). Rows may differ in length."""
     from PIL import Image, ImageDraw, ImageFont
 
     cells = [[cell(f) for f in row] for row in files]
@@ -281,13 +308,14 @@ def write_grid(path: Path, prompts: list[str], files: list[list[Path]], rewards:
     cell_w = max(c.width for row in cells for c in row)
     cell_h = max(c.height for row in cells for c in row)
     row_h = max(cell_h + line_h, caption_h) + pad
-    grid = Image.new("RGB", (caption_w + len(cells[0]) * (cell_w + pad) + pad, len(cells) * row_h + pad), "white")
+    columns = max(len(row) for row in cells)
+    grid = Image.new("RGB", (caption_w + columns * (cell_w + pad) + pad, len(cells) * row_h + pad), "white")
     draw = ImageDraw.Draw(grid)
-    for r, (caption, row, scores) in enumerate(zip(captions, cells, rewards)):
+    for r, (caption, row, texts) in enumerate(zip(captions, cells, labels)):
         y = pad + r * row_h
         draw.multiline_text((pad, y), caption, fill="black", font=font)
-        for c, (image, score) in enumerate(zip(row, scores)):
+        for c, (image, text) in enumerate(zip(row, texts)):
             x = caption_w + pad + c * (cell_w + pad)
             grid.paste(image, (x, y))
-            draw.text((x, y + cell_h + 2), f"{score:.4f}", fill="black", font=font)
+            draw.text((x, y + cell_h + 2), text, fill="black", font=font)
     grid.save(path)

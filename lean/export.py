@@ -92,13 +92,16 @@ def sampling_settings(cfg: RunConfig) -> dict:
     ``sigma_grid`` (``sample.sigma_grid``), ``seed`` (``eval.seed``) and the guidance: with ``sample.cfg`` CFG at
     ``eval.guidance_scale`` (or ``sample.guidance_scale``), which is FLUX's ``true_cfg_scale`` (its guidance embedding
     then sees 1.0, as lean feeds it) and the ``guidance_scale`` of SD3 and Wan; without it no CFG (``guidance_scale``
-    1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as ``guidance_scale``. ``pipeline`` names the
-    pipeline class they are for."""
+    1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as ``guidance_scale``. A family whose pipeline guides
+    with ``true_cfg_scale`` alone (``FamilySpec.true_cfg``: Qwen-Image) gets no ``guidance_scale`` and, with
+    ``sample.cfg``, the scale as ``true_cfg_scale``. ``pipeline`` names the pipeline class they are for."""
     m, s, e = cfg.model, cfg.sample, cfg.eval
     spec = family_spec(m.family)
     scale = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
     embed = spec.guidance_embed
-    if s.cfg:
+    if spec.true_cfg:  # QwenImagePipeline: CFG is true_cfg_scale (against negative_prompt ""); no guidance_scale
+        guidance, true_cfg = None, (scale if s.cfg else None)
+    elif s.cfg:
         guidance, true_cfg = (1.0, scale) if embed else (scale, None)
     elif embed:
         guidance, true_cfg = (1.0 if s.guidance_embed is None else s.guidance_embed), None
@@ -169,7 +172,7 @@ def base_fingerprint(policy: Policy) -> str:
         for name in sorted(state):
             tensor = state[name].detach().cpu().contiguous()
             digest.update(f"{part}.{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-d too (BatchNorm's count)
     return digest.hexdigest()
 
 

@@ -180,7 +180,9 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
             raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
         ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
         policy.sequence_parallel = enable(policy.networks(), policy.arch, ov)
-    shift, source = time_shift(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len)
+    shift, source = time_shift(
+        cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len, cfg.sample.num_steps
+    )
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
     sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)
     pipeline = IterationPipeline(policy, cfg, sigmas, world)

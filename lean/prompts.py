@@ -8,11 +8,56 @@ import os
 from pathlib import Path
 
 
+class ImagePrompt(str):
+    """An edit instruction with its reference image: the string is the instruction (what text encoders and text
+    rewards read), ``image`` the reference image's path. Two image prompts are equal when both agree, so one
+    instruction over many images ("make it snowy") is many prompts, each encoded and grouped on its own.
+
+    Plain strings are prompts without a reference; an ``ImagePrompt`` pickles with its image (processes exchange
+    prompts)."""
+
+    image: str
+
+    def __new__(cls, text: str, image: str | os.PathLike) -> ImagePrompt:
+        prompt = super().__new__(cls, text)
+        prompt.image = str(image)
+        return prompt
+
+    def __getnewargs__(self) -> tuple[str, str]:
+        return str(self), self.image
+
+    def __eq__(self, other) -> bool:
+        return str.__eq__(self, other) and reference_image(other) == self.image
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((str(self), self.image))
+
+    # ordered by (instruction, image), so that sorting a prompt set is deterministic across processes
+    def __lt__(self, other) -> bool:
+        return (str(self), self.image) < (str(other), reference_image(other) or "")
+
+    def __gt__(self, other) -> bool:
+        return (str(self), self.image) > (str(other), reference_image(other) or "")
+
+    def __repr__(self) -> str:
+        return f"ImagePrompt({str(self)!r}, image={self.image!r})"
+
+
+def reference_image(prompt: str) -> str | None:
+    """The reference image path of an :class:`ImagePrompt`, None for a text prompt."""
+    return prompt.image if isinstance(prompt, ImagePrompt) else None
+
+
 def read_prompts(path: str | os.PathLike) -> list[str]:
     """The prompts of a file, in file order, as FlowGRPO's scripts read its data sets (scripts/train_sd3.py):
 
     * ``*.jsonl``, GenEval's ``*_metadata.jsonl`` (``GenevalPromptDataset``): one JSON object per line, its ``prompt``
-      field (a string) is the prompt; the other fields are ignored.
+      field (a string) is the prompt; the other fields are ignored, except ``image``: an edit's reference image, a
+      path relative to the file's folder (FlowGRPO's ``GenevalPromptImageDataset`` in scripts/train_flux_kontext.py
+      and train_qwenimage_edit.py joins it to the data set folder), read as an :class:`ImagePrompt`.
     * any other file, ``dataset/*/train.txt`` (``TextPromptDataset``): one prompt per line, stripped of surrounding
       whitespace (``line.strip()``); nothing else is parsed, so commas, quotes and numbers stay as written.
 
@@ -36,7 +81,29 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
             raise ValueError(f"line {number}: not JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'line {number}: needs a "prompt" string field (one JSON object per line)')
-        prompts.append(record["prompt"])
+        image = record.get("image")
+        if image is None:
+            prompts.append(record["prompt"])
+            continue
+        if not isinstance(image, str) or not (path.parent / image).is_file():
+            raise ValueError(f'line {number}: "image" {image!r} is not an image file under {path.parent}')
+        prompts.append(ImagePrompt(record["prompt"], path.parent / image))
     if not prompts:
         raise ValueError('holds no prompt (one per line, or a .jsonl line per prompt with a "prompt" field)')
     return prompts
+
+
+def reference_pixels(prompt: str, size: int):
+    """The reference image of an :class:`ImagePrompt` as ``[3, size, size]`` float32 in [0, 1]: RGB, resized to the
+    run's square resolution as FlowGRPO's edit scripts do (``ref_image.resize((resolution, resolution))``, PIL's
+    default bicubic filter). Raises ``ValueError`` for a text prompt."""
+    import numpy as np
+    import torch
+    from PIL import Image  # local: this module is read by configuration, which needs neither
+
+    path = reference_image(prompt)
+    if path is None:
+        raise ValueError(f'prompt {str(prompt)!r} has no reference image (a .jsonl line with an "image" field)')
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB").resize((size, size)), dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()

@@ -325,6 +325,8 @@ def evaluate(
         )
         write_csv(evaluator.root.parent / "eval.csv", evaluations)
         run.log_image(evaluator.folder(iteration) / "grid.png", "eval_grid", iteration)
+        if (evaluator.folder(iteration) / "edits.png").exists():  # reference | base | trained, for edits
+            run.log_image(evaluator.folder(iteration) / "edits.png", "eval_edits", iteration)
         run.log_artifact(evaluator.folder(iteration), f"eval/{iteration}")
 
 
@@ -343,7 +345,8 @@ def guarded_iteration(
         disable=not trainer.world.is_main,
     )
     if tally is not None:  # prompts (and CFG's empty one) are encoded once per run, not per iteration: cache them
-        trainer.policy.encode_prompts([*prompts, ""])  # outside the count
+        for prompt in (*prompts, ""):  # outside the count; one at a time: an edit and "" do not batch together
+            trainer.policy.encode_prompts([prompt])
     try:
         with tally.measuring() if tally is not None else contextlib.nullcontext():
             result = trainer.iteration(it, schedule, tally=tally, progress=lambda i: steps.update(1))

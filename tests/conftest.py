@@ -21,7 +21,9 @@ if WORKER:  # and so does every process a test starts (lean train, lean launch's
 # each whole, so the fixture is built once.
 SHARED_FIXTURE_MODULES = {
     "test_export",
+    "test_flux2",
     "test_mlflow_server",
+    "test_qwen_image",
     "test_reliability",
     "test_reward_server",
     "test_sequence_parallel",

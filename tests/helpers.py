@@ -157,3 +157,23 @@ def save_tiny_clip(folder, projection_dim: int = 16, image_size: int = 32, head:
             f"{folder}/aesthetic_head.safetensors",
         )
     return folder
+
+
+def write_edit_prompts(folder, count: int = 2, size: int = 32) -> str:
+    """An edit data set as FlowGRPO's edit scripts read it: ``folder/train_metadata.jsonl`` with ``prompt`` and
+    ``image`` (a path relative to the folder), the images ``count`` solid-colour squares. Returns the file's path."""
+    import json
+    from pathlib import Path
+
+    from PIL import Image
+
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    colours = [(200, 30, 30), (30, 30, 200), (30, 160, 30), (220, 200, 40)]
+    lines = []
+    for k in range(count):
+        Image.new("RGB", (size, size), colours[k % len(colours)]).save(folder / "images" / f"{k}.png")
+        lines.append(json.dumps({"prompt": "make it snowy" if k % 2 else "add a red cube", "image": f"images/{k}.png"}))
+    path = folder / "train_metadata.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)

@@ -11,6 +11,7 @@ import torch
 from helpers import tiny
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_models import family_prompts
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ModelConfig
@@ -39,9 +40,9 @@ EVAL = [  # evaluations (iterations 0 and 1) of two prompts whose settings all d
 
 
 def inputs(policy, seed: int = 0):
-    """Two latents, two sigmas, two prompts' embeddings."""
+    """Two latents, two sigmas, two prompts' embeddings (an editing family's: two edits)."""
     x = policy.init_latents([torch.Generator().manual_seed(seed + b) for b in range(2)])
-    return x, torch.tensor([0.3, 0.8]), policy.encode_prompts(DEFAULT_PROMPTS[:2])
+    return x, torch.tensor([0.3, 0.8]), policy.encode_prompts(family_prompts(policy.family)[:2])
 
 
 def assert_same_velocity(policy, transformer):

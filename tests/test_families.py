@@ -77,7 +77,6 @@ def test_every_spec_is_complete_and_typed(name):
     assert spec.lora_targets(False) in spec.lora_targets(True)
     assert re.compile(spec.lora_targets(True))
     assert spec.scheduler["_class_name"]
-    assert not spec.reference_images  # none of today's families
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -100,6 +99,12 @@ def test_spec_capabilities_match_the_classes(name):
     if not spec.sequence_parallel:
         with pytest.raises(NotImplementedError):
             spec.runtime.shard_sequence(None, None, None)
+    # an editing family's pipeline takes the reference image; a family without references refuses to encode one
+    if spec.reference_images:
+        assert "image" in inspect.signature(getattr(diffusers, spec.pipeline).__call__).parameters
+    else:
+        with pytest.raises(NotImplementedError):
+            spec.runtime.encode_reference(None, None, None)
 
 
 def test_importing_the_families_imports_no_diffusers():

@@ -17,10 +17,19 @@ def make(family: str, **overrides):
     return build_policy(ModelConfig(family=family, **overrides), DEFAULT_PROMPTS)
 
 
+def family_prompts(family: str) -> list[str]:
+    """The prompts a family's checks condition on: lean's default text prompts, or for an editing family the bundled
+    recolouring set (instructions with reference images)."""
+    from lean.models import EDIT_PROMPTS, family_spec
+    from lean.prompts import read_prompts
+
+    return read_prompts(EDIT_PROMPTS) if family_spec(family).reference_images else DEFAULT_PROMPTS
+
+
 def inputs(policy, batch: int = B, seed: int = 0):
     x = policy.init_latents([torch.Generator().manual_seed(seed + b) for b in range(batch)])
     sigma = torch.linspace(0.2, 0.9, batch, dtype=policy.dtype)
-    return x, sigma, policy.encode_prompts(DEFAULT_PROMPTS[:batch])
+    return x, sigma, policy.encode_prompts(family_prompts(policy.family)[:batch])
 
 
 def perturbed(family: str, **overrides):
@@ -55,7 +64,7 @@ def test_init_latents_do_not_depend_on_batching(family):
 def test_cfg_batch_equals_two_forwards(family):
     policy = perturbed(family, dtype="float64")
     x, sigma, emb = inputs(policy)
-    uncond = policy.encode_prompts([""] * B)
+    uncond = emb.negative if emb.negative is not None else policy.encode_prompts([""] * B)
     s = 3.0
     with torch.no_grad():
         batched = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=s)  # one [uncond, cond] forward
@@ -72,7 +81,7 @@ def test_uncond_grad(family):
     """v = v_u + s (v_c - v_u): a detached v_u leaves d(s v_c); uncond_grad=True gives d((1-s) v_u + s v_c)."""
     policy = perturbed(family, dtype="float64")
     x, sigma, emb = inputs(policy)
-    uncond = policy.encode_prompts([""] * B)
+    uncond = emb.negative if emb.negative is not None else policy.encode_prompts([""] * B)
     s = 2.5
     params = [p for _, p in policy.trainable_parameters()]
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
@@ -196,7 +205,7 @@ def test_save_pretrained_round_trip(family, tmp_path):
     loaded = build_policy(ModelConfig(family=family, pretrained=str(tmp_path)), ["unused"])
     assert [n for n, _ in loaded.trainable_parameters()] == [n for n, _ in policy.trainable_parameters()]
     x, sigma, emb = inputs(policy)
-    assert torch.equal(loaded.encode_prompts(DEFAULT_PROMPTS[:B]).tokens, emb.tokens)
+    assert torch.equal(loaded.encode_prompts(family_prompts(family)[:B]).tokens, emb.tokens)
     with torch.no_grad():
         for p in (policy, loaded):
             p.outputs = [p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), p.decode(x)]

@@ -29,6 +29,13 @@ STEP_PRESETS = [
 ]
 CLEAN_SAMPLE_PRESETS = ["nft-sd3", "dpo-sd3"]
 PRESETS = STEP_PRESETS + CLEAN_SAMPLE_PRESETS
+# the newer image models' recipes (issue #29): cited, published values, exact hybrids, the plan at published size
+IMAGE_MODEL_PRESETS = [
+    "flowgrpo-kontext",
+    "flowgrpo-qwen-image",
+    "flowfactory-grpo-flux2",
+    "flowfactory-grpo-flux2-klein",
+]
 
 
 def on_policy(name: str, *overrides: str):
@@ -36,8 +43,8 @@ def on_policy(name: str, *overrides: str):
 
 
 def test_presets_ship_with_a_source_for_every_value():
-    assert set(PRESETS) <= set(KNOWN_PRESETS)
-    for name in PRESETS:
+    assert set(PRESETS + IMAGE_MODEL_PRESETS) <= set(KNOWN_PRESETS)
+    for name in PRESETS + IMAGE_MODEL_PRESETS:
         lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
         values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
         assert len(values) >= 40, name
@@ -46,6 +53,51 @@ def test_presets_ship_with_a_source_for_every_value():
 
 
 PUBLISHED = {  # the recipes as the issue and the cited scripts state them
+    "flowfactory-grpo-flux2": {  # Flow-Factory examples/grpo/lora/flux2/t2i.yaml
+        "model.family": "flux2",
+        "sample.num_steps": 8,
+        "sample.noise_level": 1.0,
+        "sample.guidance_embed": 4.0,
+        "sample.cfg": False,
+        "model.lora_rank": 64,
+        "model.lora_alpha": 128,
+        "model.lora_ffn": True,
+        "train.group_size": 16,
+        "train.lr": 3e-4,
+    },
+    "flowfactory-grpo-flux2-klein": {  # Flow-Factory examples/grpo/lora/flux2_klein/default.yaml
+        "model.family": "flux2_klein",
+        "sample.num_steps": 4,
+        "sample.noise_level": 0.5,
+        "sample.cfg": False,
+        "model.resolution": 384,
+    },
+    "flowgrpo-kontext": {  # config/grpo.py:counting_flux_kontext at 9745241
+        "model.family": "kontext",
+        "model.resolution": 512,
+        "model.lora_rank": 64,
+        "model.text_max_length": 128,
+        "sample.num_steps": 6,
+        "sample.noise_level": 0.9,
+        "sample.cfg": False,
+        "sample.guidance_embed": 2.5,
+        "sample.timestep_fraction": 0.99,
+        "train.group_size": 21,
+        "train.prompts_per_iteration": 48,
+        "train.ema": True,
+        "train.lr": 3e-4,
+    },
+    "flowgrpo-qwen-image": {  # config/grpo.py:pickscore_qwenimage at 9745241
+        "model.family": "qwen_image",
+        "model.resolution": 512,
+        "model.lora_rank": 64,
+        "sample.num_steps": 10,
+        "sample.noise_level": 1.2,
+        "sample.cfg": True,
+        "sample.guidance_scale": 4.0,
+        "train.group_size": 16,
+        "train.lr": 3e-4,
+    },
     "flowgrpo-sd3": {
         "model.family": "sd3",
         "sample.num_steps": 10,
@@ -194,7 +246,7 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
 }
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + IMAGE_MODEL_PRESETS)
 def test_published_values(name):
     cfg = load_config(None, [], preset=name).to_dict()
     for key, value in PUBLISHED[name].items():
@@ -329,7 +381,7 @@ def test_trainer_uses_the_preset_sigma_grid(name):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", STEP_PRESETS)
+@pytest.mark.parametrize("name", STEP_PRESETS + IMAGE_MODEL_PRESETS)
 def test_retain_and_reweight_are_exact_on_the_on_policy_variant(name):
     """float64: Retain's and Reweight's gradients equal Recompute's on the preset's own SDE, grid, guidance, CFG
     gradient path and step selection."""
@@ -361,7 +413,16 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "name,published", [("flowgrpo-sd3", 2.243e9), ("flowgrpo-flux", 11.9e9), ("flowgrpo-wan", 1.42e9)]
+    "name,published",
+    [
+        ("flowgrpo-sd3", 2.243e9),
+        ("flowgrpo-flux", 11.9e9),
+        ("flowgrpo-wan", 1.42e9),
+        ("flowgrpo-kontext", 11.9e9),
+        ("flowgrpo-qwen-image", 20.43e9),
+        ("flowfactory-grpo-flux2", 32.22e9),
+        ("flowfactory-grpo-flux2-klein", 9.08e9),
+    ],
 )
 def test_plan_reports_the_published_size_without_building_it(name, published, tmp_path):
     from lean.plan import main

@@ -44,7 +44,7 @@ def reference(name: str, folder, pixels: torch.Tensor, prompts: list[str]) -> to
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", list(MODEL_REWARDS))
+@pytest.mark.parametrize("name", [n for n in MODEL_REWARDS if n != "image_similarity"])  # edits: its own test
 def test_model_reward_scores_images_and_videos(name, clip_folder):
     reward = MODEL_REWARDS[name](RewardModelConfig(folder=str(clip_folder), batch_size=2), "cpu")
     batch, prompts = images(0, 4, 3, 32, 32), CLIP_PROMPTS
@@ -157,3 +157,25 @@ def test_lean_train_with_a_bad_folder_exits_2_with_one_line(tmp_path, capsys):
         f"lean: config error: reward.models.pickscore.folder='{tmp_path}': has no config.json (a transformers CLIP "
         "folder, as CLIPModel.save_pretrained writes it)"
     ]
+
+
+@pytest.mark.timeout(60)
+def test_image_similarity_scores_an_edit_against_its_reference(clip_folder, tmp_path):
+    """cos of the CLIP image embeddings of a sample and its prompt's reference: 1 for the reference itself, less for
+    another image; a prompt without a reference is refused."""
+    from PIL import Image
+
+    from lean.prompts import ImagePrompt, reference_pixels
+
+    prompts = []
+    for k in range(2):
+        path = tmp_path / f"{k}.png"
+        pixels = (images(10 + k, 3, 32, 32).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(path)
+        prompts.append(ImagePrompt("make it snowy", path))
+    reward = MODEL_REWARDS["image_similarity"](RewardModelConfig(folder=str(clip_folder)), "cpu")
+    references = torch.stack([reference_pixels(p, 32) for p in prompts])
+    torch.testing.assert_close(reward(references, prompts), torch.ones(2, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert (reward(references.flip(0), prompts) < 1 - 1e-4).all()
+    with pytest.raises(ValueError, match="no reference image"):
+        reward(references, ["make it snowy", "make it snowy"])

@@ -35,12 +35,17 @@ import torch
 from lean.config import ConfigError, suggest
 from lean.dtypes import DTYPES, HALF, dtype_name
 from lean.models.flux import SPEC as FLUX
+from lean.models.flux2 import SPEC as FLUX2
+from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
+from lean.models.kontext import SPEC as KONTEXT
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
+from lean.models.qwen_image import SPEC as QWEN_IMAGE
 from lean.models.sd3 import SPEC as SD3
 from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.models.wan import SPEC as WAN
+from lean.prompts import reference_image
 from lean.registry import Registry
 from lean.sharding import FSDP
 
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
     from lean.config import ModelConfig, RunConfig
 
 __all__ = [
+    "EDIT_PROMPTS",
     "FAMILIES",
     "LORA_INITS",
     "FamilySpec",
@@ -57,6 +63,7 @@ __all__ = [
     "build_scheduler",
     "check_config",
     "count_parameters",
+    "family_defaults",
     "family_spec",
     "lora_config",
     "pipeline_family",
@@ -70,6 +77,10 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("flux", FLUX),  # the default
         ("wan", WAN),
         ("sd3", SD3),
+        ("qwen_image", QWEN_IMAGE),
+        ("flux2", FLUX2),  # FLUX.2 [dev]
+        ("flux2_klein", FLUX2_KLEIN),  # FLUX.2 [klein] 9B
+        ("kontext", KONTEXT),
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(
@@ -82,6 +93,8 @@ LORA_INITS: Registry[str | bool] = Registry(
 INIT_SEED = 20240601  # every process draws the same random weights
 DEVICE_INIT_SIZE = "full"  # the published size is drawn on the run's device, every other one on the CPU
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"  # in a diffusers pipeline folder
+# What an editing family edits when no prompt file is given: lean.workbench.data.write_edit_dataset's recolouring task
+EDIT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "edits" / "train_metadata.jsonl"
 
 
 def family_spec(family: str) -> FamilySpec:
@@ -128,14 +141,16 @@ def scheduler_config(family: str, pretrained: str | os.PathLike | None) -> tuple
 def build_scheduler(family: str, pretrained: str | os.PathLike | None, shift: float | None = None):
     """The diffusers scheduler a pipeline of ``family`` samples with: the class and settings of
     :func:`scheduler_config` (``_class_name`` names the class, as in a ``scheduler_config.json``); with ``shift``,
-    that static shift instead (``flow_shift`` of Wan's UniPC scheduler, else ``shift``; no dynamic shifting), e.g.
-    the shift a run sampled with (``sample.shift`` as resolved)."""
+    that static shift instead (``flow_shift`` of Wan's UniPC scheduler, else ``shift``; no dynamic shifting, no
+    terminal stretch), e.g. the shift a run sampled with (``sample.shift`` as resolved)."""
     import diffusers  # local: diffusers takes seconds to import (see component_classes)
 
     config, _ = scheduler_config(family, pretrained)
     name = config.get("_class_name") or family_spec(family).scheduler["_class_name"]
     if shift is not None:
         config = {**config, ("flow_shift" if "flow_shift" in config else "shift"): shift, "use_dynamic_shifting": False}
+        if config.get("shift_terminal"):  # lean's grids have no terminal stretch (Qwen-Image's 0.02)
+            config["shift_terminal"] = None
     return getattr(diffusers, name).from_config(config)
 
 
@@ -174,7 +189,11 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
 
 
 def time_shift(
-    family: str, pretrained: str | os.PathLike | None, shift: float | None, image_seq_len: int
+    family: str,
+    pretrained: str | os.PathLike | None,
+    shift: float | None,
+    image_seq_len: int,
+    num_steps: int | None = None,
 ) -> tuple[float, str]:
     """The sigma grid's time shift and where it comes from. ``shift`` (``sample.shift``) wins when set; otherwise the
     scheduler config of :func:`scheduler_config`, read as diffusers' pipelines read it:
@@ -182,7 +201,8 @@ def time_shift(
     * ``use_dynamic_shifting`` (FLUX.1; SD3 pipelines too when set): ``mu`` is linear in the image token count,
       ``base_shift`` at ``base_image_seq_len`` tokens to ``max_shift`` at ``max_image_seq_len`` (FluxPipeline's
       ``calculate_shift``, extrapolated beyond them as it is), and the shift is ``e^mu`` (``time_shift_type``
-      exponential, diffusers' default) or ``mu`` (linear);
+      exponential, diffusers' default) or ``mu`` (linear); a family with a ``FamilySpec.mu_rule`` computes mu as its
+      pipeline does instead, from the image token count and ``num_steps`` (Flux2Pipeline's ``compute_empirical_mu``);
     * else ``flow_shift`` (Wan's UniPCMultistepScheduler), else ``shift`` (FlowMatchEulerDiscreteScheduler, whose
       default is 1).
     """
@@ -190,10 +210,16 @@ def time_shift(
         return float(shift), "sample.shift"
     config, source = scheduler_config(family, pretrained)
     if config.get("use_dynamic_shifting", False):
-        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-        m = (max_shift - base_shift) / (max_len - base_len)
-        mu = image_seq_len * m + (base_shift - m * base_len)
+        rule = family_spec(family).mu_rule
+        if rule is not None:
+            if num_steps is None:
+                raise ValueError(f"{family}'s pipeline computes mu from the step count: pass num_steps")
+            mu = rule(image_seq_len, num_steps)
+        else:
+            base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+            base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+            m = (max_shift - base_shift) / (max_len - base_len)
+            mu = image_seq_len * m + (base_shift - m * base_len)
         kind = config.get("time_shift_type", "exponential")
         if kind not in ("exponential", "linear"):
             raise ValueError(f"{source}: time_shift_type={kind!r} is not supported (exponential, linear)")
@@ -221,15 +247,16 @@ def _random_components(spec: FamilySpec, size: str, tokenizer, device: torch.dev
             if config_cls is None:
                 modules[name] = cls(**arch)
             else:  # a transformers text encoder sized by ``arch``, vocabulary from the tokenizer
-                modules[name] = cls(
-                    config_cls(
-                        vocab_size=len(tokenizer),
-                        pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
-                        bos_token_id=tokenizer.bos_token_id,
-                        **arch,
-                    )
+                vocab = dict(
+                    vocab_size=len(tokenizer),
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    bos_token_id=tokenizer.bos_token_id,
                 )
+                if "text_config" in arch:  # a multimodal encoder (Mistral3): the vocabulary is its language model's
+                    modules[name] = cls(config_cls(**{**arch, "text_config": {**arch["text_config"], **vocab}}))
+                else:
+                    modules[name] = cls(config_cls(**vocab, **arch))
     return modules
 
 
@@ -253,6 +280,11 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
         expected = spec.components[name].model_class
         if index[name][1] != expected:
             return f"holds a {index[name][1]}, not model.family={family}'s {expected}"
+    # the same denoiser class in another family's pipeline (FLUX.2 [dev] and [klein]): its index names that pipeline
+    named = index.get("_class_name")
+    owner = next((f for f, s in FAMILIES.items() if s.pipeline == named and f != family), None)
+    if owner is not None and named != spec.pipeline:
+        return f"holds a {named} (model.family={owner}), not model.family={family}'s {spec.pipeline}"
     for name in spec.components:
         try:
             json.loads((folder / name / "config.json").read_text())
@@ -348,6 +380,7 @@ def build_policy(
         modules, tokenizers = _load_components(spec, folder, dtype, model_cfg.torch_vae_dtype)
     else:
         tokenizer = train_tokenizer([*prompts, ""], model_cfg.text_max_length)
+        tokenizer.chat_template = spec.chat_template  # FLUX.2's pipelines format prompts with it
         # Weights are drawn on the CPU (identical on every machine), except the published size: 12B parameters
         # take minutes to initialise on a CPU, so it is drawn on its device directly.
         init_device = device if model_cfg.size == DEVICE_INIT_SIZE else torch.device("cpu")
@@ -388,6 +421,8 @@ def build_policy(
         reference_denoisers=reference,
         boundary=spec.boundary,
         vae_dtype=model_cfg.torch_vae_dtype,
+        cfg_renorm=spec.cfg_renorm,
+        resolution=model_cfg.resolution,
     )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)
@@ -409,6 +444,17 @@ def _write_cache(model_cfg: ModelConfig, prompts: list[str], folder: Path) -> No
         shutil.rmtree(tmp)
 
 
+def family_defaults(cfg: RunConfig) -> None:
+    """The family's own defaults, set before any rule runs: an editing family (``reference_images``) given lean's
+    default text prompts edits the bundled recolouring set (:data:`EDIT_PROMPTS`) instead."""
+    from lean.config import DEFAULT_PROMPTS, prompts_of_file  # local: lean.config imports no domain module
+
+    t = cfg.train
+    if family_spec(cfg.model.family).reference_images and t.prompts_file is None and t.prompts == DEFAULT_PROMPTS:
+        t.prompts_file = str(EDIT_PROMPTS)
+        t.prompts = prompts_of_file("train.prompts_file", t.prompts_file)
+
+
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """The family's configuration rules (``lean.configure`` runs them): the size and frame count exist, the
     capabilities asked for are the family's, the pretrained folder holds a pipeline of it."""
@@ -427,6 +473,26 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     if m.pretrained is not None and (problem := pretrained_problem(m.family, m.pretrained)) is not None:
         raise ConfigError("model.pretrained", m.pretrained, problem)
+    prompt_sets = [("train.prompts_file", cfg.train.prompts_file, cfg.train.prompts)]
+    if cfg.eval.prompts is not None:
+        prompt_sets.append(("eval.prompts_file", cfg.eval.prompts_file, cfg.eval.prompts))
+    for key, file, prompts in prompt_sets:
+        edits = sum(reference_image(p) is not None for p in prompts)
+        if family.reference_images and edits < len(prompts):
+            raise ConfigError(
+                key,
+                file,
+                f"{family.display_name} edits reference images: every prompt needs one (a .jsonl prompt file whose "
+                f'lines carry an "image" path beside the "prompt"); {len(prompts) - edits} of {len(prompts)} have none',
+            )
+        if edits and not family.reference_images:
+            editing = [n for n, f in FAMILIES.items() if f.reference_images]
+            raise ConfigError(
+                key,
+                file,
+                f"{edits} prompts carry a reference image, which model.family={m.family} cannot take "
+                f"(editing families: {', '.join(editing)})",
+            )
     if s.guidance_embed is not None and not family.guidance_embed:
         raise ConfigError(
             "sample.guidance_embed",

@@ -29,6 +29,7 @@ from lean.dtypes import HALF, master_dtype
 from lean.models.precision import float64_scope
 from lean.models.spec import Family
 from lean.models.text import PromptEmbeds
+from lean.prompts import reference_image, reference_pixels
 from lean.sde import compute_dtype
 from lean.sharding import full, full_state_dict, like
 
@@ -105,12 +106,16 @@ class Policy(torch.nn.Module):
         reference_denoisers: Sequence[torch.nn.Module] | None = None,
         boundary: float | None = None,
         vae_dtype: torch.dtype | None = None,
+        cfg_renorm: bool = False,
+        resolution: int | None = None,
     ):
         super().__init__()
         if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
             raise ValueError("a policy has one denoiser, or two with a boundary sigma")
         self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
         self.denoiser_folders, self.boundary = tuple(denoisers), boundary
+        self.cfg_renorm = cfg_renorm
+        self.resolution = resolution  # of the samples, and of the reference images edits are conditioned on
         self.denoisers = torch.nn.ModuleList(denoisers.values())
         self.vae = vae
         self.text_encoders = torch.nn.ModuleDict(text_encoders)
@@ -163,18 +168,39 @@ class Policy(torch.nn.Module):
     # ------------------------------------------------------------------ conditioning and latents
 
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """Embeddings ``[B, L, D]`` (+ pooled ``[B, P]``), computed once per prompt string under no_grad.
+        """Embeddings ``[B, L, D]`` (+ pooled ``[B, P]``, mask, reference), computed once per prompt under no_grad.
 
         Each new prompt is encoded alone, so its embedding never depends on which prompts it was batched with.
+        An edit (:class:`lean.prompts.ImagePrompt`) also carries its reference image's latent tokens and its own
+        unconditional conditioning (:meth:`_encode_edit`).
         """
         for prompt in dict.fromkeys(prompts):
             if prompt not in self._prompt_cache:
                 with torch.no_grad():
-                    emb = self.arch.encode_text(
-                        self.text_encoders, self.tokenizers, [prompt], self.text_max_length, self.device
-                    )
+                    emb = self._encode_text([prompt]) if reference_image(prompt) is None else self._encode_edit(prompt)
                 self._prompt_cache[prompt] = emb.to(dtype=self.dtype)
         return PromptEmbeds.cat([self._prompt_cache[p] for p in prompts])
+
+    def _encode_text(self, prompts: list[str], images=None) -> PromptEmbeds:
+        return self.arch.encode_text(
+            self.text_encoders, self.tokenizers, prompts, self.text_max_length, self.device, images=images
+        )
+
+    def _encode_edit(self, prompt: str) -> PromptEmbeds:
+        """An edit's conditioning: the instruction's text embedding (the image reaches the text encoder too where the
+        family's does: Qwen-Image-Edit), the reference image's latent tokens (resized to the run's resolution, as
+        FlowGRPO's edit scripts do), and as ``negative`` the same image under the empty instruction: CFG keeps the
+        reference in both branches, as the edit pipelines do."""
+        from PIL import Image  # local: only edits need it
+
+        pixels = reference_pixels(prompt, self.resolution)
+        image = Image.fromarray((pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
+        reference = self.arch.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))
+        negative = self._encode_text([""], images=[image])
+        negative.reference = reference
+        emb = self._encode_text([str(prompt)], images=[image])
+        emb.reference, emb.negative = reference, negative
+        return emb
 
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample shape of x in the layout :meth:`velocity` takes."""
@@ -275,7 +301,9 @@ class Policy(torch.nn.Module):
         joint_cfg: bool = False,
         truncate_timestep: bool = False,
     ) -> Tensor:
-        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt.
+        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt (or the
+        row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image). Families with
+        ``cfg_renorm`` (Qwen-Image) rescale v per token to the norm of v_c over the channels, as their pipelines do.
 
         ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
         The two halves run as one ``[uncond, cond]`` batch, except when autograd is recording and v_u is
@@ -293,7 +321,7 @@ class Policy(torch.nn.Module):
         sigma = sigma.to(compute_dtype(x)).expand(x.shape[0])
         if not cfg:
             return self._forward(x, sigma, emb, guidance_embed)
-        uncond = self.encode_prompts([""]).expand(x.shape[0])
+        uncond = emb.negative if emb.negative is not None else self.encode_prompts([""]).expand(x.shape[0])
         if torch.is_grad_enabled() and not uncond_grad and not joint_cfg:
             with torch.no_grad():
                 v_u = self._forward(x, sigma, uncond, guidance_embed)
@@ -305,7 +333,12 @@ class Policy(torch.nn.Module):
             v_u, v_c = v.chunk(2)
             if not uncond_grad:
                 v_u = v_u.detach()  # a constant (no-op without autograd)
-        return v_u + guidance_scale * (v_c - v_u)
+        v = v_u + guidance_scale * (v_c - v_u)
+        if self.cfg_renorm:
+            v = v * (
+                torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+            )
+        return v
 
     forward = velocity
 

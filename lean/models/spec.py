@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 SCALE_SHIFT = "scale_shift"  # z = (z_vae - shift_factor) * scaling_factor, scalars of the VAE config (FLUX, SD3)
 MEAN_STD = "mean_std"  # z = (z_vae - latents_mean_c) / latents_std_c per channel (Wan)
-Normalisation = Literal["scale_shift", "mean_std"]
+BATCH_NORM = "batch_norm"  # z = (patchify_2x2(z_vae) - bn.running_mean) / sqrt(bn.running_var + eps) (FLUX.2)
+Normalisation = Literal["scale_shift", "mean_std", "batch_norm"]
 
 
 class Family(Protocol):
@@ -44,8 +45,17 @@ class Family(Protocol):
         ...
 
     def encode_text(
-        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
-    ) -> PromptEmbeds: ...
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None
+    ) -> PromptEmbeds:
+        """The text conditioning of ``prompts``; ``images`` (PIL images, one per prompt, or None) reach the text
+        encoder of a family whose encoder sees the reference image (Qwen-Image-Edit's Qwen2.5-VL)."""
+        ...
+
+    def encode_reference(self, vae, pixels: Tensor) -> Tensor:
+        """Reference images ``[B, 3, H, W]`` in [-1, 1] -> their latent tokens ``[B, R, C]`` in the policy's layout
+        (``PromptEmbeds.reference``), which :meth:`forward` appends to the image tokens. Families without
+        ``reference_images`` raise."""
+        ...
 
     def forward(
         self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None
@@ -111,8 +121,18 @@ class FamilySpec:
     boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below
     guidance_embed: bool = False  # a distilled-guidance embedding (FLUX.1-dev)
     sequence_parallel: bool = False  # ``runtime.shard_sequence`` is implemented
-    reference_images: bool = False  # conditioned on reference images (none of today's families)
+    reference_images: bool = False  # conditioned on a reference image per prompt (editing: Kontext, Qwen-Image-Edit)
+    # true CFG rescaled to the conditional velocity's norm per token (QwenImagePipeline: v <- v * |v_c| / |v|)
+    cfg_renorm: bool = False
+    # the pipeline's CFG is ``true_cfg_scale`` against a ``negative_prompt`` (QwenImagePipeline), not ``guidance_scale``
+    true_cfg: bool = False
     keeps_float32: bool = False  # the transformer class keeps some modules float32 in half precision
+    # a dynamically shifting scheduler's mu as the pipeline computes it, mu(image_seq_len, num_steps), instead of the
+    # config's linear rule (Flux2Pipeline's compute_empirical_mu); None: the linear rule (lean.models.time_shift)
+    mu_rule: Callable[[int, int], float] | None = None
+    # Jinja chat template given to a random build's word-level tokenizer, for a pipeline that formats its prompts with
+    # ``tokenizer.apply_chat_template`` (FLUX.2); saved with the tokenizer. None: the pipeline uses no chat template
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         """A spec that contradicts itself fails at import (every spec is built when lean.models is imported)."""

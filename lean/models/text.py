@@ -47,13 +47,37 @@ def tokenize(tokenizer, prompts: Sequence[str], max_length: int, device: torch.d
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning for a batch: per-token embeddings ``tokens [B, L, D]`` and an optional pooled ``[B, P]``."""
+    """The conditioning of a batch of prompts.
+
+    * ``tokens [B, L, D]``: per-token text embeddings;
+    * ``pooled [B, P]``: a pooled text vector (FLUX.1, SD3), or None;
+    * ``mask [B, L]``: which text tokens are real (Qwen-Image attends to the unpadded ones only), or None: all are.
+      Rows encoded alone have their own lengths; :meth:`cat` pads them to the longest with masked zeros, as the
+      pipelines pad a batch;
+    * ``reference [B, R, C]``: a reference image's latent tokens in the policy's layout (editing models: FLUX.1
+      Kontext, Qwen-Image-Edit), which the family appends to the image tokens; None for text-only prompts;
+    * ``negative``: the unconditional conditioning of each row when it depends on the row (an edit's CFG keeps the
+      reference image and drops the text), else None: the empty prompt's.
+    """
 
     tokens: Tensor
     pooled: Tensor | None = None
+    mask: Tensor | None = None
+    reference: Tensor | None = None
+    negative: PromptEmbeds | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def _map(self, fn) -> PromptEmbeds:
+        """``fn`` on every tensor (and on the negative's)."""
+        return PromptEmbeds(
+            fn(self.tokens),
+            None if self.pooled is None else fn(self.pooled),
+            None if self.mask is None else fn(self.mask),
+            None if self.reference is None else fn(self.reference),
+            None if self.negative is None else self.negative._map(fn),
+        )
 
     def index(self, i: int | slice | Sequence[int] | Tensor) -> PromptEmbeds:
         """Rows ``i`` of the batch; an int keeps the batch dimension (``[1, L, D]``)."""
@@ -61,21 +85,35 @@ class PromptEmbeds:
             i = slice(i, i + 1)
         elif not isinstance(i, slice):
             i = torch.as_tensor(i, dtype=torch.long, device=self.tokens.device)
-        return PromptEmbeds(self.tokens[i], None if self.pooled is None else self.pooled[i])
+        return self._map(lambda t: t[i])
 
     def expand(self, batch_size: int) -> PromptEmbeds:
         """A single-row embedding broadcast (as a view) to ``batch_size`` rows."""
         assert len(self) == 1, "expand() broadcasts a single prompt"
-        return PromptEmbeds(
-            self.tokens.expand(batch_size, -1, -1), None if self.pooled is None else self.pooled.expand(batch_size, -1)
-        )
+        return self._map(lambda t: t.expand(batch_size, *t.shape[1:]))
 
     @staticmethod
     def cat(items: Sequence[PromptEmbeds]) -> PromptEmbeds:
-        """Concatenate along the batch dimension."""
-        pooled = None if items[0].pooled is None else torch.cat([e.pooled for e in items])
-        return PromptEmbeds(torch.cat([e.tokens for e in items]), pooled)
+        """Concatenate along the batch dimension; masked rows of different lengths are zero-padded to the longest."""
+        first = items[0]
+        if first.mask is not None:
+            length = max(e.tokens.shape[1] for e in items)
+            items = [e.padded(length) for e in items]
+        pooled = None if first.pooled is None else torch.cat([e.pooled for e in items])
+        mask = None if first.mask is None else torch.cat([e.mask for e in items])
+        reference = None if first.reference is None else torch.cat([e.reference for e in items])
+        negative = None if first.negative is None else PromptEmbeds.cat([e.negative for e in items])
+        return PromptEmbeds(torch.cat([e.tokens for e in items]), pooled, mask, reference, negative)
+
+    def padded(self, length: int) -> PromptEmbeds:
+        """Text tokens zero-padded (and masked) to ``length``."""
+        extra = length - self.tokens.shape[1]
+        if extra == 0:
+            return self
+        tokens = torch.nn.functional.pad(self.tokens, (0, 0, 0, extra))
+        mask = torch.nn.functional.pad(self.mask, (0, extra))
+        return PromptEmbeds(tokens, self.pooled, mask, self.reference, self.negative)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
-        pooled = None if self.pooled is None else self.pooled.to(device, dtype)
-        return PromptEmbeds(self.tokens.to(device, dtype), pooled)
+        """Moved to ``device``; floating tensors cast to ``dtype`` (the mask keeps its integer type)."""
+        return self._map(lambda t: t.to(device, dtype if t.is_floating_point() else None))

@@ -45,13 +45,20 @@ from lean.dtypes import DTYPES
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
 from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
-from lean.prompts import read_prompts
+from lean.prompts import read_prompts, reference_image, reference_pixels
 from lean.rollout import sample_generator
 from lean.sde import SIGMA_GRIDS, sigma_schedule
 
 GIF_FRAME_MS = 125  # 8 frames per second
 # the pipelines whose __call__ takes sigmas (tests/test_export.py checks it against diffusers); WanPipeline does not
-SIGMAS_PIPELINES = ("FluxPipeline", "StableDiffusion3Pipeline")
+SIGMAS_PIPELINES = (
+    "FluxPipeline",
+    "StableDiffusion3Pipeline",
+    "QwenImagePipeline",
+    "FluxKontextPipeline",
+    "Flux2Pipeline",
+    "Flux2KleinPipeline",
+)
 
 
 @dataclass
@@ -64,7 +71,7 @@ class SampleOptions:
     guidance_scale: float | None = None
     """The pipeline's ``guidance_scale``: CFG for SD3 and Wan, the distilled-guidance embedding for FLUX."""
     true_cfg_scale: float | None = None
-    """FLUX only: CFG against the empty prompt (FluxPipeline's ``true_cfg_scale``), as lean's FLUX runs with
+    """FLUX and Qwen-Image: CFG against the empty prompt (the pipeline's ``true_cfg_scale``), as lean's runs with
     ``sample.cfg: true`` guide."""
     seed: int | None = None
     """Prompt k starts from the eval noise of eval prompt k, sample 0, at this eval seed (:func:`noise_generator`);
@@ -97,7 +104,7 @@ class SampleOptions:
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"must be one of {', '.join(SIGMA_GRIDS)}")
             if not takes_sigmas(family):
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.pipeline} steps on its scheduler's own grid")
-        if self.true_cfg_scale is not None and not spec.guidance_embed:
+        if self.true_cfg_scale is not None and not (spec.guidance_embed or spec.true_cfg):
             raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.pipeline} guides with --guidance-scale")
         step = spec.vae.temporal_compression
         if self.num_frames is not None:
@@ -189,6 +196,13 @@ def pipeline_sigmas(num_steps: int, shift: float, grid: str) -> list[float]:
     return (g / (shift - (shift - 1) * g)).tolist()
 
 
+def template_prefix_tokens(tokenizer, template: str) -> int:
+    """Tokens of a prompt template before its ``{}``, in ``tokenizer``: what QwenImagePipeline cuts from the text
+    encoder's states (its ``prompt_template_encode_start_idx``, hard-coded as 34 for Qwen2's tokenizer, which this
+    count gives; lean's word-level tokenizer splits the prefix differently, as lean's Qwen-Image family counts it)."""
+    return len(tokenizer(template.split("{}")[0], add_special_tokens=False, verbose=False).input_ids)
+
+
 def check_folders(pretrained: str | Path, lora: str | Path | None) -> str:
     """The family of the ``pretrained`` pipeline folder; a folder that is not a pipeline lean knows, or a LoRA
     folder without diffusers' weight file, is a :class:`ConfigError`."""
@@ -224,6 +238,8 @@ def load_pipeline(pretrained: str | Path, lora: str | Path | None, options: Samp
         pipe.load_lora_weights(lora)
     if hasattr(pipe, "tokenizer_max_length") and hasattr(pipe.text_encoder.config, "max_position_embeddings"):
         pipe.tokenizer_max_length = pipe.text_encoder.config.max_position_embeddings  # CLIP: its whole context
+    if hasattr(pipe, "prompt_template_encode_start_idx"):  # a chat template's prefix, cut by a hard-coded count
+        pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe.tokenizer, pipe.prompt_template_encode)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -246,6 +262,22 @@ def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
     default = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
     args["max_sequence_length"] = min(default, t5.model_max_length)
     return {k: v for k, v in args.items() if v is not None}
+
+
+def reference_arguments(pipe, prompt: str, resolution: int) -> dict:
+    """An edit's reference image for the pipeline call (``image``), resized to the square ``resolution`` as lean's
+    policy conditions on it. FluxKontextPipeline's own resizing is switched off: to its preferred resolutions
+    (``_auto_resize``, which FlowGRPO's Kontext sampler ignores) and to its 1024^2 area (``max_area``, FlowGRPO:
+    512^2 at 512 px). A text prompt: nothing."""
+    from PIL import Image  # local: only edits need it
+
+    if reference_image(prompt) is None:
+        return {}
+    pixels = reference_pixels(prompt, resolution)
+    args = {"image": Image.fromarray(to_uint8(pixels.permute(1, 2, 0)).numpy())}
+    if "_auto_resize" in inspect.signature(pipe.__call__).parameters:
+        args.update(_auto_resize=False, max_area=resolution**2)
+    return args
 
 
 def to_uint8(pixels) -> torch.Tensor:
@@ -295,8 +327,10 @@ def sample(
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for k, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt")):
-        result = pipe(prompt=prompt, generator=noise_generator(options.seed, k), **args)
+        edit = reference_arguments(pipe, prompt, options.resolution or pipe.default_sample_size * pipe.vae_scale_factor)
+        result = pipe(prompt=str(prompt), generator=noise_generator(options.seed, k), **args, **edit)
         pixels = result.frames[0] if hasattr(result, "frames") else result.images[0]
-        records.append({"index": k, "prompt": prompt, "seed": options.seed, "file": write_sample(pixels, out, k)})
+        record = {"index": k, "prompt": str(prompt), "seed": options.seed, "file": write_sample(pixels, out, k)}
+        records.append(record if reference_image(prompt) is None else {**record, "image": reference_image(prompt)})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return [out / r["file"] for r in records]

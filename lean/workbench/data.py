@@ -91,3 +91,33 @@ def make_dataset(n: int, resolution: int, seed: int, frames: int = 1) -> tuple[T
     if frames > 1:
         images = images.unsqueeze(2).expand(-1, -1, frames, -1, -1).contiguous()
     return images, [s.caption for s in scenes]
+
+
+def edit_scenes() -> list[tuple[Scene, Scene]]:
+    """(reference, target) pairs of a recolouring task, one per palette colour c_k: the target a centred shape (the
+    shapes in turn) of colour c_k on the background c_(k+4), the reference the same scene in the next colour that is
+    neither. The instruction is the target's caption, which ``color_match`` scores."""
+    pairs = []
+    for k, color in enumerate(PALETTE):
+        background, shape = PALETTE[(k + 4) % len(PALETTE)], SHAPES[k % len(SHAPES)]
+        before = next(c for c in PALETTE[k + 1 :] + PALETTE if c not in (color, background))
+        pairs.append((Scene(before, shape, "center", background), Scene(color, shape, "center", background)))
+    return pairs
+
+
+def write_edit_dataset(folder, resolution: int = 64) -> None:
+    """The recolouring task of :func:`edit_scenes` as FlowGRPO's edit data sets are laid out:
+    ``train_metadata.jsonl`` (``prompt``, ``image`` relative to the folder) and ``images/<k>.png``."""
+    import json
+    from pathlib import Path
+
+    from PIL import Image
+
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for k, (reference, target) in enumerate(edit_scenes()):
+        pixels = (render(reference, resolution).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(folder / "images" / f"{k}.png")
+        lines.append(json.dumps({"prompt": target.caption, "image": f"images/{k}.png"}))
+    (folder / "train_metadata.jsonl").write_text("\n".join(lines) + "\n")

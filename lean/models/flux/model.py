@@ -62,7 +62,7 @@ class Flux:
         return self.noise_to_latents((z - self.shift) * self.scaling)
 
     def encode_text(
-        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None
     ) -> PromptEmbeds:
         """T5 last hidden states (no attention mask, as FluxPipeline) + CLIP pooled (eos) vector."""
         ids, _ = tokenize(tokenizers["tokenizer_2"], prompts, max_length, device)
@@ -107,6 +107,9 @@ class Flux:
         return vae.decode(z, return_dict=False)[0]
 
     splits_text = True  # sequence parallelism splits the text tokens too (joint attention)
+
+    def encode_reference(self, vae, pixels: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
     def shard_sequence(self, net, sp: SequenceParallel) -> list:
         return shard_sequence(net, sp)

@@ -59,7 +59,7 @@ class SD3:
         return self.noise_to_latents((z - self.shift) * self.scaling)
 
     def encode_text(
-        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None
     ) -> PromptEmbeds:
         """CLIP penultimate states (both towers, padded to their full context, no mask) side by side, zero-padded
         to the T5 width, followed by the T5 last hidden states (``max_length`` tokens, no mask); pooled: the two
@@ -94,6 +94,9 @@ class SD3:
         return vae.decode(x / self.scaling + self.shift, return_dict=False)[0]
 
     splits_text = False  # no sequence parallelism (SPEC.sequence_parallel is False)
+
+    def encode_reference(self, vae, pixels: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
     def shard_sequence(self, net, sp: SequenceParallel) -> list:
         raise NotImplementedError("SD3 has no sequence parallelism yet")

@@ -49,7 +49,7 @@ class Wan:
         return self.noise_to_latents((z - self.mean.to(z)) / self.std.to(z))
 
     def encode_text(
-        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device
+        self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None
     ) -> PromptEmbeds:
         """UMT5 last hidden states with the padding positions zeroed (WanPipeline trims and zero-pads them)."""
         ids, mask = tokenize(tokenizers["tokenizer"], prompts, max_length, device)
@@ -70,6 +70,9 @@ class Wan:
         return vae.decode(z, return_dict=False)[0]
 
     splits_text = False  # sequence parallelism splits the video tokens only (cross-attention reads the whole text)
+
+    def encode_reference(self, vae, pixels: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
     def shard_sequence(self, net, sp: SequenceParallel) -> list:
         return shard_sequence(net, sp)
