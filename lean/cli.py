@@ -211,6 +211,10 @@ def _diffusers_commands(sub) -> None:
         default=None,
         help=f"FLUX, SD3: lean's sigma grid (euler, uniform, unipc) as the pipeline's sigmas (default: {run})",
     )
+    p.add_argument("--negative-prompt", default=None, help=f"CFG's unconditional prompt (default: {run})")
+    p.add_argument(
+        "--shift-terminal", type=float, default=None, help=f"with --sigma-grid: its terminal stretch (default: {run})"
+    )
     p.add_argument("--dtype", default=None, help="precision (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default=None, help="default: cuda if there is a GPU, else cpu")
 

@@ -192,11 +192,17 @@ class SampleConfig:
     logs the resolved value."""
     sigma_grid: str = choice("sigma grid")
     """Sigma grid of a published pipeline: a name of ``lean.sde.SIGMA_GRIDS``."""
+    shift_terminal: float | None = None
+    """Stretch the shifted grid so that its last non-zero sigma is this value (a scheduler config's
+    ``shift_terminal``: Qwen-Image's 0.02; ``lean.sde.sigma_schedule``). None: the scheduler config's, read as
+    ``shift`` is when ``shift`` is None (``lean.models.terminal_stretch``), else no stretch."""
     sde_kind: str = choice("SDE kind")
     """Stochastic step: a name of ``lean.sde.SDE_KINDS``."""
     noise_level: float = 0.7
     cfg: bool = True
     """True classifier-free guidance: one [uncond, cond] batch."""
+    negative_prompt: str = ""
+    """CFG's unconditional prompt (an edit keeps its reference image under it). FlowGRPO's Qwen-Image scripts: " "."""
     guidance_scale: float = 4.5
     guidance_embed: float | None = None
     """FLUX-style distilled guidance value instead of CFG (needs cfg: false)."""
@@ -239,6 +245,8 @@ class SampleConfig:
             raise ConfigError("sample.num_steps", self.num_steps, "must be >= 2 (the last step is never trained)")
         if self.shift is not None:
             check_positive("sample.shift", self.shift)
+        if self.shift_terminal is not None and not 0 < self.shift_terminal < 1:
+            raise ConfigError("sample.shift_terminal", self.shift_terminal, "must be in (0, 1)")
         choices(self, "sample")
         check_positive("sample.noise_level", self.noise_level)
         check_positive("sample.guidance_scale", self.guidance_scale, strict=False)

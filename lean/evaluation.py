@@ -120,7 +120,9 @@ class Evaluator:
             tail_solver=EULER,  # Euler steps whatever the run samples with: every run evaluates alike
             tail_compress=1.0,
         )
-        grid = sigma_schedule(self.sample_cfg.num_steps, cfg.sample.shift, cfg.sample.sigma_grid)
+        grid = sigma_schedule(
+            self.sample_cfg.num_steps, cfg.sample.shift, cfg.sample.sigma_grid, cfg.sample.shift_terminal
+        )
         self.sigmas = grid.to(self.world.device)
         self.keys = [(p, k) for p in range(len(self.prompts)) for k in range(e.samples_per_prompt)]
         self.local = share(len(self.keys), self.world.data_rank, self.world.data_size)

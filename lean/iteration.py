@@ -43,7 +43,7 @@ from lean.configure import validate
 from lean.distributed import CPU_TIMEOUT_S, World
 from lean.layout import finish_unit, local_slice
 from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
-from lean.models import build_policy, family_spec, time_shift, tracked_step_floor
+from lean.models import build_policy, family_spec, terminal_stretch, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.overlap.p2p import Overlap
@@ -180,11 +180,13 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
             raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
         ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
         policy.sequence_parallel = enable(policy.networks(), policy.arch, ov)
+    policy.negative_prompt = cfg.sample.negative_prompt
     shift, source = time_shift(
         cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len, cfg.sample.num_steps
     )
-    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift))
-    sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to(world.device)
+    terminal = terminal_stretch(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, cfg.sample.shift_terminal)
+    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift, shift_terminal=terminal))
+    sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid, terminal).to(world.device)
     pipeline = IterationPipeline(policy, cfg, sigmas, world)
     pipeline.shift_source = source
     return pipeline

@@ -296,7 +296,7 @@ def rollout_sigmas(sigmas: Tensor, stochastic: Sequence[bool], cfg: SampleConfig
     return torch.cat([sigmas[: last_sde + 1], tail_sigmas(sigmas, last_sde, cfg.tail_compress, cfg.shift)])
 
 
-def sigma_schedule(num_steps: int, shift: float, grid: str = "euler") -> Tensor:
+def sigma_schedule(num_steps: int, shift: float, grid: str = "euler", terminal: float | None = None) -> Tensor:
     """The ``num_steps + 1`` descending sampling sigmas (last entry 0) of a published pipeline, as float64 (from the
     float32 values diffusers computes). With ``f(s) = shift·s/(1 + (shift−1)·s)`` and ``n = num_steps``:
 
@@ -309,21 +309,32 @@ def sigma_schedule(num_steps: int, shift: float, grid: str = "euler") -> Tensor:
     * ``unipc`` (``WanPipeline``, FlowGRPO's Wan runs): ``UniPCMultistepScheduler(use_flow_sigmas, flow_shift=shift)
       .set_timesteps(n).sigmas`` (diffusers 0.42: ``f(linspace(1, 1/1000, n + 1)[:n])`` with ``f(1)`` nudged to
       ``1 − 1e-6``, then 0).
+
+    ``terminal`` (a scheduler config's ``shift_terminal``, Qwen-Image's 0.02) stretches the shifted non-zero sigmas
+    so that the last is ``terminal``: ``1 − (1 − s) (1 − terminal) / (1 − s_last)``, as
+    ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal`` does before appending 0 (``euler`` and ``uniform``).
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler  # local: heavy import
 
     if grid not in SIGMA_GRIDS:
         raise ValueError(f"grid={grid!r}: must be one of {', '.join(SIGMA_GRIDS)}")
-    if grid == "uniform":
-        s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
-        return (shift * s / (1 + (shift - 1) * s)).to(torch.float64)
     if grid == "unipc":
+        if terminal is not None:
+            raise ValueError("the unipc grid has no terminal stretch")
         scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=shift, prediction_type="flow_prediction")
         scheduler.set_timesteps(num_steps)
         return scheduler.sigmas.to(torch.float64)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
-    scheduler.set_timesteps(num_steps)
-    return scheduler.sigmas.to(torch.float64)
+    if grid == "uniform":
+        s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        sigmas = shift * s / (1 + (shift - 1) * s)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+        scheduler.set_timesteps(num_steps)
+        sigmas = scheduler.sigmas
+    if terminal is not None:
+        one_minus = 1 - sigmas[:-1]
+        sigmas = torch.cat([1 - one_minus / (one_minus[-1] / (1 - terminal)), sigmas[-1:]])
+    return sigmas.to(torch.float64)
 
 
 @dataclass(frozen=True)

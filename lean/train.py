@@ -345,7 +345,8 @@ def guarded_iteration(
         disable=not trainer.world.is_main,
     )
     if tally is not None:  # prompts (and CFG's empty one) are encoded once per run, not per iteration: cache them
-        for prompt in (*prompts, ""):  # outside the count; one at a time: an edit and "" do not batch together
+        # outside the count; one at a time: an edit and the negative prompt do not batch together
+        for prompt in (*prompts, trainer.policy.negative_prompt):
             trainer.policy.encode_prompts([prompt])
     try:
         with tally.measuring() if tally is not None else contextlib.nullcontext():

@@ -161,6 +161,8 @@ def test_exports_carry_the_runs_sampling_settings(run, tmp_path):
         "num_frames": None,
         "shift": shift,
         "sigma_grid": "euler",
+        "shift_terminal": None,  # FLUX.1's scheduler has no terminal stretch
+        "negative_prompt": None,  # the empty prompt
     }
     assert sampling_settings(run_config(run)) == expected
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "lora")]) == 0

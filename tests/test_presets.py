@@ -95,6 +95,8 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "sample.noise_level": 1.2,
         "sample.cfg": True,
         "sample.guidance_scale": 4.0,
+        "sample.negative_prompt": " ",
+        "sample.shift_terminal": None,  # resolved from Qwen-Image's scheduler config: 0.02
         "train.group_size": 16,
         "train.lr": 3e-4,
     },

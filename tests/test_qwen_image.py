@@ -264,14 +264,24 @@ def test_matches_qwen_image_pipeline(policy, pipe):
     torch.testing.assert_close(policy.decode(x), images.images, rtol=ATOL, atol=ATOL)
 
 
-def test_published_scheduler_stretches_to_its_terminal_sigma():
-    """Qwen-Image's scheduler_config.json sets shift_terminal 0.02, which lean's grids do not apply (documented in the
-    spec and the preset); a static shift (lean sample with the run's settings) drops it."""
-    from lean.models import build_scheduler
+def test_lean_grid_is_the_published_schedulers_stretched_one():
+    """Qwen-Image's scheduler_config.json sets shift_terminal 0.02: with sample.shift and sample.shift_terminal unset
+    lean resolves both from it, and its grid is the scheduler's dynamically shifted, stretched one (what FlowGRPO's
+    rollout walks); a static shift drops the stretch (lean sample then passes the stretched grid as sigmas)."""
+    import numpy as np
 
+    from lean.models import build_scheduler, terminal_stretch
+
+    n, tokens = 10, 1024  # 512 px
+    shift, _ = time_shift(FAMILY, None, None, tokens)
+    terminal = terminal_stretch(FAMILY, None, None, None)
+    assert terminal == 0.02 and terminal_stretch(FAMILY, None, 2.0, None) is None
+    assert terminal_stretch(FAMILY, None, 2.0, 0.05) == 0.05
     scheduler = build_scheduler(FAMILY, None)
-    scheduler.set_timesteps(sigmas=[1.0, 0.5], mu=0.5)
-    assert scheduler.sigmas[-2].item() == pytest.approx(0.02, abs=1e-6)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=math.log(shift))
+    lean_grid = sigma_schedule(n, shift, "uniform", terminal)
+    torch.testing.assert_close(scheduler.sigmas.double(), lean_grid, rtol=0, atol=1e-6)
+    assert lean_grid[-2].item() == pytest.approx(0.02, abs=1e-7)
     static = build_scheduler(FAMILY, None, shift=2.0)
     static.set_timesteps(sigmas=[1.0, 0.5])
     assert static.config.shift_terminal is None and static.sigmas[-2].item() == pytest.approx(2 / 3, abs=1e-6)
@@ -409,3 +419,27 @@ def test_preset_cites_every_value_and_states_the_recipe():
     )  # fmt: skip
     shift, _ = time_shift(FAMILY, None, s.shift, 1024)  # 512 px: 32 x 32 packed tokens
     assert shift == pytest.approx(math.exp(0.5 + 0.4 * 768 / 7936))
+
+
+def test_negative_prompt_is_cfgs_unconditional_branch(policy):
+    """sample.negative_prompt (FlowGRPO's Qwen-Image: " ") is what CFG guides against; the pipeline sets it."""
+    from helpers import tiny
+
+    from lean.train import Trainer
+
+    x, sigma, emb = inputs(policy, batch=2)
+    try:
+        policy.negative_prompt = "a red cube"
+        with torch.no_grad():
+            guided = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
+            v_u = policy.velocity(x, sigma, policy.encode_prompts(["a red cube"] * 2), cfg=False, guidance_scale=1.0)
+            v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            policy.negative_prompt = ""
+            against_empty = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
+    finally:
+        policy.negative_prompt = ""
+    v = v_u + SCALE * (v_c - v_u)
+    expected = v * (v_c.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+    torch.testing.assert_close(guided, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(guided, against_empty)
+    assert Trainer(tiny("sample.negative_prompt=blurry")).policy.negative_prompt == "blurry"

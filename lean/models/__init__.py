@@ -68,6 +68,7 @@ __all__ = [
     "lora_config",
     "pipeline_family",
     "scheduler_config",
+    "terminal_stretch",
     "time_shift",
 ]
 
@@ -226,6 +227,18 @@ def time_shift(
         value = math.exp(mu) if kind == "exponential" else mu
         return value, f"{source}, dynamic: mu={mu:.4g} at {image_seq_len} image tokens"
     return float(config.get("flow_shift", config.get("shift", 1.0))), source
+
+
+def terminal_stretch(
+    family: str, pretrained: str | os.PathLike | None, shift: float | None, shift_terminal: float | None
+) -> float | None:
+    """The sigma grid's terminal stretch (``lean.sde.sigma_schedule``'s ``terminal``): ``sample.shift_terminal`` when
+    set; else, when the shift too comes from the scheduler config (``sample.shift`` None), that config's
+    ``shift_terminal`` (Qwen-Image: 0.02); else none, since a static ``sample.shift`` replaces the scheduler's
+    shifting."""
+    if shift_terminal is not None or shift is not None:
+        return shift_terminal
+    return scheduler_config(family, pretrained)[0].get("shift_terminal") or None
 
 
 @contextmanager

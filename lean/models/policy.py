@@ -116,6 +116,7 @@ class Policy(torch.nn.Module):
         self.denoiser_folders, self.boundary = tuple(denoisers), boundary
         self.cfg_renorm = cfg_renorm
         self.resolution = resolution  # of the samples, and of the reference images edits are conditioned on
+        self.negative_prompt = ""  # CFG's unconditional prompt: sample.negative_prompt, set before the first encode
         self.denoisers = torch.nn.ModuleList(denoisers.values())
         self.vae = vae
         self.text_encoders = torch.nn.ModuleDict(text_encoders)
@@ -196,7 +197,7 @@ class Policy(torch.nn.Module):
         pixels = reference_pixels(prompt, self.resolution)
         image = Image.fromarray((pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
         reference = self.arch.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))
-        negative = self._encode_text([""], images=[image])
+        negative = self._encode_text([self.negative_prompt], images=[image])
         negative.reference = reference
         emb = self._encode_text([str(prompt)], images=[image])
         emb.reference, emb.negative = reference, negative
@@ -301,7 +302,7 @@ class Policy(torch.nn.Module):
         joint_cfg: bool = False,
         truncate_timestep: bool = False,
     ) -> Tensor:
-        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for the empty prompt (or the
+        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for :attr:`negative_prompt` (or the
         row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image). Families with
         ``cfg_renorm`` (Qwen-Image) rescale v per token to the norm of v_c over the channels, as their pipelines do.
 
@@ -321,7 +322,10 @@ class Policy(torch.nn.Module):
         sigma = sigma.to(compute_dtype(x)).expand(x.shape[0])
         if not cfg:
             return self._forward(x, sigma, emb, guidance_embed)
-        uncond = emb.negative if emb.negative is not None else self.encode_prompts([""]).expand(x.shape[0])
+        if emb.negative is not None:
+            uncond = emb.negative
+        else:
+            uncond = self.encode_prompts([self.negative_prompt]).expand(x.shape[0])
         if torch.is_grad_enabled() and not uncond_grad and not joint_cfg:
             with torch.no_grad():
                 v_u = self._forward(x, sigma, uncond, guidance_embed)

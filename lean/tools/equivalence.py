@@ -111,6 +111,7 @@ class Float64Reference:
         self.twin = build_policy(
             replace(cfg.model, dtype=dtype_name(torch.float64)), cfg.train.prompts, device=trainer.world.device
         )
+        self.twin.negative_prompt = cfg.sample.negative_prompt
         # the frozen weights, upcast, once (whole: a sharded policy's are gathered; the twin itself is not sharded)
         self.twin.load_state_dict(full_state_dict(trainer.policy))
         self.policy, self.world = trainer.policy, trainer.world

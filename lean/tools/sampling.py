@@ -86,6 +86,11 @@ class SampleOptions:
     """A name of ``lean.sde.SIGMA_GRIDS``: the sampling sigmas lean's runs use (``sample.sigma_grid``), passed as the
     pipeline's ``sigmas`` (FluxPipeline, StableDiffusion3Pipeline); needs a static ``shift``. None: the pipeline's
     own grid."""
+    negative_prompt: str | None = None
+    """CFG's unconditional prompt (``sample.negative_prompt``); None: the empty prompt."""
+    shift_terminal: float | None = None
+    """With ``sigma_grid``: the grid's terminal stretch (``sample.shift_terminal`` as the run resolved it,
+    Qwen-Image's 0.02)."""
     dtype: str | None = None
     """Precision (a name of ``lean.dtypes.DTYPES``); None: bfloat16 on a GPU, float32 on the CPU."""
     device: str | None = None
@@ -174,6 +179,8 @@ def describe(options: SampleOptions) -> str:
         "true_cfg_scale": "true_cfg_scale {}",
         "shift": "shift {:.6g}",
         "sigma_grid": "{} sigma grid",
+        "shift_terminal": "stretched to {:.6g}",
+        "negative_prompt": "negative prompt {!r}",
         "seed": "seed {}",
     }
     return ", ".join(text.format(getattr(options, k)) for k, text in names.items() if getattr(options, k) is not None)
@@ -187,12 +194,13 @@ def noise_generator(seed: int, index: int) -> torch.Generator:
     return sample_generator(seed, EVAL_STREAM, 0, index, 0)
 
 
-def pipeline_sigmas(num_steps: int, shift: float, grid: str) -> list[float]:
+def pipeline_sigmas(num_steps: int, shift: float, grid: str, terminal: float | None = None) -> list[float]:
     """The ``sigmas`` argument that makes FluxPipeline / StableDiffusion3Pipeline, with a scheduler of the static
-    ``shift``, step on lean's grid ``sigma_schedule(num_steps, shift, grid)``: the scheduler shifts what it is given
-    by f(s) = shift s / (1 + (shift - 1) s) (in float32) and appends 0, so these are f^-1 of the grid's first
+    ``shift`` (and no terminal stretch: ``lean.models.build_scheduler``), step on lean's grid
+    ``sigma_schedule(num_steps, shift, grid, terminal)``: the scheduler shifts what it is given by
+    f(s) = shift s / (1 + (shift - 1) s) (in float32) and appends 0, so these are f^-1 of the grid's first
     ``num_steps`` points, s = g / (shift - (shift - 1) g)."""
-    g = sigma_schedule(num_steps, shift, grid)[:-1]
+    g = sigma_schedule(num_steps, shift, grid, terminal)[:-1]
     return (g / (shift - (shift - 1) * g)).tolist()
 
 
@@ -249,14 +257,16 @@ def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
     spec = family_spec(family)
     args = {"num_inference_steps": options.num_steps, "guidance_scale": options.guidance_scale, "output_type": "np"}
     if options.true_cfg_scale is not None:
-        args.update(true_cfg_scale=options.true_cfg_scale, negative_prompt="")
+        args.update(true_cfg_scale=options.true_cfg_scale, negative_prompt=options.negative_prompt or "")
+    elif options.negative_prompt:  # CFG's unconditional prompt where the pipeline guides by guidance_scale
+        args["negative_prompt"] = options.negative_prompt
     if options.resolution is not None:
         args.update(height=options.resolution, width=options.resolution)
     if spec.video:
         args["num_frames"] = options.num_frames
     if options.sigma_grid is not None:
         steps = options.num_steps or inspect.signature(pipe.__call__).parameters["num_inference_steps"].default
-        args["sigmas"] = pipeline_sigmas(steps, options.shift, options.sigma_grid)
+        args["sigmas"] = pipeline_sigmas(steps, options.shift, options.sigma_grid, options.shift_terminal)
     # the T5 encoder sees at most the tokens its tokenizer was saved with
     t5 = getattr(pipe, spec.t5_tokenizer)
     default = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default

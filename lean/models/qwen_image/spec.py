@@ -31,8 +31,8 @@ SPEC = FamilySpec(
     # static shift is unused). shift_terminal 0.02 then stretches the shifted grid so that its last non-zero sigma is
     # 0.02 (FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal). FlowGRPO's rollout keeps that stretch (its
     # pipeline_with_logprob calls retrieve_timesteps(scheduler, sigmas=linspace(1, 1/n, n), mu=mu),
-    # flow_grpo/diffusers_patch/qwenimage_pipeline_with_logprob.py:98-113 at 9745241); lean's sigma grids
-    # (lean.sde.sigma_schedule) have no terminal stretch, so a lean run walks the unstretched uniform grid.
+    # flow_grpo/diffusers_patch/qwenimage_pipeline_with_logprob.py:98-113 at 9745241), and so does lean: with
+    # sample.shift and sample.shift_terminal unset both come from here (lean.models.terminal_stretch).
     scheduler={
         "_class_name": "FlowMatchEulerDiscreteScheduler",
         "base_image_seq_len": 256,
