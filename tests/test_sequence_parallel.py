@@ -182,6 +182,7 @@ def one_process(tmp_path_factory):
         ("wan", 2, "reweight", "sliced"),
         ("flux", 2, "recompute", "flash"),
         ("flux", 4, "retain", "collective"),
+        ("kontext", 2, "reweight", "collective"),  # an edit: its reference tokens split with the noisy ones
     ],
 )
 def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_process(

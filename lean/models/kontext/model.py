@@ -53,8 +53,3 @@ class Kontext(Flux):
             return_dict=False,
         )[0]
         return out[:, : x.shape[1]]
-
-    def shard_sequence(self, net, sp) -> list:
-        raise NotImplementedError(
-            "FLUX.1 Kontext has no sequence parallelism yet: untested with the reference tokens beside the noisy ones"
-        )

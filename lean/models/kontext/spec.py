@@ -30,6 +30,6 @@ SPEC = FamilySpec(
     runtime=Kontext,
     block_lists=FLUX.block_lists,
     guidance_embed=True,  # guidance-distilled, as FLUX.1-dev (FluxKontextPipeline's guidance_scale=3.5)
-    sequence_parallel=False,
+    sequence_parallel=True,  # FLUX.1's Ulysses attention: the reference tokens split with the noisy ones
     reference_images=True,
 )
