@@ -29,16 +29,7 @@ def policy():
     return built
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        "test_cfg_batch_equals_two_forwards",
-        "test_uncond_grad",
-        "test_reference_is_the_base_model",
-        "test_float64_end_to_end",
-        "test_init_latents_do_not_depend_on_batching",
-    ],
-)
+@pytest.mark.parametrize("check", generic.POLICY_CONTRACT)
 def test_policy_contract(check):
     getattr(generic, check)("kontext")
 

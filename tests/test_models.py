@@ -17,6 +17,16 @@ def make(family: str, **overrides):
     return build_policy(ModelConfig(family=family, **overrides), DEFAULT_PROMPTS)
 
 
+# the family-agnostic checks every family's test module reruns (test_sd3.py, test_kontext.py, ...)
+POLICY_CONTRACT = [
+    "test_cfg_batch_equals_two_forwards",
+    "test_uncond_grad",
+    "test_reference_is_the_base_model",
+    "test_float64_end_to_end",
+    "test_init_latents_do_not_depend_on_batching",
+]
+
+
 def family_prompts(family: str) -> list[str]:
     """The prompts a family's checks condition on: lean's default text prompts, or for an editing family the bundled
     recolouring set (instructions with reference images)."""

@@ -29,18 +29,24 @@ def unpack(x: Tensor, h: int, w: int) -> Tensor:
     return x.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
 
-class Flux:
-    """FLUX geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
+def distilled_guidance(sigma: Tensor, has_guidance: bool, guidance_embed: float | None, model: str) -> Tensor | None:
+    """The guidance embedder's input per sample: ``guidance_embed`` (1.0 when unset, as lean feeds a
+    guidance-distilled model without one), or None for a transformer without the embedder (where a value is an
+    error: such a model guides by CFG)."""
+    if has_guidance:
+        return sigma.new_full(sigma.shape, 1.0 if guidance_embed is None else guidance_embed)
+    if guidance_embed is not None:
+        raise ValueError(f"this {model} transformer has no guidance embedder (guidance_embeds=False): use CFG")
+    return None
 
-    def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
-        scale = 2 ** (len(vae_config.block_out_channels) - 1)
-        self.h = self.w = resolution // scale
-        if self.h % 2:
-            raise ValueError(f"resolution {resolution} gives an odd {self.h}x{self.w} latent; FLUX packs 2x2 patches")
-        self.channels = vae_config.latent_channels
-        self.scaling, self.shift = vae_config.scaling_factor, vae_config.shift_factor
-        self.has_guidance = transformer_config.guidance_embeds
-        self._ids: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+class PackedLatents:
+    """The geometry of 2x2-packed latents (FLUX.1, Qwen-Image): a ``[C, h, w]`` VAE latent drawn as noise, seen by
+    the policy as ``(h/2)(w/2)`` tokens of width 4C (:func:`pack`). Subclasses set ``channels``, ``h``, ``w``."""
+
+    channels: int
+    h: int
+    w: int
 
     @property
     def noise_shape(self) -> tuple[int, ...]:
@@ -52,11 +58,25 @@ class Flux:
 
     @property
     def image_seq_len(self) -> int:
-        """Image tokens (FluxPipeline's ``latents.shape[1]``, what its dynamic shift depends on)."""
+        """Image tokens (the pipelines' ``latents.shape[1]``, what their dynamic shift depends on)."""
         return (self.h // 2) * (self.w // 2)
 
     def noise_to_latents(self, noise: Tensor) -> Tensor:
         return pack(noise)
+
+
+class Flux(PackedLatents):
+    """FLUX geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
+
+    def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
+        scale = 2 ** (len(vae_config.block_out_channels) - 1)
+        self.h = self.w = resolution // scale
+        if self.h % 2:
+            raise ValueError(f"resolution {resolution} gives an odd {self.h}x{self.w} latent; FLUX packs 2x2 patches")
+        self.channels = vae_config.latent_channels
+        self.scaling, self.shift = vae_config.scaling_factor, vae_config.shift_factor
+        self.has_guidance = transformer_config.guidance_embeds
+        self._ids: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def latents_from_vae(self, z: Tensor) -> Tensor:
         return self.noise_to_latents((z - self.shift) * self.scaling)
@@ -83,12 +103,7 @@ class Flux:
 
     def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, N, 4C]``; ``guidance_embed`` feeds the distilled-guidance embedder (1.0 when unset)."""
-        if self.has_guidance:
-            guidance = sigma.new_full(sigma.shape, 1.0 if guidance_embed is None else guidance_embed)
-        elif guidance_embed is not None:
-            raise ValueError("this FLUX transformer has no guidance embedder (guidance_embeds=False)")
-        else:
-            guidance = None
+        guidance = distilled_guidance(sigma, self.has_guidance, guidance_embed, "FLUX")
         img_ids, txt_ids = self._positions(emb.tokens.shape[1], x.device, x.dtype)
         return transformer(
             hidden_states=x,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lean.models.flux.model import distilled_guidance
 from lean.models.flux2.sizes import HIDDEN_LAYERS
 from lean.models.flux2.text import mistral_prompt_embeds
 from lean.models.sequence_parallel import SequenceParallel
@@ -134,12 +135,7 @@ class Flux2:
 
     def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, N, 4C]``; ``guidance_embed`` feeds the distilled-guidance embedder (1.0 when unset)."""
-        if self.has_guidance:
-            guidance = sigma.new_full(sigma.shape, 1.0 if guidance_embed is None else guidance_embed)
-        elif guidance_embed is not None:
-            raise ValueError("this FLUX.2 transformer has no guidance embedder (guidance_embeds=False): use CFG")
-        else:
-            guidance = None
+        guidance = distilled_guidance(sigma, self.has_guidance, guidance_embed, "FLUX.2")
         img_ids, txt_ids = self._positions(emb.tokens.shape[1], x.device)
         return transformer(
             hidden_states=x,

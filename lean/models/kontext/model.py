@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lean.models.flux.model import Flux, pack
+from lean.models.flux.model import Flux, distilled_guidance, pack
 from lean.models.text import PromptEmbeds
 
 
@@ -39,7 +39,7 @@ class Kontext(Flux):
         """Velocity ``[B, N, 4C]`` of the noisy tokens, the reference's tokens beside them."""
         if emb.reference is None:
             raise ValueError('FLUX.1 Kontext edits a reference image: use a .jsonl prompt file with an "image" field')
-        guidance = sigma.new_full(sigma.shape, 1.0 if guidance_embed is None else guidance_embed)
+        guidance = distilled_guidance(sigma, self.has_guidance, guidance_embed, "FLUX.1 Kontext")
         img_ids, txt_ids = self._positions(emb.tokens.shape[1], x.device, x.dtype)
         ref_ids = self._reference_positions(emb.reference.shape[1], x.device, x.dtype)
         out = transformer(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lean.models.flux.model import pack, unpack
+from lean.models.flux.model import PackedLatents, unpack
 from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds
 
@@ -49,7 +49,7 @@ def prefix_tokens(tokenizer) -> int:
     return len(tokenizer(prefix, add_special_tokens=False, verbose=False).input_ids)
 
 
-class QwenImage:
+class QwenImage(PackedLatents):
     """Qwen-Image geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
 
     def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
@@ -64,22 +64,6 @@ class QwenImage:
         self.mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1)
         self.std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1)
         self.img_shape = (1, self.h // 2, self.w // 2)  # (frame, rows, columns) of the packed tokens: the RoPE grid
-
-    @property
-    def noise_shape(self) -> tuple[int, ...]:
-        return (self.channels, self.h, self.w)
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        return ((self.h // 2) * (self.w // 2), self.channels * 4)
-
-    @property
-    def image_seq_len(self) -> int:
-        """Image tokens (QwenImagePipeline's ``latents.shape[1]``, what its dynamic shift depends on)."""
-        return (self.h // 2) * (self.w // 2)
-
-    def noise_to_latents(self, noise: Tensor) -> Tensor:
-        return pack(noise)
 
     def latents_from_vae(self, z: Tensor) -> Tensor:
         """VAE latents ``[B, C, 1, h, w]`` (the VAE's layout) or ``[B, C, h, w]`` -> normalised packed tokens."""
