@@ -184,13 +184,16 @@ def base_fingerprint(policy: Policy) -> str:
 
 def run_config(run: str | Path) -> RunConfig:
     """The config a run was trained with (``<run>/config.json``), validated. Its prompts (training and eval) are
-    already read, so the prompts files need not exist any more."""
+    already read, so the prompts files need not exist any more; one that still does is read again, so that an edit
+    run's prompts get back their reference images (config.json keeps the instructions only)."""
     path = Path(run) / "config.json"
     if not path.is_file():
         raise ConfigError("--run", str(run), "has no config.json: not the output folder of lean train")
     tree = json.loads(path.read_text())
     for section in ("train", "eval"):
-        tree.get(section, {})["prompts_file"] = None
+        part = tree.get(section, {})
+        if not (part.get("prompts_file") and Path(part["prompts_file"]).is_file()):
+            part["prompts_file"] = None
     return load_config(tree=tree)
 
 

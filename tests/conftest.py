@@ -24,6 +24,7 @@ SHARED_FIXTURE_MODULES = {
     "test_flux2",
     "test_mlflow_server",
     "test_qwen_image",
+    "test_qwen_image_edit",
     "test_reliability",
     "test_reward_server",
     "test_sequence_parallel",

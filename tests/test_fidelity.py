@@ -69,6 +69,7 @@ class ToyPolicy(Policy):
         self.theta_ref, self.c = theta_ref, c
         self.dtype, self.device, self._use_reference = theta.dtype, theta.device, False
         self.cfg_renorm = False  # plain CFG (a family flag of lean's Policy)
+        self.negative_prompt = ""  # CFG against the empty prompt
 
     def encode_prompts(self, prompts):
         """Token 1 for a prompt, 0 for the empty (unconditional) one."""
@@ -331,6 +332,8 @@ PUBLISHED_TARGETS = {
     "attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2 proj_mlp",  # :411-425 at 9745241
     "flowgrpo-qwen-image": "attn.to_k attn.to_q attn.to_v attn.to_out.0 attn.add_k_proj attn.add_q_proj "
     "attn.add_v_proj attn.to_add_out img_mlp.net.0.proj img_mlp.net.2 txt_mlp.net.0.proj txt_mlp.net.2",  # :410-423
+    "flowgrpo-qwen-image-edit": "attn.to_k attn.to_q attn.to_v attn.to_out.0 attn.add_k_proj attn.add_q_proj "
+    "attn.add_v_proj attn.to_add_out img_mlp.net.0.proj img_mlp.net.2 txt_mlp.net.0.proj txt_mlp.net.2",  # :416-429
     "flowfactory-grpo-flux2": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
     "attn.add_v_proj attn.to_add_out attn.to_qkv_mlp_proj ff.linear_in ff.linear_out ff_context.linear_in "
     "ff_context.linear_out",  # Flow-Factory src/flow_factory/models/flux/flux2.py default_target_modules

@@ -335,3 +335,11 @@ def test_presets_cite_every_value_and_plan_at_the_published_size(name, tmp_path)
     assert (cfg.sample.guidance_embed == 4.0) == (family == "flux2") and not cfg.sample.cfg
     report = plan(cfg, out=str(tmp_path))["published_size"]
     assert report["transformer_parameters"] == pytest.approx(published, rel=1e-3)
+
+
+def test_sample_refuses_true_cfg_for_flux2_dev_in_one_line():
+    """Flux2Pipeline has no true CFG: a CFG-trained FLUX.2 [dev] run's settings cannot be drawn by it."""
+    from lean.tools.sampling import SampleOptions
+
+    with pytest.raises(ConfigError, match="Flux2Pipeline has no true CFG"):
+        SampleOptions(true_cfg_scale=4.0).validate("flux2")

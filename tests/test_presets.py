@@ -33,6 +33,7 @@ PRESETS = STEP_PRESETS + CLEAN_SAMPLE_PRESETS
 IMAGE_MODEL_PRESETS = [
     "flowgrpo-kontext",
     "flowgrpo-qwen-image",
+    "flowgrpo-qwen-image-edit",
     "flowfactory-grpo-flux2",
     "flowfactory-grpo-flux2-klein",
 ]
@@ -97,6 +98,18 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "sample.guidance_scale": 4.0,
         "sample.negative_prompt": " ",
         "sample.shift_terminal": None,  # resolved from Qwen-Image's scheduler config: 0.02
+        "train.group_size": 16,
+        "train.lr": 3e-4,
+    },
+    "flowgrpo-qwen-image-edit": {  # config/grpo.py:counting_qwenimage_edit at 9745241
+        "model.family": "qwen_image_edit",
+        "model.resolution": 512,
+        "model.lora_rank": 64,
+        "sample.num_steps": 10,
+        "sample.noise_level": 1.0,
+        "sample.cfg": True,
+        "sample.guidance_scale": 4.0,
+        "sample.sde_window": 9,
         "train.group_size": 16,
         "train.lr": 3e-4,
     },
@@ -422,6 +435,7 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
         ("flowgrpo-wan", 1.42e9),
         ("flowgrpo-kontext", 11.9e9),
         ("flowgrpo-qwen-image", 20.43e9),
+        ("flowgrpo-qwen-image-edit", 20.43e9),
         ("flowfactory-grpo-flux2", 32.22e9),
         ("flowfactory-grpo-flux2-klein", 9.08e9),
     ],

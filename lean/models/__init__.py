@@ -40,7 +40,9 @@ from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
 from lean.models.kontext import SPEC as KONTEXT
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
+from lean.models.processors import load_processor, random_processor
 from lean.models.qwen_image import SPEC as QWEN_IMAGE
+from lean.models.qwen_image_edit import SPEC as QWEN_IMAGE_EDIT
 from lean.models.sd3 import SPEC as SD3
 from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
@@ -82,6 +84,7 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("flux2", FLUX2),  # FLUX.2 [dev]
         ("flux2_klein", FLUX2_KLEIN),  # FLUX.2 [klein] 9B
         ("kontext", KONTEXT),
+        ("qwen_image_edit", QWEN_IMAGE_EDIT),
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(
@@ -265,6 +268,7 @@ def _random_components(spec: FamilySpec, size: str, tokenizer, device: torch.dev
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
                     bos_token_id=tokenizer.bos_token_id,
+                    **{key: tokenizer.convert_tokens_to_ids(t) for key, t in spec.special_token_ids.items()},
                 )
                 if "text_config" in arch:  # a multimodal encoder (Mistral3): the vocabulary is its language model's
                     modules[name] = cls(config_cls(**{**arch, "text_config": {**arch["text_config"], **vocab}}))
@@ -285,7 +289,7 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
         return "has no model_index.json: not a diffusers pipeline folder"
     except (OSError, ValueError) as err:
         return f"model_index.json is not readable JSON ({str(err).splitlines()[0]})"
-    needed = [*spec.components, *spec.tokenizers.values()]
+    needed = [*spec.components, *spec.tokenizers.values(), *spec.processors]
     malformed = [n for n in needed if not (isinstance(index.get(n), list) and len(index[n]) == 2)]
     if malformed:
         return f"model_index.json has no [library, class] for {', '.join(malformed)} (a {spec.display_name} pipeline)"
@@ -340,6 +344,8 @@ def _load_components(
         tokenizers[tokenizer_name] = getattr(importlib.import_module(library), class_name).from_pretrained(
             folder / tokenizer_name
         )
+    for name, processor in spec.processors.items():  # a multimodal processor: lean assembles it (processors.py)
+        tokenizers[name] = load_processor(processor, folder / name)
     return modules, tokenizers
 
 
@@ -392,13 +398,14 @@ def build_policy(
     if folder is not None:
         modules, tokenizers = _load_components(spec, folder, dtype, model_cfg.torch_vae_dtype)
     else:
-        tokenizer = train_tokenizer([*prompts, ""], model_cfg.text_max_length)
+        tokenizer = train_tokenizer([*prompts, ""], model_cfg.text_max_length, spec.special_tokens)
         tokenizer.chat_template = spec.chat_template  # FLUX.2's pipelines format prompts with it
         # Weights are drawn on the CPU (identical on every machine), except the published size: 12B parameters
         # take minutes to initialise on a CPU, so it is drawn on its device directly.
         init_device = device if model_cfg.size == DEVICE_INIT_SIZE else torch.device("cpu")
         modules = _random_components(spec, model_cfg.size, tokenizer, init_device)
         tokenizers = {name: tokenizer for name in spec.tokenizers.values()}
+        tokenizers.update({name: random_processor(p, tokenizer) for name, p in spec.processors.items()})
 
     denoisers = {name: modules.pop(name) for name in spec.denoiser_folders}
     vae = modules.pop("vae")
@@ -436,6 +443,7 @@ def build_policy(
         vae_dtype=model_cfg.torch_vae_dtype,
         cfg_renorm=spec.cfg_renorm,
         resolution=model_cfg.resolution,
+        reference_resolution=spec.sizes[model_cfg.size].reference_resolution,
     )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)

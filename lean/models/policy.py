@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.utils.checkpoint
 from safetensors.torch import load_file, save_file
@@ -108,6 +109,7 @@ class Policy(torch.nn.Module):
         vae_dtype: torch.dtype | None = None,
         cfg_renorm: bool = False,
         resolution: int | None = None,
+        reference_resolution: int | None = None,
     ):
         super().__init__()
         if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
@@ -116,6 +118,9 @@ class Policy(torch.nn.Module):
         self.denoiser_folders, self.boundary = tuple(denoisers), boundary
         self.cfg_renorm = cfg_renorm
         self.resolution = resolution  # of the samples, and of the reference images edits are conditioned on
+        # the square side an edit's reference is encoded at when the family's pipeline resizes it again
+        # (Qwen-Image-Edit: 1024, Size.reference_resolution); None: resolution
+        self.reference_resolution = reference_resolution
         self.negative_prompt = ""  # CFG's unconditional prompt: sample.negative_prompt, set before the first encode
         self.denoisers = torch.nn.ModuleList(denoisers.values())
         self.vae = vae
@@ -190,12 +195,17 @@ class Policy(torch.nn.Module):
     def _encode_edit(self, prompt: str) -> PromptEmbeds:
         """An edit's conditioning: the instruction's text embedding (the image reaches the text encoder too where the
         family's does: Qwen-Image-Edit), the reference image's latent tokens (resized to the run's resolution, as
-        FlowGRPO's edit scripts do), and as ``negative`` the same image under the empty instruction: CFG keeps the
-        reference in both branches, as the edit pipelines do."""
+        FlowGRPO's edit scripts do, then to :attr:`reference_resolution` where the family's pipeline resizes it again:
+        Qwen-Image-Edit's VaeImageProcessor.resize, PIL's Lanczos filter), and as ``negative`` the same image under the
+        empty instruction: CFG keeps the reference in both branches, as the edit pipelines do."""
         from PIL import Image  # local: only edits need it
 
         pixels = reference_pixels(prompt, self.resolution)
         image = Image.fromarray((pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
+        side = self.reference_resolution
+        if side is not None and side != self.resolution:
+            image = image.resize((side, side), Image.Resampling.LANCZOS)
+            pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
         reference = self.arch.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))
         negative = self._encode_text([self.negative_prompt], images=[image])
         negative.reference = reference
@@ -451,7 +461,8 @@ class Policy(torch.nn.Module):
             index[name] = ["transformers", type(encoder).__name__]
         for name, tokenizer in self.tokenizers.items():
             tokenizer.save_pretrained(folder / name)
-            index[name] = ["transformers", "PreTrainedTokenizerFast"]
+            processor = hasattr(tokenizer, "image_processor")  # a multimodal processor (Qwen2VLProcessor) names itself
+            index[name] = ["transformers", type(tokenizer).__name__ if processor else "PreTrainedTokenizerFast"]
         (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
         if adapter and not self.full_finetune:
             self.save_lora(folder / LORA_FILE)

@@ -10,7 +10,7 @@ built. Code outside ``lean/models/`` reads spec fields; it never probes a family
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -94,6 +94,20 @@ class Size:
     transformer: dict[str, Any]
     vae: dict[str, Any]
     text_encoders: dict[str, dict[str, Any]]  # text encoder folder -> its config
+    # the square side in pixels at which an edit's reference image is encoded (Qwen-Image-Edit's pipeline: its 1024^2
+    # area, whatever the samples' size); None: the run's model.resolution (FLUX.1 Kontext as FlowGRPO runs it)
+    reference_resolution: int | None = None
+
+
+@dataclass(frozen=True)
+class Processor:
+    """A multimodal processor folder of a pipeline (Qwen-Image-Edit's ``processor``, a Qwen2VLProcessor): a tokenizer
+    and an image processor saved in one folder. lean builds the processor object from those two parts
+    (``lean.models.processors``); a random build's image processor takes ``image_processor``'s arguments."""
+
+    processor_class: str  # the transformers class model_index.json names
+    image_processor_class: str  # the transformers class of its image processor
+    image_processor: dict[str, Any]  # a random build's image processor arguments (the published preprocessor config)
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,14 @@ class FamilySpec:
     # Jinja chat template given to a random build's word-level tokenizer, for a pipeline that formats its prompts with
     # ``tokenizer.apply_chat_template`` (FLUX.2); saved with the tokenizer. None: the pipeline uses no chat template
     chat_template: str | None = None
+    # multimodal processor folders (model_index.json's name -> how to build one): what the family's encode_text reads
+    # beside the tokenizers (Qwen-Image-Edit's Qwen2VLProcessor puts the reference image into the prompt)
+    processors: Mapping[str, Processor] = field(default_factory=dict)
+    # special tokens a random build's word-level tokenizer appends after its trained vocabulary (so that no other
+    # family's ids move), e.g. the vision markers a processor writes into the prompt
+    special_tokens: tuple[str, ...] = ()
+    # text encoder config fields a random build sets to a special token's id: {"image_token_id": "<|image_pad|>"}
+    special_token_ids: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """A spec that contradicts itself fails at import (every spec is built when lean.models is imported)."""
@@ -143,6 +165,9 @@ class FamilySpec:
             raise ValueError(f"{self.display_name}: t5_tokenizer {self.t5_tokenizer!r} is not a tokenizer folder")
         if len(self.denoiser_folders) not in (1, 2) or (len(self.denoiser_folders) == 2) != (self.boundary is not None):
             raise ValueError(f"{self.display_name}: one denoiser, or two with a boundary sigma")
+        unknown = [t for t in self.special_token_ids.values() if t not in self.special_tokens]
+        if unknown:
+            raise ValueError(f"{self.display_name}: special_token_ids name {', '.join(unknown)}, not special tokens")
         text = {n for n, c in self.components.items() if c.config_class is not None}
         for name, size in self.sizes.items():
             if set(size.text_encoders) != text:

@@ -18,14 +18,15 @@ from torch import Tensor
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")
 
 
-def train_tokenizer(prompts: Sequence[str], max_length: int):
+def train_tokenizer(prompts: Sequence[str], max_length: int, special_tokens: Sequence[str] = ()):
     """Word-level tokenizer over the lower-cased words of ``prompts``; every sequence ends with ``</s>``.
 
     Ids are a function of the prompt *set* only (words sorted by their count over the distinct prompts, ties
     alphabetically), so every process that sees the same prompts builds the same tokenizer. Unseen words map to
-    ``<unk>``.
+    ``<unk>``. ``special_tokens`` (a family's ``FamilySpec.special_tokens``: Qwen2.5-VL's ``<|image_pad|>``, ...) are
+    appended after the trained vocabulary, matched verbatim and never split, so the other ids do not move.
     """
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast  # local: transformers takes seconds to import
 
     pad, eos, unk = SPECIAL_TOKENS
@@ -34,6 +35,7 @@ def train_tokenizer(prompts: Sequence[str], max_length: int):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(sorted(set(prompts)), trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
     tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, tok.token_to_id(eos))])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=pad, eos_token=eos, unk_token=unk, model_max_length=max_length
     )

@@ -103,15 +103,22 @@ class MetaScalars(TorchDispatchMode):
 def fused_attention():
     """``scaled_dot_product_attention`` as a GPU runs it: the memory-efficient kernel, which keeps the output and one
     log-sum-exp per query row for the backward. The meta device would otherwise take the math path and count the
-    [B, heads, L, L] attention probabilities of every block."""
+    [B, heads, L, L] attention probabilities of every block. A mask (Qwen-Image's padded text) is the kernel's
+    additive bias, a broadcast view (as the kernel reads it on a GPU: no [B, heads, L, L] copy)."""
     original = torch.nn.functional.scaled_dot_product_attention
 
     def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or enable_gqa:
+        if enable_gqa:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        bias = attn_mask
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+            bias = bias.expand(shape)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, needs_grad, dropout_p, is_causal, scale=scale
+            query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale
         )[0]
 
     torch.nn.functional.scaled_dot_product_attention = efficient

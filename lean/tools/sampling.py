@@ -45,6 +45,7 @@ from lean.dtypes import DTYPES
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
 from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
+from lean.models.processors import load_processor
 from lean.prompts import read_prompts, reference_image, reference_pixels
 from lean.rollout import sample_generator
 from lean.sde import SIGMA_GRIDS, sigma_schedule
@@ -55,6 +56,7 @@ SIGMAS_PIPELINES = (
     "FluxPipeline",
     "StableDiffusion3Pipeline",
     "QwenImagePipeline",
+    "QwenImageEditPipeline",
     "FluxKontextPipeline",
     "Flux2Pipeline",
     "Flux2KleinPipeline",
@@ -111,12 +113,22 @@ class SampleOptions:
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.pipeline} steps on its scheduler's own grid")
         if self.true_cfg_scale is not None and not (spec.guidance_embed or spec.true_cfg):
             raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.pipeline} guides with --guidance-scale")
+        if self.true_cfg_scale is not None and not pipeline_takes(spec.pipeline, "true_cfg_scale"):
+            # FLUX.2 [dev]: guidance-distilled, and its pipeline has no true CFG to draw a CFG-trained run with
+            raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.pipeline} has no true CFG")
         step = spec.vae.temporal_compression
         if self.num_frames is not None:
             if step is None:
                 raise ConfigError("--num-frames", self.num_frames, f"{spec.pipeline} makes images")
             if self.num_frames < 1 or (self.num_frames - 1) % step:
                 raise ConfigError("--num-frames", self.num_frames, f"{spec.display_name} needs {step}k+1 frames")
+
+
+def pipeline_takes(pipeline: str, argument: str) -> bool:
+    """Whether the diffusers pipeline class ``pipeline``'s ``__call__`` takes ``argument``."""
+    import diffusers  # local: diffusers takes seconds to import
+
+    return argument in inspect.signature(getattr(diffusers, pipeline).__call__).parameters
 
 
 SETTINGS = tuple(
@@ -207,8 +219,11 @@ def pipeline_sigmas(num_steps: int, shift: float, grid: str, terminal: float | N
 def template_prefix_tokens(tokenizer, template: str) -> int:
     """Tokens of a prompt template before its ``{}``, in ``tokenizer``: what QwenImagePipeline cuts from the text
     encoder's states (its ``prompt_template_encode_start_idx``, hard-coded as 34 for Qwen2's tokenizer, which this
-    count gives; lean's word-level tokenizer splits the prefix differently, as lean's Qwen-Image family counts it)."""
-    return len(tokenizer(template.split("{}")[0], add_special_tokens=False, verbose=False).input_ids)
+    count gives; lean's word-level tokenizer splits the prefix differently, as lean's Qwen-Image family counts it).
+    A template with an image (QwenImageEditPipeline's) is cut before its ``<|vision_start|>``: the pipeline keeps the
+    image's tokens, which its processor expands (its 64; lean.models.qwen_image_edit.model)."""
+    prefix = template.split("{}")[0].split("<|vision_start|>")[0]
+    return len(tokenizer(prefix, add_special_tokens=False, verbose=False).input_ids)
 
 
 def check_folders(pretrained: str | Path, lora: str | Path | None) -> str:
@@ -241,6 +256,8 @@ def load_pipeline(pretrained: str | Path, lora: str | Path | None, options: Samp
     extra = {}
     if "scheduler" not in index or options.shift is not None:
         extra["scheduler"] = build_scheduler(family, pretrained, options.shift)
+    for name, processor in family_spec(family).processors.items():  # lean's assembly of it (lean.models.processors)
+        extra[name] = load_processor(processor, Path(pretrained) / name)
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(pretrained, dtype=dtype, **extra)
     if lora is not None:
         pipe.load_lora_weights(lora)
