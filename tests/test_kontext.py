@@ -162,3 +162,20 @@ def test_exported_lora_loads_into_the_kontext_pipeline_which_samples_the_edits(p
     assert len(files) == len(EDITS) and all(f.exists() for f in files)
     assert [r["prompt"] for r in records] == [str(p) for p in EDITS]
     assert [r["image"] for r in records] == [p.image for p in EDITS]
+
+
+def test_a_folder_saved_by_the_kontext_pipeline_loads_as_model_pretrained(policy, tmp_path):
+    """FluxKontextPipeline.save_pretrained of the random build -> ``model.pretrained``: the same initial velocity."""
+    from diffusers import FluxKontextPipeline
+
+    policy.save_pretrained(tmp_path / "lean", adapter=False)
+    pipe = FluxKontextPipeline.from_pretrained(tmp_path / "lean", scheduler=build_scheduler("kontext", None))
+    pipe.save_pretrained(tmp_path / "diffusers")
+    loaded = build_policy(ModelConfig(family="kontext", pretrained=str(tmp_path / "diffusers")), EDITS)
+    x, sigma, _ = generic.inputs(loaded, batch=2)
+    emb, emb_loaded = policy.encode_prompts(EDITS[:2]), loaded.encode_prompts(EDITS[:2])
+    with torch.no_grad(), policy.reference():  # the base weights: the folder holds no adapter
+        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, guidance_embed=2.5)
+    with torch.no_grad():
+        got = loaded.velocity(x, sigma, emb_loaded, cfg=False, guidance_scale=1.0, guidance_embed=2.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
