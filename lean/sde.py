@@ -105,6 +105,8 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(
             "sample.tail_compress", s.tail_compress, "compresses the steps of a multistep tail: set sample.tail_solver"
         )
+    if s.shift_terminal is not None and s.sigma_grid == "unipc":  # UniPC's scheduler has no terminal stretch
+        raise ConfigError("sample.shift_terminal", s.shift_terminal, "stretches the euler and uniform grids only")
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

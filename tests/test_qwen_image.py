@@ -443,3 +443,24 @@ def test_negative_prompt_is_cfgs_unconditional_branch(policy):
     torch.testing.assert_close(guided, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(guided, against_empty)
     assert Trainer(tiny("sample.negative_prompt=blurry")).policy.negative_prompt == "blurry"
+
+
+def test_terminal_stretch_refuses_nonsense_in_one_line():
+    from lean.tools.sampling import SampleOptions
+
+    with pytest.raises(ConfigError, match=r"sample\.shift_terminal.*must be in \(0, 1\)"):
+        load_config(None, [f"model.family={FAMILY}", "sample.shift_terminal=1.5"])
+    with pytest.raises(ConfigError, match="euler and uniform grids only"):
+        load_config(
+            None,
+            [
+                "model.family=wan",
+                "sample.sigma_grid=unipc",
+                "sample.sde_kind=flow_grpo_linear",
+                "sample.shift_terminal=0.02",
+            ],
+        )
+    with pytest.raises(ConfigError, match="set --sigma-grid"):
+        SampleOptions(shift_terminal=0.02).validate(FAMILY)
+    with pytest.raises(ConfigError, match=r"must be in \(0, 1\)"):
+        SampleOptions(shift_terminal=2.0, sigma_grid="uniform", shift=3.0).validate(FAMILY)

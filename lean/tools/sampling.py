@@ -111,6 +111,11 @@ class SampleOptions:
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"must be one of {', '.join(SIGMA_GRIDS)}")
             if not takes_sigmas(family):
                 raise ConfigError("--sigma-grid", self.sigma_grid, f"{spec.pipeline} steps on its scheduler's own grid")
+        if self.shift_terminal is not None:
+            if not 0 < self.shift_terminal < 1:
+                raise ConfigError("--shift-terminal", self.shift_terminal, "must be in (0, 1)")
+            if self.sigma_grid is None:
+                raise ConfigError("--shift-terminal", self.shift_terminal, "stretches lean's grid: set --sigma-grid")
         if self.true_cfg_scale is not None and not (spec.guidance_embed or spec.true_cfg):
             raise ConfigError("--true-cfg-scale", self.true_cfg_scale, f"{spec.pipeline} guides with --guidance-scale")
         if self.true_cfg_scale is not None and not pipeline_takes(spec.pipeline, "true_cfg_scale"):
