@@ -22,6 +22,7 @@ from lean import export, plan, tracking
 from lean.config import ConfigError, RewardModelConfig, suggest
 from lean.configure import load_config
 from lean.launch import Nodes, launch
+from lean.models import family_spec
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
 from lean.schedules import several_updates
@@ -245,6 +246,9 @@ def _plan(args) -> int:
         raise ConfigError("--gpu-mem-gb", args.gpu_mem_gb, "must be positive")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu", args.mfu, "must be in (0, 1]: the share of the peak FLOP/s a step reaches")
+    experts = len(family_spec(cfg.model.family).denoiser_folders)
+    if experts > 1:  # issue #30: the plan's replica, probes and shards count one denoiser
+        raise ConfigError("model.family", cfg.model.family, f"lean plan does not model {experts} experts on GPUs yet")
     meta_plan.meta_plan(cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, out=args.out)
     return 0
 

@@ -72,16 +72,40 @@ def diffusers_lora_layers(peft_transformer, state: dict[str, Tensor] | None = No
 
 
 def save_diffusers_lora(
-    pipeline_class: str, peft_transformer, folder: str | Path, state: dict[str, Tensor] | None = None
+    pipeline_class: str,
+    peft_transformer,
+    folder: str | Path,
+    state: dict[str, Tensor] | None = None,
+    weight_name: str = LORA_WEIGHTS,
 ) -> Path:
-    """``folder/pytorch_lora_weights.safetensors`` for ``<pipeline_class>.load_lora_weights(folder)``."""
+    """``folder/<weight_name>`` (``pytorch_lora_weights.safetensors``) for
+    ``<pipeline_class>.load_lora_weights(folder, weight_name=...)``."""
     import diffusers  # local: diffusers takes seconds to import
 
     layers, metadata = diffusers_lora_layers(peft_transformer, state)
     getattr(diffusers, pipeline_class).save_lora_weights(
-        str(folder), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
+        str(folder), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata, weight_name=weight_name
     )
     return Path(folder)
+
+
+def expert_weight_name(folder_name: str) -> str:
+    """The LoRA file of a second denoiser (Wan2.2's ``transformer_2``) beside the first's
+    ``pytorch_lora_weights.safetensors``: WanPipeline loads it with
+    ``load_lora_weights(folder, weight_name=..., load_into_transformer_2=True)``."""
+    return LORA_WEIGHTS.replace(".safetensors", f"_{folder_name}.safetensors")
+
+
+def save_policy_lora(policy: Policy, folder: str | Path, state: dict[str, Tensor] | None = None) -> None:
+    """Every denoiser's LoRA in diffusers' format: the first as ``pytorch_lora_weights.safetensors``, a second one
+    (``transformer_2``) as :func:`expert_weight_name`; ``state`` keyed as ``Policy.lora_state_dict``."""
+    several = len(policy.denoisers) > 1
+    for folder_name, net in zip(policy.denoiser_folders, policy.denoisers, strict=True):
+        own = state
+        if state is not None and several:
+            own = {k.removeprefix(f"{folder_name}."): v for k, v in state.items() if k.startswith(f"{folder_name}.")}
+        name = expert_weight_name(folder_name) if net is not policy.denoisers[0] else LORA_WEIGHTS
+        save_diffusers_lora(policy.pipeline_class, net, folder, own, name)
 
 
 def sampling_settings(cfg: RunConfig) -> dict:
@@ -142,7 +166,7 @@ def write_run_exports(
     if not policy.full_finetune:
         folders = [(out_dir / LORA_DIR, None), *([(out_dir / LORA_EMA_DIR, ema)] if ema is not None else [])]
         for folder, state in folders:
-            save_diffusers_lora(policy.pipeline_class, policy.transformer, folder, state)
+            save_policy_lora(policy, folder, state)
             if cfg is not None:
                 write_sampling(folder, cfg)
     if base_sha256 is not None:
@@ -278,6 +302,13 @@ def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool 
     (:data:`SAMPLING_FILE`) beside them. Returns what was written, in words.
     ``out`` is written atomically (a temporary sibling renamed into place); an existing ``out`` is replaced."""
     cfg = run_config(run)
+    experts = family_spec(cfg.model.family).denoiser_folders
+    if len(experts) > 1:  # issue #30: the adapter skeleton and the merge take one denoiser
+        raise ConfigError(
+            "--run",
+            str(run),
+            f"lean export of {len(experts)} experts is not written yet: use the run's {LORA_DIR}/ folder",
+        )
     weights = run_weights(run, ema)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

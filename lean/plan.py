@@ -438,8 +438,10 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
 
 
 def print_published_size(cfg: RunConfig, r: dict) -> None:
+    experts = len(family_spec(cfg.model.family).denoiser_folders)
+    per = f" (per expert: {experts} of them, each its own LoRA)" if experts > 1 else ""
     print(
-        f"lean plan: {cfg.model.family}/full is not built on a CPU; on the meta device its transformer has "
+        f"lean plan: {cfg.model.family}/full is not built on a CPU; on the meta device its transformer{per} has "
         f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "
         f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
         f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)"

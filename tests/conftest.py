@@ -29,6 +29,7 @@ SHARED_FIXTURE_MODULES = {
     "test_reward_server",
     "test_sequence_parallel",
     "test_tracking",
+    "test_wan22",
     "test_train",
 }
 # Run first, so that the two workers end together: the smoke pipeline's group (minutes on one worker), then the

@@ -47,6 +47,7 @@ from lean.models.sd3 import SPEC as SD3
 from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.models.wan import SPEC as WAN
+from lean.models.wan22 import SPEC as WAN22
 from lean.prompts import reference_image
 from lean.registry import Registry
 from lean.sharding import FSDP
@@ -79,6 +80,7 @@ FAMILIES: Registry[FamilySpec] = Registry(
     [  # name -> spec
         ("flux", FLUX),  # the default
         ("wan", WAN),
+        ("wan22", WAN22),  # Wan2.2-T2V-A14B: two experts split at sigma 0.875
         ("sd3", SD3),
         ("qwen_image", QWEN_IMAGE),
         ("flux2", FLUX2),  # FLUX.2 [dev]
@@ -320,7 +322,15 @@ def pipeline_family(folder: str | os.PathLike) -> str | None:
     except (OSError, ValueError):
         return None
     name = index.get("_class_name") if isinstance(index, dict) else None
-    return next((family for family, spec in FAMILIES.items() if spec.pipeline == name), None)
+    families = [family for family, spec in FAMILIES.items() if spec.pipeline == name]
+
+    def present(folder: str) -> bool:  # diffusers writes [null, null] for an absent optional component
+        entry = index.get(folder)
+        return isinstance(entry, list) and bool(entry) and entry[0] is not None
+
+    # WanPipeline runs Wan2.1 (one transformer) and Wan2.2-A14B (transformer_2 too): the most denoisers the folder has
+    complete = [f for f in families if all(present(d) for d in FAMILIES[f].denoiser_folders)]
+    return max(complete, key=lambda f: len(FAMILIES[f].denoiser_folders), default=families[0] if families else None)
 
 
 def _load_components(

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from lean.config import ConfigError
 from lean.dtypes import DTYPES
 from lean.evaluation import EVAL_STREAM
-from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE
+from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE, expert_weight_name
 from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
 from lean.models.processors import load_processor
 from lean.prompts import read_prompts, reference_image, reference_pixels
@@ -266,6 +266,8 @@ def load_pipeline(pretrained: str | Path, lora: str | Path | None, options: Samp
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(pretrained, dtype=dtype, **extra)
     if lora is not None:
         pipe.load_lora_weights(lora)
+        for name in family_spec(family).denoiser_folders[1:]:  # Wan2.2's low-noise expert: its own file
+            pipe.load_lora_weights(lora, weight_name=expert_weight_name(name), load_into_transformer_2=True)
     if hasattr(pipe, "tokenizer_max_length") and hasattr(pipe.text_encoder.config, "max_position_embeddings"):
         pipe.tokenizer_max_length = pipe.text_encoder.config.max_position_embeddings  # CLIP: its whole context
     if hasattr(pipe, "prompt_template_encode_start_idx"):  # a chat template's prefix, cut by a hard-coded count
