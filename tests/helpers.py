@@ -177,3 +177,31 @@ def write_edit_prompts(folder, count: int = 2, size: int = 32) -> str:
     path = folder / "train_metadata.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+def sets(*values: str) -> list[str]:
+    """``--set`` arguments of a CLI call, one pair per ``key=value``."""
+    return [a for v in values for a in ("--set", v)]
+
+
+def renorm(v_u, v_c, s):
+    """Qwen-Image's true CFG (QwenImagePipeline, QwenImageEditPipeline): v_u + s (v_c - v_u), rescaled per token to
+    the norm of v_c."""
+    import torch
+
+    v = v_u + s * (v_c - v_u)
+    return v * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True))
+
+
+def train_every_schedule(root, family: str, evaluated: tuple[str, ...] = ()) -> dict:
+    """``lean train`` (the CLI, :data:`FAST`, one iteration) of ``family`` with each schedule under ``root``; the
+    schedules in ``evaluated`` also evaluate (every iteration, one sample per prompt). Returns schedule -> folder."""
+    from lean.cli import main
+
+    out = {}
+    for schedule in ("recompute", "retain", "reweight"):
+        out[schedule] = root / schedule
+        extra = ["eval.every=1", "eval.samples_per_prompt=1"] if schedule in evaluated else []
+        args = ["train", *sets(*FAST, f"model.family={family}", f"train.schedule={schedule}", *extra)]
+        assert main([*args, "--out", str(out[schedule])]) == 0, schedule
+    return out

@@ -18,7 +18,7 @@ import re
 import pytest
 import test_models as generic
 import torch
-from helpers import FAST
+from helpers import FAST, renorm, sets, train_every_schedule
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
@@ -37,16 +37,6 @@ ATOL = 1e-5  # float32
 
 def make(**overrides):
     return build_policy(ModelConfig(family=FAMILY, **overrides), DEFAULT_PROMPTS)
-
-
-def sets(*values: str) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
-
-
-def renorm(v_u, v_c, s):
-    """QwenImagePipeline's true CFG: v_u + s (v_c - v_u), rescaled per token to the norm of v_c."""
-    v = v_u + s * (v_c - v_u)
-    return v * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True))
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +73,7 @@ def pipe(policy, folder):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``lean train`` (tiny Qwen-Image, CLI) with each schedule, one iteration."""
-    root, out = tmp_path_factory.mktemp("runs"), {}
-    for schedule in ("recompute", "retain", "reweight"):
-        out[schedule] = root / schedule
-        args = [
-            "train",
-            *sets(*FAST, f"model.family={FAMILY}", f"train.schedule={schedule}"),
-            "--out",
-            str(out[schedule]),
-        ]
-        assert main(args) == 0, schedule
-    return out
+    return train_every_schedule(tmp_path_factory.mktemp("runs"), FAMILY)
 
 
 def inputs(policy, batch: int = 4, seed: int = 0):
@@ -438,9 +418,7 @@ def test_negative_prompt_is_cfgs_unconditional_branch(policy):
             against_empty = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
     finally:
         policy.negative_prompt = ""
-    v = v_u + SCALE * (v_c - v_u)
-    expected = v * (v_c.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
-    torch.testing.assert_close(guided, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(guided, renorm(v_u, v_c, SCALE), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(guided, against_empty)
     assert Trainer(tiny("sample.negative_prompt=blurry")).policy.negative_prompt == "blurry"
 

@@ -17,7 +17,7 @@ import re
 import pytest
 import test_models as generic
 import torch
-from helpers import FAST, write_edit_prompts
+from helpers import FAST, renorm, sets, train_every_schedule, write_edit_prompts
 
 from lean.cli import main
 from lean.config import ConfigError, ModelConfig
@@ -33,16 +33,6 @@ FAMILY = "qwen_image_edit"
 EDITS = read_prompts(EDIT_PROMPTS)
 SCALE = 4.0
 ATOL = 1e-5  # float32
-
-
-def sets(*values: str) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
-
-
-def renorm(v_u, v_c, s):
-    """QwenImageEditPipeline's true CFG: v_u + s (v_c - v_u), rescaled per token to the norm of v_c."""
-    v = v_u + s * (v_c - v_u)
-    return v * (torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True))
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +60,7 @@ def pipe(folder):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``lean train`` (tiny, CLI, the bundled edits) with each schedule, one iteration; recompute evaluated."""
-    root, out = tmp_path_factory.mktemp("runs"), {}
-    for schedule in ("recompute", "retain", "reweight"):
-        out[schedule] = root / schedule
-        evaluated = ["eval.every=1", "eval.samples_per_prompt=1"] if schedule == "recompute" else []
-        args = ["train", *sets(*FAST, f"model.family={FAMILY}", f"train.schedule={schedule}", *evaluated)]
-        assert main([*args, "--out", str(out[schedule])]) == 0, schedule
-    return out
+    return train_every_schedule(tmp_path_factory.mktemp("runs"), FAMILY, evaluated=("recompute",))
 
 
 def inputs(policy, batch: int = 2):
