@@ -22,7 +22,6 @@ from lean import export, plan, tracking
 from lean.config import ConfigError, RewardModelConfig, suggest
 from lean.configure import load_config
 from lean.launch import Nodes, launch
-from lean.models import family_spec
 from lean.preemption import EXIT_PREEMPTED, Preempted
 from lean.rewards import RewardServerError
 from lean.schedules import several_updates
@@ -192,6 +191,12 @@ def _diffusers_commands(sub) -> None:
         help=f"the pipeline's guidance_scale: CFG for SD3 and Wan, the distilled guidance for FLUX (default: {run})",
     )
     p.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help=f"Wan2.2-A14B: the low-noise expert's guidance_scale_2 (default: {run})",
+    )
+    p.add_argument(
         "--true-cfg-scale",
         type=float,
         default=None,
@@ -205,6 +210,7 @@ def _diffusers_commands(sub) -> None:
         "(default: the run's eval.seed, else 0)",
     )
     p.add_argument("--resolution", type=int, default=None, help=f"image side in pixels (default: {run})")
+    p.add_argument("--width", type=int, default=None, help=f"frame width where not square (default: {run})")
     p.add_argument("--num-frames", type=int, default=None, help=f"video: frames (default: {run})")
     p.add_argument("--shift", type=float, default=None, help=f"a static sigma shift (default: {run})")
     p.add_argument(
@@ -246,9 +252,6 @@ def _plan(args) -> int:
         raise ConfigError("--gpu-mem-gb", args.gpu_mem_gb, "must be positive")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu", args.mfu, "must be in (0, 1]: the share of the peak FLOP/s a step reaches")
-    experts = len(family_spec(cfg.model.family).denoiser_folders)
-    if experts > 1:  # issue #30: the plan's replica, probes and shards count one denoiser
-        raise ConfigError("model.family", cfg.model.family, f"lean plan does not model {experts} experts on GPUs yet")
     meta_plan.meta_plan(cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, out=args.out)
     return 0
 

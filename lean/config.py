@@ -128,6 +128,9 @@ class ModelConfig:
     """A local diffusers folder loaded with ``from_pretrained``; None: random weights from the size's config."""
     resolution: int = 32
     """Image side in pixels (a multiple of 16)."""
+    width: int | None = None
+    """Frame width in pixels where it differs from the height (``model.resolution`` is then the height: Wan's 480p is
+    ``resolution: 480``, ``width: 832``); families with ``FamilySpec.non_square`` only. None: square frames."""
     num_frames: int = 5
     """Video frames (video families only); the family's VAE fixes which counts exist."""
     dtype: str = choice("dtype", DTYPES.default)
@@ -165,6 +168,8 @@ class ModelConfig:
         check_positive("model.resolution", self.resolution)
         if self.resolution % 16:
             raise ConfigError("model.resolution", self.resolution, "must be a multiple of 16")
+        if self.width is not None and (self.width <= 0 or self.width % 16):
+            raise ConfigError("model.width", self.width, "must be a positive multiple of 16 (or null: square frames)")
         for key in ("num_frames", "lora_rank", "lora_alpha", "text_max_length"):
             check_positive(f"model.{key}", getattr(self, key))
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
@@ -173,6 +178,15 @@ class ModelConfig:
     @property
     def torch_dtype(self):
         return DTYPES[self.dtype]
+
+    @property
+    def frame_size(self) -> str:
+        """``H px`` or ``HxW px``: the samples' size in words."""
+        return f"{self.resolution} px" if self.width is None else f"{self.resolution}x{self.width} px"
+
+    def runtime_size(self) -> dict:
+        """The family runtime's geometry arguments beyond the resolution: ``width`` when the frames are not square."""
+        return {} if self.width is None else {"width": self.width}
 
     @property
     def torch_vae_dtype(self):
@@ -204,6 +218,9 @@ class SampleConfig:
     negative_prompt: str = ""
     """CFG's unconditional prompt (an edit keeps its reference image under it). FlowGRPO's Qwen-Image scripts: " "."""
     guidance_scale: float = 4.5
+    guidance_scale_2: float | None = None
+    """A two-expert family's CFG scale on the low-noise expert's steps (WanPipeline's ``guidance_scale_2``; Wan2.2's
+    published runs: 3.0 beside 4.0); None: ``guidance_scale`` on every step."""
     guidance_embed: float | None = None
     """FLUX-style distilled guidance value instead of CFG (needs cfg: false)."""
     uncond_grad: bool = False
@@ -250,6 +267,8 @@ class SampleConfig:
         choices(self, "sample")
         check_positive("sample.noise_level", self.noise_level)
         check_positive("sample.guidance_scale", self.guidance_scale, strict=False)
+        if self.guidance_scale_2 is not None:
+            check_positive("sample.guidance_scale_2", self.guidance_scale_2, strict=False)
         if self.guidance_embed is not None:
             check_positive("sample.guidance_embed", self.guidance_embed, strict=False)
             if self.cfg:
@@ -610,6 +629,10 @@ class ParallelConfig:
     """Processes that split each trajectory's tokens (Ulysses attention, ``lean.models.sequence_parallel``): groups of
     this many consecutive processes hold the same samples, so ``lean launch -n 4`` with 2 is 2 data-parallel x 2
     sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
+    split_decode: bool = True
+    """Under sequence parallelism, each process of a group decodes and scores its share of the group's samples and
+    the rewards are all-gathered (``lean.scoring``): the VAE decode and the rewards run once per sample, not once
+    per process. false: every process decodes and scores all of them."""
     overlap: str = choice("overlap method", "flash")
     """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
     ``lean.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per

@@ -5,7 +5,11 @@ message instead of hanging. Launching is Accelerate's (``lean launch`` only choo
 
 Sequence parallelism (``parallel.sequence_parallel: P``) groups consecutive processes: ranks kP .. kP+P-1 hold the same
 trajectories and split their tokens (``lean.models.sequence_parallel``), and the W/P groups are the data-parallel
-ranks. So ``lean launch -n 4`` with P = 2 is 2 data-parallel x 2 sequence-parallel processes.
+ranks. So ``lean launch -n 4`` with P = 2 is 2 data-parallel x 2 sequence-parallel processes: the 2-D mesh
+
+    rank = d * P + s        d: data-parallel index (``data_rank``), s: place in the sequence-parallel group
+
+that :func:`device_mesh` names ("dp", "sp"); Ulysses splits over "sp", FSDP shards over both (``lean.sharding``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class World:
     device: torch.device = torch.device("cpu")
     sequence_parallel: int = 1  # processes per sequence-parallel group (1: none)
     sequence_group: object | None = None  # this process's group (a torch.distributed ProcessGroup) when above 1
+    host_group: object | None = None  # the same ranks on gloo: host values gathered beside the group's all-to-alls
 
     @property
     def is_main(self) -> bool:
@@ -42,6 +47,26 @@ class World:
     def data_size(self) -> int:
         """Data-parallel ranks: processes / sequence_parallel."""
         return self.size // self.sequence_parallel
+
+    @property
+    def sequence_rank(self) -> int:
+        """This process's place in its sequence-parallel group (0 without sequence parallelism)."""
+        return self.rank % self.sequence_parallel
+
+    def sequence_share(self, rows: int) -> slice:
+        """The contiguous share of ``rows`` rows this process takes when its sequence-parallel group splits work
+        that is whole per sample (sizes differ by at most one; every row when there is no group)."""
+        p, s = self.sequence_parallel, self.sequence_rank
+        return slice(rows * s // p, rows * (s + 1) // p)
+
+    def gather_over_sequence_group(self, value) -> list:
+        """Every process's picklable ``value`` of this sequence-parallel group, in group order (host objects: on
+        :attr:`host_group`, so a worker thread may call it while the main thread runs the group's all-to-alls)."""
+        if self.sequence_parallel == 1:
+            return [value]
+        every = [None] * self.sequence_parallel
+        torch.distributed.all_gather_object(every, value, group=self.host_group)
+        return every
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every data-parallel rank's ``x`` concatenated along dim 0, in rank order (``x`` itself on one process);
@@ -80,6 +105,18 @@ class World:
     def wait_for_everyone(self) -> None:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
+
+
+MESH_DIMS = ("dp", "sp")  # data-parallel ranks x processes of one sequence-parallel group
+
+
+def device_mesh(world: World):
+    """The run's 2-D ``DeviceMesh`` (``init_device_mesh`` with :data:`MESH_DIMS`): ``mesh["dp"]`` are the processes
+    holding the same tokens of different samples, ``mesh["sp"]`` this process's sequence-parallel group (the ranks
+    of ``world.sequence_group``). A collective: every process calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(world.device.type, (world.data_size, world.sequence_parallel), mesh_dim_names=MESH_DIMS)
 
 
 def set_threads(threads: int | None) -> None:
@@ -124,9 +161,10 @@ def with_sequence_groups(world: World, sequence_parallel: int, timeout_s: float)
     """``world`` with its sequence-parallel group made (every process creates every group, as ``new_group`` needs)."""
     if sequence_parallel == 1 or world.size % sequence_parallel:  # the config check names the second case
         return world
-    mine = None
+    mine = host = None
     for first in range(0, world.size, sequence_parallel):
         ranks = list(range(first, first + sequence_parallel))
         group = torch.distributed.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-        mine = group if world.rank in ranks else mine
-    return dataclasses.replace(world, sequence_parallel=sequence_parallel, sequence_group=mine)
+        on_host = torch.distributed.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo")
+        mine, host = (group, on_host) if world.rank in ranks else (mine, host)
+    return dataclasses.replace(world, sequence_parallel=sequence_parallel, sequence_group=mine, host_group=host)

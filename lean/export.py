@@ -79,11 +79,20 @@ def save_diffusers_lora(
     weight_name: str = LORA_WEIGHTS,
 ) -> Path:
     """``folder/<weight_name>`` (``pytorch_lora_weights.safetensors``) for
-    ``<pipeline_class>.load_lora_weights(folder, weight_name=...)``."""
+    ``<pipeline_class>.load_lora_weights(folder, weight_name=...)``. A pipeline without diffusers' LoRA loader
+    (HunyuanVideo15Pipeline in diffusers 0.42) gets the same file from the loaders' common writer, which its
+    transformer loads: ``pipe.transformer.load_lora_adapter(folder, prefix="transformer", weight_name=...)``."""
     import diffusers  # local: diffusers takes seconds to import
+    from diffusers.loaders.lora_base import LoraBaseMixin
 
     layers, metadata = diffusers_lora_layers(peft_transformer, state)
-    getattr(diffusers, pipeline_class).save_lora_weights(
+    pipeline = getattr(diffusers, pipeline_class)
+    if not issubclass(pipeline, LoraBaseMixin):
+        LoraBaseMixin._save_lora_weights(
+            str(folder), {"transformer": layers}, {"transformer": metadata}, weight_name=weight_name
+        )
+        return Path(folder)
+    pipeline.save_lora_weights(
         str(folder), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata, weight_name=weight_name
     )
     return Path(folder)
@@ -136,9 +145,11 @@ def sampling_settings(cfg: RunConfig) -> dict:
         "pipeline": spec.pipeline,
         "num_steps": e.num_steps or s.num_steps,
         "guidance_scale": guidance,
+        "guidance_scale_2": s.guidance_scale_2 if s.cfg and e.guidance_scale is None else None,
         "true_cfg_scale": true_cfg,
         "seed": e.seed,
         "resolution": m.resolution,
+        "width": m.width,
         "num_frames": m.num_frames if spec.video else None,
         "shift": s.shift,
         "sigma_grid": s.sigma_grid,
@@ -288,12 +299,29 @@ def matching_weights(weights: Path, expected: dict[str, torch.Size], run: str | 
     return state
 
 
+def unheld_components(family: str) -> list[str]:
+    """Components the family's pipeline class requires that a lean policy does not hold (HunyuanVideo15Pipeline's
+    ``guider``): a pipeline ``--merge`` cannot assemble."""
+    import inspect
+
+    import diffusers  # local: diffusers takes seconds to import
+
+    spec = family_spec(family)
+    held = {*spec.components, *spec.tokenizers.values(), *spec.processors, "scheduler"}
+    params = inspect.signature(getattr(diffusers, spec.pipeline).__init__).parameters.values()
+    return [
+        q.name
+        for q in list(params)[1:]
+        if q.default is q.empty and q.name not in held and q.kind == q.POSITIONAL_OR_KEYWORD
+    ]
+
+
 def assemble_pipeline(policy: Policy, transformer: torch.nn.Module, scheduler):
     """A diffusers pipeline of ``policy``'s class from its parts, with ``transformer`` and ``scheduler``."""
     import diffusers  # local: diffusers takes seconds to import
 
     parts = {**policy.text_encoders, **policy.tokenizers, "vae": policy.vae, "transformer": transformer}
-    return getattr(diffusers, policy.pipeline_class)(scheduler=scheduler, **parts)
+    return getattr(diffusers, policy.pipeline_class)(scheduler=scheduler, **parts, **policy.pipeline_config)
 
 
 def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool = False) -> str:
@@ -303,12 +331,16 @@ def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool 
     ``out`` is written atomically (a temporary sibling renamed into place); an existing ``out`` is replaced."""
     cfg = run_config(run)
     experts = family_spec(cfg.model.family).denoiser_folders
-    if len(experts) > 1:  # issue #30: the adapter skeleton and the merge take one denoiser
+    if len(experts) > 1 and (merge or cfg.model.full_finetune):  # the merge assembles one transformer
         raise ConfigError(
-            "--run",
-            str(run),
-            f"lean export of {len(experts)} experts is not written yet: use the run's {LORA_DIR}/ folder",
+            "--merge" if merge else "model.full_finetune",
+            "true",
+            f"{len(experts)} experts are exported as their LoRA files (one per expert): export without --merge",
         )
+    if merge and (unheld := unheld_components(cfg.model.family)):
+        pipeline = family_spec(cfg.model.family).pipeline
+        why = f"a {pipeline} also takes {', '.join(unheld)}, which lean does not hold: export without --merge"
+        raise ConfigError("--merge", "true", why)
     weights = run_weights(run, ema)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +357,9 @@ def export_run(run: str | Path, out: str | Path, ema: bool = False, merge: bool 
             else:
                 transformer.save_pretrained(tmp)
                 what = "the fully fine-tuned transformer (a diffusers model folder)"
+        elif len(experts) > 1:  # Wan2.2-A14B: the run's policy, one LoRA file per expert (save_policy_lora)
+            save_policy_lora(rebuild_policy(cfg, run, weights), tmp)
+            what = f"a diffusers LoRA folder for {family_spec(cfg.model.family).pipeline}.load_lora_weights, per expert"
         else:
             spec, skeleton = family_spec(cfg.model.family), adapter_skeleton(cfg)
             shapes = trained_shapes((n, p) for n, p in skeleton.named_parameters() if p.requires_grad)

@@ -42,7 +42,7 @@ from lean.config import ConfigError
 from lean.configure import validate
 from lean.distributed import CPU_TIMEOUT_S, World
 from lean.layout import finish_unit, local_slice
-from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb
+from lean.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
 from lean.models import build_policy, family_spec, terminal_stretch, time_shift, tracked_step_floor
 from lean.models.precision import set_matmul_precision
 from lean.models.sequence_parallel import enable, sequence_problem
@@ -52,7 +52,7 @@ from lean.rollout import StepOutput, group_init_generator, iteration_generator, 
 from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
 from lean.schedules.recompute import rolled_out_in_update_order, shuffled
-from lean.scoring import RolloutScoring, ScoredBatch, score_worker
+from lean.scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
 from lean.sde import StepSelection, select_steps_for, sigma_schedule
 from lean.sharding import FSDP, shard_policy
 from lean.snapshot import Snapshot
@@ -316,14 +316,29 @@ class IterationPipeline:
         return total.to(torch.float64), parts
 
     def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
-        """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images."""
+        """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images. Under
+        sequence parallelism with ``parallel.split_decode``, this process's share of the rows, the rewards then
+        gathered over its group (``lean.scoring``)."""
+        if self.world.sequence_parallel == 1 or not self.cfg.parallel.split_decode:
+            return self._decode_and_score(final, prompts, tally)
+        rows = self.world.sequence_share(len(prompts))
+        mine = self._decode_and_score(final[rows], prompts[rows], tally)
+        every = self.world.gather_over_sequence_group((mine.rewards, mine.parts, mine.error))
+        return merge_shares(mine, every)
+
+    def _decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
+        if not len(prompts):  # a split decode's empty share (fewer rows than processes)
+            return ScoredBatch(final.new_empty(0), torch.zeros(0, dtype=torch.float64))
+        start = time.perf_counter()
         with tally.region("decode"):
             images = self.policy.decode(final)
+        synchronize(self.world.device)
+        decode_s = time.perf_counter() - start
         try:
             rewards, parts = self.reward(images, prompts)
         except RewardServerError as err:
-            return ScoredBatch(images, error=err)
-        return ScoredBatch(images, rewards, parts)
+            return ScoredBatch(images, error=err, decode_s=decode_s)
+        return ScoredBatch(images, rewards, parts, decode_s=decode_s)
 
     def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
         """How the rollout's micro-batches are scored (``lean.scoring``): in a worker thread while the next rolls out
@@ -343,6 +358,7 @@ class IterationPipeline:
         with ctx.timer("reward_exposed"):
             scored = scoring.collect()
         ctx.timer.seconds["reward"] += scored.busy_s
+        ctx.timer.seconds["decode"] += scored.decode_s
         if scored.error is not None:
             self.keep_failed_rollout(ctx.iteration, final, scored.images, prompts, scored.error)
             raise scored.error

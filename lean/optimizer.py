@@ -44,6 +44,10 @@ class TrainState:
     def step(self) -> dict:
         """Average gradients across processes, clip, AdamW, EMA."""
         if self.sharded:  # FSDP reduce-scattered (and averaged) each backward's gradient into the shards already
+            if self.world.sequence_parallel > 1:  # averaged over W = D x P: the sum over a group's tokens is P x that
+                torch._foreach_mul_(
+                    [p.grad.to_local() for p in self.params if p.grad is not None], self.world.sequence_parallel
+                )
             finite = all_finite(self.params, self.world)
         else:
             grads = self.world.reduce_gradients_(flat_grad(self.params, [p.grad for p in self.params]))

@@ -79,7 +79,13 @@ class PlanInput:
     sigmas: torch.Tensor
     batch: LocalBatch
     reward: Callable[[torch.Tensor, list[str]], object]  # decoded images, prompts -> scores (the run's rewards)
-    world_size: int = 1
+    world_size: int = 1  # data-parallel ranks (processes / parallel.sequence_parallel)
+    decode_share: int = 1  # processes that split each micro-batch's decode and rewards (parallel.split_decode)
+    processes: int = 1  # all of them: what parallel.shard=fsdp shards over (lean.sharding)
+
+    def decoded_rows(self, rows: int) -> int:
+        """Of a micro-batch of ``rows``, the most one process decodes and scores."""
+        return -(-rows // self.decode_share)
 
 
 def plan_input(pipeline: IterationPipeline) -> PlanInput:
@@ -94,6 +100,8 @@ def plan_input(pipeline: IterationPipeline) -> PlanInput:
         pipeline.local_batch(0),
         pipeline.reward,
         pipeline.world.data_size,
+        pipeline.world.sequence_parallel if pipeline.cfg.parallel.split_decode else 1,
+        pipeline.world.size,
     )
 
 
@@ -140,7 +148,7 @@ def probe(inp: PlanInput) -> dict:
         with PeakMemory(policy.device) as tracked:  # one tracked step and its backward, from a trimmed heap
             step(full, backward=True)()
         with PeakMemory(policy.device) as decoding:
-            images = policy.decode(x)
+            images = policy.decode(x[: inp.decoded_rows(batch)])
     saved = SavedBytes()
     with saved.watching():
         step(full, grad=True)()
@@ -154,8 +162,9 @@ def probe(inp: PlanInput) -> dict:
         "t_forward": _timed(step(full)),
         "t_forward_backward": _timed(step(full, backward=True)),
         "t_forward_backward_one": _timed(step(one, backward=True)),
-        "t_decode": _timed(lambda: policy.decode(x), repeats=1, warmup=0),  # warm: the memory pass decoded once
-        "t_reward": _timed(lambda: inp.reward(images, inp.batch.prompts[:batch]), repeats=1),
+        # warm: the memory pass decoded once; a split decode: this process's share of the micro-batch
+        "t_decode": _timed(lambda: policy.decode(x[: len(images)]), repeats=1, warmup=0),
+        "t_reward": _timed(lambda: inp.reward(images, inp.batch.prompts[: len(images)]), repeats=1),
         "param_mb": sum(p.numel() * p.element_size() for p in inp.trainable) / 2**20,
         "base_mb": tracked.start_mb,
     }
@@ -288,8 +297,8 @@ def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
 
 
 def shard_settings(inp: PlanInput) -> list[str]:
-    """The ``parallel.shard`` settings a run of ``inp.world_size`` processes can take (fsdp from two)."""
-    return [name for name in SHARDS if name != FSDP or inp.world_size > 1]
+    """The ``parallel.shard`` settings a run of ``inp.processes`` processes can take (fsdp from two)."""
+    return [name for name in SHARDS if name != FSDP or inp.processes > 1]
 
 
 def shard_probes(
@@ -303,12 +312,17 @@ def shard_probes(
     shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
     sizes = shard_sizes(inp.policy)
     if probed is None:
-        probed = effective_shard(inp.cfg.parallel.shard, inp.world_size)
+        probed = effective_shard(inp.cfg.parallel.shard, inp.processes)
     return {
-        (shard, on): shard_variant(measured, sizes, inp.world_size, shard, probed, link_mb_s, overlap)
+        (shard, on): shard_variant(measured, sizes, inp.processes, shard, probed, link_mb_s, overlap)
         for shard in shard_settings(inp)
         for on, measured in by_checkpointing.items()
     }
+
+
+# the probe's memory terms a row carries beside its peak: resident weights and trainable state, one tracked step's
+# activations at the micro-batch, a backward's working set beyond them, the decoder's working set
+MEMORY_TERMS = ("base_mb", "activation_mb", "backward_transient_mb", "decode_mb")
 
 
 def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[dict]:
@@ -332,6 +346,7 @@ def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[d
                         "shard": shard,
                         "gradient_checkpointing": checkpointing,
                         **vars(p),
+                        **{term: measured[term] for term in MEMORY_TERMS},
                     }
                 )
     return rows
@@ -430,7 +445,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        own = (report["layout"], effective_shard(cfg.parallel.shard, inp.world_size), cfg.model.gradient_checkpointing)
+        own = (report["layout"], effective_shard(cfg.parallel.shard, inp.processes), cfg.model.gradient_checkpointing)
         print_combinations(report["combinations"], own)
         if out:
             write_json(f"{out}/plan.json", report)
@@ -440,8 +455,9 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
 def print_published_size(cfg: RunConfig, r: dict) -> None:
     experts = len(family_spec(cfg.model.family).denoiser_folders)
     per = f" (per expert: {experts} of them, each its own LoRA)" if experts > 1 else ""
+    where = "is not built on a CPU; on the meta device" if cfg.model.size == "full" else "counted on the meta device:"
     print(
-        f"lean plan: {cfg.model.family}/full is not built on a CPU; on the meta device its transformer{per} has "
+        f"lean plan: {cfg.model.family}/{cfg.model.size} {where} its transformer{per} has "
         f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "
         f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
         f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)"

@@ -109,6 +109,7 @@ def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfi
         emb,
         cfg=cfg.cfg,
         guidance_scale=cfg.guidance_scale,
+        guidance_scale_2=cfg.guidance_scale_2,
         uncond_grad=cfg.uncond_grad,
         guidance_embed=cfg.guidance_embed,
         joint_cfg=joint_cfg,

@@ -12,8 +12,13 @@ rollout; on a CPU, torch releases the GIL inside its kernels, so with one torch 
 rewards run on a second core. Rewards are the same numbers as when scored after the rollout: each sample's score
 depends on its own image only (the rewards are per-sample functions; a model reward's batch size is its own key).
 
-The iteration's ``reward`` phase is the time the scoring itself took (decode + rewards, summed over micro-batches),
-its ``reward_exposed`` phase the time the rollout's thread waited for it; the difference was hidden.
+The iteration's ``reward`` phase is the time the scoring itself took (decode + rewards, summed over micro-batches;
+``decode`` the decoder's part of it), its ``reward_exposed`` phase the time the rollout's thread waited for it; the
+difference was hidden.
+
+Under sequence parallelism the P processes of a group hold the same samples. With ``parallel.split_decode`` each
+decodes and scores its contiguous share of every micro-batch (``World.sequence_share``) and the group all-gathers the
+rewards (:func:`merge_shares`), so a long video is decoded once, not P times: the decode per process is 1/P.
 """
 
 from __future__ import annotations
@@ -31,11 +36,28 @@ from torch import Tensor
 class ScoredBatch:
     """One micro-batch's decoded images and rewards; ``error`` when a reward failed (the images are kept)."""
 
-    images: Tensor  # [b, 3, H, W] (or [b, 3, F, H, W]) in [0, 1]
+    images: Tensor  # [b, 3, H, W] (or [b, 3, F, H, W]) in [0, 1]; a split decode: this process's share
     rewards: Tensor | None = None  # float64 [b]
     parts: dict[str, Tensor] = field(default_factory=dict)  # each reward's component [b]
     error: Exception | None = None
     seconds: float = 0.0
+    decode_s: float = 0.0  # of seconds, the decoder's
+
+
+def merge_shares(mine: ScoredBatch, every: list[tuple]) -> ScoredBatch:
+    """A micro-batch scored in shares by the processes of a sequence-parallel group: ``every`` is each process's
+    (rewards, parts, error) in group order (``World.gather_over_sequence_group``), ``mine`` this process's share
+    (its images stay its own). One process's error is every process's."""
+    error = next((e for _, _, e in every if e is not None), None)
+    if error is not None:
+        return ScoredBatch(mine.images, error=error, decode_s=mine.decode_s)
+    keys = next((parts.keys() for rewards, parts, _ in every if len(rewards)), ())
+    return ScoredBatch(
+        mine.images,
+        torch.cat([rewards for rewards, _, _ in every]),
+        {k: torch.cat([parts[k] for rewards, parts, _ in every if len(rewards)]) for k in keys},
+        decode_s=mine.decode_s,
+    )
 
 
 ScoreFn = Callable[[Tensor, list[str]], ScoredBatch]
@@ -50,6 +72,7 @@ class ScoredRollout:
     parts: dict[str, Tensor]
     error: Exception | None
     busy_s: float  # decode + rewards, summed over micro-batches
+    decode_s: float = 0.0  # of busy_s, the decoder's
 
 
 def timed(score: ScoreFn) -> ScoreFn:
@@ -116,8 +139,10 @@ class RolloutScoring:
         error = next((b.error for b in batches if b.error is not None), None)
         rewards = None if error is not None else torch.cat([b.rewards for b in batches])
         parts = {} if error is not None else {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
-        images = torch.cat([b.images for b in batches])
-        return ScoredRollout(images, rewards, parts, error, busy_s=sum(b.seconds for b in batches))
+        shares = [b.images for b in batches if len(b.images)]  # a split decode's share may be empty
+        images = torch.cat(shares) if shares else torch.zeros(0)
+        busy_s, decode_s = sum(b.seconds for b in batches), sum(b.decode_s for b in batches)
+        return ScoredRollout(images, rewards, parts, error, busy_s=busy_s, decode_s=decode_s)
 
     def cancel(self) -> None:
         """The rollout failed: drop what has not started (a running micro-batch finishes in the background)."""

@@ -3,18 +3,20 @@
     none    every process holds the whole policy (data parallel; the trained weights' gradients are all-reduced
             once per update by ``lean.optimizer.TrainState``).
     fsdp    every transformer block, then the transformer itself (and, under full fine-tuning, its frozen reference
-            copy), is a ``fully_shard`` unit over all processes: each process keeps 1/W of the weights and gathers a
-            block's full weights just before the block runs (forward, and again in the backward), freeing them
-            after. Which weights, gradients and optimizer states are sharded:
+            copy), is a ``fully_shard`` unit over every process (the run's 2-D mesh ("dp", "sp") flattened,
+            ``lean.distributed.device_mesh``): each process keeps 1/W of the weights and gathers a block's full
+            weights just before the block runs (forward, and again in the backward), freeing them after. Which
+            weights, gradients and optimizer states are sharded:
 
             LoRA            the frozen base is sharded; the adapter (``ignored_params``) stays whole on every process,
                             so every schedule, Reweight's per-trajectory buffers included, is unchanged and the
                             adapter's gradient is all-reduced once per update as with ``none``.
             full fine-tune  weights, gradients and AdamW state are sharded (DTensors). FSDP reduce-scatters each
-                            backward's gradient into the shards (averaged over processes), so the update's gradient
-                            is the ``none`` one; ``TrainState`` then clips and steps the shards. In half precision
-                            the float32 masters are the shards and FSDP's ``MixedPrecisionPolicy`` gathers them at
-                            ``model.dtype`` (the cast ``Policy`` does itself without FSDP).
+                            backward's gradient into the shards (averaged over the data-parallel ranks), so the
+                            update's gradient is the ``none`` one; ``TrainState`` then clips and steps the shards.
+                            In half precision the float32 masters are the shards and FSDP's
+                            ``MixedPrecisionPolicy`` gathers them at ``model.dtype`` (the cast ``Policy`` does itself
+                            without FSDP).
 
 The VAE and text encoders stay whole: each process decodes and encodes its own samples, a different number of times.
 
@@ -24,6 +26,15 @@ steps (``StepSelection.shared_grad_steps``: the union over every process's sampl
 seeds), Reweight backpropagates every tracked micro-batch (a zero weight where no local sample trains the step), and
 the evaluation pads its shares to the same number of batches. Reweight under a sharded full fine-tune is refused: its
 per-trajectory buffers are gradients of the whole unsharded model per trajectory.
+
+FSDP x sequence parallelism (``parallel.sequence_parallel: P``, W = D x P processes): the processes of a
+sequence-parallel group hold the same samples and run the same passes on their shares of the tokens, so every process
+still runs every pass in lockstep and the weights shard over all W, not only over the D data-parallel ranks: 1/W of
+a replica each at the same gathered bytes per pass (torchtitan shards over its data x context-parallel mesh alike). A
+weight's gradient is the sum of the group's token shares averaged over the data-parallel ranks: the adapter's is
+all-reduced so as without FSDP (``World.reduce_gradients_``); a sharded full fine-tune's reduce-scatter averages over
+all W processes, and ``TrainState`` multiplies its shards by P (FSDP's own ``set_gradient_divide_factor`` would
+pre-multiply with ``PREMUL_SUM``, which gloo has not).
 
 With one process there is nothing to shard over, and ``fsdp`` is ``none``.
 """
@@ -67,14 +78,15 @@ def shard_policy(policy, world, dtype: torch.dtype) -> bool:
     first, as described in the module docstring. Returns whether anything was sharded (not with one process)."""
     if world.size < 2:
         return False
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lean.distributed import device_mesh
 
     # diffusers' blocks return chunks of one tensor (views); FSDP warns that an in-place op on one would skip its
     # backward gather. No code in the forward writes into a block's output, and the float64 certificate on sharded
     # processes (tests/test_sharding.py) would see a skipped gather, so the warning says nothing here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(world.device.type, (world.size,))
+    mesh = device_mesh(world)._flatten("dp_sp")  # every process its own shard, sequence-parallel groups included
     adapter = None if policy.full_finetune else {p for _, p in policy.trainable_parameters()}
     mixed = MixedPrecisionPolicy()
     if policy.full_finetune and policy.drop_master_casts():  # half precision: FSDP gathers the masters at dtype

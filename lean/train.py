@@ -31,6 +31,7 @@ from lean.plan import PlanInput, decide, plan_input
 from lean.preemption import Preempted, StopOnSigterm
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES
 from lean.schedules.recompute import RECOMPUTE_FORWARD
+from lean.sharding import FSDP, effective_shard
 
 
 class Trainer:
@@ -152,10 +153,14 @@ def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopO
     if trainer.world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         world = trainer.world
+        shard = effective_shard(cfg.parallel.shard, world.size)
+        sharded = f", {shard} over all {world.size}" if shard == FSDP else ""
         layout = (
             f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
-            f"overlap={cfg.parallel.overlap})"
+            f"overlap={cfg.parallel.overlap}{sharded})"
             if world.sequence_parallel > 1
+            else f" ({shard})"
+            if shard == FSDP
             else ""
         )
         print(

@@ -22,6 +22,7 @@ if WORKER:  # and so does every process a test starts (lean train, lean launch's
 SHARED_FIXTURE_MODULES = {
     "test_export",
     "test_flux2",
+    "test_hunyuan_video15",
     "test_mlflow_server",
     "test_qwen_image",
     "test_qwen_image_edit",
@@ -30,6 +31,7 @@ SHARED_FIXTURE_MODULES = {
     "test_sequence_parallel",
     "test_tracking",
     "test_wan22",
+    "test_wan22_ti2v",
     "test_train",
 }
 # Run first, so that the two workers end together: the smoke pipeline's group (minutes on one worker), then the

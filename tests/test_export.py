@@ -155,9 +155,11 @@ def test_exports_carry_the_runs_sampling_settings(run, tmp_path):
         "pipeline": "FluxPipeline",
         "num_steps": 3,  # eval.num_steps, not sample.num_steps
         "guidance_scale": 1.0,  # FLUX's guidance embedding, as lean feeds it under CFG
+        "guidance_scale_2": None,  # one denoiser
         "true_cfg_scale": 3.0,  # eval.guidance_scale
         "seed": 3,
         "resolution": 32,
+        "width": None,  # square frames
         "num_frames": None,
         "shift": shift,
         "sigma_grid": "euler",

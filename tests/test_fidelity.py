@@ -52,6 +52,7 @@ DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan", "grpo-g
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
+UNIRL = {"unirl-grpo-hunyuan-video15"}  # UniRL's FlowGRPO (Tencent-Hunyuan/UniRL 1a7b501)
 # the presets whose update trains on the rollout's steps: the ones this file's published GRPO objective covers (NFT
 # and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
 STEP_PRESETS = [p for p in PRESETS if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES]
@@ -70,6 +71,7 @@ class ToyPolicy(Policy):
         self.dtype, self.device, self._use_reference = theta.dtype, theta.device, False
         self.cfg_renorm = False  # plain CFG (a family flag of lean's Policy)
         self.negative_prompt = ""  # CFG against the empty prompt
+        self.boundary = None  # one velocity field: sample.guidance_scale_2 (a second expert's scale) does not apply
 
     def encode_prompts(self, prompts):
         """Token 1 for a prompt, 0 for the empty (unconditional) one."""
@@ -137,12 +139,15 @@ def published_step(v, x, x_next, sigmas, j, cfg):
 
 def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, global_std: bool) -> np.ndarray:
     """F4 (FlowGRPO): numpy's population std + 1e-4, per prompt or over the batch; D1 (DanceGRPO): torch's unbiased
-    std + 1e-8 per group."""
+    std + 1e-8 per group; U1 (UniRL rollout_resp.py:318-325): the group's mean, torch's unbiased std of the whole
+    rollout + 1e-8."""
     out = np.empty_like(rewards)
     for g in np.unique(groups):
         r = rewards[groups == g]
         if preset in DANCE_FAMILY:
             out[groups == g] = (r - r.mean()) / (torch.tensor(r).std().item() + 1e-8)
+        elif preset in UNIRL:
+            out[groups == g] = (r - r.mean()) / (torch.tensor(rewards).std().item() + 1e-8)
         else:
             std = rewards.std() if global_std else r.std()
             out[groups == g] = (r - r.mean()) / (std + 1e-4)
@@ -340,6 +345,10 @@ PUBLISHED_TARGETS = {
     "flowfactory-grpo-flux2-klein": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
     "attn.add_v_proj attn.to_add_out attn.to_qkv_mlp_proj ff.linear_in ff.linear_out ff_context.linear_in "
     "ff_context.linear_out",  # Flow-Factory flux2_klein.py default_target_modules
+    "flowfactory-grpo-wan22": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
+    "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_t2v.py:74-85
+    "unirl-grpo-hunyuan-video15": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
+    "attn.add_v_proj attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # hv15.yaml:84-96
 }
 ADAPTED = [p for p in PRESETS if p in PUBLISHED_TARGETS]  # MixGRPO fine-tunes the whole transformer
 
@@ -358,17 +367,16 @@ def test_lora_adapts_the_published_modules(preset):
     cfg = load_config(preset=preset)
     model = dataclasses.replace(cfg.model, size="tiny", resolution=32, num_frames=5, dtype="float32", text_max_length=8)
     policy = build_policy(model, ["a prompt"])
-    adapted = {
-        n.removesuffix(".lora_A.default") for n, _ in policy.transformer.named_modules() if n.endswith("lora_A.default")
-    }
     targets = PUBLISHED_TARGETS[preset].split()
-    base = policy.transformer.get_base_model()  # peft keeps an adapted Linear as <name>.base_layer
-    linear = [n.removesuffix(".base_layer") for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
-    published = {f"base_model.model.{n}" for n in linear if any(n == t or n.endswith("." + t) for t in targets)}
-    assert adapted == published
-    a = next(m.weight for n, m in policy.transformer.named_modules() if n.endswith("lora_A.default"))
-    gaussian = abs(a.std().item() - 1 / cfg.model.lora_rank) < 0.5 / cfg.model.lora_rank  # peft: N(0, 1/r)
-    assert gaussian == (cfg.model.lora_init == "gaussian")
+    for net in policy.denoisers:  # Wan2.2-A14B: both experts adapted alike
+        adapted = {n.removesuffix(".lora_A.default") for n, _ in net.named_modules() if n.endswith("lora_A.default")}
+        base = net.get_base_model()  # peft keeps an adapted Linear as <name>.base_layer
+        linear = [n.removesuffix(".base_layer") for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+        published = {f"base_model.model.{n}" for n in linear if any(n == t or n.endswith("." + t) for t in targets)}
+        assert adapted == published
+        a = next(m.weight for n, m in net.named_modules() if n.endswith("lora_A.default"))
+        gaussian = abs(a.std().item() - 1 / cfg.model.lora_rank) < 0.5 / cfg.model.lora_rank  # peft: N(0, 1/r)
+        assert gaussian == (cfg.model.lora_init == "gaussian")
 
 
 def test_trained_step_count_of_each_source():

@@ -81,3 +81,28 @@ def test_a_failed_server_during_async_scoring_keeps_the_whole_rollout(tmp_path):
         pipeline.roll_out(0, SCHEDULES["retain"])
     saved = load_file(tmp_path / "0.safetensors")
     assert saved["latents"].shape[0] == saved["images"].shape[0] == cfg.samples_per_iteration
+
+
+@pytest.mark.parametrize("rows,expected", [(4, [(0, 2), (2, 4)]), (3, [(0, 1), (1, 3)]), (1, [(0, 0), (0, 1)])])
+def test_a_sequence_parallel_group_splits_the_decode_in_contiguous_shares(rows, expected):
+    """``parallel.split_decode``: each process of a group of 2 takes a contiguous share, sizes differing by at most
+    one (an empty share when the micro-batch is smaller than the group); one process takes every row."""
+    shares = [World(rank=r, size=4, sequence_parallel=2).sequence_share(rows) for r in (2, 3)]  # group 1: ranks 2, 3
+    assert [(s.start, s.stop) for s in shares] == expected
+    assert World().sequence_share(rows) == slice(0, rows)
+
+
+def test_shares_scored_by_the_group_merge_in_row_order_and_an_error_reaches_every_process():
+    from lean.scoring import ScoredBatch, merge_shares
+
+    mine = ScoredBatch(torch.zeros(1, 3, 4, 4), torch.tensor([0.5], dtype=torch.float64), decode_s=0.25)
+    every = [
+        (torch.tensor([0.1, 0.2], dtype=torch.float64), {"clip": torch.tensor([1.0, 2.0])}, None),
+        (torch.zeros(0, dtype=torch.float64), {}, None),  # an empty share
+        (torch.tensor([0.5], dtype=torch.float64), {"clip": torch.tensor([3.0])}, None),
+    ]
+    merged = merge_shares(mine, every)
+    assert merged.rewards.tolist() == [0.1, 0.2, 0.5] and merged.parts["clip"].tolist() == [1.0, 2.0, 3.0]
+    assert merged.images is mine.images and merged.decode_s == 0.25 and merged.error is None
+    failed = merge_shares(mine, [every[0], (None, {}, RewardServerError("server down"))])
+    assert isinstance(failed.error, RewardServerError) and failed.rewards is None

@@ -155,45 +155,57 @@ def _train(out: Path, values: list[str], processes: int = 1) -> dict[str, torch.
         lean_here("train", *sets, "--out", str(out))
     else:
         lean_ranks(processes, "train", *sets, "--out", str(out))
-    return load_file(out / "lora.safetensors")
+    # the weights, and the last rollout's x_T and rewards (decoded and scored in shares: parallel.split_decode)
+    return {**load_file(out / "lora.safetensors"), **load_file(out / "rollout.safetensors")}
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """``lean train`` on one process, per (family, schedule), trained once for the module."""
-    runs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    """``lean train`` on one process, per (family, schedule, extra settings), trained once for the module."""
+    runs: dict[tuple, dict[str, torch.Tensor]] = {}
 
-    def run(family: str, schedule: str) -> dict[str, torch.Tensor]:
-        if (family, schedule) not in runs:
+    def run(family: str, schedule: str, extra: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        if (family, schedule, extra) not in runs:
             out = tmp_path_factory.mktemp(f"{family}-{schedule}")
-            runs[family, schedule] = _train(out, [*SMALL, f"model.family={family}", f"train.schedule={schedule}"])
-        return runs[family, schedule]
+            values = [*SMALL, f"model.family={family}", f"train.schedule={schedule}", *extra]
+            runs[family, schedule, extra] = _train(out, values)
+        return runs[family, schedule, extra]
 
     return run
+
+
+FSDP = ("parallel.shard=fsdp",)
+FULL = ("model.full_finetune=true",)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "family,processes,schedule,method",
-    [  # every schedule, every method and both families once; 4 processes = 2 data-parallel x 2 sequence-parallel.
-        # Retain finishes in the group layout (its backward beside the scoring) and Reweight batches: both capture
-        # per-trajectory gradients through the fused projections (lean.models.sequence_parallel.linear_slice)
-        ("wan", 2, "reweight", "sliced"),
-        ("flux", 2, "recompute", "flash"),
-        ("flux", 4, "retain", "collective"),
-        ("kontext", 2, "reweight", "collective"),  # an edit: its reference tokens split with the noisy ones
+    "family,processes,schedule,method,extra",
+    [  # every schedule, every method and every family with SP once; 4 processes = 2 data-parallel x 2 sequence-
+        # parallel. Retain finishes in the group layout (its backward beside the scoring) and Reweight batches: both
+        # capture per-trajectory gradients through the fused projections (lean.models.sequence_parallel.linear_slice)
+        ("wan", 2, "reweight", "sliced", ()),
+        ("flux", 2, "recompute", "flash", ()),
+        ("wan22_ti2v", 2, "retain", "flash", ()),  # the per-token timestep embeddings split with the tokens
+        ("kontext", 2, "reweight", "collective", ()),  # an edit: its reference tokens split with the noisy ones
+        # FSDP x SP on the ("dp", "sp") mesh: the base sharded over the 2 data-parallel ranks, tokens over the 2 of
+        # each group; a full fine-tune's shards summed over the group after FSDP's reduce-scatter; the expert pair
+        ("wan", 4, "reweight", "flash", FSDP),
+        ("wan", 4, "retain", "collective", (*FSDP, *FULL)),
+        ("wan22", 4, "recompute", "flash", FSDP),
     ],
 )
 def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_process(
-    family, processes, schedule, method, one_process, tmp_path
+    family, processes, schedule, method, extra, one_process, tmp_path
 ):
-    """Two iterations (AdamW, KL) of ``lean train --set parallel.sequence_parallel=2`` on P ranks: the same LoRA
-    weights as ``lean train`` on one process (float64, 1e-10 relative)."""
+    """Two iterations (AdamW, KL) of ``lean train --set parallel.sequence_parallel=2`` on P ranks (with ``extra``):
+    the same weights, final latents and rewards as ``lean train`` on one process (float64, 1e-10 relative); each
+    process of a group decoded and scored its share of the samples (``parallel.split_decode``)."""
     sp = ["parallel.sequence_parallel=2", f"parallel.overlap={method}"]
     shared = [*SMALL, f"model.family={family}", f"train.schedule={schedule}"]
-    sharded = _train(tmp_path, [*shared, *sp], processes)
-    reference = one_process(family, schedule)
+    sharded = _train(tmp_path, [*shared, *sp, *extra], processes)
+    reference = one_process(family, schedule, tuple(v for v in extra if v not in FSDP))
     assert sharded.keys() == reference.keys() and len(reference) > 4
     assert max(_rel(sharded[k], reference[k]) for k in reference) < TOLERANCE
 
@@ -206,12 +218,6 @@ def test_training_under_sequence_parallelism_ends_with_the_weights_of_one_proces
             2,
             "parallel.sequence_parallel",
             "no sequence parallelism",
-        ),
-        (
-            ["model.family=wan", "parallel.sequence_parallel=2", "parallel.shard=fsdp"],
-            2,
-            "parallel.shard",
-            "not combined",
         ),
         (["model.family=wan", "parallel.sequence_parallel=2"], 3, "parallel.sequence_parallel", "must divide the 3"),
         (

@@ -117,7 +117,8 @@ def test_what_fsdp_cannot_run_is_one_config_line(sets, words):
 @pytest.mark.timeout(400)
 def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     """``lean plan`` on 2 processes prints both shard settings (its own measured, the other modelled), and ``lean
-    bench memory`` under fsdp measures every schedule x layout x checkpointing beside the plan's figures."""
+    bench memory`` under FSDP x sequence parallelism measures every schedule x layout x checkpointing beside the
+    plan's figures: each process's peak within 15% of the plan's."""
     cfg = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4", "parallel.shard=fsdp"]
     cfg += ["model.full_finetune=true", "train.dist_timeout_s=60", "sample.num_steps=4"]
     lean_ranks(2, "plan", *_sets(cfg), "--out", str(tmp_path / "plan"))
@@ -127,11 +128,13 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     assert by["recompute", "group", "fsdp", False] < by["recompute", "group", "none", False]  # sharded state
     assert ("reweight", "group", "fsdp", False) not in by  # fsdp_problem: its buffers would be whole gradients
 
-    out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32"]  # not the bench section's size
+    # FSDP x SP: 4 processes, 2 data-parallel x 2 sequence-parallel, the weights sharded over all 4; the plan is
+    # probed on the sequence-parallel processes (its own tokens, its share of the decode)
+    out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32", "parallel.sequence_parallel=2"]
     bench = ["bench", "memory", *_sets([*cfg, *tiny]), "--repeats", "1", "--warmup", "0", "--out", str(out)]
-    lean_ranks(2, *bench)
+    lean_ranks(4, *bench)
     result = json.loads((out / "memory.json").read_text())
-    assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 2
+    assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 4
     assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"} and len(result["variants"]) == 8
     for e in result["variants"]:  # a tiny model: the peaks are mostly the process itself, but each is predicted
         assert e["peak_memory_mb"] == pytest.approx(e["plan_peak_memory_mb"], rel=0.15)

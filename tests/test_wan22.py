@@ -146,20 +146,102 @@ def test_every_schedule_trains_across_the_boundary_and_the_certificate_passes(tm
         )
         assert (tmp_path / schedule / "metrics.json").exists()
         assert (tmp_path / schedule / "lora" / "pytorch_lora_weights_transformer_2.safetensors").is_file()
+    from safetensors.torch import load_file
+
     from lean.cli import main
 
-    assert main(["export", "--run", str(tmp_path / "recompute"), "--out", str(tmp_path / "export")]) == 2  # one line
+    assert main(["export", "--run", str(tmp_path / "recompute"), "--out", str(tmp_path / "export")]) == 0
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"):
+        exported, trained = (load_file(tmp_path / d / name) for d in ("export", "recompute/lora"))
+        assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    assert main(["export", "--run", str(tmp_path / "recompute"), "--out", str(tmp_path / "m"), "--merge"]) == 2
     eq = tmp_path / "eq"
     lean_here("equivalence", "--set", "model.family=wan22", "--set", "model.dtype=float64", "--out", str(eq))
     report = json.loads((eq / "equivalence.json").read_text())
     assert report["passes"]
 
 
-def test_the_gpu_plan_of_two_experts_is_refused_in_one_line(capsys):
-    """lean plan's GPU rows count one denoiser (replica, probes, shards): two experts are refused until #30 models
-    them."""
-    from lean.cli import main
+def test_the_low_noise_expert_guides_at_its_own_scale(policy):
+    """``sample.guidance_scale_2`` (WanPipeline's): each row's CFG scale is the one of the expert its sigma picks;
+    ``lean sample`` passes it to the pipeline; a one-denoiser family refuses it in one line."""
+    from lean.config import ConfigError
+    from lean.configure import load_config
+    from lean.export import sampling_settings
 
-    assert main(["plan", "--set", "model.family=wan22", "--set", "model.size=full", "--gpus", "8"]) == 2
-    err = capsys.readouterr().err
-    assert "lean plan does not model 2 experts on GPUs yet" in err and len(err.strip().splitlines()) == 1
+    emb = policy.encode_prompts(DEFAULT_PROMPTS[:2])
+    x = torch.randn(2, *policy.init_latents([torch.Generator().manual_seed(0)]).shape[1:])
+    sigma = torch.tensor([0.95, 0.5])  # the high-noise expert, then the low-noise one
+    with torch.no_grad():
+        v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.0, guidance_scale_2=3.0)
+        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        v_u = policy.velocity(x, sigma, policy.encode_prompts([""]).expand(2), cfg=False, guidance_scale=1.0)
+    for row, scale in enumerate((4.0, 3.0)):
+        torch.testing.assert_close(v[row], v_u[row] + scale * (v_c[row] - v_u[row]), rtol=1e-5, atol=1e-5)
+    cfg = load_config(None, ["model.family=wan22", "sample.guidance_scale=4", "sample.guidance_scale_2=3"])
+    assert sampling_settings(cfg)["guidance_scale_2"] == 3.0
+    with pytest.raises(ConfigError, match="one denoiser"):
+        load_config(None, ["model.family=wan", "sample.guidance_scale_2=3"])
+
+
+def test_the_gpu_plan_counts_both_experts_resident_and_one_per_pass():
+    """``lean plan --gpus``: both experts' weights are resident (a pass runs one: the same activations and FLOPs as
+    Wan2.1 with one transformer of the experts' shape)."""
+    from lean.configure import load_config
+    from lean.tools.meta_plan import meta_plan
+
+    sets = ["model.size=tiny", "model.resolution=32", "model.num_frames=5", "train.prompts_per_iteration=2"]
+    rows = {}
+    for family in ("wan", "wan22"):
+        report = meta_plan(load_config(None, [f"model.family={family}", *sets]), gpus=1, gpu_mem_gb=80)
+        rows[family] = next(
+            r
+            for r in report["combinations"]
+            if r["schedule"] == "recompute" and r["layout"] == "slice" and not r["gradient_checkpointing"]
+        )
+    lora = report["published_size"]["trainable_parameters"]  # one expert's adapter
+    expert_mb = (count_parameters("wan22", "tiny") + 4 * lora) * 4 / 2**20  # float32 weights; LoRA, grads, moments
+    assert rows["wan22"]["base_mb"] - rows["wan"]["base_mb"] == pytest.approx(expert_mb, rel=0.05)
+    assert rows["wan22"]["activation_mb"] == pytest.approx(rows["wan"]["activation_mb"], rel=1e-9)
+    assert rows["wan22"]["time_iteration_s"] == pytest.approx(rows["wan"]["time_iteration_s"], rel=1e-9)
+
+
+def test_frames_of_another_width_than_height_are_the_wan_pipelines(tmp_path):
+    """``model.width`` (Wan's 480 x 832): the latent is [C, F', H/8, W/8] and lean's velocity is the transformer's
+    output inside WanPipeline's own loop at that height and width; a square-only family refuses the key."""
+    from diffusers import WanPipeline
+
+    from lean.config import ConfigError
+    from lean.configure import load_config
+
+    policy = build_policy(ModelConfig(family="wan", resolution=32, width=64, num_frames=5), DEFAULT_PROMPTS)
+    channels, frames, h, w = policy.arch.noise_shape
+    assert w == 2 * h and policy.arch.image_seq_len == frames * h * w // 4  # 1x2x2 patches
+    policy.save_pretrained(tmp_path, adapter=False)
+    pipe = WanPipeline.from_pretrained(tmp_path, scheduler=build_scheduler("wan", None))
+    calls = []
+    hook = policy.denoisers[0].register_forward_hook(
+        lambda m, a, kw, out: calls.append((kw["hidden_states"], kw["timestep"], kw["encoder_hidden_states"], out[0])),
+        with_kwargs=True,
+    )
+    try:
+        with torch.no_grad():
+            pipe(
+                prompt=list(DEFAULT_PROMPTS[:1]),
+                height=32,
+                width=64,
+                num_frames=5,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+                output_type="latent",
+                generator=torch.Generator().manual_seed(0),
+            )
+    finally:
+        hook.remove()
+    emb = policy.encode_prompts(DEFAULT_PROMPTS[:1])
+    for x, t, tokens, out in calls:
+        assert x.shape[1:] == policy.arch.noise_shape
+        with torch.no_grad():
+            got = policy.velocity(x, t / 1000, dataclasses.replace(emb, tokens=tokens), cfg=False, guidance_scale=1.0)
+        torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="renders square frames"):
+        load_config(None, ["model.family=flux", "model.width=64"])

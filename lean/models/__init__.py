@@ -37,6 +37,7 @@ from lean.dtypes import DTYPES, HALF, dtype_name
 from lean.models.flux import SPEC as FLUX
 from lean.models.flux2 import SPEC as FLUX2
 from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
+from lean.models.hunyuan_video15 import SPEC as HUNYUAN_VIDEO15
 from lean.models.kontext import SPEC as KONTEXT
 from lean.models.policy import LORA_FILE, Policy
 from lean.models.precision import keep_rms_norm_dtype
@@ -48,6 +49,7 @@ from lean.models.spec import FamilySpec
 from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.models.wan import SPEC as WAN
 from lean.models.wan22 import SPEC as WAN22
+from lean.models.wan22_ti2v import SPEC as WAN22_TI2V
 from lean.prompts import reference_image
 from lean.registry import Registry
 from lean.sharding import FSDP
@@ -81,12 +83,14 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("flux", FLUX),  # the default
         ("wan", WAN),
         ("wan22", WAN22),  # Wan2.2-T2V-A14B: two experts split at sigma 0.875
+        ("wan22_ti2v", WAN22_TI2V),  # Wan2.2-TI2V-5B, text-to-video: the 48-channel Wan2.2 VAE
         ("sd3", SD3),
         ("qwen_image", QWEN_IMAGE),
         ("flux2", FLUX2),  # FLUX.2 [dev]
         ("flux2_klein", FLUX2_KLEIN),  # FLUX.2 [klein] 9B
         ("kontext", KONTEXT),
         ("qwen_image_edit", QWEN_IMAGE_EDIT),
+        ("hunyuan_video15", HUNYUAN_VIDEO15),  # HunyuanVideo-1.5 480p T2V: Qwen2.5-VL + byT5 glyphs
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(
@@ -186,7 +190,7 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     spec = family_spec(model_cfg.family)
     t = component_config(spec, spec.denoiser_folders[0], model_cfg.size, model_cfg.pretrained)
     vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
-    arch = spec.runtime(t, vae, model_cfg.resolution, model_cfg.num_frames)
+    arch = spec.runtime(t, vae, model_cfg.resolution, model_cfg.num_frames, **model_cfg.runtime_size())
     width = t["num_attention_heads"] * t["attention_head_dim"]
     blocks = transformer_blocks(t)
     size = DTYPES[model_cfg.dtype].itemsize
@@ -311,7 +315,43 @@ def pretrained_problem(family: str, folder: str | os.PathLike) -> str | None:
             return f"has no {name}/config.json"
         except (OSError, ValueError) as err:
             return f"{name}/config.json is not readable JSON ({str(err).splitlines()[0]})"
+    # the same pipeline and denoiser class around another VAE (Wan2.1's 16 latent channels, Wan2.2-TI2V's 48)
+    channels, expected = _vae_channels(folder), _latent_channels(spec)
+    if channels is not None and expected and channels not in expected:
+        owner = next(
+            (f for f, s in FAMILIES.items() if s.pipeline == spec.pipeline and channels in _latent_channels(s)), None
+        )
+        wanted = "/".join(map(str, sorted(expected)))
+        holder = f" (model.family={owner})" if owner else ""
+        return f"holds a {channels}-channel VAE{holder}, not model.family={family}'s {wanted}-channel one"
     return None
+
+
+def _latent_channels(spec: FamilySpec) -> set[int]:
+    """The VAE latent channels (``z_dim``) of a family's sizes; empty where its VAE config names none."""
+    return {s.vae["z_dim"] for s in spec.sizes.values() if "z_dim" in s.vae}
+
+
+def _vae_channels(folder: Path) -> int | None:
+    """``z_dim`` of a pipeline folder's ``vae/config.json``, or None (none, or unreadable)."""
+    try:
+        channels = json.loads((folder / "vae" / "config.json").read_text()).get("z_dim")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return channels if isinstance(channels, int) else None
+
+
+def _pixel_multiple(spec: FamilySpec, size: str, pretrained: str | None) -> int | None:
+    """The side every resolution must be a multiple of where the configs say it (Wan's): the VAE's
+    ``scale_factor_spatial`` times the transformer's spatial ``patch_size``, from the size table or the pretrained
+    folder's JSON; None where they do not name both."""
+    name = spec.denoiser_folders[0]
+    if pretrained is None:
+        vae, t = spec.size_config(size, "vae"), spec.size_config(size, name)
+    else:
+        vae, t = (json.loads((Path(pretrained) / n / "config.json").read_text()) for n in ("vae", name))
+    scale, patch = vae.get("scale_factor_spatial"), t.get("patch_size")
+    return scale * patch[-1] if isinstance(scale, int) and isinstance(patch, list | tuple) else None
 
 
 def pipeline_family(folder: str | os.PathLike) -> str | None:
@@ -328,9 +368,15 @@ def pipeline_family(folder: str | os.PathLike) -> str | None:
         entry = index.get(folder)
         return isinstance(entry, list) and bool(entry) and entry[0] is not None
 
-    # WanPipeline runs Wan2.1 (one transformer) and Wan2.2-A14B (transformer_2 too): the most denoisers the folder has
+    # WanPipeline runs Wan2.1 (one transformer), Wan2.2-A14B (transformer_2 too) and Wan2.2-TI2V-5B (one transformer,
+    # the 48-channel Wan2.2 VAE, expand_timesteps): the families whose VAE latent channels the folder's VAE has, then
+    # the most denoisers the folder has
     complete = [f for f in families if all(present(d) for d in FAMILIES[f].denoiser_folders)]
-    return max(complete, key=lambda f: len(FAMILIES[f].denoiser_folders), default=families[0] if families else None)
+    channels = _vae_channels(Path(folder))
+    fitting = [f for f in complete if channels is None or channels in (_latent_channels(FAMILIES[f]) or {channels})]
+    return max(
+        fitting or complete, key=lambda f: len(FAMILIES[f].denoiser_folders), default=families[0] if families else None
+    )
 
 
 def _load_components(
@@ -420,7 +466,9 @@ def build_policy(
     denoisers = {name: modules.pop(name) for name in spec.denoiser_folders}
     vae = modules.pop("vae")
     first = next(iter(denoisers.values()))
-    arch = spec.runtime(first.config, vae.config, model_cfg.resolution, model_cfg.num_frames)
+    arch = spec.runtime(
+        first.config, vae.config, model_cfg.resolution, model_cfg.num_frames, **model_cfg.runtime_size()
+    )
     reference = None
     if model_cfg.full_finetune:
         for net in denoisers.values():
@@ -454,6 +502,7 @@ def build_policy(
         cfg_renorm=spec.cfg_renorm,
         resolution=model_cfg.resolution,
         reference_resolution=spec.sizes[model_cfg.size].reference_resolution,
+        pipeline_config=spec.pipeline_config,
     )
     if folder is not None and not model_cfg.full_finetune and (folder / LORA_FILE).exists():
         policy.load_lora(folder / LORA_FILE)
@@ -504,6 +553,23 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     if m.pretrained is not None and (problem := pretrained_problem(m.family, m.pretrained)) is not None:
         raise ConfigError("model.pretrained", m.pretrained, problem)
+    if m.width is not None and not family.non_square:
+        able = ", ".join(n for n, f in FAMILIES.items() if f.non_square)
+        raise ConfigError(
+            "model.width", m.width, f"{family.display_name} renders square frames (families with a width: {able})"
+        )
+    side = _pixel_multiple(family, m.size, m.pretrained)
+    for key, pixels in (("model.resolution", m.resolution), ("model.width", m.width)):
+        if side is not None and pixels is not None and pixels % side:  # Wan2.2-TI2V's 16x VAE, 2x2 patches: 32
+            raise ConfigError(
+                key, pixels, f"{family.display_name} needs a multiple of {side} pixels (VAE compression x patch)"
+            )
+    if s.guidance_scale_2 is not None and family.boundary is None:
+        raise ConfigError(
+            "sample.guidance_scale_2",
+            s.guidance_scale_2,
+            f"is the low-noise expert's CFG scale; {family.display_name} has one denoiser (set null)",
+        )
     prompt_sets = [("train.prompts_file", cfg.train.prompts_file, cfg.train.prompts)]
     if cfg.eval.prompts is not None:
         prompt_sets.append(("eval.prompts_file", cfg.eval.prompts_file, cfg.eval.prompts))

@@ -110,11 +110,13 @@ class Policy(torch.nn.Module):
         cfg_renorm: bool = False,
         resolution: int | None = None,
         reference_resolution: int | None = None,
+        pipeline_config: dict | None = None,
     ):
         super().__init__()
         if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
             raise ValueError("a policy has one denoiser, or two with a boundary sigma")
         self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
+        self.pipeline_config = dict(pipeline_config or {})  # FamilySpec.pipeline_config: model_index.json's settings
         self.denoiser_folders, self.boundary = tuple(denoisers), boundary
         self.cfg_renorm = cfg_renorm
         self.resolution = resolution  # of the samples, and of the reference images edits are conditioned on
@@ -237,7 +239,8 @@ class Policy(torch.nn.Module):
                 return self.arch.forward(nets[0], x, sigma, emb, guidance_embed)
             # several denoisers: each sample runs the one its sigma chooses (one forward when they all agree)
             chosen = (sigma < self.boundary).long()  # denoiser_index of every sample
-            picks = chosen.unique().tolist()
+            # the meta device (lean plan) has no values: one expert's pass is counted (the experts share a shape)
+            picks = [0] if sigma.device.type == "meta" else chosen.unique().tolist()
             if len(picks) == 1:
                 return self.arch.forward(nets[picks[0]], x, sigma, emb, guidance_embed)
             order = torch.argsort(chosen, stable=True)
@@ -307,13 +310,15 @@ class Policy(torch.nn.Module):
         *,
         cfg: bool,
         guidance_scale: float,
+        guidance_scale_2: float | None = None,
         uncond_grad: bool = False,
         guidance_embed: float | None = None,
         joint_cfg: bool = False,
         truncate_timestep: bool = False,
     ) -> Tensor:
         """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for :attr:`negative_prompt` (or the
-        row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image). Families with
+        row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image); with two experts,
+        ``guidance_scale_2`` (if set) is s on the low-noise expert's rows, as WanPipeline's. Families with
         ``cfg_renorm`` (Qwen-Image) rescale v per token to the norm of v_c over the channels, as their pipelines do.
 
         ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
@@ -347,7 +352,11 @@ class Policy(torch.nn.Module):
             v_u, v_c = v.chunk(2)
             if not uncond_grad:
                 v_u = v_u.detach()  # a constant (no-op without autograd)
-        v = v_u + guidance_scale * (v_c - v_u)
+        scale = guidance_scale
+        if guidance_scale_2 is not None and self.boundary is not None:  # per row, by the expert its sigma picks
+            low = (sigma < self.boundary).view(-1, *[1] * (x.dim() - 1))
+            scale = torch.where(low, guidance_scale_2, guidance_scale).to(v_c.dtype)
+        v = v_u + scale * (v_c - v_u)
         if self.cfg_renorm:
             v = v * (
                 torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / torch.linalg.vector_norm(v, dim=-1, keepdim=True)
@@ -454,6 +463,7 @@ class Policy(torch.nn.Module):
             index[name] = ["diffusers", type(base).__name__]
         if self.boundary is not None:
             index["boundary_ratio"] = self.boundary  # WanPipeline's name for it
+        index.update(self.pipeline_config)
         self.vae.save_pretrained(folder / "vae")
         index["vae"] = ["diffusers", type(self.vae).__name__]
         for name, encoder in self.text_encoders.items():

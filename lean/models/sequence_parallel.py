@@ -39,7 +39,6 @@ from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
 from lean.overlap.p2p import Overlap
 from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
 from lean.registry import catalog
-from lean.sharding import FSDP
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -184,7 +183,7 @@ def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequencePara
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """Sequence parallelism's rules, all of them (the heads and tokens that must divide are checked when the policy
-    is built: :func:`sequence_problem`): the family has it, the processes form its groups, not with FSDP yet."""
+    is built: :func:`sequence_problem`): the family has it, the processes form its groups."""
     p = cfg.parallel
     if p.sequence_parallel == 1:
         return
@@ -205,5 +204,3 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             f"must divide the {world_size} processes into sequence-parallel groups (run it under "
             f"`lean launch -n {p.sequence_parallel * max(1, world_size // p.sequence_parallel)} -- ...`)",
         )
-    if p.shard == FSDP:
-        raise ConfigError("parallel.shard", p.shard, "is not combined with parallel.sequence_parallel yet; set none")

@@ -133,6 +133,9 @@ class FamilySpec:
     # the denoiser folders, in the order steps use them: one, or a high-noise and a low-noise expert (Wan2.2-A14B)
     denoiser_folders: tuple[str, ...] = ("transformer",)
     boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below
+    # the pipeline class's own settings a folder records in model_index.json (Wan2.2-TI2V: expand_timesteps)
+    pipeline_config: dict = field(default_factory=dict)
+    non_square: bool = False  # its runtime takes ``width=`` (model.width): frames of another width than height
     guidance_embed: bool = False  # a distilled-guidance embedding (FLUX.1-dev)
     sequence_parallel: bool = False  # ``runtime.shard_sequence`` is implemented
     reference_images: bool = False  # conditioned on a reference image per prompt (editing: Kontext, Qwen-Image-Edit)
@@ -187,3 +190,31 @@ class FamilySpec:
         if component in self.denoiser_folders:
             return s.transformer
         return s.vae if component == "vae" else s.text_encoders[component]
+
+
+class VideoLatents:
+    """The latent geometry video runtimes share (Wan's, HunyuanVideo-1.5's): the VAE's own ``[C, F', h, w]``, which
+    the transformer patchifies itself by ``patch`` (t, h, w); set ``channels``, ``frames``, ``h``, ``w``, ``patch``."""
+
+    channels: int
+    frames: int
+    h: int
+    w: int
+    patch: tuple[int, int, int]
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.channels, self.frames, self.h, self.w)
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return self.noise_shape
+
+    @property
+    def image_seq_len(self) -> int:
+        """Video tokens: the transformer's ``patch`` patches of ``[F', h, w]``."""
+        pt, ph, pw = self.patch
+        return (self.frames // pt) * (self.h // ph) * (self.w // pw)
+
+    def noise_to_latents(self, noise):
+        return noise

@@ -137,6 +137,24 @@ class Overlap:
         return j if self.group is None else dist.get_global_rank(self.group, j)
 
 
+@dataclass(frozen=True)
+class SimulatedOverlap(Overlap):
+    """Rank 0 of a group of ``size`` that does not exist: every transfer a local copy (``loopback``), so a model runs
+    its sequence-parallel code at one rank's shapes with no process group (``lean plan`` counts it on the meta
+    device, ``lean.tools.meta_plan``)."""
+
+    size: int = 1
+    loopback: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.size
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+
 def as_overlap(
     method: Method | Overlap,
     group: dist.ProcessGroup | None = None,
@@ -170,6 +188,8 @@ def wait(works: Sequence[dist.Work], ov: Overlap, what: str) -> None:
 
     On NCCL the wait only orders the current stream after the transfer; the process group's timeout applies there.
     """
+    if not works:  # loopback: nothing was posted
+        return
     timeout = None if dist.get_backend(ov.group) == "nccl" else timedelta(seconds=ov.timeout)
     try:
         for work in works:

@@ -60,6 +60,7 @@ SIGMAS_PIPELINES = (
     "FluxKontextPipeline",
     "Flux2Pipeline",
     "Flux2KleinPipeline",
+    "HunyuanVideo15Pipeline",
 )
 
 
@@ -72,6 +73,8 @@ class SampleOptions:
     """Scheduler steps (``num_inference_steps``)."""
     guidance_scale: float | None = None
     """The pipeline's ``guidance_scale``: CFG for SD3 and Wan, the distilled-guidance embedding for FLUX."""
+    guidance_scale_2: float | None = None
+    """Wan2.2-A14B: the low-noise expert's ``guidance_scale_2`` (``sample.guidance_scale_2``)."""
     true_cfg_scale: float | None = None
     """FLUX and Qwen-Image: CFG against the empty prompt (the pipeline's ``true_cfg_scale``), as lean's runs with
     ``sample.cfg: true`` guide."""
@@ -79,7 +82,9 @@ class SampleOptions:
     """Prompt k starts from the eval noise of eval prompt k, sample 0, at this eval seed (:func:`noise_generator`);
     None: the run's ``eval.seed``, else 0."""
     resolution: int | None = None
-    """Image side in pixels."""
+    """Image side in pixels (the height when ``width`` is set)."""
+    width: int | None = None
+    """Frame width in pixels where it is not ``resolution`` (``model.width``)."""
     num_frames: int | None = None
     """Video families: frames per video."""
     shift: float | None = None
@@ -101,8 +106,9 @@ class SampleOptions:
     def validate(self, family: str) -> None:
         if self.num_steps is not None and self.num_steps < 1:
             raise ConfigError("--num-steps", self.num_steps, "must be >= 1")
-        if self.resolution is not None and (self.resolution < 16 or self.resolution % 16):
-            raise ConfigError("--resolution", self.resolution, "must be a positive multiple of 16")
+        for flag, pixels in (("--resolution", self.resolution), ("--width", self.width)):
+            if pixels is not None and (pixels < 16 or pixels % 16):
+                raise ConfigError(flag, pixels, "must be a positive multiple of 16")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         spec = family_spec(family)
@@ -190,9 +196,11 @@ def describe(options: SampleOptions) -> str:
     """The settings of ``options`` that are set, in words (None: the pipeline's default)."""
     names = {
         "resolution": "{} px",
+        "width": "{} px wide",
         "num_frames": "{} frames",
         "num_steps": "{} steps",
         "guidance_scale": "guidance_scale {}",
+        "guidance_scale_2": "guidance_scale_2 {}",
         "true_cfg_scale": "true_cfg_scale {}",
         "shift": "shift {:.6g}",
         "sigma_grid": "{} sigma grid",
@@ -280,12 +288,14 @@ def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
     """The pipeline call's keyword arguments shared by every prompt."""
     spec = family_spec(family)
     args = {"num_inference_steps": options.num_steps, "guidance_scale": options.guidance_scale, "output_type": "np"}
+    if options.guidance_scale_2 is not None:  # WanPipeline with transformer_2
+        args["guidance_scale_2"] = options.guidance_scale_2
     if options.true_cfg_scale is not None:
         args.update(true_cfg_scale=options.true_cfg_scale, negative_prompt=options.negative_prompt or "")
     elif options.negative_prompt:  # CFG's unconditional prompt where the pipeline guides by guidance_scale
         args["negative_prompt"] = options.negative_prompt
     if options.resolution is not None:
-        args.update(height=options.resolution, width=options.resolution)
+        args.update(height=options.resolution, width=options.width or options.resolution)
     if spec.video:
         args["num_frames"] = options.num_frames
     if options.sigma_grid is not None:

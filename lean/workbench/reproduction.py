@@ -87,6 +87,10 @@ FAMILIES = {
     "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
     "sp_speedup": ("overlap", "sequence-parallel compute-only iteration: the baseline's time / this schedule's"),
     "overlap_exposed_ms": ("overlap", "exposed communication of the overlap ops on gloo, ms"),
+    "sp_decode_ratio": (
+        "overlap",
+        "SP=2: each process's decode seconds with the split decode / every process decoding all",
+    ),
 }
 """Every headline figure family: (its stage, what it is); params.yaml ``report.bands`` is keyed by these."""
 
@@ -215,6 +219,7 @@ def headline_figures(outputs: str | Path) -> dict[str, Figure]:
         for key, value in overlap.items():
             if key.startswith("overlap_exposed_ms_"):
                 add(key, "overlap_exposed_ms", value)
+        add("sp_decode_ratio", "sp_decode_ratio", _number(overlap.get("sp_decode_ratio")))
     return figures
 
 

@@ -13,37 +13,24 @@ import torch
 from torch import Tensor
 
 from lean.models.sequence_parallel import SequenceParallel
+from lean.models.spec import VideoLatents
 from lean.models.text import PromptEmbeds, tokenize
 from lean.models.wan.sequence_parallel import shard_sequence
 
 
-class Wan:
+class Wan(VideoLatents):
     """Wan geometry, conditioning and calls for a fixed resolution and frame count (4k + 1 frames)."""
 
-    def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int):
+    def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int, width: int | None = None):
         t, s = vae_config.scale_factor_temporal, vae_config.scale_factor_spatial
         if (num_frames - 1) % t:
             raise ValueError(f"num_frames={num_frames}: Wan's VAE needs {t}k + 1 frames")
-        self.frames, self.h, self.w = (num_frames - 1) // t + 1, resolution // s, resolution // s
+        # resolution is the height; width (model.width) when the frames are not square, as Wan's 480 x 832
+        self.frames, self.h, self.w = (num_frames - 1) // t + 1, resolution // s, (width or resolution) // s
         self.patch = tuple(transformer_config.patch_size)  # (t, h, w)
         self.channels = vae_config.z_dim
         self.mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1, 1)
         self.std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1, 1)
-
-    @property
-    def noise_shape(self) -> tuple[int, ...]:
-        return (self.channels, self.frames, self.h, self.w)
-
-    latent_shape = noise_shape
-
-    @property
-    def image_seq_len(self) -> int:
-        """Video tokens: the transformer's ``patch_size`` patches of ``[F', h, w]``."""
-        pt, ph, pw = self.patch
-        return (self.frames // pt) * (self.h // ph) * (self.w // pw)
-
-    def noise_to_latents(self, noise: Tensor) -> Tensor:
-        return noise
 
     def latents_from_vae(self, z: Tensor) -> Tensor:
         return self.noise_to_latents((z - self.mean.to(z)) / self.std.to(z))

@@ -36,5 +36,6 @@ SPEC = FamilySpec(
     runtime=Wan,
     block_lists=("blocks",),
     sequence_parallel=True,
+    non_square=True,  # model.width: Wan's own sizes are 480 x 832 and 720 x 1280
     keeps_float32=True,  # WanTransformer3DModel._keep_in_fp32_modules: half-precision runs keep some modules float32
 )

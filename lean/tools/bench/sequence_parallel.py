@@ -8,8 +8,15 @@ variant from the same saved state, in alternating order; medians after the warm-
 
 the yardstick of ``lean bench overlap``'s ops, for a whole iteration: what the communication costs beyond the same
 computation, comparable across methods (a method that hides its transfers behind its GEMMs tends to 0; chunking
-overhead counts against it). On gloo the transfers are CPU copies by gloo's threads on the cores the GEMMs use; on
-NCCL the same code measures the GPU (``benchmarks/gpu_overlap.sh`` runs it).
+overhead counts against it).
+
+Every row also gives the VAE decode's seconds per process (``time_decode_s``), with the decode split over the group
+(``parallel.split_decode``, each process its share of the samples); one more variant, the baseline with the
+configured method and every process decoding every sample (``whole-decode``), measures what the split saves: the
+decode per process drops to about 1/P.
+
+On gloo the transfers are CPU copies by gloo's threads on the cores the GEMMs use; on NCCL the same code measures
+the GPU (``benchmarks/gpu_overlap.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from lean.metrics import median
 from lean.outputs import JsonLines, write_json
 from lean.overlap.p2p import METHODS
 from lean.provenance import machine
-from lean.schedules import SCHEDULES
+from lean.schedules import BASELINE, SCHEDULES
 from lean.tools.bench.schedules import BenchOptions, iteration_metrics, measured_config, timed_rounds
 from lean.train import Trainer
 
 COMPUTE_ONLY = "compute-only"
+WHOLE_DECODE = "whole-decode"  # the baseline's variant without parallel.split_decode
 
 
 def bench_sequence_parallel(
@@ -49,18 +57,21 @@ def bench_sequence_parallel(
     overlaps = {m: dataclasses.replace(configured, method=m, loopback=False) for m in METHODS}
     overlaps[COMPUTE_ONLY] = dataclasses.replace(configured, method=METHODS[0], loopback=True)
 
-    def variant(schedule: str, method: str):
+    parallel = trainer.pipeline.cfg.parallel
+
+    def variant(schedule: str, method: str, split_decode: bool = True):
         def run() -> dict:
-            sp.ov = overlaps[method]
+            sp.ov, parallel.split_decode = overlaps[method], split_decode
             return iteration_metrics(trainer, schedule)
 
         return run
 
     variants = {f"{s}/{m}": variant(s, m) for s in SCHEDULES for m in overlaps}
+    variants[WHOLE_DECODE] = variant(BASELINE, configured.method, split_decode=False)
     try:
         rows = timed_rounds(trainer, state, options, log, variants)
     finally:
-        sp.ov = configured
+        sp.ov, parallel.split_decode = configured, cfg.parallel.split_decode
         trainer.state.load_state_dict(state)
     result: dict = {
         "config": {
@@ -80,10 +91,20 @@ def bench_sequence_parallel(
             m: {
                 "time_iteration_s": median(t),
                 "exposed_ms": (median(t) - compute) * 1e3,
+                "time_decode_s": median([row["time_decode_s"] for row in rows[f"{s}/{m}"]]),
                 "time_iteration_all_s": t,
             }
             for m, t in times.items()
         }
+    split = rows[f"{BASELINE}/{configured.method}"]
+    result["decode"] = {  # the baseline with the configured method: decode per process, split vs whole
+        "method": configured.method,
+        "samples_per_group": result["config"]["samples_per_group"],
+        **{f"{k}_s": median([row[f"time_{k}_s"] for row in split]) for k in ("decode", "reward", "iteration")},
+        **{f"{k}_whole_s": median([row[f"time_{k}_s"] for row in rows[WHOLE_DECODE]]) for k in ("decode", "reward")},
+        "time_iteration_whole_s": median([row["time_iteration_s"] for row in rows[WHOLE_DECODE]]),
+    }
+    result["decode"]["decode_ratio"] = result["decode"]["decode_s"] / result["decode"]["decode_whole_s"]
     if trainer.world.is_main:
         print(format_table(result))
         if out:
@@ -92,7 +113,8 @@ def bench_sequence_parallel(
 
 
 def flat_metrics(result: dict) -> dict[str, float]:
-    """One key per schedule and method: ``sp_exposed_ms_<schedule>_<method>``, ``sp_time_iteration_s_<...>``."""
+    """One key per schedule and method: ``sp_exposed_ms_<schedule>_<method>``, ``sp_time_iteration_s_<...>``; the
+    split decode's ``sp_decode_s``, ``sp_decode_whole_s`` and their ``sp_decode_ratio``."""
     out = {}
     for s in SCHEDULES:
         for m, e in result[s].items():
@@ -100,6 +122,13 @@ def flat_metrics(result: dict) -> dict[str, float]:
             out[f"sp_time_iteration_s_{key}"] = e["time_iteration_s"]
             if m != COMPUTE_ONLY:
                 out[f"sp_exposed_ms_{key}"] = e["exposed_ms"]
+    if "decode" in result:
+        d = result["decode"]
+        out |= {
+            "sp_decode_s": d["decode_s"],
+            "sp_decode_whole_s": d["decode_whole_s"],
+            "sp_decode_ratio": d["decode_ratio"],
+        }
     return out
 
 
@@ -116,4 +145,12 @@ def format_table(result: dict) -> str:
         e = result[s]
         cells = " ".join(f"{e[m]['time_iteration_s']:13.3f} {e[m]['exposed_ms']:11.1f}" for m in methods)
         lines.append(f"{s:10} {e[COMPUTE_ONLY]['time_iteration_s']:15.3f} {cells}")
+    if "decode" in result:  # results written before the split decode have no such entry
+        d = result["decode"]
+        lines.append(
+            f"decode per process ({BASELINE}/{d['method']}, {d['samples_per_group']} samples per group): "
+            f"split {d['decode_s']:.3f} s vs whole {d['decode_whole_s']:.3f} s ({d['decode_ratio']:.2f}x); "
+            f"decode + rewards {d['reward_s']:.3f} vs {d['reward_whole_s']:.3f} s; "
+            f"iteration {d['iteration_s']:.3f} vs {d['time_iteration_whole_s']:.3f} s"
+        )
     return "\n".join(lines)
