@@ -358,27 +358,10 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
     config's own row does not fit."""
     peak = GPU_PEAK_TFLOPS[REFERENCE_GPU][cfg.model.torch_dtype] * 1e12
     inp = meta_input(cfg, gpus)
-    decodes = {}
-    count = lambda inp: meta_probe(inp, peak * mfu, decodes)  # noqa: E731
     budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
-    link = ALLGATHER_GB_S * 1e9 / 2**20
     degrees = sequence_degrees(inp, gpus)
-    rows, probes_by_degree = [], {}
-    sp = None
-    for degree in (d for d, why in degrees.items() if why is None):
-        if degree > 1 and sp is None:  # the family's own Ulysses code, installed once; each degree swaps its overlap
-            sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.arch, SimulatedOverlap())
-        if sp is not None:
-            sp.ov = SimulatedOverlap(cfg.parallel.overlap, size=degree)
-        at = at_degree(inp, gpus, degree)
-        by_checkpointing = {on: with_all_to_alls(m, at, degree) for on, m in counted(at, count).items()}
-        probes_by_degree[degree] = by_checkpointing
-        probes = shard_probes(at, by_checkpointing, link, overlap=True, probed=SHARDS.default)  # a replica counted
-        rows += [
-            {**r, "sequence_parallel": degree, "fits": r["peak_memory_mb"] <= budget_mb}
-            for r in combinations(at, probes)
-        ]
-    rows.sort(key=lambda r: (not r["fits"], r["time_iteration_s"] if r["fits"] else r["peak_memory_mb"]))
+    probes_by_degree = count_degrees(inp, gpus, [d for d, why in degrees.items() if why is None], peak * mfu)
+    rows = tabulate(inp, gpus, probes_by_degree, budget_mb)
     fitting = [r for r in rows if r["fits"]]
     own_degree = cfg.parallel.sequence_parallel if cfg.parallel.sequence_parallel in probes_by_degree else 1
     report = {
@@ -410,6 +393,38 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
         write_json(f"{out}/plan.json", report)
     refuse_what_does_not_fit(cfg, report)
     return report
+
+
+def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
+    """Per sequence-parallel degree, the probe's figures with checkpointing off and on (:func:`counted`), each pass's
+    exposed all-to-all time added. The family's own Ulysses code is installed once and each degree swaps its
+    :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size."""
+    decodes = {}
+    count = lambda at: meta_probe(at, flops_per_s, decodes)  # noqa: E731
+    sp, out = None, {}
+    for degree in degrees:
+        if degree > 1 and sp is None:
+            sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.arch, SimulatedOverlap())
+        if sp is not None:
+            sp.ov = SimulatedOverlap(inp.cfg.parallel.overlap, size=degree)
+        at = at_degree(inp, gpus, degree)
+        out[degree] = {on: with_all_to_alls(m, at, degree) for on, m in counted(at, count).items()}
+    return out
+
+
+def tabulate(inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budget_mb: float) -> list[dict]:
+    """Every row (:func:`lean.plan.combinations` of each degree, fsdp modelled from the counted replica) with its
+    degree and whether it fits ``budget_mb``: the fitting rows first, fastest first, then the others, smallest first."""
+    link = ALLGATHER_GB_S * 1e9 / 2**20
+    rows = []
+    for degree, by_checkpointing in probes_by_degree.items():
+        at = at_degree(inp, gpus, degree)
+        probes = shard_probes(at, by_checkpointing, link, overlap=True, probed=SHARDS.default)
+        rows += [
+            {**r, "sequence_parallel": degree, "fits": r["peak_memory_mb"] <= budget_mb}
+            for r in combinations(at, probes)
+        ]
+    return sorted(rows, key=lambda r: (not r["fits"], r["time_iteration_s"] if r["fits"] else r["peak_memory_mb"]))
 
 
 SETTINGS = {  # a row's settings, as the config keys that choose them
