@@ -194,10 +194,11 @@ def test_bench_config_is_the_bench_section_of_params(tmp_path):
         bench_config(params)
 
 
-@pytest.mark.timeout(180)
-def test_plan_predicts_retains_peak_memory():
-    """`lean plan`'s Retain peak against a measured one (live bytes, as the bench measures): the issue's +-15% on the
-    total, and the part Retain adds (K steps of saved activations + the backward) within 40%."""
+def _retain_peak(rank: int, world: int, port: int, out: str) -> None:
+    """Retain's measured peak and ``lean plan``'s prediction of it, in a process of its own: the live heap it reads
+    holds nothing a test before it left behind in this worker (a busy worker once read a 50 MiB delta for 28)."""
+    import json
+
     from lean.metrics import live_bytes_heap
     from lean.plan import iteration_costs, predict, probe
 
@@ -212,6 +213,24 @@ def test_plan_predicts_retains_peak_memory():
     inp = trainer.plan_input()
     step = probe(inp)
     predicted = predict(iteration_costs(inp, step))["retain"].peak_memory_mb
+    keys = ("peak_memory_mb", "peak_memory_delta_mb")
+    Path(out).write_text(
+        json.dumps({"predicted": predicted, "base_mb": step["base_mb"], **{k: measured[k] for k in keys}})
+    )
+
+
+@pytest.mark.timeout(180)
+def test_plan_predicts_retains_peak_memory(tmp_path):
+    """`lean plan`'s Retain peak against a measured one (live bytes, as the bench measures): the issue's +-15% on the
+    total, and the part Retain adds (K steps of saved activations + the backward) within 40%."""
+    import json
+
+    from helpers import spawn
+
+    spawn(_retain_peak, 1, str(tmp_path / "peak.json"), deadline_s=150)
+    measured = json.loads((tmp_path / "peak.json").read_text())
+    predicted = measured["predicted"]
+    step = {"base_mb": measured["base_mb"]}
     assert abs(predicted / measured["peak_memory_mb"] - 1) <= 0.15
     assert abs((predicted - step["base_mb"]) / measured["peak_memory_delta_mb"] - 1) <= 0.4, (predicted, measured)
 
