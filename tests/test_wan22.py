@@ -40,15 +40,9 @@ def test_the_spec_is_wan_with_two_experts_and_the_published_size():
     assert 14.0e9 < count_parameters("wan22", "full") < 14.5e9  # each expert: Wan2.1-T2V-14B's transformer
 
 
-def test_each_expert_runs_on_its_side_of_the_boundary_as_in_the_wan_pipeline(policy, tmp_path):
-    """WanPipeline's denoising loop (boundary_ratio 0.875, no CFG) on the policy's adapted experts: every transformer
-    call is the expert lean picks for that sigma, and lean's velocity equals its output."""
-    from diffusers import WanPipeline
-
-    policy.save_pretrained(tmp_path, adapter=False)
-    pipe = WanPipeline.from_pretrained(tmp_path, scheduler=build_scheduler("wan22", None))
-    assert pipe.config.boundary_ratio == BOUNDARY
-    pipe.transformer, pipe.transformer_2 = policy.denoisers  # the adapted weights
+def transformer_calls(policy, pipe, **call) -> list[tuple]:
+    """Run WanPipeline (latents, no CFG, seed 0) and record every call of each of the policy's denoisers:
+    (denoiser index, hidden_states, timestep, encoder_hidden_states, output)."""
     calls = []
 
     def recorder(k):
@@ -60,19 +54,26 @@ def test_each_expert_runs_on_its_side_of_the_boundary_as_in_the_wan_pipeline(pol
     hooks = [net.register_forward_hook(recorder(k), with_kwargs=True) for k, net in enumerate(policy.denoisers)]
     try:
         with torch.no_grad():
-            pipe(
-                prompt=list(DEFAULT_PROMPTS[:2]),
-                height=policy.resolution,
-                width=policy.resolution,
-                num_frames=5,
-                num_inference_steps=4,
-                guidance_scale=1.0,
-                output_type="latent",
-                generator=torch.Generator().manual_seed(0),
-            )
+            pipe(**call, guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0))
     finally:
         for h in hooks:
             h.remove()
+    return calls
+
+
+def test_each_expert_runs_on_its_side_of_the_boundary_as_in_the_wan_pipeline(policy, tmp_path):
+    """WanPipeline's denoising loop (boundary_ratio 0.875, no CFG) on the policy's adapted experts: every transformer
+    call is the expert lean picks for that sigma, and lean's velocity equals its output."""
+    from diffusers import WanPipeline
+
+    policy.save_pretrained(tmp_path, adapter=False)
+    pipe = WanPipeline.from_pretrained(tmp_path, scheduler=build_scheduler("wan22", None))
+    assert pipe.config.boundary_ratio == BOUNDARY
+    pipe.transformer, pipe.transformer_2 = policy.denoisers  # the adapted weights
+    size = {"height": policy.resolution, "width": policy.resolution}
+    calls = transformer_calls(
+        policy, pipe, prompt=list(DEFAULT_PROMPTS[:2]), **size, num_frames=5, num_inference_steps=4
+    )
     assert {k for k, *_ in calls} == {0, 1}  # the four steps straddle the boundary
     emb = policy.encode_prompts(DEFAULT_PROMPTS[:2])
     for k, x, t, tokens, out in calls:
@@ -218,27 +219,11 @@ def test_frames_of_another_width_than_height_are_the_wan_pipelines(tmp_path):
     assert w == 2 * h and policy.arch.image_seq_len == frames * h * w // 4  # 1x2x2 patches
     policy.save_pretrained(tmp_path, adapter=False)
     pipe = WanPipeline.from_pretrained(tmp_path, scheduler=build_scheduler("wan", None))
-    calls = []
-    hook = policy.denoisers[0].register_forward_hook(
-        lambda m, a, kw, out: calls.append((kw["hidden_states"], kw["timestep"], kw["encoder_hidden_states"], out[0])),
-        with_kwargs=True,
+    calls = transformer_calls(
+        policy, pipe, prompt=list(DEFAULT_PROMPTS[:1]), height=32, width=64, num_frames=5, num_inference_steps=2
     )
-    try:
-        with torch.no_grad():
-            pipe(
-                prompt=list(DEFAULT_PROMPTS[:1]),
-                height=32,
-                width=64,
-                num_frames=5,
-                num_inference_steps=2,
-                guidance_scale=1.0,
-                output_type="latent",
-                generator=torch.Generator().manual_seed(0),
-            )
-    finally:
-        hook.remove()
     emb = policy.encode_prompts(DEFAULT_PROMPTS[:1])
-    for x, t, tokens, out in calls:
+    for _, x, t, tokens, out in calls:
         assert x.shape[1:] == policy.arch.noise_shape
         with torch.no_grad():
             got = policy.velocity(x, t / 1000, dataclasses.replace(emb, tokens=tokens), cfg=False, guidance_scale=1.0)
