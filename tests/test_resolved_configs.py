@@ -1,0 +1,65 @@
+"""Every preset resolves to the configuration it resolved to before the restructuring of issue #45 (and params.yaml
+too): ``tests/data/resolved_configs.json`` holds each one's ``RunConfig.to_dict()`` as written before the move. A key
+that moved since (``lean.config.MOVED``) is compared at its new place; nothing else may change."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lean.config import MOVED
+from lean.configure import load_config
+from lean.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+RESOLVED = json.loads((ROOT / "tests" / "data" / "resolved_configs.json").read_text())
+
+
+def resolved(name: str) -> dict:
+    """The resolved config of a preset (or of params.yaml alone) as JSON: an edit prompt keeps its image, as a path
+    from the repository's root (the record compares across clones)."""
+    preset = None if name == "params.yaml" else name
+
+    def plain(value):
+        if isinstance(value, dict):
+            return {key: plain(v) for key, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if getattr(value, "image", None) is not None:
+            return {"prompt": str(value), "image": str(Path(value.image).resolve().relative_to(ROOT))}
+        return value
+
+    return plain(load_config(ROOT / "params.yaml", preset=preset).to_dict())
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}} -> {"a.b": 1}``, down to the keys of the sections' dataclasses (mappings such as
+    ``reward.weights`` stay whole below their own key)."""
+    flat = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted.count(".") < 1:
+            flat.update(flatten(value, f"{dotted}."))
+        elif isinstance(value, dict) and dotted.split(".")[-1] in ("mixgrpo", "nft", "dpo"):
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def moved(flat: dict) -> dict:
+    """The keys of a config written before a move, at their new places."""
+    return {MOVED.get(key, key): value for key, value in flat.items()}
+
+
+def test_every_preset_is_in_the_record():
+    assert set(RESOLVED) == {"params.yaml", *PRESETS}
+
+
+@pytest.mark.parametrize("name", ["params.yaml", *PRESETS])
+def test_the_resolved_config_is_unchanged(name):
+    now = flatten(resolved(name))
+    before = moved(flatten(RESOLVED[name]))
+    assert now.keys() == before.keys(), (sorted(now.keys() - before.keys()), sorted(before.keys() - now.keys()))
+    changed = {k: (before[k], now[k]) for k in now if now[k] != before[k]}
+    assert not changed, changed
