@@ -18,14 +18,17 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from lean import export, plan, tracking
+from lean import export
 from lean.config import ConfigError, RewardModelConfig, suggest
 from lean.configure import load_config
-from lean.launch import Nodes, launch
-from lean.preemption import EXIT_PREEMPTED, Preempted
+from lean.observe import tracking
+from lean.parallel.launch import Nodes, launch
+from lean.plan import cost as plan
+from lean.plan import meta as meta_plan
 from lean.rewards import RewardServerError
+from lean.run.preemption import EXIT_PREEMPTED, Preempted
 from lean.schedules import several_updates
-from lean.tools import equivalence, meta_plan, sampling
+from lean.tools import equivalence, sampling
 from lean.tools.bench import overlap as bench_overlap
 from lean.tools.bench.schedules import bench_config, bench_recipe, bench_schedules
 from lean.train import train
@@ -39,7 +42,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="YAML file with model/sample/reward/train/eval sections (default: ./params.yaml if it exists)",
     )
-    p.add_argument("--preset", default=None, help="named recipe from lean/presets, applied on top of --params")
+    p.add_argument("--preset", default=None, help="named recipe from lean/config/presets, applied on top of --params")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -386,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     except RewardServerError as e:  # the rollout was kept under <out>/failed_rollouts (lean train)
         print(f"lean: rank {rank}: {e}", file=sys.stderr)
         return EXIT_REWARD_SERVER
-    except FloatingPointError as e:  # lean.iteration.NonFiniteError with train.on_nonfinite=abort
+    except FloatingPointError as e:  # lean.run.iteration.NonFiniteError with train.on_nonfinite=abort
         print(f"lean: rank {rank}: stopped: {e}", file=sys.stderr)
         return EXIT_NONFINITE
     except Exception as e:

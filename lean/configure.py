@@ -11,12 +11,15 @@ import copy
 import os
 from collections.abc import Callable, Iterable
 
-from lean import algorithms, dtypes, layout, models, rewards, rollout, schedules, sde, sharding
-from lean.config import SECTIONS, RunConfig, read_config
+from lean import algorithms, models, rewards, schedules
+from lean.config import SECTIONS, RunConfig, dtypes, read_config
 from lean.models import sequence_parallel
-from lean.overlap import p2p
+from lean.parallel import layout, sharding
+from lean.parallel.overlap import p2p
+from lean.sampling import rollout, sde
 
-# The modules whose registries the sections' choice fields name (lean.registry.CATALOG): imported, they are filled.
+# The modules whose registries the sections' choice fields name (lean.config.registry.CATALOG): imported, they are
+# filled.
 OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, sde, sharding)
 
 Rule = Callable[[RunConfig, "int | None"], None]

@@ -8,8 +8,8 @@ For each eval prompt p (``eval.prompts``, default the training prompts) and samp
     images = decode(x_N)                  (the last ODE step lands on DanceGRPO's x̂_0 too: σ_N = 0)
     reward = Σ_name w_name r_name(images, prompts)     the run's ``reward.weights``
 
-The loop is the rollout's own (``lean.rollout.rollout``) with a step selection that marks no step stochastic, under
-the weights the caller swaps in (``TrainState.ema_swapped_in``: the EMA ones with ``train.ema`` and
+The loop is the rollout's own (``lean.sampling.rollout.rollout``) with a step selection that marks no step stochastic,
+under the weights the caller swaps in (``TrainState.ema_swapped_in``: the EMA ones with ``train.ema`` and
 ``eval.use_ema``). With the same weights two evaluations give the same images, so the grids of a run show what
 training changed and nothing else.
 
@@ -49,18 +49,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lean.config.prompts import reference_image
 from lean.models import family_spec
-from lean.outputs import write_csv
-from lean.prompts import reference_image
-from lean.rollout import rollout, sample_generator
-from lean.sde import EULER, StepSelection, sigma_schedule
-from lean.sharding import FSDP
+from lean.observe.outputs import write_csv
+from lean.parallel.sharding import FSDP
+from lean.sampling.rollout import rollout, sample_generator
+from lean.sampling.sde import EULER, StepSelection, sigma_schedule
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from lean.distributed import World
-    from lean.iteration import IterationPipeline
+    from lean.parallel.distributed import World
+    from lean.run.iteration import IterationPipeline
 
 EVAL_STREAM = 2**32 - 2  # the iteration key of the eval noise streams: no training iteration has it
 GIF_FRAME_MS = 62  # 16 frames per second, Wan's rate
@@ -132,7 +132,7 @@ class Evaluator:
     @property
     def lockstep_batches(self) -> int:
         """Under ``parallel.shard=fsdp`` every process samples as many batches as the largest share needs
-        (``lean.sharding``); else 0 (no padding)."""
+        (``lean.parallel.sharding``); else 0 (no padding)."""
         if self.cfg.parallel.shard != FSDP or self.world.size < 2:
             return 0
         return math.ceil(math.ceil(len(self.keys) / self.world.size) / self.cfg.eval.batch_size)

@@ -47,7 +47,7 @@ from lean.models import (
     lora_config,
     meta_transformer,
 )
-from lean.sharding import full_state_dict
+from lean.parallel.sharding import full_state_dict
 
 LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default weight name

@@ -1,8 +1,8 @@
-"""``lean train``: GRPO iterations (``lean.iteration``) with the chosen schedule, checkpoints, tracking and outputs.
+"""``lean train``: GRPO iterations (``lean.run.iteration``) with the chosen schedule, checkpoints, tracking and outputs.
 
-Data parallel through Accelerate (``lean.distributed``): every process rolls out its slice of each iteration's
+Data parallel through Accelerate (``lean.parallel.distributed``): every process rolls out its slice of each iteration's
 batch, advantages are computed over all of them, and gradients are averaged once per update
-(``lean.optimizer.TrainState.step``).
+(``lean.run.optimizer.TrainState.step``).
 """
 
 from __future__ import annotations
@@ -18,20 +18,21 @@ from pathlib import Path
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from lean import checkpoint, export, tracking
+from lean import checkpoint, export
 from lean.algorithms import ALGORITHMS
 from lean.config import SECTIONS, ConfigError, RunConfig
-from lean.distributed import World, init_world, set_threads
 from lean.evaluation import Evaluator
-from lean.iteration import IterationResult, NonFiniteError, build_pipeline
-from lean.metrics import FlopTally, median
-from lean.optimizer import TrainState
-from lean.outputs import numbers, write_csv, write_json
-from lean.plan import PlanInput, decide, plan_input
-from lean.preemption import Preempted, StopOnSigterm
+from lean.observe import tracking
+from lean.observe.metrics import FlopTally, median
+from lean.observe.outputs import numbers, write_csv, write_json
+from lean.parallel.distributed import World, init_world, set_threads
+from lean.parallel.sharding import FSDP, effective_shard
+from lean.plan.cost import PlanInput, decide, plan_input
+from lean.run.iteration import IterationResult, NonFiniteError, build_pipeline
+from lean.run.optimizer import TrainState
+from lean.run.preemption import Preempted, StopOnSigterm
 from lean.schedules import AUTO, LEAN_SCHEDULES, SCHEDULES
 from lean.schedules.recompute import RECOMPUTE_FORWARD
-from lean.sharding import FSDP, effective_shard
 
 
 class Trainer:
@@ -69,7 +70,7 @@ class Trainer:
 
 
 def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
-    """``auto`` -> a Lean schedule from the memory budget (``lean.plan``). An explicit Lean schedule with a
+    """``auto`` -> a Lean schedule from the memory budget (``lean.plan.cost``). An explicit Lean schedule with a
     ``train.memory_budget_mb`` is refused up front when its predicted peak exceeds the budget."""
     t = trainer.cfg.train
     if t.schedule == AUTO:  # each process times its own probe: they take the main process's choice

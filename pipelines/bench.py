@@ -1,5 +1,5 @@
 """Stage ``bench_schedules``: the schedules timed interleaved (``lean.tools.bench.schedules.bench_schedules``), with the
-analytic prediction of ``lean.plan`` from the same process.
+analytic prediction of ``lean.plan.cost`` from the same process.
 
     python -m pipelines.bench [--params params.yaml] [--out outputs/bench]
 
@@ -9,7 +9,7 @@ not be the base's.
 
 Writes OUT/schedules.json (per-phase medians, peak memory, FLOPs, MFU/HFU, speedup and its bound), OUT/plan.json,
 OUT/metrics.json (flat: speedup_<s>, speedup_bound_<s>, mfu_<s>, hfu_<s>, peak_memory_mb_<s>; and ``measured_on``, the
-machine the figures were measured on: ``lean.provenance``) and OUT/phases.csv.
+machine the figures were measured on: ``lean.observe.provenance``) and OUT/phases.csv.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lean import tracking
-from lean.outputs import numbers, write_csv, write_json
+from lean.observe import tracking
+from lean.observe.outputs import numbers, write_csv, write_json
 from lean.schedules import SCHEDULES
 from lean.tools.bench.schedules import PHASES, bench_config, bench_schedules, flat_metrics
 from lean.workbench.stage import begin_stage

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lean import tracking
-from lean.outputs import write_json
+from lean.observe import tracking
+from lean.observe.outputs import write_json
 from lean.tools.bench.schedules import bench_config, bench_recipe, recipe_metrics
 from lean.workbench.stage import begin_stage
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from lean import tracking
-from lean.dtypes import dtype_name
-from lean.outputs import write_json
+from lean.config.dtypes import dtype_name
+from lean.observe import tracking
+from lean.observe.outputs import write_json
 from lean.tools.equivalence import half_tolerance, passes, run_equivalence
 from lean.workbench.stage import begin_stage, stage_config
 

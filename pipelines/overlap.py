@@ -8,7 +8,8 @@ schedules`` with ``parallel.sequence_parallel``, ``lean.tools.bench.sequence_par
 Writes OUT/bench/ (overlap.json, projection.json, gantt*.png from ``lean bench overlap``), OUT/sequence_parallel/
 (sequence_parallel.json, measured.jsonl) and OUT/metrics.json (overlap_exposed_ms_<method>: median latency -
 compute-only in ms, overlap_latency_ms_<method>, overlap_model_mean_abs_error; sp_exposed_ms_<schedule>_<method> and
-sp_time_iteration_s_<schedule>_<method>; ``measured_on``: the machine both were measured on, ``lean.provenance``).
+sp_time_iteration_s_<schedule>_<method>; ``measured_on``: the machine both were measured on,
+``lean.observe.provenance``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
-from lean import tracking
 from lean.cli import main as lean_main
-from lean.outputs import write_json
+from lean.observe import tracking
+from lean.observe.outputs import write_json
 from lean.tools.bench.overlap_report import flat_metrics
 from lean.tools.bench.sequence_parallel import flat_metrics as sequence_parallel_metrics
 from lean.workbench.stage import begin_stage

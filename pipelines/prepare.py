@@ -14,8 +14,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from lean import tracking
-from lean.outputs import write_csv, write_json
+from lean.observe import tracking
+from lean.observe.outputs import write_csv, write_json
 from lean.workbench.pretrain import PretrainConfig, pretrain
 from lean.workbench.stage import begin_stage, stage_config
 

@@ -19,8 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-from lean import tracking
-from lean.outputs import write_json
+from lean.observe import tracking
+from lean.observe.outputs import write_json
 from lean.workbench import reproduction
 from lean.workbench.stage import begin_stage
 

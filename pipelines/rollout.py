@@ -14,8 +14,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from lean import tracking
-from lean.outputs import numbers, write_csv, write_json
+from lean.observe import tracking
+from lean.observe.outputs import numbers, write_csv, write_json
 from lean.workbench.method import run_rollout
 from lean.workbench.stage import begin_stage, stage_config
 

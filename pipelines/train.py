@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lean.outputs import write_csv
+from lean.observe.outputs import write_csv
 from lean.schedules import SCHEDULE_CHOICES, SCHEDULES
 from lean.workbench.side_by_side import RunFailed, run_side_by_side
 from lean.workbench.stage import begin_stage, stage_config

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from lean.algorithms import ALGORITHMS
-from lean.outputs import write_csv
+from lean.observe.outputs import write_csv
 from lean.workbench.stage import begin_stage, stage_config
 from pipelines.train import EVAL_COLUMNS
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from lean import tracking
-from lean.outputs import numbers, write_json
+from lean.observe import tracking
+from lean.observe.outputs import numbers, write_json
 from lean.schedules import SCHEDULES
 from lean.workbench.method import run_update
 from lean.workbench.stage import begin_stage, stage_config

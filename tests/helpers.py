@@ -54,7 +54,7 @@ def tiny_preset(name: str, *overrides: str) -> RunConfig:
 
 # What every test process imports (seconds per process: torch, diffusers with peft and transformers). `spawn` forks
 # its processes from one server per pytest worker that imported these once, instead of starting each afresh.
-PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "lean.models.policy", "lean.overlap"]
+PRELOAD = ["torch", "torch.distributed", "diffusers.models.transformers", "lean.models.policy", "lean.parallel.overlap"]
 
 
 def spawn(fn, world: int, *args, deadline_s: float) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lean.algorithms.groups import group_advantages, group_stats
-from lean.layout import local_slice
+from lean.parallel.layout import local_slice
 
 EPS = 1e-4
 

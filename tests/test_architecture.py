@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lean.dtypes import DTYPES
+from lean.config.dtypes import DTYPES
 from lean.models import FAMILIES
 from lean.schedules import AUTO, SCHEDULES
 
@@ -85,22 +85,61 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 @pytest.mark.parametrize("annotations", [False, True], ids=["runtime", "with-type-checking"])
 def test_the_module_graph_is_acyclic(annotations):
     graph = module_graph(annotations)
-    assert len(graph) > 30 and "lean.iteration" in graph["lean.train"]
+    assert len(graph) > 30 and "lean.run.iteration" in graph["lean.train"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 # What lean.config may import from lean: the registry and leaf modules (each imports nothing from lean but the
 # registry). The domain modules register their names and own their cross-section rules (lean.configure).
-CONFIG_IMPORTS = {"lean.registry", "lean.dtypes", "lean.presets", "lean.prompts"}
+CONFIG_IMPORTS = {"lean.config.registry", "lean.config.dtypes", "lean.config.presets", "lean.config.prompts"}
 
 
 def test_configuration_is_at_the_bottom():
     graph = module_graph(annotations=True)
     assert graph["lean.config"] == CONFIG_IMPORTS
     for leaf in CONFIG_IMPORTS:
-        assert graph[leaf] <= {"lean.registry"}, f"{leaf} imports {graph[leaf]}"
+        assert graph[leaf] <= {"lean.config.registry"}, f"{leaf} imports {graph[leaf]}"
     importers = [m for m, deps in graph.items() if "lean.config" in deps]
     assert len(importers) > 10  # the sections are read everywhere; config reads nothing back
+
+
+# lean's packages (and root modules) from the bottom up: a module imports only from its own layer and the ones below.
+LAYERS = (
+    {"config"},  # the mechanism, the registries, dtypes, prompts, presets: no domain module
+    {"observe"},  # timers, FLOPs, memory, tracking, provenance, files
+    {"parallel"},  # processes, sharding, layout, FlashOverlap
+    {"sampling"},  # the SDE and the sampling loop
+    {"models", "rewards"},  # the families; what scores a sample
+    {"algorithms"},  # what is optimised
+    {"schedules"},  # how its gradient is computed
+    {"configure"},  # load_config: the sections, then their owners' rules
+    {"run"},  # one iteration, the optimizer step, the scoring worker
+    {"plan", "evaluation", "checkpoint", "export"},
+    {"train"},  # lean train's loop
+    {"tools"},  # the certificate, benchmarks, lean sample, lean ui
+    {"workbench"},  # the DVC workbench's logic
+    {"cli"},
+)
+ROOT_MODULES_AT_MOST = 10
+
+
+def layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    if top == "__init__":
+        return -1  # lean/__init__.py: the version, imports nothing
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_packages_are_layered():
+    """A lower package never imports a higher one (every module of lean/ is placed in LAYERS)."""
+    graph = module_graph(annotations=True)
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer(d) > layer(m)]
+    assert not upward, upward
+
+
+def test_few_modules_at_the_root():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_AT_MOST, root
 
 
 LOSS_TERMS = {"clipped_surrogate", "kl_penalty", "kl_step_weights", "group_advantages"}

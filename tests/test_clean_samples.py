@@ -127,7 +127,7 @@ def test_what_cannot_run_a_clean_sample_algorithm_is_one_config_line(name, sched
 def test_plan_counts_each_algorithms_terms_and_schedules(sets, terms, schedules):
     """lean plan's cost model: K is the algorithm's (NFT's and DPO's draws, MixGRPO's window), and the schedules it
     predicts for are those that compute the algorithm's gradient."""
-    from lean.plan import combinations, iteration_costs, probe
+    from lean.plan.cost import combinations, iteration_costs, probe
 
     trainer = Trainer(tiny(*sets))
     inp = trainer.plan_input()

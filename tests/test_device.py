@@ -10,9 +10,9 @@ import torch
 from device_checks import META, DeviceCheck, DeviceMixing
 from helpers import tiny
 
-from lean.distributed import World
-from lean.iteration import IterationPipeline, build_pipeline
-from lean.optimizer import TrainState
+from lean.parallel.distributed import World
+from lean.run.iteration import IterationPipeline, build_pipeline
+from lean.run.optimizer import TrainState
 from lean.schedules import SCHEDULES
 
 CASES = {  # guidance, KL, per-sample step selection (CFG); a video latent, an SDE window (no CFG)

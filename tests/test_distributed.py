@@ -79,8 +79,8 @@ def _column(path, name):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("processes", [2, 4])
 def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
-    """Each process holds two groups and finishes each as soon as it is scored (``lean.layout``): Retain and Reweight
-    still give Recompute's synchronised gradient."""
+    """Each process holds two groups and finishes each as soon as it is scored (``lean.parallel.layout``): Retain and
+    Reweight still give Recompute's synchronised gradient."""
     groups = ["--set", f"train.prompts_per_iteration={2 * processes}", "--set", "train.rollout_batch_size=2"]
     lean_ranks(
         processes,

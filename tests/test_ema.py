@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 
 from lean import checkpoint
 from lean.config import TrainConfig
-from lean.distributed import World
-from lean.optimizer import TrainState, ema_decay
+from lean.parallel.distributed import World
+from lean.run.optimizer import TrainState, ema_decay
 from lean.train import Trainer, train
 
 

@@ -12,12 +12,13 @@ import torch
 from helpers import tiny
 from PIL import Image
 
-from lean import checkpoint, tracking
+from lean import checkpoint
 from lean.config import ConfigError
 from lean.configure import load_config
-from lean.distributed import World
 from lean.evaluation import Evaluator, eval_iterations, pad_share, share, unpad_shares
-from lean.iteration import build_pipeline
+from lean.observe import tracking
+from lean.parallel.distributed import World
+from lean.run.iteration import build_pipeline
 from lean.train import Trainer, config_changes, eval_summary, evaluate, train
 
 # two prompts x two samples, two Euler steps: an evaluation of the tiny model takes about a second

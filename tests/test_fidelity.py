@@ -32,15 +32,15 @@ import torch
 from PIL import Image
 
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, build_algorithm
+from lean.config.presets import PRESETS
 from lean.configure import load_config
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
-from lean.presets import PRESETS
 from lean.rewards import REWARDS
-from lean.rollout import StepOutput
+from lean.sampling.rollout import StepOutput
+from lean.sampling.sde import StepSelection, sigma_schedule
 from lean.schedules.base import IterationContext
 from lean.schedules.recompute import Recompute
-from lean.sde import StepSelection, sigma_schedule
 
 SHAPE = (2, 3, 4)  # per-sample latent
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])  # three prompts x three samples; the third scores a constant
@@ -382,7 +382,7 @@ def test_lora_adapts_the_published_modules(preset):
 def test_trained_step_count_of_each_source():
     """FlowGRPO: int(N x fraction) (train_sd3.py:345); DanceGRPO: int((N - 1) x fraction) of the N - 1 kept steps
     (train_grpo_flux_lora.py:514 after the slice at :456)."""
-    from lean.sde import num_trained_steps
+    from lean.sampling.sde import num_trained_steps
 
     assert num_trained_steps(10, 0.99, "all") == 9 and num_trained_steps(6, 0.99, "all") == 5
     assert num_trained_steps(12, 0.6, "trainable") == 6 and num_trained_steps(12, 0.6, "all") == 7

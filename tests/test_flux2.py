@@ -21,7 +21,7 @@ from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
 from lean.configure import load_config
 from lean.models import build_policy, build_scheduler, count_parameters, time_shift
 from lean.models.precision import float64_scope
-from lean.sde import ode_step, sigma_schedule
+from lean.sampling.sde import ode_step, sigma_schedule
 
 FAMILIES = ("flux2", "flux2_klein")
 B = 2
@@ -323,8 +323,8 @@ PRESETS = {"flowfactory-grpo-flux2": ("flux2", 32.22e9), "flowfactory-grpo-flux2
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_cite_every_value_and_plan_at_the_published_size(name, tmp_path):
-    from lean.plan import main as plan
-    from lean.presets import PRESET_DIR
+    from lean.config.presets import PRESET_DIR
+    from lean.plan.cost import main as plan
 
     lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
     values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]

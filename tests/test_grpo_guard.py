@@ -10,7 +10,7 @@ from helpers import tiny
 from lean.algorithms import build_algorithm
 from lean.algorithms.grpo_guard import sample_means
 from lean.config import ConfigError
-from lean.sde import sde_step_with_logprob, sigma_schedule
+from lean.sampling.sde import sde_step_with_logprob, sigma_schedule
 
 GUARD = ["algorithm.name=grpo_guard", "model.dtype=float64"]
 

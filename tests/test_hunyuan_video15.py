@@ -32,7 +32,7 @@ from lean.models.hunyuan_video15.model import (
     glyph_text,
     prefix_tokens,
 )
-from lean.sde import ode_step, sigma_schedule
+from lean.sampling.sde import ode_step, sigma_schedule
 
 FAMILY = "hunyuan_video15"
 SCALE = 6.0  # the published guider's guidance_scale
@@ -307,9 +307,9 @@ def test_lora_folder_loads_into_the_pipelines_transformer(policy, folder, tmp_pa
 
 
 def test_spec_sizes_and_the_published_size(capsys):
-    """The 480p T2V transformer: 54 blocks of width 2048, 8.33B parameters (meta device), as lean.plan's
+    """The 480p T2V transformer: 54 blocks of width 2048, 8.33B parameters (meta device), as lean.plan.cost's
     published-size count prints it; lean plan's meta-device probe refuses the family in one line."""
-    from lean import plan
+    from lean.plan import cost as plan
 
     spec = family_spec(FAMILY)
     assert spec.pipeline == "HunyuanVideo15Pipeline" and spec.vae.temporal_compression == 4 and not spec.true_cfg

@@ -73,7 +73,7 @@ def test_the_rollout_tracks_only_the_first_updates_samples(micro_batch):
     """Retain keeps the graphs of the first update's samples only; Reweight backpropagates those alone. FlowGRPO's
     shuffled update order is drawn before the rollout, and the local batch laid out in it: the first update's samples
     are the first rows, whole rollout micro-batches when they align (4), else one is split (8)."""
-    from lean.iteration import global_samples, local_batch
+    from lean.run.iteration import global_samples, local_batch
     from lean.train import Trainer
 
     cfg = tiny_preset(
@@ -155,7 +155,7 @@ def test_auto_weighs_only_the_schedules_that_run_the_recipe_exactly():
     from dataclasses import replace
 
     from lean.configure import load_config
-    from lean.plan import choose, exact_predictions
+    from lean.plan.cost import choose, exact_predictions
 
     costs = HYBRID_COSTS
     recipe = load_config(None, [], preset="flowgrpo-sd3")

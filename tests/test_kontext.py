@@ -14,9 +14,9 @@ import torch
 from helpers import lean_here, write_edit_prompts
 
 from lean.config import ConfigError, ModelConfig
+from lean.config.prompts import ImagePrompt, read_prompts, reference_pixels
 from lean.configure import load_config
 from lean.models import EDIT_PROMPTS, build_policy, build_scheduler
-from lean.prompts import ImagePrompt, read_prompts, reference_pixels
 
 EDITS = read_prompts(EDIT_PROMPTS)
 

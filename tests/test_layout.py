@@ -1,5 +1,5 @@
-"""The data-parallel layout (``lean.layout``, ``parallel.layout``): the group layout finishes each prompt group as soon
-as it is scored (Retain frees its graphs, Reweight folds its buffers) and gives the slice layout's update."""
+"""The data-parallel layout (``lean.parallel.layout``, ``parallel.layout``): the group layout finishes each prompt group
+as soon as it is scored (Retain frees its graphs, Reweight folds its buffers) and gives the slice layout's update."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from helpers import tiny
 
 from lean.config import ConfigError
 from lean.configure import load_config, validate
-from lean.layout import finish_unit, resolve_layout
 from lean.models import family_spec
+from lean.parallel.layout import finish_unit, resolve_layout
 from lean.schedules import SCHEDULES
 from lean.tools.equivalence import one_update
 from lean.train import Trainer
@@ -111,7 +111,7 @@ def test_layout_resolution_and_refusals():
 
 @pytest.mark.timeout(180)
 def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp_path):
-    from lean.plan import main as plan
+    from lean.plan.cost import main as plan
     from lean.tools.bench.memory import bench_memory
     from lean.tools.bench.schedules import BenchOptions
 
@@ -138,9 +138,9 @@ META_COUNTED = ["model.size=small", "model.resolution=256"]
 def _measured_probe(rank: int, world: int, port: int, out: str) -> None:
     """The CPU probe of :data:`META_COUNTED` in a process of its own: the heap it measures holds nothing a test
     before it left behind in this worker (in a busy worker the decode's working set read 230 MiB instead of 203)."""
-    from lean.distributed import World
-    from lean.iteration import build_pipeline
-    from lean.plan import plan_input, probe
+    from lean.parallel.distributed import World
+    from lean.plan.cost import plan_input, probe
+    from lean.run.iteration import build_pipeline
 
     measured = probe(plan_input(build_pipeline(load_config(None, META_COUNTED), World())))
     Path(out).write_text(json.dumps({k: v for k, v in measured.items() if isinstance(v, float)}))
@@ -152,7 +152,7 @@ def test_meta_device_counts_agree_with_the_cpu_measurement(tmp_path):
     of the activations one tracked step keeps and of the decode's working set are the CPU's to 15%."""
     from helpers import spawn
 
-    from lean.tools.meta_plan import meta_input, meta_probe
+    from lean.plan.meta import meta_input, meta_probe
 
     counted = meta_probe(meta_input(load_config(None, META_COUNTED), 1), flops_per_s=1e12)
     spawn(_measured_probe, 1, str(tmp_path / "measured.json"), deadline_s=150)
@@ -165,7 +165,7 @@ def test_meta_device_counts_agree_with_the_cpu_measurement(tmp_path):
 def test_the_plan_extrapolated_from_shallow_stacks_is_the_whole_count(family):
     """``lean plan`` at published sizes probes the block stacks cut to 2 and 3 blocks of each kind and extrapolates:
     every figure equals the count of the whole depth (the small sizes: 2 + 4 FLUX blocks, 4 Wan blocks)."""
-    from lean.tools.meta_plan import block_runs, depth_extrapolated, meta_input, meta_probe
+    from lean.plan.meta import block_runs, depth_extrapolated, meta_input, meta_probe
 
     inp = meta_input(load_config(None, [f"model.family={family}", "model.size=small", "model.resolution=32"]), 1)
     net = inp.policy.denoisers[0].get_base_model()
@@ -233,7 +233,7 @@ def test_the_plan_on_gpus_tabulates_sequence_parallelism_and_refuses_what_does_n
     all-to-alls' exposed time, fitting rows fastest first; a config whose own row does not fit is refused in one
     line naming the nearest row that does."""
     from lean.cli import main
-    from lean.tools.meta_plan import meta_plan, own_row, refuse_what_does_not_fit
+    from lean.plan.meta import meta_plan, own_row, refuse_what_does_not_fit
 
     sets = [
         "model.family=wan",
@@ -270,7 +270,7 @@ def test_the_plan_on_gpus_tabulates_sequence_parallelism_and_refuses_what_does_n
     # Retain in the slice layout holds every trained step's activations: a budget between its peak and Recompute's
     retain, recompute = (at[s, "slice", "none", False, 1]["peak_memory_mb"] for s in ("retain", "recompute"))
     assert retain > recompute
-    gb = (retain + recompute) / 2 / 1024 / 0.9  # lean.metrics.MEMORY_MARGIN
+    gb = (retain + recompute) / 2 / 1024 / 0.9  # lean.observe.metrics.MEMORY_MARGIN
     own = ["--set", "train.schedule=retain", "--set", "parallel.layout=slice", "--gpu-mem-gb", f"{gb:.9f}"]
     assert main([*args, *own]) == 2
     refusal = capsys.readouterr().err.strip().splitlines()[-1]

@@ -11,9 +11,9 @@ from helpers import tiny
 
 from lean.algorithms.mixgrpo import MixGRPO, window_start
 from lean.config import ConfigError
-from lean.iteration import local_batch
-from lean.rollout import rollout
-from lean.sde import dpm_solver_pp_step, ode_step, rollout_sigmas, sigma_schedule, tail_sigmas
+from lean.run.iteration import local_batch
+from lean.sampling.rollout import rollout
+from lean.sampling.sde import dpm_solver_pp_step, ode_step, rollout_sigmas, sigma_schedule, tail_sigmas
 
 MIX = ["algorithm.name=mixgrpo"]
 

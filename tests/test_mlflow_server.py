@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lean import tracking
+from lean.observe import tracking
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,7 +149,7 @@ def test_server_stopped_mid_run_then_lean_sync(server, tmp_path, monkeypatch):
         for step in (0, 1):
             run.log_metrics({"reward_mean": float(step)}, step=step)
         server.stop()
-        with pytest.warns(RuntimeWarning, match="lean.tracking"):
+        with pytest.warns(RuntimeWarning, match="lean.observe.tracking"):
             for step in (2, 3):
                 run.log_metrics({"reward_mean": float(step)}, step=step)
             run.finish()

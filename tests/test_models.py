@@ -30,8 +30,8 @@ POLICY_CONTRACT = [
 def family_prompts(family: str) -> list[str]:
     """The prompts a family's checks condition on: lean's default text prompts, or for an editing family the bundled
     recolouring set (instructions with reference images)."""
+    from lean.config.prompts import read_prompts
     from lean.models import EDIT_PROMPTS, family_spec
-    from lean.prompts import read_prompts
 
     return read_prompts(EDIT_PROMPTS) if family_spec(family).reference_images else DEFAULT_PROMPTS
 
@@ -160,7 +160,7 @@ def test_float64_end_to_end(family):
 def test_bfloat16_keeps_diffusers_fp32_modules_and_round_trips(tmp_path):
     policy = perturbed("wan", dtype="bfloat16")
     trainable = {p.dtype for _, p in policy.trainable_parameters()}
-    assert policy.dtype == torch.bfloat16 and trainable == {torch.float32}  # float32 masters (lean.dtypes)
+    assert policy.dtype == torch.bfloat16 and trainable == {torch.float32}  # float32 masters (lean.config.dtypes)
     fp32 = {n for n, p in policy.transformer.named_parameters() if p.dtype == torch.float32 and not p.requires_grad}
     assert fp32 and all("time_embedder" in n or "scale_shift_table" in n or "norm" in n for n in fp32)
     assert policy.transformer.get_base_model().rope.freqs_cos.dtype == torch.float32

@@ -75,8 +75,8 @@ def _full_grads(fn, tensors: list[torch.Tensor], grad_out: torch.Tensor) -> tupl
 def _op_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator):
     """Per op: (Function, local inputs, full forward on full inputs, full inputs, local view of full output,
     local views of the full gradients, collective reference forward, whether the weight is replicated)."""
-    from lean.overlap import autograd as ag
-    from lean.overlap.dp import DataParallelLinear
+    from lean.parallel.overlap import autograd as ag
+    from lean.parallel.overlap.dp import DataParallelLinear
 
     s, b, k, n = 5, 2, 6, 4
 
@@ -158,7 +158,7 @@ def _op_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator):
 
 
 def _collective(name: str, world: int):
-    """The plain torch.distributed collective, written independently of lean.overlap."""
+    """The plain torch.distributed collective, written independently of lean.parallel.overlap."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -178,7 +178,7 @@ def _collective(name: str, world: int):
 
 
 def _check_ops(world: int, r: int) -> dict[str, float]:
-    from lean.overlap import Overlap
+    from lean.parallel.overlap import Overlap
 
     errors = {}
     for dtype in DTYPES:
@@ -207,7 +207,7 @@ def _check_ops(world: int, r: int) -> dict[str, float]:
 
 def _block_problems(world: int, r: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     """name -> (full params, full forward, distributed module from an Overlap, this rank's part of each full param)."""
-    from lean.overlap import SequenceParallelMLP, ShardedLinear, UlyssesAttention, attention, mlp
+    from lean.parallel.overlap import SequenceParallelMLP, ShardedLinear, UlyssesAttention, attention, mlp
 
     d, f, heads = 4 * world, 4 * world, 2 * world
 
@@ -244,7 +244,7 @@ def _check_blocks(world: int, r: int) -> dict[str, float]:
     in float64 through three SGD steps, so they also train identically (in float32 the two trajectories drift apart by
     rounding faster than the 1e-5 bound allows after a few steps, whatever the method, so float32 and bfloat16 check
     one step)."""
-    from lean.overlap import Overlap
+    from lean.parallel.overlap import Overlap
 
     errors = {}
     for dtype in DTYPES:
@@ -293,7 +293,7 @@ class _DataParallelMLP(torch.nn.Module):
 
 def _check_refusals(world: int, r: int) -> dict[str, str]:
     """Uneven shapes are refused with an error that names the shape."""
-    from lean.overlap import Overlap, UlyssesAttention, matmul_reduce_scatter
+    from lean.parallel.overlap import Overlap, UlyssesAttention, matmul_reduce_scatter
 
     messages = {}
     for name, call in {
@@ -365,7 +365,7 @@ def _top_binade_factors(dtype: torch.dtype, g: torch.Generator, *shape: int) -> 
 def _rounding_worker(rank: int, world: int, port: int, out: str) -> None:
     """Every summing op (matmul_reduce_scatter, all_to_all_matmul, the data-parallel forward) x method x 16-bit dtype on
     partials that are exact products: counts the output elements that differ from the float32 sum rounded once."""
-    from lean.overlap import Overlap, all_to_all_matmul, data_parallel_linear, matmul_reduce_scatter
+    from lean.parallel.overlap import Overlap, all_to_all_matmul, data_parallel_linear, matmul_reduce_scatter
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -439,7 +439,7 @@ def test_half_precision_sums_round_once(world, tmp_path):
 
 def _silent_peer_worker(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 never joins the ring: rank 0's flash all-gather must raise PeerLost within its timeout."""
-    from lean.overlap import PeerLost, all_gather_matmul
+    from lean.parallel.overlap import PeerLost, all_gather_matmul
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)

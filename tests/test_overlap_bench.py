@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lean.config import ConfigError
-from lean.launch import free_port
-from lean.overlap import sim
+from lean.parallel.launch import free_port
+from lean.parallel.overlap import sim
 from lean.tools.bench import overlap, overlap_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_outside_a_launch_it_relaunches_itself_on_every_rank(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     calls = []
-    monkeypatch.setattr("lean.launch.launch", lambda n, argv: calls.append((n, argv)) or 0)
+    monkeypatch.setattr("lean.parallel.launch.launch", lambda n, argv: calls.append((n, argv)) or 0)
     options = overlap.OverlapOptions(nproc=2, quick=True, ops=("mlp.fc1",))
     assert overlap.main(options) == 0
     ((n, argv),) = calls

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from lean.overlap import projection as proj
-from lean.overlap.measure import fluid_slowdowns
-from lean.overlap.sim import (
+from lean.parallel.overlap import projection as proj
+from lean.parallel.overlap.measure import fluid_slowdowns
+from lean.parallel.overlap.sim import (
     COMM,
     COMPUTE,
     H100_SXM,

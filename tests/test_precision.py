@@ -9,10 +9,10 @@ from helpers import tiny
 from safetensors.torch import load_file
 
 from lean.config import ModelConfig
-from lean.distributed import CPU_TIMEOUT_S, World
-from lean.metrics import gpu_peak_flops
 from lean.models import build_policy
-from lean.optimizer import TrainState
+from lean.observe.metrics import gpu_peak_flops
+from lean.parallel.distributed import CPU_TIMEOUT_S, World
+from lean.run.optimizer import TrainState
 from lean.schedules.per_sample import TrajectoryBuffers
 
 PROMPTS = ["a red circle"] * 2

@@ -11,9 +11,9 @@ import torch
 from helpers import QUICK, tiny_preset, tiny_preset_sets
 
 from lean.config import ConfigError
+from lean.config.presets import PRESET_DIR
+from lean.config.presets import PRESETS as KNOWN_PRESETS
 from lean.configure import load_config
-from lean.presets import PRESET_DIR
-from lean.presets import PRESETS as KNOWN_PRESETS
 
 # the recipes whose update trains on the rollout's steps (GRPO and its kin: Lean schedules run them as hybrids), and
 # the ones that train on re-noised clean samples (their own update: lean/algorithms/clean_samples.py)
@@ -385,7 +385,7 @@ def test_clean_sample_recipes_train_and_refuse_the_lean_schedules_in_one_line(na
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_trainer_uses_the_preset_sigma_grid(name):
-    from lean.sde import sigma_schedule
+    from lean.sampling.sde import sigma_schedule
     from lean.train import Trainer
 
     trainer = Trainer(tiny_preset(name))
@@ -441,7 +441,7 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
     ],
 )
 def test_plan_reports_the_published_size_without_building_it(name, published, tmp_path):
-    from lean.plan import main
+    from lean.plan.cost import main
 
     cfg = load_config(None, [], preset=name)
     report = main(cfg, out=str(tmp_path))["published_size"]

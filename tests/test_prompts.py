@@ -7,8 +7,8 @@ import pytest
 from helpers import QUICK
 
 from lean.config import ConfigError
+from lean.config.prompts import read_prompts
 from lean.configure import load_config
-from lean.prompts import read_prompts
 
 TXT = 'a cat, a dog, and a bird\n\n"quoted" text\n2021\n  padded prompt  \r\nyes\nnull\n- a list item?\n'
 TXT_PROMPTS = ["a cat, a dog, and a bird", '"quoted" text', "2021", "padded prompt", "yes", "null", "- a list item?"]

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from lean import checkpoint
 from lean.config import ConfigError
-from lean.iteration import NonFiniteError
 from lean.rewards import REWARDS, register
+from lean.run.iteration import NonFiniteError
 from lean.train import Trainer, resolve_schedule, train
 
 RUN = [

@@ -1,6 +1,6 @@
 """Reproduction you can check: the report compares a run's headline figures with the pinned reference within the
 bands of params.yaml (``lean.workbench.reproduction``), and every benchmark figure says where it was measured
-(``lean.provenance``). Synthetic outputs, seconds."""
+(``lean.observe.provenance``). Synthetic outputs, seconds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lean import provenance
-from lean.outputs import write_json
+from lean.observe import provenance
+from lean.observe.outputs import write_json
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 from lean.workbench import reproduction
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lean.config import MOVED
+from lean.config.presets import PRESETS
 from lean.configure import load_config
-from lean.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESOLVED = json.loads((ROOT / "tests" / "data" / "resolved_configs.json").read_text())

@@ -165,7 +165,7 @@ def test_image_similarity_scores_an_edit_against_its_reference(clip_folder, tmp_
     another image; a prompt without a reference is refused."""
     from PIL import Image
 
-    from lean.prompts import ImagePrompt, reference_pixels
+    from lean.config.prompts import ImagePrompt, reference_pixels
 
     prompts = []
     for k in range(2):

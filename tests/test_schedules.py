@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from helpers import tiny
 
-from lean.dtypes import DTYPES
-from lean.rollout import row_ids
+from lean.config.dtypes import DTYPES
+from lean.sampling.rollout import row_ids
 from lean.schedules import LEAN_SCHEDULES, SCHEDULES
 from lean.tools.equivalence import run_equivalence, tolerance
 from lean.train import Trainer, resolve_schedule
@@ -50,7 +50,7 @@ MATRIX = {
         "algorithm.beta=0.04",
         "train.prompts=[a red circle on a white background, plain]",
     ],
-    # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.scoring)
+    # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.run.scoring)
     "flux-micro-batches": ["train.rollout_batch_size=1", "algorithm.beta=0.04", "reward.decode=x0_prediction"],
     "wan-cfg-kl": ["model.family=wan", "algorithm.beta=0.04"],
     "wan-nocfg-window": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6"],
@@ -137,7 +137,7 @@ def test_reweight_buffers_are_per_trajectory_and_reported():
 
 
 def test_auto_takes_the_fastest_schedule_that_fits_and_never_one_slower_than_recompute():
-    from lean.plan import choose
+    from lean.plan.cost import choose
     from lean.schedules import Prediction
 
     def table(**rows):
@@ -199,8 +199,8 @@ def _retain_peak(rank: int, world: int, port: int, out: str) -> None:
     holds nothing a test before it left behind in this worker (a busy worker once read a 50 MiB delta for 28)."""
     import json
 
-    from lean.metrics import live_bytes_heap
-    from lean.plan import iteration_costs, predict, probe
+    from lean.observe.metrics import live_bytes_heap
+    from lean.plan.cost import iteration_costs, predict, probe
 
     # 128 px: Retain's addition (~28 MiB) well above the allocator's few MiB that the model leaves out, which vary
     # by machine (at 64 px the addition is ~12-17 MiB and the same gap is 25-40% of it)

@@ -10,7 +10,7 @@ import torch
 
 from lean.config import DEFAULT_PROMPTS, ModelConfig
 from lean.models import build_policy, count_parameters
-from lean.sde import ode_step, sigma_schedule
+from lean.sampling.sde import ode_step, sigma_schedule
 
 
 def make(**overrides):

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from lean.sde import SDE_KINDS, num_trained_steps, ode_step, sde_step_with_logprob, select_steps, sigma_schedule
+from lean.sampling.sde import (
+    SDE_KINDS,
+    num_trained_steps,
+    ode_step,
+    sde_step_with_logprob,
+    select_steps,
+    sigma_schedule,
+)
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lean.sde import SIGMA_GRIDS, sde_step_with_logprob, sigma_schedule
+from lean.sampling.sde import SIGMA_GRIDS, sde_step_with_logprob, sigma_schedule
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 

@@ -24,8 +24,8 @@ from lean.config import ConfigError, ModelConfig
 from lean.configure import validate
 from lean.models import build_policy, family_spec
 from lean.models.sequence_parallel import enable, sequence_problem
-from lean.overlap.p2p import METHODS, Overlap
-from lean.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens
+from lean.parallel.overlap.p2p import METHODS, Overlap
+from lean.parallel.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens
 
 TOLERANCE = 1e-10
 PROMPTS = ["a red cube", "a blue ball"]
@@ -82,7 +82,7 @@ def _policy_worker(rank: int, world: int, port: int, family: str, full_finetune:
         for method in METHODS:
             sp.ov = Overlap(method)
             v, grads = _velocity_and_grads(policy, x, sigma, emb, weights)
-            dist.all_reduce(grads)  # each rank's gradient is its share's (lean.overlap.sequence)
+            dist.all_reduce(grads)  # each rank's gradient is its share's (lean.parallel.overlap.sequence)
             with torch.no_grad(), policy.reference():
                 ref_v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
             result[method] = {"velocity": _rel(v, v_ref), "grads": _rel(grads, g_ref), "ref_norm": ref_v.norm().item()}

@@ -1,5 +1,5 @@
-"""FSDP2 sharding (``lean.sharding``, ``parallel.shard=fsdp``) on real gloo processes: the update is the unsharded
-one."""
+"""FSDP2 sharding (``lean.parallel.sharding``, ``parallel.shard=fsdp``) on real gloo processes: the update is the
+unsharded one."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from lean.config import ConfigError
 from lean.configure import load_config, validate
-from lean.iteration import local_batch
+from lean.run.iteration import local_batch
 
 SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
 SMALL += ["model.dtype=float64", "algorithm.beta=0.04"]

@@ -1,5 +1,5 @@
-"""lean.tracking: off by default and import-free, a real MLflow run when on (SQLite store of the test), a failing
-store that warns once and never stops the caller, and the store location rules."""
+"""lean.observe.tracking: off by default and import-free, a real MLflow run when on (SQLite store of the test), a
+failing store that warns once and never stops the caller, and the store location rules."""
 
 import os
 import socket
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lean import tracking
+from lean.observe import tracking
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,7 +144,10 @@ def test_unreachable_store_warns_once_and_continues(monkeypatch):
         tracking.start_run("y").finish()
     assert time.perf_counter() - start < 60
     assert run.run_id is None and not tracking.enabled()
-    assert len([w for w in caught if issubclass(w.category, RuntimeWarning) and "lean.tracking" in str(w.message)]) == 1
+    assert (
+        len([w for w in caught if issubclass(w.category, RuntimeWarning) and "lean.observe.tracking" in str(w.message)])
+        == 1
+    )
 
 
 @pytest.mark.timeout(120)
@@ -189,7 +192,7 @@ def test_failed_calls_wait_in_the_spool_and_are_replayed_once(monkeypatch, tmp_p
         run.log_metrics({"reward_mean": 1.0}, step=1)
         run.log_params({"train": {"lr": 0.5}})
         run.log_metrics({"reward_mean": 2.0}, step=2)
-    assert len([w for w in caught if "lean.tracking" in str(w.message)]) == 1
+    assert len([w for w in caught if "lean.observe.tracking" in str(w.message)]) == 1
     assert [("metrics" in e, "params" in e) for e in tracking._read_spool(spool)] == [(1, 0), (0, 1), (1, 0)]
     assert tracking.enabled()
     down[0] = False

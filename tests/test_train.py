@@ -90,8 +90,8 @@ def test_cli_train_default_params(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_prompt_drawn_twice_gives_two_different_groups():
     """More groups than prompts: the same prompt is drawn for two groups, whose trajectories must still differ."""
-    from lean.distributed import World
-    from lean.iteration import build_pipeline
+    from lean.parallel.distributed import World
+    from lean.run.iteration import build_pipeline
     from lean.schedules import BASELINE, SCHEDULES
 
     cfg = tiny("train.prompts=[a red circle on a white background]", "train.prompts_per_iteration=2")
@@ -157,7 +157,7 @@ def with_scheduler(folder, tmp_path, config: dict) -> str:
 
 @pytest.mark.timeout(120)
 def test_shift_comes_from_the_pretrained_scheduler_config_unless_set(tiny_flux_folder, tmp_path):
-    from lean.sde import sigma_schedule
+    from lean.sampling.sde import sigma_schedule
     from lean.train import Trainer
 
     folder = with_scheduler(

@@ -135,7 +135,7 @@ def test_exported_lora_of_both_experts_loads_into_the_wan_pipeline(policy, tmp_p
 def test_every_schedule_trains_across_the_boundary_and_the_certificate_passes(tmp_path):
     """`lean train` runs recompute, retain and reweight on a 3-step rollout whose trained steps (sigma 1 and 0.75)
     sit on both sides of the boundary, exporting both experts' LoRA; the float64 certificate passes."""
-    from lean.sde import sigma_schedule
+    from lean.sampling.sde import sigma_schedule
 
     sigmas = sigma_schedule(3, 3.0)[:-1]
     assert (sigmas >= BOUNDARY).any() and (sigmas < BOUNDARY).any()
@@ -188,7 +188,7 @@ def test_the_gpu_plan_counts_both_experts_resident_and_one_per_pass():
     """``lean plan --gpus``: both experts' weights are resident (a pass runs one: the same activations and FLOPs as
     Wan2.1 with one transformer of the experts' shape)."""
     from lean.configure import load_config
-    from lean.tools.meta_plan import meta_plan
+    from lean.plan.meta import meta_plan
 
     sets = ["model.size=tiny", "model.resolution=32", "model.num_frames=5", "train.prompts_per_iteration=2"]
     rows = {}

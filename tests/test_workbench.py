@@ -19,7 +19,7 @@ import yaml
 
 from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
 from lean.configure import load_config
-from lean.launch import free_port
+from lean.parallel.launch import free_port
 from lean.rewards import compute_rewards
 from lean.workbench import data
 from lean.workbench.method import compare_updates, run_advantage, run_rollout, run_update

@@ -18,7 +18,7 @@ from lean.algorithms.grpo_guard import GRPOGuard
 from lean.algorithms.mixgrpo import MixGRPO
 from lean.algorithms.nft import NFT
 from lean.config import ConfigError
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor

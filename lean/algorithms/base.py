@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
-    from lean.sde import StepSelection
+    from lean.sampling.sde import StepSelection
 
 ROLLOUTS: Registry[str] = Registry(
     "rollout",
@@ -89,7 +89,7 @@ class Algorithm:
     facts: ClassVar[frozenset[str]] = frozenset()
     uses_old_mean: ClassVar[bool] = False  # step_loss reads the rollout's transition mean (Recompute stores it)
     trains_on: ClassVar[str] = ROLLOUT_STEPS  # or CLEAN_SAMPLES (lean.algorithms.clean_samples)
-    uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.optimizer.Snapshot)
+    uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.run.optimizer.Snapshot)
 
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm
@@ -111,7 +111,8 @@ class Algorithm:
     @classmethod
     def steps(cls, cfg: RunConfig, iteration: int, batch_size: int) -> StepSelection | None:
         """The SDE and trained steps of ``batch_size`` samples at ``iteration`` when the algorithm places them itself
-        (MixGRPO's sliding window); None: the sampler's own selection (``sample.*``, ``lean.sde.select_steps``)."""
+        (MixGRPO's sliding window); None: the sampler's own selection (``sample.*``,
+        ``lean.sampling.sde.select_steps``)."""
         return None
 
     def snapshot_decay(self, optimizer_steps: int) -> float | None:
@@ -173,7 +174,8 @@ class Algorithm:
 
     def reference_loss(self, policy, step, emb, targets: Tensor) -> Tensor:
         """The float64 anchor of the certificate: the total loss [B] of one recorded trained step ``step``
-        (``lean.rollout.StepOutput``) recomputed by ``policy`` (a float64 twin) with the ratio 1 by construction."""
+        (``lean.sampling.rollout.StepOutput``) recomputed by ``policy`` (a float64 twin) with the ratio 1 by
+        construction."""
         raise NotImplementedError
 
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:

@@ -2,14 +2,14 @@
 
 The rollout (ODE steps only for NFT; any sampler for DPO) hands every sample's clean latent x_0 (its decode target)
 to the update. The update splits the samples into *units* (a sample for NFT, a chosen/rejected pair for DPO), draws
-K noise levels and noises per unit (from the unit's own stream, ``lean.rollout.renoise_generator``), and at each
-draw j re-noises
+K noise levels and noises per unit (from the unit's own stream, ``lean.sampling.rollout.renoise_generator``), and at
+each draw j re-noises
 
     x_t = (1 - t) x_0 + t eps                                  (the flow-matching forward process)
 
 and asks the algorithm for the unit's loss from the velocities that up to three weights predict at x_t: the trained
-policy (with gradients), the snapshot (NFT's old policy, online DPO's reference: ``lean.snapshot.Snapshot``) and the
-reference (the adapter off). The objective of one update over U units is
+policy (with gradients), the snapshot (NFT's old policy, online DPO's reference: ``lean.models.snapshot.Snapshot``) and
+the reference (the adapter off). The objective of one update over U units is
 
     L = 1/(U K) sum_u sum_j loss_uj
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lean.algorithms.base import CLEAN_SAMPLES, Algorithm, StepLoss
-from lean.sde import StepSelection, num_trained_steps
+from lean.sampling.sde import StepSelection, num_trained_steps
 
 if TYPE_CHECKING:
     from lean.config import RunConfig

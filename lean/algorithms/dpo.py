@@ -21,7 +21,7 @@ trained weights and e_ref that of the reference (no gradient):
 L = 1/(P K) sum_p sum_j loss_pj per optimizer step, K = int(0.99 N) draws (:320; 39 of 40). Training forwards are
 conditional only (no CFG, :868-869).
 
-The reference is a second copy of the trainable weights (``lean.snapshot.Snapshot``), the starting ones, copied
+The reference is a second copy of the trainable weights (``lean.models.snapshot.Snapshot``), the starting ones, copied
 from the trained weights every ``algorithm.dpo.ref_update_every`` optimizer steps (before a rollout, :614-615):
 FlowGRPO's "ref" adapter, which starts equal to the learner and is copied into with its ``ref_update_step`` (the
 config's comment: 40 makes it OnlineDPO).
@@ -48,7 +48,7 @@ from lean.algorithms.clean_samples import (
     per_sample_mean,
     renoise,
 )
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 if TYPE_CHECKING:
     from lean.config import RunConfig

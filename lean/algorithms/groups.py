@@ -5,7 +5,7 @@ Samples of the same prompt form a group. The advantage of sample ``n`` in group 
 ``A_n = (r_n − mean_g) / (std + eps)`` with the std of the group (or of all rewards with ``global_std``): the
 population std and eps = 1e-4 as in FlowGRPO, or the unbiased one (Bessel's n − 1) and eps = 1e-8 as in DanceGRPO.
 In distributed training the rewards are gathered from all ranks first (groups may span ranks), the advantages
-computed on the full batch, and each rank keeps its own block (``lean.layout.local_slice``).
+computed on the full batch, and each rank keeps its own block (``lean.parallel.layout.local_slice``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 STD_ESTIMATORS: Registry[str] = Registry(
     "std estimator",

@@ -45,9 +45,9 @@ from torch import Tensor
 
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY, Algorithm, StepLoss
 from lean.algorithms.groups import group_advantages
-from lean.registry import Registry
-from lean.rollout import StepOutput, policy_step, reference_mean
-from lean.sde import SQRT_DT_KINDS
+from lean.config.registry import Registry
+from lean.sampling.rollout import StepOutput, policy_step, reference_mean
+from lean.sampling.sde import SQRT_DT_KINDS
 
 KL_FORMS: Registry[str] = Registry(
     "KL form",

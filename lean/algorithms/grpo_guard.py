@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lean.algorithms.grpo import GRPO, kl_penalty, transition_std
-from lean.rollout import StepOutput, policy_step, reference_mean
+from lean.sampling.rollout import StepOutput, policy_step, reference_mean
 
 NON_GAUSSIAN_KINDS = ("cps",)  # log p is -(x' - mean)^2 without the Gaussian's 1 / (2 std^2): no RatioNorm
 

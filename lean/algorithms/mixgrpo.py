@@ -18,8 +18,8 @@ move_every, 575 with 25 steps), that window is empty and the script stops on an 
 sampling:44); lean rolls back to 0 instead, so from then on its windows run one block ahead of the source's.
 
 MixGRPO-Flash runs the steps after the window with DPM-Solver++(2M) on a coarser grid (``sample.tail_solver``,
-``sample.tail_compress``; ``lean.sde.dpm_solver_pp_step`` and ``lean.sde.tail_sigmas``). They are untracked ODE steps
-and leave the objective alone.
+``sample.tail_compress``; ``lean.sampling.sde.dpm_solver_pp_step`` and ``lean.sampling.sde.tail_sigmas``). They are
+untracked ODE steps and leave the objective alone.
 
 The objective is GRPO's (``lean.algorithms.grpo``) on the window's steps, with the script's surrogate (:567-583):
 
@@ -41,11 +41,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lean.algorithms.grpo import GRPO
-from lean.sde import window_selection
+from lean.sampling.sde import window_selection
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
-    from lean.sde import StepSelection
+    from lean.sampling.sde import StepSelection
 
 
 def window_start(iteration: int, num_steps: int, move_every: int, stride: int) -> int:

@@ -29,7 +29,7 @@ and each regresses x_0 through its x_0-prediction x0± = x_t - t v±, under a de
 with lambda = ``algorithm.nft.kl_weight`` (the config's train.beta, 1e-4). L = 1/(N K) sum_b sum_j loss_bj per
 optimizer step (each (micro-batch, draw) backward divided by the accumulation count, :983-987).
 
-The old policy is a second copy of the trainable weights (``lean.snapshot.Snapshot``): a copy at the start, then,
+The old policy is a second copy of the trainable weights (``lean.models.snapshot.Snapshot``): a copy at the start, then,
 after each rollout's updates, old <- eta old + (1 - eta) theta with eta from the optimizer step count
 (``algorithm.nft.old_decay``, :169-189, :1034-1039). It rolls out and gives v_old.
 
@@ -56,7 +56,7 @@ from torch import Tensor
 from lean.algorithms.base import StepLoss
 from lean.algorithms.clean_samples import CleanSampleAlgorithm, Velocities, per_sample_mean, renoise
 from lean.algorithms.groups import group_advantages
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 if TYPE_CHECKING:
     from lean.config import RunConfig

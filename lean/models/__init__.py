@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.config import ConfigError, suggest
-from lean.dtypes import DTYPES, HALF, dtype_name
+from lean.config.dtypes import DTYPES, HALF, dtype_name
+from lean.config.prompts import reference_image
+from lean.config.registry import Registry
 from lean.models.flux import SPEC as FLUX
 from lean.models.flux2 import SPEC as FLUX2
 from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
@@ -50,9 +52,7 @@ from lean.models.text import PromptEmbeds, train_tokenizer
 from lean.models.wan import SPEC as WAN
 from lean.models.wan22 import SPEC as WAN22
 from lean.models.wan22_ti2v import SPEC as WAN22_TI2V
-from lean.prompts import reference_image
-from lean.registry import Registry
-from lean.sharding import FSDP
+from lean.parallel.sharding import FSDP
 
 if TYPE_CHECKING:
     from lean.config import ModelConfig, RunConfig
@@ -241,10 +241,10 @@ def time_shift(
 def terminal_stretch(
     family: str, pretrained: str | os.PathLike | None, shift: float | None, shift_terminal: float | None
 ) -> float | None:
-    """The sigma grid's terminal stretch (``lean.sde.sigma_schedule``'s ``terminal``): ``sample.shift_terminal`` when
-    set; else, when the shift too comes from the scheduler config (``sample.shift`` None), that config's
-    ``shift_terminal`` (Qwen-Image: 0.02); else none, since a static ``sample.shift`` replaces the scheduler's
-    shifting."""
+    """The sigma grid's terminal stretch (``lean.sampling.sde.sigma_schedule``'s ``terminal``):
+    ``sample.shift_terminal`` when set; else, when the shift too comes from the scheduler config (``sample.shift``
+    None), that config's ``shift_terminal`` (Qwen-Image: 0.02); else none, since a static ``sample.shift`` replaces the
+    scheduler's shifting."""
     if shift_terminal is not None or shift is not None:
         return shift_terminal
     return scheduler_config(family, pretrained)[0].get("shift_terminal") or None

@@ -26,13 +26,13 @@ import torch.utils.checkpoint
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lean.dtypes import HALF, master_dtype
+from lean.config.dtypes import HALF, master_dtype
+from lean.config.prompts import reference_image, reference_pixels
 from lean.models.precision import float64_scope
 from lean.models.spec import Family
 from lean.models.text import PromptEmbeds
-from lean.prompts import reference_image, reference_pixels
-from lean.sde import compute_dtype
-from lean.sharding import full, full_state_dict, like
+from lean.parallel.sharding import full, full_state_dict, like
+from lean.sampling.sde import compute_dtype
 
 LORA_FILE = "lora.safetensors"
 
@@ -41,8 +41,8 @@ def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torc
     """Every floating parameter and buffer to ``dtype``, except, in half precision, those a diffusers class lists in
     ``_keep_in_fp32_modules`` (Wan: RoPE tables, time embedding, modulation tables, norms), which stay float32 as
     its ``from_pretrained`` keeps them: a name component matches. They are never rounded on the way. Trainable
-    parameters (``requires_grad``) are kept at :func:`lean.dtypes.master_dtype` (float32 in half precision); those
-    this makes wider than they compute in are returned as (module, name, master)."""
+    parameters (``requires_grad``) are kept at :func:`lean.config.dtypes.master_dtype` (float32 in half precision);
+    those this makes wider than they compute in are returned as (module, name, master)."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or []) if dtype in HALF else set()
     masters = []
     for module_name, module in model.named_modules():
@@ -87,7 +87,7 @@ class Policy(torch.nn.Module):
 
     Precision: the network computes in ``dtype``, but the trainable parameters (LoRA factors, or the whole trained
     denoisers), hence their gradients and the optimizer state, are float32 masters in half precision
-    (:func:`lean.dtypes.master_dtype`); each forward reads them cast to ``dtype`` (:meth:`_compute_weights`), so
+    (:func:`lean.config.dtypes.master_dtype`); each forward reads them cast to ``dtype`` (:meth:`_compute_weights`), so
     gradients land on the masters in float32. The frozen base, the reference copies, VAE and text encoders are
     ``dtype``. float32 and float64 runs have no masters: nothing is cast.
     """
@@ -179,7 +179,7 @@ class Policy(torch.nn.Module):
         """Embeddings ``[B, L, D]`` (+ pooled ``[B, P]``, mask, reference), computed once per prompt under no_grad.
 
         Each new prompt is encoded alone, so its embedding never depends on which prompts it was batched with.
-        An edit (:class:`lean.prompts.ImagePrompt`) also carries its reference image's latent tokens and its own
+        An edit (:class:`lean.config.prompts.ImagePrompt`) also carries its reference image's latent tokens and its own
         unconditional conditioning (:meth:`_encode_edit`).
         """
         for prompt in dict.fromkeys(prompts):
@@ -275,7 +275,7 @@ class Policy(torch.nn.Module):
 
     def drop_master_casts(self) -> bool:
         """Stop casting the float32 masters to ``dtype`` in the forward (another owner casts them: FSDP's mixed
-        precision, ``lean.sharding``); returns whether there were any."""
+        precision, ``lean.parallel.sharding``); returns whether there were any."""
         had, self._masters = bool(self._masters), []
         return had
 

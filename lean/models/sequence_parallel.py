@@ -7,7 +7,8 @@ the loss are the same on every rank. Attention swaps tokens for heads and back w
 that in as diffusers attention processors and module hooks (``Family.shard_sequence``, each family's
 ``sequence_parallel.py``), no model code is forked.
 
-The all-to-alls are fused with the projections around them (``lean.overlap.ops``), each by ``parallel.overlap``:
+The all-to-alls are fused with the projections around them (``lean.parallel.overlap.ops``), each by
+``parallel.overlap``:
 
     q, k, v of my heads, all tokens  = matmul_all_to_all(x_r, [W_q W_k W_v] column block of each rank)
                                        + s all_gather(x_r A^T) B[my heads]^T                             (LoRA)
@@ -19,8 +20,8 @@ blocks, one small all-gather or reduce-scatter, and the frozen base weight needs
 modules (or, where only a slice of a factor applies, :func:`linear_slice`) compute every LoRA product, so per-sample
 gradient capture (``lean.schedules.per_sample``, Reweight and Retain's backward beside the scoring) sees them.
 
-Gradients follow ``lean.overlap.sequence``'s shares: each rank's weight gradients are its tokens' and heads' part,
-and ``World.reduce_gradients_`` sums them over the group (and averages over data-parallel groups).
+Gradients follow ``lean.parallel.overlap.sequence``'s shares: each rank's weight gradients are its tokens' and heads'
+part, and ``World.reduce_gradients_`` sums them over the group (and averages over data-parallel groups).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lean.config import ConfigError
-from lean.overlap.autograd import AllToAllMatmul, MatmulAllToAll
-from lean.overlap.p2p import Overlap
-from lean.overlap.sequence import all_gather_shares, reduce_scatter_tokens
-from lean.registry import catalog
+from lean.config.registry import catalog
+from lean.parallel.overlap.autograd import AllToAllMatmul, MatmulAllToAll
+from lean.parallel.overlap.p2p import Overlap
+from lean.parallel.overlap.sequence import all_gather_shares, reduce_scatter_tokens
 
 if TYPE_CHECKING:
     from lean.config import RunConfig

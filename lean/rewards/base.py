@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lean.config import ConfigError, check_choice, suggest
-from lean.registry import Registry
+from lean.config.registry import Registry
 
 if TYPE_CHECKING:
     from lean.config import RewardModelConfig, RunConfig

@@ -23,7 +23,7 @@ CLIP's OpenAI mean/std). With ``e_i``, ``e_t`` the L2-normalised projected image
   validation transform (shortest side to 224, bicubic, centre crop, OpenAI mean/std) is what
   ``preprocessor_config.json`` of CLIP-H describes. HPS v1 scaled the cosine by 100: use the weight 100 for it.
 * ``image_similarity``: ``cos(e_i, e_ref)``, the sample's image embedding against its reference image's (edits:
-  :class:`lean.prompts.ImagePrompt`), as FlowGRPO's edit scripts reward fidelity to the input image.
+  :class:`lean.config.prompts.ImagePrompt`), as FlowGRPO's edit scripts reward fidelity to the input image.
 * ``aesthetic``: LAION's improved aesthetic predictor: ``MLP(e_i)`` with the MLP
   ``Linear(D, 1024) Dropout Linear(1024, 128) Dropout Linear(128, 64) Dropout Linear(64, 16) Linear(16, 1)`` on the
   normalised CLIP image embedding (FlowGRPO: flow_grpo/aesthetic_scorer.py at ac4c86e, lines 13-25 the MLP, 50-53
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lean.dtypes import DTYPES
+from lean.config.dtypes import DTYPES
 from lean.rewards.base import ModelReward, register_model
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class PickScore(ClipSimilarity):
 @register_model("image_similarity")
 class ImageSimilarity(ClipModelReward):
     """An edit's fidelity to its reference: ``cos(e_i, e_ref)`` of the L2-normalised CLIP image embeddings of the
-    sample and of its prompt's reference image (:class:`lean.prompts.ImagePrompt`), resized to the sample's size.
+    sample and of its prompt's reference image (:class:`lean.config.prompts.ImagePrompt`), resized to the sample's size.
     FlowGRPO's ``image_similarity`` (flow_grpo/clip_scorer.py ``ClipScorer.image_similarity``, lines 56-68, with
     openai/clip-vit-large-patch14; flow_grpo/rewards.py ``multi_score``; yifan123/flow_grpo 9745241, read through
     its zhtmike mirror: the yifan123 snapshot ac4c86e predates the edit scripts)."""
@@ -214,7 +214,7 @@ class ImageSimilarity(ClipModelReward):
     uses_prompts = False
 
     def score_batch(self, images: Tensor, prompts: list[str]) -> Tensor:
-        from lean.prompts import reference_pixels  # local: a leaf module, but only edits need it
+        from lean.config.prompts import reference_pixels  # local: a leaf module, but only edits need it
 
         references = torch.stack([reference_pixels(p, images.shape[-1]) for p in prompts])
         if references.shape[-2:] != images.shape[-2:]:  # a non-square sample: the reference at its size

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
-from lean.registry import Registry
+from lean.config.registry import Registry
+from lean.parallel.sharding import FSDP
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
 from lean.schedules.retain import Retain
 from lean.schedules.reweight import Reweight
-from lean.sharding import FSDP
 
 if TYPE_CHECKING:
     from lean.config import RunConfig

@@ -7,11 +7,11 @@ A schedule decides these things and nothing else:
   * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
     ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update;
-  * ``finish_rows(rows, advantages)`` (group layout, ``lean.layout``): the trajectories ``rows`` are scored and their
-    advantages known before the rollout goes on; a schedule may turn them into gradients now (and free what it
+  * ``finish_rows(rows, advantages)`` (group layout, ``lean.parallel.layout``): the trajectories ``rows`` are scored and
+    their advantages known before the rollout goes on; a schedule may turn them into gradients now (and free what it
     held for them). ``finish`` then does the rest.
 Its class also states what it costs: ``predict(costs)``, the peak memory and time per iteration that ``lean plan``
-reports, from the step costs ``lean.plan.probe`` measures.
+reports, from the step costs ``lean.plan.cost.probe`` measures.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms import Algorithm, StepLoss
-from lean.metrics import FlopTally, PhaseTimer
-from lean.rollout import StepOutput, reference_mean
-from lean.sde import StepSelection
-from lean.snapshot import Snapshot
+from lean.models.snapshot import Snapshot
+from lean.observe.metrics import FlopTally, PhaseTimer
+from lean.sampling.rollout import StepOutput, reference_mean
+from lean.sampling.sde import StepSelection
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -45,11 +45,13 @@ class IterationContext:
     emb: object  # PromptEmbeds of the local samples
     steps: StepSelection  # trained: BoolTensor [B_local, num_steps]
     iteration: int = 0
-    finish_unit: int | None = None  # rows finished together before the rollout goes on (lean.layout); None: all
+    finish_unit: int | None = (
+        None  # rows finished together before the rollout goes on (lean.parallel.layout); None: all
+    )
     tally: FlopTally = field(default_factory=FlopTally)  # counts only inside tally.measuring()
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     samples: list[tuple[int, int, int]] = field(default_factory=list)  # (group, prompt, sample) of each local row
-    snapshot: Snapshot | None = None  # the algorithm's second weights (lean.snapshot), where it keeps them
+    snapshot: Snapshot | None = None  # the algorithm's second weights (lean.models.snapshot), where it keeps them
 
     @contextlib.contextmanager
     def region(self, name: str):
@@ -63,8 +65,8 @@ class IterationContext:
 
     @property
     def lockstep(self) -> bool:
-        """Every process must run the same passes (a sharded policy, ``lean.sharding``): no pass is skipped because
-        no local sample trains it."""
+        """Every process must run the same passes (a sharded policy, ``lean.parallel.sharding``): no pass is skipped
+        because no local sample trains it."""
         return self.steps.shared_grad_steps is not None
 
     @property
@@ -127,7 +129,7 @@ OptimizerStep = Callable[[], dict]
 
 @dataclass(frozen=True)
 class IterationCosts:
-    """One process's iteration in the terms of the cost models (seconds and MiB; ``lean.plan.probe`` measures).
+    """One process's iteration in the terms of the cost models (seconds and MiB; ``lean.plan.cost.probe`` measures).
 
     n steps, K trained per sample, B local samples; f / fb: one untracked step / one tracked step plus its backward
     over the local batch (all rollout micro-batches); fb_one: the same for one trajectory; ref: the reference

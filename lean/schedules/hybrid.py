@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from lean.algorithms import StepLoss
-from lean.rollout import StepOutput
+from lean.sampling.rollout import StepOutput
 from lean.schedules.base import IterationContext, OptimizerStep
 from lean.schedules.recompute import Recompute, first_update_rows, rows_mask
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms import StepLoss, loss_stats
-from lean.registry import Registry
-from lean.rollout import StepOutput, iteration_generator, policy_step, reference_mean
+from lean.config.registry import Registry
+from lean.sampling.rollout import StepOutput, iteration_generator, policy_step, reference_mean
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def shuffled(t: TrainConfig, iteration: int, count: int, epoch: int) -> torch.Te
 
 def rolled_out_in_update_order(t: TrainConfig) -> bool:
     """Whether each process's local batch is laid out in the first epoch's shuffled update order before the rollout
-    (``lean.iteration.local_batch``): with several updates per rollout, so that each update's samples are contiguous
+    (``lean.run.iteration.local_batch``): with several updates per rollout, so that each update's samples are contiguous
     rows and a hybrid's first update whole rollout micro-batches (none split into a tracked and an untracked
     forward). The order is drawn before the rewards either way, and a sample's trajectory does not depend on its row."""
     return t.shuffle_update and (t.optimizer_steps_per_iteration > 1 or t.num_inner_epochs > 1)

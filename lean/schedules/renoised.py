@@ -13,8 +13,8 @@ Rollout (no gradients) keeps every sample's clean latent x_0 (:meth:`on_finished
                 loss.backward()
             optimizer_step()
 
-Each unit's draws come from its first sample's re-noising stream (``lean.rollout.renoise_generator``): its K levels
-first, then one noise per draw in order, so they never depend on the batching or the number of processes.
+Each unit's draws come from its first sample's re-noising stream (``lean.sampling.rollout.renoise_generator``): its K
+levels first, then one noise per draw in order, so they never depend on the batching or the number of processes.
 
 Cost (``predict``): the rollout's n forwards, then per epoch K tracked forwards and backwards over the local batch
 plus the untracked ones of the snapshot and the reference (``IterationCosts.ref``: NFT's old policy and KL reference,
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms import CleanSampleAlgorithm, StepLoss, loss_stats
-from lean.rollout import StepOutput, renoise_generator, velocity
+from lean.sampling.rollout import StepOutput, renoise_generator, velocity
 from lean.schedules.base import IterationContext, OptimizerStep, Schedule
 from lean.schedules.recompute import LATER_UPDATE_FORWARD, RECOMPUTE_FORWARD, Recompute, _chunks, update_order
 

@@ -40,7 +40,8 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
-from lean.rollout import StepOutput, row_ids
+from lean.parallel.sharding import is_sharded
+from lean.sampling.rollout import StepOutput, row_ids
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
 from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
@@ -50,7 +51,6 @@ from lean.schedules.per_sample import (
     linear_owners,
     logged_with_true_targets,
 )
-from lean.sharding import is_sharded
 
 
 class Retain(Schedule):

@@ -30,8 +30,8 @@ Recompute whenever a backward costs more than a forward (always), so ``auto`` ne
 (FlowGRPO's SD3 and Wan recipes: 0.88x and 0.90x in ``lean bench schedules --preset``), and Retain, or Retain in the
 group layout where memory is short, is the recompute-free schedule there.
 
-In the group layout (``lean.layout``) the buffers cover one finishing unit of U trajectories (a group): when its
-advantages are known, sum_b (A_b / Â_b) P_b is added to one folded buffer and the unit's buffers are reused, so
+In the group layout (``lean.parallel.layout``) the buffers cover one finishing unit of U trajectories (a group): when
+its advantages are known, sum_b (A_b / Â_b) P_b is added to one folded buffer and the unit's buffers are reused, so
 B buffers become U + 1.
 
 Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1; U = B
@@ -57,7 +57,7 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
-from lean.rollout import StepOutput, row_ids
+from lean.sampling.rollout import StepOutput, row_ids
 from lean.schedules.base import (
     IterationCosts,
     OptimizerStep,
@@ -87,8 +87,8 @@ class Reweight(Schedule):
         self.params = trainable(ctx.policy)
         n = sum(p.numel() for p in self.params)
         dtype = self.params[0].dtype
-        # Buffers for one finishing unit (lean.layout): the whole local batch, or in the group layout the groups
-        # scored together, whose buffers are folded into ``folded`` (sum_b (A_b / Â_b) P_b) and reused.
+        # Buffers for one finishing unit (lean.parallel.layout): the whole local batch, or in the group layout the
+        # groups scored together, whose buffers are folded into ``folded`` (sum_b (A_b / Â_b) P_b) and reused.
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows backpropagate (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows

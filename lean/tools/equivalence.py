@@ -21,12 +21,14 @@ import torch
 
 from lean.algorithms import CLEAN_SAMPLES, build_algorithm
 from lean.config import RunConfig
-from lean.dtypes import HALF, dtype_name
+from lean.config.dtypes import HALF, dtype_name
 from lean.models import build_policy
-from lean.optimizer import capture_synced_grads
-from lean.outputs import write_json
-from lean.plan import with_schedule
-from lean.rollout import velocity
+from lean.models.snapshot import swapped_in
+from lean.observe.outputs import write_json
+from lean.parallel.sharding import FSDP, full, full_state_dict
+from lean.plan.cost import with_schedule
+from lean.run.optimizer import capture_synced_grads
+from lean.sampling.rollout import velocity
 from lean.schedules import (
     BASELINE,
     LEAN_SCHEDULES,
@@ -39,8 +41,6 @@ from lean.schedules import (
 from lean.schedules.base import flat_grad
 from lean.schedules.recompute import _chunks, first_update_rows, rows_mask, update_order
 from lean.schedules.renoised import ConditionalVelocities, UnitDraws
-from lean.sharding import FSDP, full, full_state_dict
-from lean.snapshot import swapped_in
 from lean.train import Trainer
 
 CLIP_RANGES = (1e-4, 1e-3, 1e-2)  # FlowGRPO's and DanceGRPO's 1e-4, and larger ones: how the drift compares

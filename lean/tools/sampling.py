@@ -41,14 +41,14 @@ import torch
 from tqdm.auto import tqdm
 
 from lean.config import ConfigError
-from lean.dtypes import DTYPES
+from lean.config.dtypes import DTYPES
+from lean.config.prompts import read_prompts, reference_image, reference_pixels
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE, expert_weight_name
 from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
 from lean.models.processors import load_processor
-from lean.prompts import read_prompts, reference_image, reference_pixels
-from lean.rollout import sample_generator
-from lean.sde import SIGMA_GRIDS, sigma_schedule
+from lean.sampling.rollout import sample_generator
+from lean.sampling.sde import SIGMA_GRIDS, sigma_schedule
 
 GIF_FRAME_MS = 125  # 8 frames per second
 # the pipelines whose __call__ takes sigmas (tests/test_export.py checks it against diffusers); WanPipeline does not
@@ -90,16 +90,16 @@ class SampleOptions:
     shift: float | None = None
     """A static sigma shift instead of the folder's scheduler config."""
     sigma_grid: str | None = None
-    """A name of ``lean.sde.SIGMA_GRIDS``: the sampling sigmas lean's runs use (``sample.sigma_grid``), passed as the
-    pipeline's ``sigmas`` (FluxPipeline, StableDiffusion3Pipeline); needs a static ``shift``. None: the pipeline's
-    own grid."""
+    """A name of ``lean.sampling.sde.SIGMA_GRIDS``: the sampling sigmas lean's runs use (``sample.sigma_grid``), passed
+    as the pipeline's ``sigmas`` (FluxPipeline, StableDiffusion3Pipeline); needs a static ``shift``. None: the
+    pipeline's own grid."""
     negative_prompt: str | None = None
     """CFG's unconditional prompt (``sample.negative_prompt``); None: the empty prompt."""
     shift_terminal: float | None = None
     """With ``sigma_grid``: the grid's terminal stretch (``sample.shift_terminal`` as the run resolved it,
     Qwen-Image's 0.02)."""
     dtype: str | None = None
-    """Precision (a name of ``lean.dtypes.DTYPES``); None: bfloat16 on a GPU, float32 on the CPU."""
+    """Precision (a name of ``lean.config.dtypes.DTYPES``); None: bfloat16 on a GPU, float32 on the CPU."""
     device: str | None = None
     """None: the first GPU if there is one, else the CPU."""
 

@@ -13,9 +13,10 @@ the runs page (columns, chart cards, grouping), listed under the page's *Views* 
 against its bound), MFU and the certificate (``max_rel_grad_diff``) per schedule. Everything else (the default
 columns, the chart layout of the plain runs view) lives in the browser's local storage and cannot be set from Python.
 
-The store is ``$MLFLOW_TRACKING_URI``, else ``<repository root>/mlflow.db`` (:func:`lean.tracking.tracking_uri`), or
-``--store``. A SQLite store is read (and the view written) with :mod:`sqlite3`, no ``import mlflow``; any other
-store through ``MlflowClient``. An HTTP store is a server already: ``lean ui`` prints its URLs and starts nothing.
+The store is ``$MLFLOW_TRACKING_URI``, else ``<repository root>/mlflow.db``
+(:func:`lean.observe.tracking.tracking_uri`), or ``--store``. A SQLite store is read (and the view written) with
+:mod:`sqlite3`, no ``import mlflow``; any other store through ``MlflowClient``. An HTTP store is a server already:
+``lean ui`` prints its URLs and starts nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from contextlib import closing
 from pathlib import Path
 from urllib.parse import urlencode
 
-from lean import tracking
 from lean.config import ConfigError
+from lean.observe import tracking
 
 HOST, PORT = "127.0.0.1", 5000
 RUNS_VIEW = {"workflowType": "machine_learning"}  # the query that opens the model-training side (MLflow 3.17)
@@ -55,7 +56,7 @@ COLUMNS = ["tags.`lean.schedule`", "tags.`lean.stage`"] + [f"metrics.`{key}`" fo
 
 
 def store_uri(store: str | None = None) -> str:
-    """``store`` (a URI, or a SQLite file's path), else the workbench's (:func:`lean.tracking.tracking_uri`)."""
+    """``store`` (a URI, or a SQLite file's path), else the workbench's (:func:`lean.observe.tracking.tracking_uri`)."""
     uri = store or tracking.tracking_uri()
     if "://" not in uri:  # a path
         return f"sqlite:///{Path(uri).expanduser().resolve()}"

@@ -10,7 +10,7 @@ Images are float32 ``[3, H, W]`` in [0, 1]; the shape spans half the side (the c
 positioned shape sits in the middle of its half. Rendering is a pure function of the scene and the resolution; a
 data set is a seeded sample of scenes. Videos (``frames > 1``) repeat the still image: the scene does not move.
 
-Prompt files (``train.prompts_file``) are read by ``lean.prompts``.
+Prompt files (``train.prompts_file``) are read by ``lean.config.prompts``.
 """
 
 from __future__ import annotations

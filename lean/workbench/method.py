@@ -14,7 +14,7 @@ A computation graph cannot cross a process boundary, so the stages are honest ab
   differences.
 * ``equivalence`` compares the gradients the updates produced, tensor by tensor (``lean.tools.equivalence.compare``).
 
-Every phase is the iteration pipeline's own (``lean.iteration``). Every update starts from the same weights: the
+Every phase is the iteration pipeline's own (``lean.run.iteration``). Every update starts from the same weights: the
 pretrained base with its LoRA adapter perturbed by ``perturb_std * N(0, I)`` from the run's seed (peft starts B at
 zero, which would make the adapter's A gradients vanish and the check weaker than it looks), as
 ``lean.tools.equivalence`` does. The stages run in one process (world 1).
@@ -32,13 +32,13 @@ from torch import Tensor
 from lean.algorithms import build_algorithm
 from lean.algorithms.groups import group_stats
 from lean.config import RunConfig
-from lean.dtypes import dtype_name
-from lean.iteration import IterationPipeline, LocalBatch, Rollout
-from lean.metrics import PeakMemory, SavedBytes
-from lean.optimizer import capture_synced_grads
-from lean.rollout import StepOutput
+from lean.config.dtypes import dtype_name
+from lean.observe.metrics import PeakMemory, SavedBytes
+from lean.run.iteration import IterationPipeline, LocalBatch, Rollout
+from lean.run.optimizer import capture_synced_grads
+from lean.sampling.rollout import StepOutput
+from lean.sampling.sde import StepSelection
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, IterationContext, Schedule
-from lean.sde import StepSelection
 from lean.tools.equivalence import compare, passes, tolerance
 from lean.train import Trainer
 

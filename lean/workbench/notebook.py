@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from lean import tracking
-from lean.outputs import write_json
+from lean.observe import tracking
+from lean.observe.outputs import write_json
 
 
 class NotebookLog:

@@ -17,9 +17,9 @@ figure by figure:
     verdict     ``reproduced``: the params are the reference's, and every checked figure is inside its band;
                 ``outside_band`` names each figure that is not, with its value, reference, band and allowed range.
 
-The benchmark figures (``bench``, ``overlap``) carry where they were measured (``measured_on``, ``lean.provenance``);
-the report says whether they were measured on this machine or are the committed ones from another (``make bench``
-re-measures them here).
+The benchmark figures (``bench``, ``overlap``) carry where they were measured (``measured_on``,
+``lean.observe.provenance``); the report says whether they were measured on this machine or are the committed ones from
+another (``make bench`` re-measures them here).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lean import provenance
 from lean.algorithms import ALGORITHMS
-from lean.outputs import write_json
+from lean.observe import provenance
+from lean.observe.outputs import write_json
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
 
 GRPO_RUN = LEAN_SCHEDULES[0]
@@ -246,7 +246,7 @@ def git_commit(cwd: str | Path = ".") -> str | None:
 def pin(outputs: str | Path, params: Mapping[str, Any], path: str | Path = REFERENCE) -> dict:
     """Writes the reference at ``path`` from the run under ``outputs``: its headline figures, the params sections
     they depend on, where the benchmarks were measured (a group measured before provenance:
-    ``lean.provenance.UNKNOWN``, with the torch threads its config recorded) and the commit it was pinned at."""
+    ``lean.observe.provenance.UNKNOWN``, with the torch threads its config recorded) and the commit it was pinned at."""
     figures = headline_figures(outputs)
     records = measured_on(outputs)
     if records["bench"] is None:
@@ -356,7 +356,7 @@ def check(
 ) -> dict:
     """This run's headline figures against ``reference``, each within its band (module docstring); ``params``: the
     run's params.yaml (compared with the reference's, None: not compared); ``here``: this machine's record
-    (``lean.provenance.machine()`` when None). Returns the report (``outputs/report/reproduction.json``)."""
+    (``lean.observe.provenance.machine()`` when None). Returns the report (``outputs/report/reproduction.json``)."""
     validate_bands(bands)
     here = dict(here) if here is not None else provenance.machine()
     figures = headline_figures(outputs)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lean import tracking
 from lean.config import RunConfig, read_params
 from lean.configure import load_config
-from lean.distributed import set_threads
+from lean.observe import tracking
+from lean.parallel.distributed import set_threads
 
 
 def begin_stage(params: str | Path) -> dict:

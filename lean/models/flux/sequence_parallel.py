@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lean.models.sequence_parallel import SequenceParallel, attention, fused_output, fused_projections
-from lean.overlap.sequence import gather_tokens, heads_to_seq, split_tokens
+from lean.parallel.overlap.sequence import gather_tokens, heads_to_seq, split_tokens
 
 
 def shard_sequence(net, sp: SequenceParallel) -> list:

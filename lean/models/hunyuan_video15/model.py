@@ -37,7 +37,7 @@ decodes the videos of a call together, and so only works for one).
 
 The meta device cannot run the transformer: its forward reads tensor values (``torch.all(image_embeds == 0)`` decides
 T2V, boolean masks reorder the text tokens), so :meth:`HunyuanVideo15.forward` refuses it in one config line, which is
-what ``lean plan`` at the published size on a CPU (``lean.tools.meta_plan``) then prints.
+what ``lean plan`` at the published size on a CPU (``lean.plan.meta``) then prints.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class HunyuanVideo15(VideoLatents):
         """Velocity ``[B, C, F', h, w]``."""
         if guidance_embed is not None:
             raise ValueError("HunyuanVideo-1.5 has no distilled-guidance embedding; use CFG (sample.cfg)")
-        if x.device.type == "meta":  # lean plan's count of a published size (lean.tools.meta_plan)
+        if x.device.type == "meta":  # lean plan's count of a published size (lean.plan.meta)
             raise ConfigError("device", "meta", META_REFUSAL)
         text, glyph = emb.tokens.split([self.text_dim, self.glyph_dim], dim=-1)
         condition = x.new_zeros(x.shape[0], self.channels + 1, *x.shape[2:])  # T2V: zero image latent and mask

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 
 from lean.models.sequence_parallel import SequenceParallel, attention, fused_output, fused_projections, heads_slice
-from lean.overlap.p2p import accumulation_dtype
-from lean.overlap.sequence import all_reduce_sum, gather_tokens, split_tokens
+from lean.parallel.overlap.p2p import accumulation_dtype
+from lean.parallel.overlap.sequence import all_reduce_sum, gather_tokens, split_tokens
 
 
 def shard_sequence(net, sp: SequenceParallel) -> list:

@@ -21,7 +21,7 @@ from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds
 from lean.models.wan.model import Wan
 from lean.models.wan.sequence_parallel import shard_sequence
-from lean.overlap.sequence import split_tokens
+from lean.parallel.overlap.sequence import split_tokens
 
 
 class Wan22TI2V(Wan):
@@ -45,7 +45,7 @@ class Wan22TI2V(Wan):
         """Wan's sequence parallelism, and the condition embedder's per-token outputs (``temb [B, S, D]``, the blocks'
         ``timestep_proj [B, S, 6D]``) split along the tokens as the hidden states are: each rank's blocks and output
         norm modulate its own tokens. The embedder's gradient on a rank is then its tokens' share, as every other
-        weight's is (``lean.overlap.sequence``)."""
+        weight's is (``lean.parallel.overlap.sequence``)."""
 
         def split_time(module, args, output):
             temb, timestep_proj, *rest = output

@@ -1,10 +1,10 @@
-"""``lean bench memory``: peak memory and time of every schedule in every layout (``lean.layout``), with activation
-checkpointing (``model.gradient_checkpointing``) off and on, measured in one process and interleaved as in
+"""``lean bench memory``: peak memory and time of every schedule in every layout (``lean.parallel.layout``), with
+activation checkpointing (``model.gradient_checkpointing``) off and on, measured in one process and interleaved as in
 ``lean bench schedules``.
 
 Each variant (schedule, layout, checkpointing) runs one untimed iteration from a trimmed heap for its peak (live
-bytes, ``lean.metrics.PeakMemory``), then every variant runs in timed rounds, in alternating order, from the same
-weights. Reported per variant, beside ``lean plan``'s predictions of the same:
+bytes, ``lean.observe.metrics.PeakMemory``), then every variant runs in timed rounds, in alternating order, from the
+same weights. Reported per variant, beside ``lean plan``'s predictions of the same:
 
     extra       = peak(schedule) - peak(recompute)              what the schedule holds beyond the baseline, in the
                                                                 same layout and checkpointing
@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 
 from lean.config import RunConfig
-from lean.distributed import set_threads
-from lean.metrics import keep_freed_memory, live_bytes_heap, median
-from lean.outputs import JsonLines, write_json
-from lean.plan import (
+from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median
+from lean.observe.outputs import JsonLines, write_json
+from lean.parallel.distributed import set_threads
+from lean.parallel.sharding import FSDP, effective_shard, shard_sizes
+from lean.plan.cost import (
     applicable_layouts,
     combinations,
     link_speed,
@@ -33,7 +34,6 @@ from lean.plan import (
     with_schedule,
 )
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
-from lean.sharding import FSDP, effective_shard, shard_sizes
 from lean.tools.bench.schedules import BenchOptions, timed_rounds
 from lean.train import Trainer
 

@@ -4,10 +4,10 @@
                        [--methods collective,sliced,flash,flash-bidir,symm_mem] [--block-ms 25] [--timeout 120]
                        [--dtype ..]
 
-Outside a distributed launch it re-launches itself on N processes through ``lean.launch`` (gloo ranks on CPU, one NCCL
-rank per GPU). For every op and shape each rank times, round-robin so that drift on a shared machine hits all alike:
-the op with each method, the method's communication alone (the same schedule with no GEMMs) and the whole local GEMM
-alone. A sample is the slowest rank's time, after a barrier, for back-to-back calls lasting about ``--block-ms``,
+Outside a distributed launch it re-launches itself on N processes through ``lean.parallel.launch`` (gloo ranks on CPU,
+one NCCL rank per GPU). For every op and shape each rank times, round-robin so that drift on a shared machine hits all
+alike: the op with each method, the method's communication alone (the same schedule with no GEMMs) and the whole local
+GEMM alone. A sample is the slowest rank's time, after a barrier, for back-to-back calls lasting about ``--block-ms``,
 divided by the number of calls; tables report the median over the repeats and its interquartile range.
 
     exposed communication = latency - compute-only     (ms: what the op costs beyond the GEMMs of the same shapes;
@@ -41,15 +41,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-import lean.launch
+import lean.parallel.launch
 from lean.config import ConfigError
-from lean.dtypes import DTYPES, dtype_name
-from lean.metrics import keep_freed_memory, median, peak_flops
-from lean.outputs import JsonLines
-from lean.overlap import ops, sim
-from lean.overlap.dp import gather_linear
-from lean.overlap.measure import calibrate, time_round_robin
-from lean.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
+from lean.config.dtypes import DTYPES, dtype_name
+from lean.observe.metrics import keep_freed_memory, median, peak_flops
+from lean.observe.outputs import JsonLines
+from lean.parallel.overlap import ops, sim
+from lean.parallel.overlap.dp import gather_linear
+from lean.parallel.overlap.measure import calibrate, time_round_robin
+from lean.parallel.overlap.p2p import METHODS, Overlap, all_gather_apply, all_to_all_apply, reduce_scatter_apply
 from lean.tools.bench import overlap_report
 
 
@@ -109,7 +109,7 @@ class OverlapOptions:
     timeout: float = 120.0
     """seconds any wait may take before a rank gives up"""
     dtype: str | None = None
-    """a ``lean.dtypes.DTYPES`` name; None: torch.bfloat16 on a GPU, torch.float32 on a CPU"""
+    """a ``lean.config.dtypes.DTYPES`` name; None: torch.bfloat16 on a GPU, torch.float32 on a CPU"""
 
     def __post_init__(self) -> None:
         for name in ("shapes", "ops", "methods"):  # lists from Python callers: frozen means hashable, so tuples
@@ -219,7 +219,7 @@ def main(options: OverlapOptions) -> int:
     """``lean bench overlap``: re-launches itself on ``options.nproc`` ranks unless already inside a launch."""
     inside_launch = "RANK" in os.environ or "WORLD_SIZE" in os.environ
     if options.nproc > 1 and not inside_launch:
-        return lean.launch.launch(options.nproc, ["bench", "overlap", *to_argv(options)])
+        return lean.parallel.launch.launch(options.nproc, ["bench", "overlap", *to_argv(options)])
     return run(options)
 
 

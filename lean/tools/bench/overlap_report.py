@@ -1,10 +1,10 @@
 """What ``lean bench overlap`` reports: its measurements next to the timeline model, as files, tables and metrics.
 
-The model (``lean.overlap.sim``) predicts every measured case of its methods twice: calibrated on the fastest repeats
-and compared with the fastest repeat (the machine without outside load), and calibrated on and compared with the
+The model (``lean.parallel.overlap.sim``) predicts every measured case of its methods twice: calibrated on the fastest
+repeats and compared with the fastest repeat (the machine without outside load), and calibrated on and compared with the
 medians (what a user of the shared machine sees). Links, memory, per-call cost and contention come from the
-calibration (``lean.overlap.measure``); GEMM efficiency differs between shapes (caches), so each case uses the FLOP/s
-of its own compute-only run, and what is predicted is the links, memory, contention and the schedule.
+calibration (``lean.parallel.overlap.measure``); GEMM efficiency differs between shapes (caches), so each case uses the
+FLOP/s of its own compute-only run, and what is predicted is the links, memory, contention and the schedule.
 
     error = predicted latency / measured latency - 1
 
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lean.dtypes import dtype_name
-from lean.outputs import write_json
-from lean.overlap import projection, sim
-from lean.overlap.measure import case_flops, measured_profile
-from lean.overlap.p2p import METHODS
-from lean.provenance import machine
+from lean.config.dtypes import dtype_name
+from lean.observe.outputs import write_json
+from lean.observe.provenance import machine
+from lean.parallel.overlap import projection, sim
+from lean.parallel.overlap.measure import case_flops, measured_profile
+from lean.parallel.overlap.p2p import METHODS
 
 NOT_MEASURED_ON_ONE_RANK = (
     "latency, communication-only time and exposed communication of every method (need >= 2 ranks)",
@@ -61,7 +61,7 @@ class Measurements:
     warmup: int  # discarded samples per case (after --quick)
     quick: bool
     shapes: dict[str, dict[str, int]]  # measured shape name -> its ``sim.layer_ops`` sizes, in measured order
-    calibration: dict  # ``lean.overlap.measure.calibrate`` plus peak_flops and peak_source
+    calibration: dict  # ``lean.parallel.overlap.measure.calibrate`` plus peak_flops and peak_source
     compute_rows: list[dict]  # per op x shape: the whole local GEMM alone
     results: list[dict]  # per op x shape x method: ``overlap_stats``
     skipped: list[dict] = field(default_factory=list)  # per op x shape x method that could not run: the reason
@@ -111,7 +111,7 @@ def summarize(m: Measurements) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "torch": torch.__version__,
-        "measured_on": machine(m.device),  # where these figures were measured (lean.provenance)
+        "measured_on": machine(m.device),  # where these figures were measured (lean.observe.provenance)
         "repeats": m.repeats,
         "warmup": m.warmup,
         "quick": m.quick,

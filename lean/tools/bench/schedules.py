@@ -4,11 +4,11 @@ one process, interleaved.
 Every round runs the three schedules one after another, in alternating order (A B C, C B A, ...: a machine whose speed
 drifts slowly favours no schedule), from the same saved weights and optimizer state, so they do identical work on
 identical trajectories; the first ``warmup`` rounds are discarded and medians are taken over ``repeats`` rounds.
-Peak memory comes from one extra, untimed iteration per schedule before the timed rounds (``lean.metrics.PeakMemory``:
-trimmed heap, reset high-water mark), FLOPs from another under ``FlopCounterMode``: both disturb timing. On CPU the
-heap maps every large block on its own during the memory pass (``live_bytes_heap``), so that the resident set counts
-live tensor bytes as ``max_memory_allocated`` does on GPU, and keeps freed pages during the timed rounds
-(``keep_freed_memory``), as the CUDA caching allocator does.
+Peak memory comes from one extra, untimed iteration per schedule before the timed rounds
+(``lean.observe.metrics.PeakMemory``: trimmed heap, reset high-water mark), FLOPs from another under
+``FlopCounterMode``: both disturb timing. On CPU the heap maps every large block on its own during the memory pass
+(``live_bytes_heap``), so that the resident set counts live tensor bytes as ``max_memory_allocated`` does on GPU, and
+keeps freed pages during the timed rounds (``keep_freed_memory``), as the CUDA caching allocator does.
 
     speedup        = median T_iter(recompute) / median T_iter(schedule)
     speedup_bound  = T_iter / (T_iter - recompute_forward), from Recompute's phases in this run: the speedup if
@@ -38,11 +38,11 @@ from tqdm.auto import tqdm
 
 from lean.config import ConfigError, RunConfig, read_params
 from lean.configure import load_config, on_policy_form
-from lean.distributed import pin_cores, set_threads
-from lean.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
-from lean.outputs import JsonLines, write_json
-from lean.plan import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
-from lean.provenance import machine
+from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
+from lean.observe.outputs import JsonLines, write_json
+from lean.observe.provenance import machine
+from lean.parallel.distributed import pin_cores, set_threads
+from lean.plan.cost import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
@@ -172,7 +172,7 @@ class Subject:
             "peak_flops": peak,
             "peak_flops_source": peak_source,
             "plan": {"probe": self.measured, "prediction": prediction, "auto_choice": self.auto},
-            "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
+            "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.observe.provenance)
         }
         for s in self.schedules:
             entry = {k: median(row.get(k, 0.0) for row in rows[s]) for k in PHASES}

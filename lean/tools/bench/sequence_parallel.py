@@ -25,11 +25,11 @@ import dataclasses
 from pathlib import Path
 
 from lean.config import ConfigError, RunConfig
-from lean.distributed import set_threads
-from lean.metrics import median
-from lean.outputs import JsonLines, write_json
-from lean.overlap.p2p import METHODS
-from lean.provenance import machine
+from lean.observe.metrics import median
+from lean.observe.outputs import JsonLines, write_json
+from lean.observe.provenance import machine
+from lean.parallel.distributed import set_threads
+from lean.parallel.overlap.p2p import METHODS
 from lean.schedules import BASELINE, SCHEDULES
 from lean.tools.bench.schedules import BenchOptions, iteration_metrics, measured_config, timed_rounds
 from lean.train import Trainer
@@ -82,7 +82,7 @@ def bench_sequence_parallel(
             "samples_per_group": len(trainer.pipeline.local_batch(0).prompts),
         },
         "methods": list(overlaps),
-        "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.provenance)
+        "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.observe.provenance)
     }
     for s in SCHEDULES:
         times = {m: [row["time_iteration_s"] for row in rows[f"{s}/{m}"]] for m in overlaps}

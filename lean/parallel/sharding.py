@@ -1,0 +1,187 @@
+"""Sharding the policy over processes with FSDP2 (``torch.distributed.fsdp.fully_shard``): ``parallel.shard``.
+
+    none    every process holds the whole policy (data parallel; the trained weights' gradients are all-reduced
+            once per update by ``lean.run.optimizer.TrainState``).
+    fsdp    every transformer block, then the transformer itself (and, under full fine-tuning, its frozen reference
+            copy), is a ``fully_shard`` unit over every process (the run's 2-D mesh ("dp", "sp") flattened,
+            ``lean.parallel.distributed.device_mesh``): each process keeps 1/W of the weights and gathers a block's full
+            weights just before the block runs (forward, and again in the backward), freeing them after. Which
+            weights, gradients and optimizer states are sharded:
+
+            LoRA            the frozen base is sharded; the adapter (``ignored_params``) stays whole on every process,
+                            so every schedule, Reweight's per-trajectory buffers included, is unchanged and the
+                            adapter's gradient is all-reduced once per update as with ``none``.
+            full fine-tune  weights, gradients and AdamW state are sharded (DTensors). FSDP reduce-scatters each
+                            backward's gradient into the shards (averaged over the data-parallel ranks), so the
+                            update's gradient is the ``none`` one; ``TrainState`` then clips and steps the shards.
+                            In half precision the float32 masters are the shards and FSDP's
+                            ``MixedPrecisionPolicy`` gathers them at ``model.dtype`` (the cast ``Policy`` does itself
+                            without FSDP).
+
+The VAE and text encoders stay whole: each process decodes and encodes its own samples, a different number of times.
+
+Lockstep. Every sharded forward and backward gathers weights collectively, so every process must run the same
+passes in the same order. The rollout does (same local batch size); for the backwards the processes track the same
+steps (``StepSelection.shared_grad_steps``: the union over every process's samples, computed locally from the
+seeds), Reweight backpropagates every tracked micro-batch (a zero weight where no local sample trains the step), and
+the evaluation pads its shares to the same number of batches. Reweight under a sharded full fine-tune is refused: its
+per-trajectory buffers are gradients of the whole unsharded model per trajectory.
+
+FSDP x sequence parallelism (``parallel.sequence_parallel: P``, W = D x P processes): the processes of a
+sequence-parallel group hold the same samples and run the same passes on their shares of the tokens, so every process
+still runs every pass in lockstep and the weights shard over all W, not only over the D data-parallel ranks: 1/W of
+a replica each at the same gathered bytes per pass (torchtitan shards over its data x context-parallel mesh alike). A
+weight's gradient is the sum of the group's token shares averaged over the data-parallel ranks: the adapter's is
+all-reduced so as without FSDP (``World.reduce_gradients_``); a sharded full fine-tune's reduce-scatter averages over
+all W processes, and ``TrainState`` multiplies its shards by P (FSDP's own ``set_gradient_divide_factor`` would
+pre-multiply with ``PREMUL_SUM``, which gloo has not).
+
+With one process there is nothing to shard over, and ``fsdp`` is ``none``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from lean.config.registry import Registry
+
+SHARDS: Registry[str] = Registry(
+    "shard",
+    [
+        ("none", "every process holds the whole policy"),
+        (
+            "fsdp",
+            "FSDP2: transformer blocks sharded over the processes (frozen base; under full fine-tuning also the "
+            "trained weights, gradients and AdamW state)",
+        ),
+    ],
+)
+FSDP = "fsdp"
+
+
+def effective_shard(shard: str, world_size: int) -> str:
+    """What ``parallel.shard=shard`` does with ``world_size`` processes: fsdp needs two (with one, nothing to shard)."""
+    return shard if world_size > 1 else SHARDS.default
+
+
+def shard_units(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer's blocks, in order: every module of the ``ModuleList`` children of the model (FLUX's double-
+    and single-stream blocks, SD3's and Wan's blocks), whatever the family calls them."""
+    return [block for child in net.children() if isinstance(child, torch.nn.ModuleList) for block in child]
+
+
+def shard_policy(policy, world, dtype: torch.dtype) -> bool:
+    """``fully_shard`` each of the policy's denoisers (and reference copies) over ``world``'s processes, blocks
+    first, as described in the module docstring. Returns whether anything was sharded (not with one process)."""
+    if world.size < 2:
+        return False
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lean.parallel.distributed import device_mesh
+
+    # diffusers' blocks return chunks of one tensor (views); FSDP warns that an in-place op on one would skip its
+    # backward gather. No code in the forward writes into a block's output, and the float64 certificate on sharded
+    # processes (tests/test_sharding.py) would see a skipped gather, so the warning says nothing here.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = device_mesh(world)._flatten("dp_sp")  # every process its own shard, sequence-parallel groups included
+    adapter = None if policy.full_finetune else {p for _, p in policy.trainable_parameters()}
+    mixed = MixedPrecisionPolicy()
+    if policy.full_finetune and policy.drop_master_casts():  # half precision: FSDP gathers the masters at dtype
+        mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    units = [(net, mixed) for net in policy.denoisers]
+    units += [(net, MixedPrecisionPolicy()) for net in policy.reference_denoisers or []]
+    for net, mp in units:
+        base = net.get_base_model() if hasattr(net, "get_base_model") else net
+        # Every unit, the root too (FSDP's default keeps the root's gathered weights after a forward), frees its
+        # gathered weights after each pass: no gathered copy outlives a pass, so weights written between passes
+        # (the EMA swapped in for an evaluation, a restored state) are what the next pass gathers.
+        for unit in (*shard_units(base), base):
+            fully_shard(
+                unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=_inside(unit, adapter)
+            )
+    return True
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """What sharding moves, in MiB (``lean.plan.cost`` turns a probe of one ``parallel.shard`` into the other's
+    figures).
+
+    * weights: the weights FSDP shards (LoRA: the frozen base; full fine-tuning: the trained transformer and its
+      reference copy); net: those of the one net a pass runs (what each pass gathers);
+    * state: the trained weights' gradients and two AdamW moments, sharded under full fine-tuning (0 with LoRA, whose
+      adapter stays whole);
+    * unit: the largest unit's gathered weights; gathered: what a process holds gathered at once: the running unit
+      and the prefetched next one, and under full fine-tuning one unit's unsharded gradient before its
+      reduce-scatter.
+    """
+
+    weights: float
+    net: float
+    state: float
+    unit: float
+    gathered: float
+
+    def resident_saved(self, world_size: int) -> float:
+        """MiB a process holds less under fsdp than with the whole policy (negative: more)."""
+        return (self.weights + self.state) * (1 - 1 / world_size) - self.gathered
+
+
+def shard_sizes(policy) -> ShardSizes:
+    """:class:`ShardSizes` of ``policy`` (whole or already sharded: a DTensor counts its global size)."""
+    adapter = set() if policy.full_finetune else {p for _, p in policy.trainable_parameters()}
+
+    def mb(params) -> float:
+        return sum(p.numel() * p.element_size() for p in params if p not in adapter) / 2**20
+
+    nets = policy.networks()
+    base = [n.get_base_model() if hasattr(n, "get_base_model") else n for n in nets]
+    unit = 0.0
+    for net in base:  # each block, and the root (what is left of the net outside its blocks)
+        blocks = [mb(u.parameters()) for u in shard_units(net)]
+        unit = max(unit, *blocks, mb(net.parameters()) - sum(blocks))
+    state = 3 * mb(p for _, p in policy.trainable_parameters()) if policy.full_finetune else 0.0
+    weights = sum(mb(n.parameters()) for n in nets)
+    net = max(mb(n.parameters()) for n in policy.denoisers)  # a pass runs one denoiser
+    return ShardSizes(weights, net, state, unit, (3 if policy.full_finetune else 2) * unit)
+
+
+def _inside(module: torch.nn.Module, params: set | None) -> set | None:
+    return None if params is None else {p for p in module.parameters() if p in params}
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor (a parameter, gradient or optimizer state FSDP shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from every process (a collective: every process must call it in the
+    same order), anything else as it is."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) laid out as ``param``: this process's shard when ``param`` is a DTensor (sliced
+    locally, no communication), else ``value`` on ``param``'s device."""
+    if is_sharded(value) or not is_sharded(param):
+        return value.to(param.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def local_mb(tensors) -> float:
+    """MiB this process holds of ``tensors`` (a DTensor: its own shard)."""
+    local = [t.to_local() if is_sharded(t) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every sharded entry gathered (collective when anything is sharded)."""
+    return {name: full(value) for name, value in module.state_dict().items()}

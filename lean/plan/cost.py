@@ -1,0 +1,508 @@
+"""``lean plan``: predict each schedule's peak memory and time per iteration from one probed step, and choose for
+``auto``.
+
+The probe runs the first trained step of a real local batch and measures:
+  * ``activation_mb``: bytes autograd saves for the backward of one tracked step at the rollout batch (counted with
+    ``saved_tensors_hooks``, each storage once), and ``activation_one_mb`` at one trajectory;
+  * ``backward_transient_mb``: the peak of one tracked step and its backward beyond its saved activations (the
+    activation gradients in flight); ``decode_mb``: the VAE decoder's working set for one micro-batch; both
+    from a trimmed heap (CPU) or the caching allocator's statistics (CUDA);
+  * ``t_forward``: one untracked step; ``t_forward_backward``: one tracked step plus its backward, at both sizes;
+    ``t_decode`` and ``t_reward``: decoding the probe batch and scoring it (every schedule pays them once per sample;
+    on video they are the largest phase).
+A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
+schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
+
+Under several processes the probe runs as the run would (``parallel.shard=fsdp``: sharded, its passes gathering), and
+the other shard setting is modelled from it (:func:`shard_variant`: what sharding moves,
+``lean.parallel.sharding.ShardSizes``, and the all-gather speed timed on the processes, :func:`link_speed`).
+:func:`combinations` tabulates every schedule x layout x shard x checkpointing.
+
+``auto`` takes the schedule predicted fastest among those whose predicted peak fits ``train.memory_budget_mb``
+(default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
+Recompute. When none fits, it takes the one predicted smallest; it chooses among the schedules that run the config
+exactly (``lean.schedules.runnable``). It logs the figures. With several optimizer steps per rollout, Retain and
+Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). The published sizes
+are not built on a CPU: ``lean plan`` then reports the transformer's parameters and the memory its weights,
+trainable parameters and AdamW moments take, counted on the meta device (:func:`published_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, ROLLOUT_STEPS, build_algorithm
+from lean.config.dtypes import DTYPES, master_dtype
+from lean.models import family_spec, lora_config, meta_transformer
+from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
+from lean.observe.outputs import write_json
+from lean.parallel.distributed import init_world
+from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
+from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
+from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
+from lean.sampling.rollout import policy_step
+from lean.sampling.sde import rollout_sigmas
+from lean.schedules import (
+    AUTO,
+    LEAN_SCHEDULES,
+    SCHEDULES,
+    IterationCosts,
+    Prediction,
+    algorithm_problem,
+    algorithm_schedules,
+    fsdp_problem,
+    runnable,
+    schedule_problem,
+)
+from lean.schedules.per_sample import linear_owners
+from lean.schedules.recompute import first_update_rows
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
+    from lean.models import Policy
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What the prediction needs of a run: the policy and its trainable parameters, the run config, the sigma grid,
+    and one process's local batch (of iteration 0)."""
+
+    policy: Policy
+    trainable: list[torch.nn.Parameter]
+    cfg: RunConfig
+    sigmas: torch.Tensor
+    batch: LocalBatch
+    reward: Callable[[torch.Tensor, list[str]], object]  # decoded images, prompts -> scores (the run's rewards)
+    world_size: int = 1  # data-parallel ranks (processes / parallel.sequence_parallel)
+    decode_share: int = 1  # processes that split each micro-batch's decode and rewards (parallel.split_decode)
+    processes: int = 1  # all of them: what parallel.shard=fsdp shards over (lean.parallel.sharding)
+
+    def decoded_rows(self, rows: int) -> int:
+        """Of a micro-batch of ``rows``, the most one process decodes and scores."""
+        return -(-rows // self.decode_share)
+
+
+def plan_input(pipeline: IterationPipeline) -> PlanInput:
+    """A run's :class:`PlanInput`: its policy and trainable parameters, config, sigma grid, rewards, and a fresh
+    local batch of iteration 0."""
+    trainable = [p for _, p in pipeline.policy.trainable_parameters()]
+    return PlanInput(
+        pipeline.policy,
+        trainable,
+        pipeline.cfg,
+        pipeline.sigmas,
+        pipeline.local_batch(0),
+        pipeline.reward,
+        pipeline.world.data_size,
+        pipeline.world.sequence_parallel if pipeline.cfg.parallel.split_decode else 1,
+        pipeline.world.size,
+    )
+
+
+def _timed(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` discarded ones (first calls at a new shape pay
+    one-time set-up: kernel selection, allocator growth)."""
+    times = []
+    for _ in range(warmup):
+        fn()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+TERMS = {ROLLOUT_STEPS: "trained", CLEAN_SAMPLES: "re-noised draws"}  # per sample, by what the algorithm trains on
+
+
+def probe(inp: PlanInput) -> dict:
+    """Measure one step of the policy at the local rollout batch and at one trajectory."""
+    policy, cfg = inp.policy, inp.cfg
+    batch = min(len(inp.batch.prompts), cfg.train.rollout_batch_size)
+    emb = policy.encode_prompts(inp.batch.prompts[:batch])
+    gens = inp.batch.generators[:batch]
+    x = policy.init_latents(gens)
+    index = torch.zeros(batch, dtype=torch.long)
+
+    def step(rows: slice, grad: bool = False, backward: bool = False):
+        def run():
+            with torch.set_grad_enabled(grad or backward):
+                out = policy_step(
+                    policy, x[rows], index[rows], emb.index(rows), cfg.sample, inp.sigmas, generators=gens[rows]
+                )
+            if backward:
+                out[1].sum().backward()
+
+        return run
+
+    full, one = slice(0, batch), slice(0, 1)
+    with live_bytes_heap():
+        with PeakMemory(policy.device) as tracked:  # one tracked step and its backward, from a trimmed heap
+            step(full, backward=True)()
+        with PeakMemory(policy.device) as decoding:
+            images = policy.decode(x[: inp.decoded_rows(batch)])
+    saved = SavedBytes()
+    with saved.watching():
+        step(full, grad=True)()
+        activation = saved.take()
+        step(one, grad=True)()
+        activation_one = saved.take()
+    result = {
+        "batch": batch,
+        "activation_mb": activation / 2**20,
+        "activation_one_mb": activation_one / 2**20,
+        "t_forward": _timed(step(full)),
+        "t_forward_backward": _timed(step(full, backward=True)),
+        "t_forward_backward_one": _timed(step(one, backward=True)),
+        # warm: the memory pass decoded once; a split decode: this process's share of the micro-batch
+        "t_decode": _timed(lambda: policy.decode(x[: len(images)]), repeats=1, warmup=0),
+        "t_reward": _timed(lambda: inp.reward(images, inp.batch.prompts[: len(images)]), repeats=1),
+        "param_mb": sum(p.numel() * p.element_size() for p in inp.trainable) / 2**20,
+        "base_mb": tracked.start_mb,
+    }
+    # What the backward needs beyond the saved activations (gradients of the activations in flight).
+    result["backward_transient_mb"] = max(tracked.delta_mb - result["activation_mb"], 0.0)
+    result["decode_mb"] = max(decoding.delta_mb, 0.0)  # the VAE's working set at the probe batch
+    for p in inp.trainable:
+        p.grad = None
+    return result
+
+
+def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -> IterationCosts:
+    """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`), in the run's
+    layout or in ``layout`` (``lean.parallel.layout``)."""
+    cfg = inp.cfg
+    laid_out = (
+        cfg if layout is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
+    )
+    local, probed = len(inp.batch.prompts), measured["batch"]
+    rounds = -(-local // probed)  # rollout micro-batches per step
+    f = measured["t_forward"] * rounds
+    algorithm = build_algorithm(cfg, None)  # its terms: GRPO's trained steps, NFT's and DPO's re-noised draws
+    k = algorithm.terms_per_sample or int(inp.batch.steps.trained[0].sum())
+    share = algorithm.trained_share
+    fb = measured["t_forward_backward"] * rounds
+    # the re-noised terms are conditional only: the probed step's CFG half (the unconditional forward) is not theirs
+    f_cfg = f / 2 if cfg.sample.cfg and algorithm.trains_on == CLEAN_SAMPLES else 0.0
+    unit = finish_unit(laid_out, inp.world_size) or local  # trajectories held at once (group layout: one unit)
+    # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
+    # reward.async_scoring while the next rolls out (lean.run.scoring), so a unit waits for its last one's only. The
+    # group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
+    concurrent = cfg.reward.async_scoring and rounds > 1
+    waited_for = -(-local // unit) * (min(probed, unit) if concurrent else unit)
+    return IterationCosts(
+        n=len(rollout_sigmas(inp.sigmas, inp.batch.steps.stochastic.tolist(), cfg.sample)) - 1,  # Flash: fewer
+        k=k,
+        local=local,
+        f=f,
+        fb=(fb - f_cfg) * share,
+        fb_one=measured["t_forward_backward_one"],
+        ref=k * (f - f_cfg) * share * algorithm.untracked_forwards_per_term,
+        score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
+        score_at_end=(measured["t_decode"] + measured["t_reward"])
+        * (min(probed, local) if concurrent else local)
+        / probed,
+        base_mb=measured["base_mb"],
+        act_mb=measured["activation_mb"] * rounds,
+        act_one_mb=measured["activation_one_mb"],
+        transient_mb=measured["backward_transient_mb"],
+        decode_mb=measured["decode_mb"],
+        trainable_mb=measured["param_mb"],
+        train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
+        kl=bool(algorithm.kl_weight),
+        per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
+        held_fraction=unit / local,
+        n_known=not cfg.algorithm.skip_zero_advantage,
+        first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
+        epochs=cfg.train.num_inner_epochs,
+    )
+
+
+def applicable_layouts(inp: PlanInput) -> list[str]:
+    """The layouts this run can take (slice always; group where ``lean.parallel.layout`` allows it)."""
+    return [
+        name
+        for name in LAYOUTS
+        if name != AUTO and (name != "group" or group_layout_problem(inp.cfg.train, inp.world_size) is None)
+    ]
+
+
+def probe_checkpointing(inp: PlanInput, measure: Callable[[PlanInput], dict] = probe) -> dict[bool, dict]:
+    """``measure`` (:func:`probe`, or ``lean.plan.meta``'s count) with activation checkpointing
+    (``model.gradient_checkpointing``) off and on; the run's own setting is probed first and restored."""
+    own = inp.cfg.model.gradient_checkpointing
+    measured = {}
+    for on in (own, not own):
+        inp.policy.set_gradient_checkpointing(on)
+        measured[on] = measure(inp)
+    inp.policy.set_gradient_checkpointing(own)
+    measured[not own]["base_mb"] = measured[own]["base_mb"]  # resident weights: the second probe's start has more
+    return measured
+
+
+def link_speed(world, mb: float) -> float:
+    """MiB/s at which an all-gather of ``mb`` MiB (the whole tensor, 1/W from each process) completes, as
+    ``mb (W - 1) / W / seconds``: the median of 3 timed all-gathers on the run's processes (a collective)."""
+    if world.size < 2:
+        return float("inf")
+    size = max(int(mb * 2**20) // 4 // world.size, 1)
+    shard = torch.zeros(size, device=world.device)
+    gathered = torch.empty(size * world.size, device=world.device)
+    seconds = _timed(lambda: torch.distributed.all_gather_into_tensor(gathered, shard), repeats=3)
+    return size * 4 * (world.size - 1) / 2**20 / max(seconds, 1e-9)
+
+
+def shard_variant(
+    measured: dict, sizes: ShardSizes, world_size: int, shard: str, probed: str, link_mb_s: float, overlap: bool
+) -> dict:
+    """The probe's figures under ``parallel.shard=shard`` from figures measured (or counted) under ``probed``.
+
+    Memory: a process holds ``sizes.resident_saved(W)`` MiB less under fsdp (1 - 1/W of the sharded weights and
+    state, plus the gathered units). Time: every pass gathers the net's sharded weights once (a forward; a backward
+    gathers them again, and under full fine-tuning reduce-scatters their gradients), c = MiB (W - 1) / W / link
+    each. Measured on gloo, where the collectives share the CPU with the compute, the pass takes t + c; with
+    ``overlap`` (NCCL: FSDP prefetches the next unit while one computes) max(t, c)."""
+    if shard == probed or world_size < 2:
+        return measured
+    sign = 1 if shard == FSDP else -1
+    spread = (1 - 1 / world_size) / link_mb_s
+    gather, reduce = sizes.net * spread, sizes.state / 3 * spread
+
+    def passed(t: float, comm: float) -> float:
+        if sign < 0:
+            return max(t - comm, 0.0)
+        return max(t, comm) if overlap else t + comm
+
+    backward_comm = 2 * gather + reduce
+    return {
+        **measured,
+        "base_mb": measured["base_mb"] - sign * sizes.resident_saved(world_size),
+        "t_forward": passed(measured["t_forward"], gather),
+        "t_forward_backward": passed(measured["t_forward_backward"], backward_comm),
+        "t_forward_backward_one": passed(measured["t_forward_backward_one"], backward_comm),
+    }
+
+
+def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
+    """``cfg`` with ``train.schedule=schedule``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, schedule=schedule))
+
+
+def shard_settings(inp: PlanInput) -> list[str]:
+    """The ``parallel.shard`` settings a run of ``inp.processes`` processes can take (fsdp from two)."""
+    return [name for name in SHARDS if name != FSDP or inp.processes > 1]
+
+
+def shard_probes(
+    inp: PlanInput,
+    by_checkpointing: dict[bool, dict],
+    link_mb_s: float,
+    overlap: bool = False,
+    probed: str | None = None,
+) -> dict[tuple[str, bool], dict]:
+    """Probe figures for every (``parallel.shard``, checkpointing): those of ``probed`` (default: the run's own
+    shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
+    sizes = shard_sizes(inp.policy)
+    if probed is None:
+        probed = effective_shard(inp.cfg.parallel.shard, inp.processes)
+    return {
+        (shard, on): shard_variant(measured, sizes, inp.processes, shard, probed, link_mb_s, overlap)
+        for shard in shard_settings(inp)
+        for on, measured in by_checkpointing.items()
+    }
+
+
+# the probe's memory terms a row carries beside its peak: resident weights and trainable state, one tracked step's
+# activations at the micro-batch, a backward's working set beyond them, the decoder's working set
+MEMORY_TERMS = ("base_mb", "activation_mb", "backward_transient_mb", "decode_mb")
+
+
+def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[dict]:
+    """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
+    checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.schedules.fsdp_problem``) is
+    left out of the fsdp rows."""
+    rows, exact = [], algorithm_schedules(inp.cfg)  # the schedules that compute the algorithm's gradient
+    for layout in applicable_layouts(inp):
+        for (shard, checkpointing), measured in sorted(
+            probes.items(), key=lambda kv: (SHARDS.names.index(kv[0][0]), kv[0][1])
+        ):
+            for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
+                if shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule)):
+                    continue
+                if schedule not in exact:
+                    continue
+                rows.append(
+                    {
+                        "schedule": schedule,
+                        "layout": layout,
+                        "shard": shard,
+                        "gradient_checkpointing": checkpointing,
+                        **vars(p),
+                        **{term: measured[term] for term in MEMORY_TERMS},
+                    }
+                )
+    return rows
+
+
+def predict(costs: IterationCosts) -> dict[str, Prediction]:
+    """Every registered schedule's prediction."""
+    return {name: schedule.predict(costs) for name, schedule in SCHEDULES.items()}
+
+
+def prediction_table(costs: IterationCosts) -> dict:
+    """:func:`predict` as plain numbers (plan.json, bench, notebooks)."""
+    return {"steps_trained": costs.k, **{name: vars(p) for name, p in predict(costs).items()}}
+
+
+def choose(predictions: dict[str, Prediction], budget_mb: float) -> dict:
+    """``auto``: the schedule predicted fastest among those predicted to fit ``budget_mb`` (the baseline is one of
+    them: a Lean schedule predicted slower than it is never taken), else the one predicted smallest."""
+    fitting = [s for s in predictions if predictions[s].peak_memory_mb <= budget_mb]
+    if fitting:
+        choice = min(fitting, key=lambda s: predictions[s].time_iteration_s)
+    else:
+        choice = min(predictions, key=lambda s: predictions[s].peak_memory_mb)
+    return {
+        "choice": choice,
+        "budget_mb": budget_mb,
+        **{f"{s}_predicted_peak_mb": p.peak_memory_mb for s, p in predictions.items()},
+        **{f"{s}_predicted_time_s": p.time_iteration_s for s, p in predictions.items()},
+    }
+
+
+def budget_mb(cfg: RunConfig, device: torch.device) -> float:
+    return cfg.train.memory_budget_mb or device_memory_mb(device)
+
+
+def decide(inp: PlanInput) -> dict:
+    """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, and the
+    budget check of an explicit Lean schedule)."""
+    return choose(exact_predictions(inp.cfg, iteration_costs(inp, probe(inp))), budget_mb(inp.cfg, inp.policy.device))
+
+
+def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Prediction]:
+    """:func:`predict` of the schedules that run ``cfg`` exactly (and of its own schedule): what ``auto`` weighs."""
+    return {name: p for name, p in predict(costs).items() if name in runnable(cfg) or name == cfg.train.schedule}
+
+
+def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict:
+    """The configured transformer with its adapter, built on the meta device (no memory, no initialisation) unless
+    ``model`` is that already: its parameters, the MiB its weights take at ``model.dtype``, the trainable parameters
+    P (LoRA factors, or all under full fine-tuning) and the MiB of their state: values, gradients and AdamW's two
+    moments (torch keeps them in the parameter's dtype: float32 masters in half precision,
+    :func:`lean.config.dtypes.master_dtype`), 4 P. Reweight adds (B + 1) P of buffers."""
+    m = cfg.model
+    if model is None:
+        model = meta_transformer(family_spec(m.family), m.size)
+        if not m.full_finetune:
+            from peft import get_peft_model  # local: peft imports transformers (seconds)
+
+            model.requires_grad_(False)
+            model = get_peft_model(model, lora_config(m))
+    total = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)  # the base's weights
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dtype = DTYPES[m.dtype]
+    return {
+        "transformer_parameters": total,
+        "weight_mb": total * dtype.itemsize / 2**20,
+        "trainable_parameters": trainable,
+        "trainable_state_mb": 4 * trainable * master_dtype(dtype).itemsize / 2**20,
+    }
+
+
+def main(cfg: RunConfig, out: str | None = None) -> dict:
+    """``lean plan``: print the predicted peak memory and time per iteration of each schedule (on a CPU, for a
+    published size: the meta-device counts of :func:`published_size` instead)."""
+    if cfg.model.size == "full" and not torch.cuda.is_available():
+        report = {"published_size": published_size(cfg)}
+        print_published_size(cfg, report["published_size"])
+        if out:
+            write_json(f"{out}/plan.json", report)
+        return report
+    pipeline = build_pipeline(cfg, init_world(cfg.train.dist_timeout_s, cfg.parallel.sequence_parallel))
+    inp = plan_input(pipeline)
+    by_checkpointing = probe_checkpointing(inp)
+    measured = by_checkpointing[cfg.model.gradient_checkpointing]
+    link = link_speed(pipeline.world, shard_sizes(inp.policy).unit)
+    costs = iteration_costs(inp, measured)
+    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, pipeline.world.device))
+    report = {
+        "probe": measured,
+        "layout": resolve_layout(cfg, inp.world_size),
+        "prediction": prediction_table(costs),
+        "link_mb_per_s": link,
+        "combinations": combinations(inp, shard_probes(inp, by_checkpointing, link)),
+        "budget_mb": decision["budget_mb"],
+        "auto_choice": decision["choice"],
+    }
+    if pipeline.world.is_main:
+        print_plan(cfg, measured, costs, decision)
+        own = (report["layout"], effective_shard(cfg.parallel.shard, inp.processes), cfg.model.gradient_checkpointing)
+        print_combinations(report["combinations"], own)
+        if out:
+            write_json(f"{out}/plan.json", report)
+    return report
+
+
+def print_published_size(cfg: RunConfig, r: dict) -> None:
+    experts = len(family_spec(cfg.model.family).denoiser_folders)
+    per = f" (per expert: {experts} of them, each its own LoRA)" if experts > 1 else ""
+    where = "is not built on a CPU; on the meta device" if cfg.model.size == "full" else "counted on the meta device:"
+    print(
+        f"lean plan: {cfg.model.family}/{cfg.model.size} {where} its transformer{per} has "
+        f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "
+        f"{cfg.model.dtype}), {r['trainable_parameters'] / 1e6:.1f}M trainable "
+        f"({r['trainable_state_mb']:.0f} MiB with their gradients and AdamW moments)"
+    )
+
+
+def print_combinations(rows: list[dict], own: tuple[str, str, bool]) -> None:
+    """The :func:`combinations` table; * marks this run's (layout, shard, checkpointing), whose figures are measured
+    (the other shard's are modelled from them)."""
+    head = f"{'schedule':10} {'layout':7} {'shard':5} {'checkpointing':>13}"
+    print(f"{head} {'peak memory MiB':>16} {'time/iteration s':>17}")
+    for r in rows:
+        mark = "*" if (r["layout"], r["shard"], r["gradient_checkpointing"]) == own else " "
+        print(
+            f"{r['schedule']:10} {r['layout']:7} {r['shard']:5} {'on' if r['gradient_checkpointing'] else 'off':>13} "
+            f"{r['peak_memory_mb']:16.1f} {r['time_iteration_s']:17.3f} {mark}"
+        )
+
+
+def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:
+    print(
+        f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.algorithm.name}, "
+        f"{cfg.sample.num_steps} steps, {costs.k} {TERMS[ALGORITHMS[cfg.algorithm.name].trains_on]}, one step "
+        f"saves {measured['activation_mb']:.1f} MiB of activations at batch "
+        f"{measured['batch']}"
+    )
+    print(
+        f"decode + reward the iteration waits for: {costs.score:.3f} s "
+        f"(decode {measured['t_decode']:.3f} s + reward {measured['t_reward']:.3f} s at batch {measured['batch']})"
+    )
+    print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
+    predictions, exact = predict(costs), runnable(cfg)
+    for name, p in predictions.items():
+        if problem := algorithm_problem(SCHEDULES[name], ALGORITHMS[cfg.algorithm.name]):
+            print(f"{name:10} {'':>16} {'':>17}  (never {cfg.algorithm.name}'s gradient: {problem.split(',')[0]})")
+            continue
+        why = "" if name in exact else f"  (not exact here: {schedule_problem(cfg, name)[0]})"
+        print(f"{name:10} {p.peak_memory_mb:16.1f} {p.time_iteration_s:17.3f}{why}")
+    print(f"budget {decision['budget_mb']:.0f} MiB -> auto takes {decision['choice']}")
+    t = cfg.train
+    if (steps := t.optimizer_steps_per_iteration * t.num_inner_epochs) > 1:
+        hybrids = [s for s in LEAN_SCHEDULES if s in exact]
+        who = f"{' and '.join(hybrids)} run" if hybrids else "no Lean schedule runs"
+        print(
+            f"{steps} optimizer steps per rollout: {who} it as a hybrid (the first update from the rollout's "
+            f"graphs, the other {steps - 1} recomputed: lean.schedules.hybrid); train.on_policy=true is the recipe's "
+            "one-step form"
+        )

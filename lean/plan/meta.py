@@ -1,0 +1,532 @@
+"""``lean plan`` at the published sizes: one GPU's iteration counted on PyTorch's meta device, where no weight is
+allocated and no kernel runs, so FLUX.1-dev (11.9B transformer, T5-XXL beside it) is planned on a laptop.
+
+The policy is built as for a run (every component, the adapter, the reference copy of a full fine-tune) on the meta
+device, and the probe of :mod:`lean.plan.cost` runs there:
+
+  memory  every tensor an op creates counts while its storage lives (:class:`MetaMemory`, a dispatch mode): the
+          activations one tracked step keeps, the peak of its backward beyond them, the VAE decode's working set.
+          Resident: every component's weights at ``model.dtype`` (the trainable ones as float32 masters in half
+          precision), plus the trainable parameters' gradients and AdamW's two moments.
+  time    each call's FLOPs (``FlopCounterMode``) / (the GPU's datasheet peak x ``mfu``, an assumed utilisation).
+          The rewards are not modelled (0 s).
+
+The blocks of a denoiser repeat, and every count is affine in how many there are of each kind (each block adds its
+own FLOPs, activations, weights and adapter), so the probe runs on the stacks cut to 2 and 3 blocks of each kind and
+extrapolates to the whole depth (:func:`depth_extrapolated`): FLUX.1-dev's 19 + 38 blocks are counted through 3
+probes of 4-5 blocks, a tenth of the dispatches; a test checks that it gives the whole count.
+
+These figures go through the same cost models as a measured probe (``Schedule.predict`` via
+:func:`lean.plan.cost.combinations`) for every layout, ``parallel.shard``, sequence-parallel degree and activation-
+checkpointing setting, against ``gpu_mem_gb`` (times :data:`lean.observe.metrics.MEMORY_MARGIN`):
+
+  sequence parallelism  P = 1, and every P dividing ``gpus`` that the family, the heads and the tokens allow. The
+          model runs its own Ulysses code at one rank's shapes (``lean.parallel.overlap.p2p.SimulatedOverlap``: the
+          tokens split, the all-to-all buffers allocated, every transfer a local copy), so a process's activations,
+          working sets and FLOPs are counted, not scaled; its samples are those of one of ``gpus / P`` data-parallel
+          ranks, and with ``parallel.split_decode`` it decodes 1/P of each micro-batch. Each transformer pass adds the
+          all-to-alls' exposed time from the calibrated timeline model (``lean.parallel.overlap.sim`` on the H100
+          profile, the configured ``parallel.overlap`` method): per block the fused QKV projection (matmul + all-to-all)
+          and the output projection (all-to-all + matmul) at the pass's tokens, a backward the same again.
+  fsdp    modelled from the replica's count (:func:`lean.plan.cost.shard_variant`): 1/``gpus`` of the sharded weights
+          and state plus the gathered units (FSDP x SP shards over every GPU, ``lean.parallel.sharding``), and every
+          pass's all-gather at :data:`ALLGATHER_GB_S`, hidden behind the pass's compute as FSDP's prefetch does (a pass
+          takes max(compute, gather)).
+
+The rows are printed fastest first among those that fit, with each memory term; when the config's own row (its
+schedule, layout, shard, ``parallel.sequence_parallel`` and checkpointing) does not fit, ``lean plan`` refuses it in
+one config line naming the nearest row that does (fewest settings changed, then fastest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from lean.config import AUTO, ConfigError
+from lean.configure import validate
+from lean.models import build_policy, family_spec, transformer_blocks
+from lean.models.sequence_parallel import base_model, enable, sequence_problem
+from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
+from lean.observe.outputs import write_json
+from lean.parallel.overlap import sim
+from lean.parallel.overlap.p2p import SimulatedOverlap
+from lean.parallel.sharding import SHARDS, effective_shard
+from lean.plan.cost import (
+    PlanInput,
+    combinations,
+    print_published_size,
+    probe_checkpointing,
+    published_size,
+    shard_probes,
+)
+from lean.run.iteration import local_batch
+from lean.sampling.rollout import policy_step
+from lean.sampling.sde import sigma_schedule
+
+REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
+ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
+DEFAULT_MFU = 0.35  # an assumed share of that peak a DiT step reaches; the times scale with 1 / mfu
+
+
+class MetaMemory(TorchDispatchMode):
+    """Bytes of the storages created under it that are still alive (``live``) and their high-water mark (``peak``);
+    a storage counts once, however many views share it, until its last reference is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self._sizes:
+                    self._sizes[storage._cdata] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, storage._cdata)
+        return out
+
+    def mark(self) -> int:
+        """Reset the high-water mark to what is alive now; returns it."""
+        self.peak = self.live
+        return self.live
+
+
+class MetaScalars(TorchDispatchMode):
+    """A value read back from a meta tensor (``.item()``, ``bool(t)``) reads as 1: the text encoders branch on their
+    padding masks (``mask.all()``), which have no values on the meta device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """``scaled_dot_product_attention`` as a GPU runs it: the memory-efficient kernel, which keeps the output and one
+    log-sum-exp per query row for the backward. The meta device would otherwise take the math path and count the
+    [B, heads, L, L] attention probabilities of every block. A mask (Qwen-Image's padded text) is the kernel's
+    additive bias, a broadcast view (as the kernel reads it on a GPU: no [B, heads, L, L] copy)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        bias = attn_mask
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            shape = (*query.shape[:-2], query.shape[-2], key.shape[-2])
+            bias = bias.expand(shape)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale
+        )[0]
+
+    torch.nn.functional.scaled_dot_product_attention = efficient
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def meta_input(cfg, gpus: int) -> PlanInput:
+    """The run's policy on the meta device and the local batch of one of ``gpus`` processes (the config is checked
+    for that many processes first: the batch must divide over them)."""
+    validate(cfg, world_size=gpus)
+    policy = build_policy(dataclasses.replace(cfg.model, pretrained=None), cfg.train.prompts, device="meta")
+    shift = cfg.sample.shift if cfg.sample.shift is not None else 1.0  # timing and memory do not depend on it
+    sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid).to("meta")
+    trainable = [p for _, p in policy.trainable_parameters()]
+    batch = local_batch(cfg, 0, 0, gpus)
+    return at_degree(PlanInput(policy, trainable, cfg, sigmas, batch, reward=None, processes=gpus), gpus, 1)
+
+
+def at_degree(inp: PlanInput, gpus: int, degree: int) -> PlanInput:
+    """``inp`` for ``gpus`` processes in sequence-parallel groups of ``degree``: the samples of one of the
+    ``gpus / degree`` data-parallel ranks, decoded in shares of ``degree`` under ``parallel.split_decode``."""
+    cfg = dataclasses.replace(inp.cfg, parallel=dataclasses.replace(inp.cfg.parallel, sequence_parallel=degree))
+    data = gpus // degree
+    share = degree if cfg.parallel.split_decode else 1
+    return dataclasses.replace(inp, cfg=cfg, batch=local_batch(cfg, 0, 0, data), world_size=data, decode_share=share)
+
+
+def sequence_degrees(inp: PlanInput, gpus: int) -> dict[int, str | None]:
+    """Every degree P dividing ``gpus``: None where sequence parallelism can run it, else why not (the config's
+    rules for ``gpus`` processes, then the heads and tokens that must divide)."""
+    degrees = {}
+    for p in (d for d in range(2, gpus + 1) if gpus % d == 0):
+        cfg = dataclasses.replace(inp.cfg, parallel=dataclasses.replace(inp.cfg.parallel, sequence_parallel=p))
+        try:
+            validate(cfg, world_size=gpus)
+            degrees[p] = sequence_problem(inp.policy, p)
+        except ConfigError as err:
+            degrees[p] = f"{err.key}: {err.allowed}"
+    return {1: None, **degrees}
+
+
+def ulysses_exposed_s(inp: PlanInput, degree: int, rows: int) -> float:
+    """Seconds one transformer pass of ``rows`` samples (both CFG halves counted) waits for its all-to-alls beyond
+    their GEMMs, at ``degree``: per block the fused QKV and output projections of
+    ``lean.parallel.overlap.sim.layer_ops`` (width = heads x head_dim, the pass's tokens) under ``parallel.overlap``, on
+    the H100 profile."""
+    if degree == 1:
+        return 0.0
+    config = base_model(inp.policy.denoisers[0]).config
+    width = config.num_attention_heads * config.attention_head_dim
+    arch = inp.policy.arch
+    seq = arch.image_seq_len + (inp.policy.text_max_length if arch.splits_text else 0)
+    ops = sim.layer_ops(degree, rows, seq, width, width, 3 * width, element_bytes=2)
+    method = inp.cfg.parallel.overlap
+    per_block = sum(sim.predict(op, method, sim.H100_SXM).exposed for op in ops if op.name.startswith("ulysses"))
+    return per_block * transformer_blocks(config)
+
+
+def with_all_to_alls(measured: dict, inp: PlanInput, degree: int) -> dict:
+    """The probe's times with each pass's exposed all-to-all seconds (:func:`ulysses_exposed_s`; a backward pays
+    them again)."""
+    halves = 2 if inp.cfg.sample.cfg else 1
+    full, one = (ulysses_exposed_s(inp, degree, halves * b) for b in (measured["batch"], 1))
+    return {
+        **measured,
+        "t_forward": measured["t_forward"] + full,
+        "t_forward_backward": measured["t_forward_backward"] + 2 * full,
+        "t_forward_backward_one": measured["t_forward_backward_one"] + 2 * one,
+        "all_to_all_exposed_s": full,
+    }
+
+
+def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int, int]] | None = None) -> dict:
+    """:func:`lean.plan.cost.probe`'s figures, counted on the meta device (see the module docstring). ``decodes`` keeps
+    the decode's (peak bytes, FLOPs) by decoded rows across calls: it depends on neither the transformer's depth nor
+    its checkpointing nor the sequence-parallel degree, and a long video's decode is the slowest count."""
+    policy, cfg = inp.policy, inp.cfg
+    batch = min(len(inp.batch.prompts), cfg.train.rollout_batch_size)
+    with MetaScalars():  # the empty prompt too: CFG's unconditional branch encodes it on first use
+        policy.encode_prompts([""])
+        emb = policy.encode_prompts(inp.batch.prompts[:batch])
+    gens = inp.batch.generators[:batch]
+    x = policy.init_latents(gens)
+    index = torch.zeros(batch, dtype=torch.long, device="meta")
+
+    def step(rows: slice, grad: bool, backward: bool, memory: MetaMemory) -> tuple[int, int, int]:
+        """(FLOPs, bytes kept after the forward, peak bytes of the backward beyond them)."""
+        with FlopCounterMode(display=False) as flops:
+            start = memory.mark()
+            with torch.set_grad_enabled(grad):
+                out = policy_step(
+                    policy, x[rows], index[rows], emb.index(rows), cfg.sample, inp.sigmas, generators=gens[rows]
+                )
+            kept = memory.live - start
+            before = memory.mark()
+            if backward:
+                out[1].sum().backward()
+            transient = memory.peak - before  # what the backward needs beyond the kept activations
+        del out
+        for p in inp.trainable:
+            p.grad = None
+        return flops.get_total_flops(), kept, transient
+
+    with fused_attention(), MetaMemory() as memory:
+        f, _, _ = step(slice(0, batch), grad=False, backward=False, memory=memory)
+        fb, activation, transient = step(slice(0, batch), grad=True, backward=True, memory=memory)
+        fb_one, activation_one, _ = step(slice(0, 1), grad=True, backward=True, memory=memory)
+        rows = inp.decoded_rows(batch)  # a split decode: this process's share
+        if decodes is None or rows not in decodes:
+            with FlopCounterMode(display=False) as decode_flops:
+                start = memory.mark()
+                images = policy.decode(x[:rows])
+                counts = (memory.peak - start, decode_flops.get_total_flops())
+            del images
+            if decodes is not None:
+                decodes[rows] = counts
+        decode, decoded_flops = decodes[rows] if decodes is not None else counts
+    trainable = sum(p.numel() * p.element_size() for p in inp.trainable)
+    resident = sum(p.numel() * p.element_size() for p in policy.parameters()) + 3 * trainable  # grads, 2 moments
+    return {
+        "batch": batch,
+        "activation_mb": activation / 2**20,
+        "activation_one_mb": activation_one / 2**20,
+        "backward_transient_mb": transient / 2**20,
+        "decode_mb": decode / 2**20,
+        "t_forward": f / flops_per_s,
+        "t_forward_backward": fb / flops_per_s,
+        "t_forward_backward_one": fb_one / flops_per_s,
+        "t_decode": decoded_flops / flops_per_s,
+        "t_reward": 0.0,
+        "param_mb": trainable / 2**20,
+        "base_mb": resident / 2**20,
+    }
+
+
+PROBE_DEPTH = 2  # blocks each run of like blocks keeps in the base probe (the first block of a stack may differ)
+
+
+def block_runs(net: torch.nn.Module, block_lists: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """The runs of like blocks in ``net``'s stacks, as (stack, first index, length): consecutive blocks of one class
+    and the same parameter shapes (SD3.5's dual-attention blocks, then its plain ones, then the last, which updates
+    no text, are three runs of one stack; FLUX's double- and single-stream stacks are a run each)."""
+    runs = []
+    for name in block_lists:
+        signatures = [
+            (type(b).__name__, tuple((k, tuple(p.shape)) for k, p in b.named_parameters())) for b in getattr(net, name)
+        ]
+        for i, signature in enumerate(signatures):
+            if i and signature == signatures[i - 1]:
+                runs[-1] = (name, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((name, i, 1))
+    return runs
+
+
+@contextlib.contextmanager
+def cut_runs(net: torch.nn.Module, runs: list[tuple[str, int, int]], kept: list[int]):
+    """``net``'s stacks with each run cut to its first ``kept`` blocks; restored on exit."""
+    whole = {name: getattr(net, name) for name, _, _ in runs}
+    cut = {name: [] for name in whole}
+    for (name, first, _), k in zip(runs, kept):
+        cut[name] += whole[name][first : first + k]
+    for name, blocks in cut.items():
+        setattr(net, name, torch.nn.ModuleList(blocks))
+    try:
+        yield
+    finally:
+        for name, blocks in whole.items():
+            setattr(net, name, blocks)
+
+
+def depth_extrapolated(inp: PlanInput, measure: Callable[[PlanInput], dict]) -> dict:
+    """``measure(inp)``'s figures at the denoisers' whole depth, from probes of shallower stacks. Each run of like
+    blocks (:func:`block_runs`, n_r blocks) keeps b_r = min(n_r, :data:`PROBE_DEPTH`) in the base probe, and one
+    more in its own slope probe; a figure is then ``base + sum_r slope_r (n_r - b_r)``. Exact where each figure is
+    affine in the runs' lengths, as FLOPs, kept activations, weights and a backward's working set are for stacks of
+    repeated blocks (a test compares it with the whole count)."""
+    block_lists = family_spec(inp.cfg.model.family).block_lists
+    nets = [base_model(d) for d in inp.policy.denoisers]
+    runs = block_runs(nets[0], block_lists)
+    base_kept = [min(n, PROBE_DEPTH) for _, _, n in runs]
+    if all(n <= k + 1 for (_, _, n), k in zip(runs, base_kept)):  # nothing to save: count the whole depth
+        return measure(inp)
+
+    def at(kept: list[int]) -> dict:
+        with contextlib.ExitStack() as stack:
+            for net in nets:
+                stack.enter_context(cut_runs(net, block_runs(net, block_lists), kept))
+            return measure(inp)
+
+    base = at(base_kept)
+    whole = dict(base)
+    for r, (_, _, n) in enumerate(runs):
+        if n > base_kept[r]:
+            deeper = at([k + (j == r) for j, k in enumerate(base_kept)])
+            for key, value in base.items():
+                if isinstance(value, float):
+                    whole[key] += (deeper[key] - value) * (n - base_kept[r])
+    return whole
+
+
+def counted(inp: PlanInput, count: Callable[[PlanInput], dict]) -> dict[bool, dict]:
+    """``count`` at the denoisers' whole depth with activation checkpointing off and on. A checkpointed backward
+    recomputes one block at a time and frees it; on the meta device the recomputed storages are only seen freed at
+    the end of the backward, so its transient is modelled instead: the plain backward's plus one block's share of the
+    plain step's activations (small FLUX on a CPU: 27 MiB modelled, 30 measured)."""
+    by_checkpointing = probe_checkpointing(inp, lambda inp: depth_extrapolated(inp, count))
+    plain, checkpointed = by_checkpointing[False], by_checkpointing[True]
+    blocks = transformer_blocks(base_model(inp.policy.denoisers[0]).config)
+    checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks
+    return by_checkpointing
+
+
+def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT_MFU, out: str | None = None) -> dict:
+    """Every schedule x layout x shard x sequence-parallel degree x checkpointing on ``gpus`` GPUs of
+    ``gpu_mem_gb``: predicted per-GPU peak memory (and its terms) and time per iteration, whether it fits, fastest
+    first; printed and returned (``out/plan.json``). Raises a ConfigError naming the nearest fitting row when the
+    config's own row does not fit."""
+    peak = GPU_PEAK_TFLOPS[REFERENCE_GPU][cfg.model.torch_dtype] * 1e12
+    inp = meta_input(cfg, gpus)
+    budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
+    degrees = sequence_degrees(inp, gpus)
+    probes_by_degree = count_degrees(inp, gpus, [d for d, why in degrees.items() if why is None], peak * mfu)
+    rows = tabulate(inp, gpus, probes_by_degree, budget_mb)
+    fitting = [r for r in rows if r["fits"]]
+    own_degree = cfg.parallel.sequence_parallel if cfg.parallel.sequence_parallel in probes_by_degree else 1
+    report = {
+        "published_size": published_size(cfg, inp.policy.denoisers[0]),
+        "gpus": gpus,
+        "gpu_mem_gb": gpu_mem_gb,
+        "budget_mb": budget_mb,
+        "assumed": {
+            "gpu": REFERENCE_GPU,
+            "peak_tflops": peak / 1e12,
+            "mfu": mfu,
+            "allgather_gb_s": ALLGATHER_GB_S,
+            "all_to_all_profile": sim.H100_SXM.name,
+            "overlap": cfg.parallel.overlap,
+        },
+        "probe": probes_by_degree[own_degree][cfg.model.gradient_checkpointing],
+        "local_samples": len(at_degree(inp, gpus, own_degree).batch.prompts),
+        "sequence_degrees": degrees,
+        "combinations": rows,
+        # the fastest; of equally fast ones (sharding hides its gathers), the smallest
+        "fastest_fitting": min(fitting, key=lambda r: (r["time_iteration_s"], r["peak_memory_mb"]))
+        if fitting
+        else None,
+    }
+    report["own"] = own_row(cfg, rows, gpus)
+    print_published_size(cfg, report["published_size"])
+    print_meta_plan(cfg, report)
+    if out:
+        write_json(f"{out}/plan.json", report)
+    refuse_what_does_not_fit(cfg, report)
+    return report
+
+
+def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
+    """Per sequence-parallel degree, the probe's figures with checkpointing off and on (:func:`counted`), each pass's
+    exposed all-to-all time added. The family's own Ulysses code is installed once and each degree swaps its
+    :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size."""
+    decodes = {}
+    count = lambda at: meta_probe(at, flops_per_s, decodes)  # noqa: E731
+    sp, out = None, {}
+    for degree in degrees:
+        if degree > 1 and sp is None:
+            sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.arch, SimulatedOverlap())
+        if sp is not None:
+            sp.ov = SimulatedOverlap(inp.cfg.parallel.overlap, size=degree)
+        at = at_degree(inp, gpus, degree)
+        out[degree] = {on: with_all_to_alls(m, at, degree) for on, m in counted(at, count).items()}
+    return out
+
+
+def tabulate(inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budget_mb: float) -> list[dict]:
+    """Every row (:func:`lean.plan.cost.combinations` of each degree, fsdp modelled from the counted replica) with its
+    degree and whether it fits ``budget_mb``: the fitting rows first, fastest first, then the others, smallest first."""
+    link = ALLGATHER_GB_S * 1e9 / 2**20
+    rows = []
+    for degree, by_checkpointing in probes_by_degree.items():
+        at = at_degree(inp, gpus, degree)
+        probes = shard_probes(at, by_checkpointing, link, overlap=True, probed=SHARDS.default)
+        rows += [
+            {**r, "sequence_parallel": degree, "fits": r["peak_memory_mb"] <= budget_mb}
+            for r in combinations(at, probes)
+        ]
+    return sorted(rows, key=lambda r: (not r["fits"], r["time_iteration_s"] if r["fits"] else r["peak_memory_mb"]))
+
+
+SETTINGS = {  # a row's settings, as the config keys that choose them
+    "schedule": "train.schedule",
+    "layout": "parallel.layout",
+    "shard": "parallel.shard",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+}
+
+
+def own_row(cfg, rows: list[dict], gpus: int) -> dict:
+    """The config's own settings (``auto`` matches any value) and its rows: ``settings``, ``fits`` (some row of
+    them fits), ``nearest`` (the fitting row with the fewest settings changed, then the fastest; None if none
+    fits)."""
+    settings = {
+        "schedule": cfg.train.schedule,
+        "layout": cfg.parallel.layout,
+        "shard": effective_shard(cfg.parallel.shard, gpus),
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
+    }
+    changed = lambda r: sum(v != AUTO and r[k] != v for k, v in settings.items())  # noqa: E731
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (changed(r), r["time_iteration_s"]))
+    mine = [r for r in rows if changed(r) == 0]
+    return {
+        "settings": settings,
+        "fits": any(r["fits"] for r in mine),
+        "peak_memory_mb": min((r["peak_memory_mb"] for r in mine), default=None),
+        "nearest": fitting[0] if fitting else None,
+    }
+
+
+def refuse_what_does_not_fit(cfg, report: dict) -> None:
+    """A ConfigError when no row of the config's own settings fits, naming the nearest that does."""
+    own = report["own"]
+    if own["fits"]:
+        return
+    budget = report["budget_mb"] / 1024
+    predicted = (
+        f"is predicted at {own['peak_memory_mb'] / 1024:.1f} GiB per GPU"
+        if own["peak_memory_mb"] is not None
+        else "cannot run here"
+    )
+    near = own["nearest"]
+    if near is None:
+        hint = "no row fits: fewer samples per GPU (train.rollout_batch_size), frames or resolution"
+    else:
+        changes = [
+            f"{key}={_value(near[k])}" for k, key in SETTINGS.items() if own["settings"][k] not in (AUTO, near[k])
+        ]
+        hint = f"the nearest row that fits ({near['peak_memory_mb'] / 1024:.1f} GiB): --set " + " --set ".join(changes)
+    mine = ", ".join(f"{SETTINGS[k]}={_value(v)}" for k, v in own["settings"].items())
+    raise ConfigError(
+        "--gpu-mem-gb",
+        report["gpu_mem_gb"],
+        f"this run ({mine}) {predicted}, over the {budget:.0f} GiB budget; {hint}",
+    )
+
+
+def _value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def print_meta_plan(cfg, r: dict) -> None:
+    p, a = r["probe"], r["assumed"]
+    print(
+        f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.frame_size}"
+        + (f" x {cfg.model.num_frames} frames" if family_spec(cfg.model.family).video else "")
+        + f" {cfg.model.dtype}, counted on the meta device for {r['gpus']} GPUs of {r['gpu_mem_gb']:g} GB "
+        f"({r['local_samples']} samples per data-parallel rank, rollout micro-batch {p['batch']}). Times: FLOPs / "
+        f"({a['peak_tflops']:.0f} TFLOP/s x MFU {a['mfu']:g}), rewards not included; fsdp: the transformer sharded "
+        f"over all {r['gpus']} GPUs, all-gathers at {a['allgather_gb_s']:g} GB/s behind the compute; SP: Ulysses "
+        f"over P GPUs, its all-to-alls' exposed time from the timeline model ({a['all_to_all_profile']}, "
+        f"{a['overlap']})"
+    )
+    skipped = {d: why for d, why in r["sequence_degrees"].items() if why is not None}
+    if skipped:
+        print("not tabulated: " + "; ".join(f"SP={d} ({why})" for d, why in skipped.items()))
+    print(
+        "Memory terms per GPU (GiB): resident = weights + trainable state (after sharding); step = activations one "
+        "tracked step keeps at the micro-batch; bwd = a backward's working set beyond them; decode = the VAE's"
+    )
+    print(
+        f"{'schedule':10} {'layout':6} {'shard':5} {'SP':>2} {'ckpt':>4} {'resident':>8} {'step':>6} {'bwd':>6} "
+        f"{'decode':>6} {'peak':>6} {'time/iter s':>11}  fits"
+    )
+    for row in r["combinations"]:
+        print(
+            f"{row['schedule']:10} {row['layout']:6} {row['shard']:5} {row['sequence_parallel']:2d} "
+            f"{'on' if row['gradient_checkpointing'] else 'off':>4} {row['base_mb'] / 1024:8.1f} "
+            f"{row['activation_mb'] / 1024:6.2f} {row['backward_transient_mb'] / 1024:6.2f} "
+            f"{row['decode_mb'] / 1024:6.2f} {row['peak_memory_mb'] / 1024:6.1f} {row['time_iteration_s']:11.1f}  "
+            f"{'yes' if row['fits'] else 'no'}"
+        )
+    best = r["fastest_fitting"]
+    if best is None:
+        print(f"nothing fits in {r['budget_mb'] / 1024:.0f} GiB per GPU")
+    else:
+        print(
+            f"fastest that fits in {r['budget_mb'] / 1024:.0f} GiB: {best['schedule']}, layout {best['layout']}, "
+            f"shard {best['shard']}, sequence parallel {best['sequence_parallel']}, checkpointing "
+            f"{'on' if best['gradient_checkpointing'] else 'off'}"
+        )

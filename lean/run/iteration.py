@@ -1,0 +1,507 @@
+"""One GRPO iteration, written once: the phases every caller runs, each with explicit inputs and outputs.
+
+    local batch   which (group, prompt, sample) this process owns, their random streams, the trained-step selection
+    embed         cached prompt embeddings of the local samples
+    rollout       the one sampling loop (``lean.sampling.rollout``) with the schedule's hooks: track_grad(i),
+    on_step(step) score         decode x_T -> rewards [B_local]
+    advantages    rewards gathered over processes -> the algorithm's targets (GRPO: group advantages) -> this
+                  process's share
+    finish        the schedule turns advantages into gradients; ``optimizer_step`` is the one place they are
+                  synchronised, clipped and applied (``lean.run.optimizer``)
+
+:meth:`IterationPipeline.run` composes them for ``lean train``, ``lean equivalence`` and ``lean bench schedules``;
+the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the same phases one by one. A change to
+the order of an iteration is made in :meth:`IterationPipeline.run` alone.
+
+Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
+owns the contiguous slice r of it (``lean.parallel.layout.local_slice``). Random streams are keyed by (seed, iteration,
+group, prompt, sample), so a trajectory never depends on the batching or on the number of processes, and two groups
+of the same prompt differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from lean.algorithms import ALGORITHMS, Algorithm, build_algorithm
+from lean.config import ConfigError
+from lean.configure import validate
+from lean.models import build_policy, family_spec, terminal_stretch, time_shift, tracked_step_floor
+from lean.models.precision import set_matmul_precision
+from lean.models.sequence_parallel import enable, sequence_problem
+from lean.models.snapshot import Snapshot
+from lean.observe.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
+from lean.parallel.distributed import CPU_TIMEOUT_S, World
+from lean.parallel.layout import finish_unit, local_slice
+from lean.parallel.overlap.p2p import Overlap
+from lean.parallel.sharding import FSDP, shard_policy
+from lean.rewards import RewardServerError, Scorer
+from lean.run.scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
+from lean.sampling.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
+from lean.sampling.sde import StepSelection, select_steps_for, sigma_schedule
+from lean.schedules import IterationContext, Schedule, schedule_class
+from lean.schedules.base import OptimizerStep
+from lean.schedules.recompute import rolled_out_in_update_order, shuffled
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig
+    from lean.models import Policy, PromptEmbeds
+
+SampleKey = tuple[int, int, int]  # (group, prompt index, sample index)
+WINDOW_STREAM = 99  # iteration_generator purpose of the SDE window draw
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite reward, log-prob, loss or gradient; the message names the tensor and the iteration."""
+
+
+def global_samples(cfg: RunConfig, iteration: int) -> list[SampleKey]:
+    """(group, prompt index, sample index) of every sample of the iteration, in global order: the prompts of the
+    iteration are drawn from a stream every process shares, without replacement; with more groups than prompts, in
+    passes over a fresh permutation each, so that every prompt is drawn as often as the count allows."""
+    t = cfg.train
+    gen = iteration_generator(t.seed, iteration)
+    n = len(t.prompts)
+    passes = -(-t.prompts_per_iteration // n)
+    chosen = torch.cat([torch.randperm(n, generator=gen) for _ in range(passes)])[: t.prompts_per_iteration].tolist()
+    return [(g, p, k) for g, p in enumerate(chosen) for k in range(t.group_size)]
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """One process's samples of one iteration."""
+
+    iteration: int
+    samples: list[SampleKey]  # the whole iteration, in global order
+    local: slice  # this process's contiguous share of ``samples``
+    prompts: list[str]  # of the local samples
+    generators: list[torch.Generator]  # one random stream per local sample
+    init_generators: list[torch.Generator] | None  # the initial noise's streams when not the samples' own
+    steps: StepSelection  # which steps are stochastic, and which each local sample trains
+
+    @property
+    def mine(self) -> list[SampleKey]:
+        return self.samples[self.local]
+
+    def group_ids(self) -> Tensor:
+        """Group of every sample of the iteration (global order) [N]."""
+        return torch.tensor([g for g, _, _ in self.samples])
+
+
+def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int = 1) -> LocalBatch:
+    """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
+    ``parallel.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
+    samples = global_samples(cfg, iteration)
+    if rolled_out_in_update_order(cfg.train):  # each share in its first update order: every share permuted alike
+        share = len(samples) // world_size
+        order = shuffled(cfg.train, iteration, share, epoch=0).tolist()
+        samples = [samples[start + i] for start in range(0, len(samples), share) for i in order]
+    local = local_slice(len(samples), rank, world_size)
+    generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
+    steps = select_local_steps(cfg, iteration, samples[local], generators)
+    if cfg.parallel.shard == FSDP and world_size > 1:  # every process tracks the same steps (lean.parallel.sharding)
+        everyone = [
+            select_local_steps(cfg, iteration, samples[other], None).grad_steps
+            for other in (local_slice(len(samples), r, world_size) for r in range(world_size))
+        ]
+        steps = dataclasses.replace(steps, shared_grad_steps=torch.stack(everyone).any(dim=0))
+    prompts = [cfg.train.prompts[p] for _, p, _ in samples[local]]
+    init_generators = None
+    if cfg.sample.init_same_noise:  # one stream per group; every sample of the group draws the same x_0 from it
+        init_generators = [group_init_generator(cfg.train.seed, iteration, g, p) for g, p, _ in samples[local]]
+    return LocalBatch(iteration, samples, local, prompts, generators, init_generators, steps)
+
+
+def select_local_steps(
+    cfg: RunConfig, iteration: int, samples: list[SampleKey], generators: list[torch.Generator] | None
+) -> StepSelection:
+    """The trained-step selection of ``samples``, drawn from their streams (``generators``, or fresh ones). The
+    selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
+    own = ALGORITHMS[cfg.algorithm.name].steps(cfg, iteration, len(samples))
+    if own is not None:  # the algorithm places the SDE steps itself (MixGRPO's sliding window)
+        return own
+    if generators is None:
+        generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
+    return select_steps_for(
+        cfg.sample,
+        len(generators),
+        window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
+        sample_generators=generators,
+    )
+
+
+@dataclass
+class Rollout:
+    """What the first half of an iteration leaves for the update: the schedule that saw every step, x_T, the
+    rewards of the local samples and their components."""
+
+    batch: LocalBatch
+    ctx: IterationContext
+    schedule: Schedule
+    final: Tensor  # x_T [B_local, ...]
+    rewards: Tensor  # float64 [B_local]
+    parts: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class IterationResult:
+    metrics: dict  # one row of metrics.csv
+    final: Tensor  # x_T of the local samples
+    rewards: Tensor  # float64 [N]: every sample of the iteration
+
+
+def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
+    """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma
+    grid. The pipeline's config is ``cfg`` with ``sample.shift`` resolved (``lean.models.time_shift``: the user's
+    value, the pretrained folder's scheduler config, or the family's published one); ``pipeline.shift_source`` says
+    which."""
+    validate(cfg, world_size=world.size)
+    refuse_what_cannot_fit(cfg, world.device)
+    set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
+    policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
+    if cfg.parallel.shard == FSDP:
+        shard_policy(policy, world, cfg.model.torch_dtype)
+    if world.sequence_parallel > 1:
+        if problem := sequence_problem(policy, world.sequence_parallel):
+            raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
+        ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
+        policy.sequence_parallel = enable(policy.networks(), policy.arch, ov)
+    policy.negative_prompt = cfg.sample.negative_prompt
+    shift, source = time_shift(
+        cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len, cfg.sample.num_steps
+    )
+    terminal = terminal_stretch(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, cfg.sample.shift_terminal)
+    cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift, shift_terminal=terminal))
+    sigmas = sigma_schedule(cfg.sample.num_steps, shift, cfg.sample.sigma_grid, terminal).to(world.device)
+    pipeline = IterationPipeline(policy, cfg, sigmas, world)
+    pipeline.shift_source = source
+    return pipeline
+
+
+def refuse_what_cannot_fit(cfg: RunConfig, device: torch.device) -> None:
+    """A config error before anything is built when even one trajectory's tracked step cannot fit: its activations
+    alone (a lower bound from the configs, ``lean.models.tracked_step_floor``) exceed ``train.memory_budget_mb`` or
+    what the device has (``lean.observe.metrics.device_memory_mb``)."""
+    floor, how = tracked_step_floor(cfg.model)
+    available_mb = cfg.train.memory_budget_mb or device_memory_mb(device)
+    if floor / 2**20 > available_mb:
+        frames = ", with model.num_frames" if family_spec(cfg.model.family).video else ""
+        raise ConfigError(
+            "model.resolution",
+            cfg.model.resolution,
+            f"one trajectory's tracked step keeps at least {floor / 2**30:,.1f} GiB of activations ({how}{frames}), "
+            f"more than the {available_mb / 1024:,.1f} GiB this process may use",
+        )
+
+
+class IterationPipeline:
+    """The phases of one GRPO iteration on one process of ``world``, for ``policy`` under ``cfg``."""
+
+    def __init__(self, policy: Policy, cfg: RunConfig, sigmas: Tensor, world: World | None = None):
+        self.policy, self.cfg, self.sigmas = policy, cfg, sigmas
+        self.algorithm: Algorithm = build_algorithm(cfg, sigmas)  # what is optimised (lean.algorithms)
+        # the algorithm's second weights (NFT's old policy, DPO's reference): the trained ones at the start
+        self.snapshot = (
+            Snapshot([p for _, p in policy.trainable_parameters()]) if self.algorithm.uses_snapshot else None
+        )
+        self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
+        self.world = world or World(device=policy.device)
+        self.failed_rollouts: Path | None = None  # where score() keeps a batch no reward server scored (lean train)
+
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """The run's rewards, built at the first score (a model reward loads its model once)."""
+        return Scorer(self.cfg.reward, self.world.device)
+
+    @functools.cached_property
+    def score_worker(self) -> ThreadPoolExecutor:
+        """The thread that scores rollout micro-batches during the rollout (``lean.run.scoring``), started once."""
+        return score_worker()
+
+    # ------------------------------------------------------------ phases
+
+    def local_batch(self, iteration: int) -> LocalBatch:
+        return local_batch(self.cfg, iteration, self.world.data_rank, self.world.data_size)
+
+    def embed(self, batch: LocalBatch) -> PromptEmbeds:
+        return self.policy.encode_prompts(batch.prompts)
+
+    def context(
+        self,
+        batch: LocalBatch,
+        emb: PromptEmbeds,
+        timer: PhaseTimer | None = None,
+        tally: FlopTally | None = None,
+    ) -> IterationContext:
+        return IterationContext(
+            self.policy,
+            self.cfg,
+            self.algorithm,
+            self.sigmas,
+            emb,
+            batch.steps,
+            batch.iteration,
+            finish_unit(self.cfg, self.world.data_size),
+            tally or FlopTally(),
+            timer or PhaseTimer(self.world.device),
+            batch.mine,
+            self.snapshot,
+        )
+
+    def refresh_snapshot(self, iteration: int) -> None:
+        """Move the algorithm's snapshot as it says before the rollout of ``iteration`` (after iteration x S x E
+        optimizer steps: every iteration takes the same number, ``lean.schedules.recompute._chunks``)."""
+        if self.snapshot is None:
+            return
+        t = self.cfg.train
+        decay = self.algorithm.snapshot_decay(iteration * t.optimizer_steps_per_iteration * t.num_inner_epochs)
+        if decay is not None:
+            self.snapshot.blend(decay)
+
+    def rollout(
+        self,
+        batch: LocalBatch,
+        ctx: IterationContext,
+        schedule: Schedule,
+        *,
+        on_step: Callable[[StepOutput], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+        on_finished: Callable[[slice, Tensor], None] | None = None,
+    ) -> Tensor:
+        """Sample the local trajectories; ``on_step`` (a check or a recorder), then the schedule, see every SDE
+        step; ``on_finished(rows, x_T)`` every finished micro-batch."""
+
+        def hook(step: StepOutput) -> None:
+            if on_step is not None:
+                on_step(step)
+            schedule.on_step(step)
+
+        weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
+        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
+            return rollout(
+                self.policy,
+                ctx.emb,
+                batch.generators,
+                batch.steps,
+                self.cfg.sample,
+                self.sigmas,
+                on_step=hook,
+                track_grad=schedule.track_grad,
+                rows_tracked=schedule.rows_tracked,
+                micro_batch=self.cfg.train.rollout_batch_size,
+                grad_micro_batch=schedule.grad_micro_batch,
+                progress=progress,
+                init_generators=batch.init_generators,
+                decode=self.cfg.reward.decode,
+                on_finished=on_finished,
+            )
+
+    def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
+        total, parts = self.scorer(images, prompts)
+        return total.to(torch.float64), parts
+
+    def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
+        """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images. Under
+        sequence parallelism with ``parallel.split_decode``, this process's share of the rows, the rewards then
+        gathered over its group (``lean.run.scoring``)."""
+        if self.world.sequence_parallel == 1 or not self.cfg.parallel.split_decode:
+            return self._decode_and_score(final, prompts, tally)
+        rows = self.world.sequence_share(len(prompts))
+        mine = self._decode_and_score(final[rows], prompts[rows], tally)
+        every = self.world.gather_over_sequence_group((mine.rewards, mine.parts, mine.error))
+        return merge_shares(mine, every)
+
+    def _decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
+        if not len(prompts):  # a split decode's empty share (fewer rows than processes)
+            return ScoredBatch(final.new_empty(0), torch.zeros(0, dtype=torch.float64))
+        start = time.perf_counter()
+        with tally.region("decode"):
+            images = self.policy.decode(final)
+        synchronize(self.world.device)
+        decode_s = time.perf_counter() - start
+        try:
+            rewards, parts = self.reward(images, prompts)
+        except RewardServerError as err:
+            return ScoredBatch(images, error=err, decode_s=decode_s)
+        return ScoredBatch(images, rewards, parts, decode_s=decode_s)
+
+    def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
+        """How the rollout's micro-batches are scored (``lean.run.scoring``): in a worker thread while the next rolls
+        out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter sees
+        only its own thread), else after the rollout, in this thread."""
+        micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
+        concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
+        _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
+        worker = self.score_worker if concurrent else None
+        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally), worker)
+
+    def score(self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring) -> tuple:
+        """The rewards of the micro-batches ``scoring`` was handed: (total float64 [B_local], each reward's component).
+        The ``reward`` phase is the scoring work, ``reward_exposed`` what of it the iteration waited for (all of it
+        when scored after the rollout). When a reward server fails, the batch is kept under :attr:`failed_rollouts`
+        (:meth:`keep_failed_rollout`) before the error propagates."""
+        with ctx.timer("reward_exposed"):
+            scored = scoring.collect()
+        ctx.timer.seconds["reward"] += scored.busy_s
+        ctx.timer.seconds["decode"] += scored.decode_s
+        if scored.error is not None:
+            self.keep_failed_rollout(ctx.iteration, final, scored.images, prompts, scored.error)
+            raise scored.error
+        return scored.rewards, scored.parts
+
+    def keep_failed_rollout(
+        self, iteration: int, final: Tensor, images: Tensor, prompts: list[str], err: Exception
+    ) -> None:
+        """``<failed_rollouts>/<iteration>[.rank<r>].safetensors`` (``latents`` x_T, ``images`` in [0, 1]) and a
+        ``.json`` beside it (iteration, rank, prompts, the error), so the batch can be re-scored (docs/rewards.md)."""
+        if self.failed_rollouts is None:
+            return
+        stem = f"{iteration}" + (f".rank{self.world.rank}" if self.world.size > 1 else "")
+        self.failed_rollouts.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {"latents": final.detach().cpu().contiguous(), "images": images.detach().cpu().contiguous()},
+            self.failed_rollouts / f"{stem}.safetensors",
+        )
+        meta = {"iteration": iteration, "rank": self.world.rank, "prompts": list(prompts), "error": str(err)}
+        (self.failed_rollouts / f"{stem}.json").write_text(json.dumps(meta, indent=1))
+
+    def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """(every sample's reward [N] on the host, this process's advantages [B_local] on the device), float64.
+
+        Rewards are host values (they come from decoded pixels), so the group statistics are computed on the host
+        once all ranks' rewards are gathered (a collective of device tensors); the local share goes back to the
+        device for the loss."""
+        with rollout.ctx.timer("advantage"):
+            rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
+            advantages = self.algorithm.targets(rewards, rollout.batch.group_ids())
+        if not torch.isfinite(rewards).all():
+            bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
+            raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")
+        return rewards, advantages[rollout.batch.local].to(self.world.device)
+
+    def finish(self, rollout: Rollout, advantages: Tensor, optimizer_step: OptimizerStep) -> dict:
+        """The schedule's update from this process's advantages; it calls ``optimizer_step`` once per update."""
+        with rollout.ctx.timer("update"):
+            stats = rollout.schedule.finish(advantages, optimizer_step)
+        for key in ("policy_loss", "kl"):
+            if key in stats and not math.isfinite(stats[key]):
+                raise NonFiniteError(f"non-finite {key} at iteration {rollout.batch.iteration}")
+        return stats
+
+    # ------------------------------------------------------------ compositions
+
+    def roll_out(
+        self,
+        iteration: int,
+        make_schedule: Callable[[IterationContext], Schedule],
+        *,
+        timer: PhaseTimer | None = None,
+        tally: FlopTally | None = None,
+        on_step: Callable[[StepOutput], None] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Rollout:
+        """The first half of an iteration: local batch -> embed -> rollout -> score."""
+        self.refresh_snapshot(iteration)
+        batch = self.local_batch(iteration)
+        ctx = self.context(batch, self.embed(batch), timer, tally)
+        schedule = make_schedule(ctx)
+        finite: dict[int, Tensor] = {}  # step -> all log-probs finite, on the device: read once, after the loop
+
+        def check(step: StepOutput) -> None:
+            ok = torch.isfinite(step.log_prob.detach()).all()
+            finite[step.index] = finite[step.index] & ok if step.index in finite else ok
+            if on_step is not None:
+                on_step(step)
+
+        scoring = self.scoring(ctx, batch)
+        early = EarlyFinish(self, ctx, batch, schedule, scoring)
+        try:
+            final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=early)
+            if finite and not torch.stack(list(finite.values())).all():
+                first = next(i for i, ok in finite.items() if not ok)
+                raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
+        except BaseException:
+            scoring.cancel()
+            raise
+        rewards, parts = self.score(ctx, final, batch.prompts, scoring)
+        return Rollout(batch, ctx, schedule, final, rewards, parts)
+
+    def run(
+        self,
+        iteration: int,
+        schedule: str,
+        optimizer_step: OptimizerStep,
+        *,
+        tally: FlopTally | None = None,
+        progress: Callable[[int], None] | None = None,
+        measure_memory: bool = True,
+    ) -> IterationResult:
+        """One whole iteration with the named schedule: roll out, score, advantages, finish."""
+        timer = PhaseTimer(self.world.device)
+        cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
+        with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
+            make_schedule = schedule_class(schedule, self.algorithm)
+            rolled = self.roll_out(iteration, make_schedule, timer=timer, tally=tally, progress=progress)
+            rewards, advantages = self.advantages(rolled)
+            stats = self.finish(rolled, advantages, optimizer_step)
+        metrics = {
+            "iteration": iteration,
+            "schedule": schedule,
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std(unbiased=False).item(),
+            **{
+                f"reward_{k}": self.world.gather(v.to(self.world.device, torch.float64)).mean().item()
+                for k, v in rolled.parts.items()
+            },
+            **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+            "cpu_iteration_s": time.process_time() - cpu,
+            "peak_memory_mb": memory.peak_mb,
+            "peak_memory_delta_mb": memory.delta_mb,
+            **stats,
+        }
+        return IterationResult(metrics, rolled.final, rewards)
+
+
+class EarlyFinish:
+    """The rollout's ``on_finished`` hook: hand each finished micro-batch to the scoring and, in the group layout
+    (``ctx.finish_unit``, ``lean.parallel.layout``), once a unit of whole groups is rolled out, wait for its rewards,
+    compute its advantages (a group's depend on its own rewards only) and let the schedule finish those rows before the
+    next group rolls out. The advantages are the ones :meth:`IterationPipeline.advantages` computes later from the whole
+    batch: the same per-group formula on the same numbers."""
+
+    def __init__(self, pipeline: IterationPipeline, ctx: IterationContext, batch: LocalBatch, schedule, scoring):
+        self.pipeline, self.ctx, self.batch, self.schedule, self.scoring = pipeline, ctx, batch, schedule, scoring
+        self.finished = 0  # local rows [0, finished) are finished
+        self.advantages = torch.zeros(len(batch.prompts), dtype=torch.float64)
+        self.groups = batch.group_ids()[batch.local]  # of the local rows
+
+    def __call__(self, rows: slice, final: Tensor) -> None:
+        self.schedule.on_finished(rows, final)
+        self.scoring.submit(final, self.batch.prompts[rows])
+        unit = self.ctx.finish_unit
+        if unit is None or rows.stop % unit or not self.schedule.finishes_early:
+            return  # nothing to finish (Recompute holds no graphs): the scoring goes on beside the rollout
+        done = slice(self.finished, rows.stop)
+        self.schedule.unit_rolled_out(done)  # beside the scoring (Retain: its backward with a provisional advantage)
+        with self.ctx.timer("reward_exposed"):
+            rewards = self.scoring.rewards()  # rows [0, rows.stop)
+        if rewards is None:
+            return  # a reward failed: the whole rollout is kept and the error raised after it (score)
+        self.advantages[done] = self.pipeline.algorithm.targets(rewards[done], self.groups[done])
+        self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
+        self.finished = rows.stop

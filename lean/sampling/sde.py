@@ -1,0 +1,459 @@
+"""Stochastic sampling steps with exact Gaussian log-probabilities, the ODE step, and step selection.
+
+A flow-matching model predicts a velocity ``v = model_output`` at noise level ``σ`` (``x_σ = (1−σ)·x0 + σ·x1``,
+``x1`` pure noise). Sampling walks the descending schedule ``sigmas[0] > ... > sigmas[N] = 0`` (``SIGMA_GRIDS``: the
+grid each published pipeline uses). Step ``i`` goes from ``σ = sigmas[i]`` to ``σ' = sigmas[i+1]``. An SDE step is a
+Gaussian transition ``x' ~ N(mean_θ(x), std²·I)``; GRPO trains on ``log p(x' | x)`` of the steps it sampled. Four SDEs
+are offered (``SDE_KINDS``):
+
+* ``flow_grpo``        — FlowGRPO's reverse SDE with ``σ_t = noise_level·sqrt(σ/(1−σ))``.
+* ``flow_grpo_linear`` — the same SDE with ``σ_t`` linear in ``σ`` (FlowGRPO's Wan2.1 script).
+* ``cps``              — coefficients-preserving sampling: re-noise the predicted ``x0`` at level ``σ'``.
+* ``dance``            — DanceGRPO's SDE with constant ``σ_t = noise_level``.
+
+All steps compute in float32 (float64 when the sample is float64), hand back ``x'`` in the sample's dtype, and the
+mean and the log-prob in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lean.config import ConfigError
+from lean.config.registry import Registry
+
+if TYPE_CHECKING:
+    from lean.config import RunConfig, SampleConfig
+
+SDE_KINDS: Registry[str] = Registry(
+    "SDE kind",
+    [
+        ("flow_grpo", "FlowGRPO's reverse SDE, noise scale eta sqrt(sigma / (1 - sigma))"),
+        ("flow_grpo_linear", "FlowGRPO's Wan2.1 SDE, noise scale linear in sigma"),
+        ("cps", "coefficients-preserving sampling"),
+        ("dance", "DanceGRPO's SDE, constant noise scale"),
+    ],
+)
+SIGMA_GRIDS: Registry[str] = Registry(
+    "sigma grid",
+    [
+        ("euler", "StableDiffusion3Pipeline's FlowMatchEulerDiscreteScheduler"),
+        ("uniform", "FluxPipeline and DanceGRPO"),
+        ("unipc", "WanPipeline's UniPCMultistepScheduler"),
+    ],
+)
+ODE_SOLVERS: Registry[str] = Registry(
+    "ODE solver",
+    [
+        ("euler", "x' = x + (sigma' - sigma) v"),
+        ("dpmsolver++", "DPM-Solver++(2M), midpoint, on the data prediction x0 = x - sigma v (MixGRPO-Flash)"),
+    ],
+)
+EULER = ODE_SOLVERS.default
+SQRT_DT_KINDS = ("flow_grpo", "flow_grpo_linear")  # transition std = noise scale s x sqrt(-dt)
+STEP_SELECTIONS: Registry[str] = Registry(
+    "timestep selection",
+    [
+        ("first", "the first K steps for every sample (FlowGRPO)"),
+        ("random", "a random K-subset per sample (DanceGRPO)"),
+    ],
+)
+
+FRACTION_BASES: Registry[str] = Registry(
+    "timestep fraction base",
+    [
+        ("all", "K = floor(N x fraction) of the N steps (FlowGRPO)"),
+        ("trainable", "K = floor((N - 1) x fraction) of the N - 1 steps that can be trained (DanceGRPO)"),
+    ],
+)
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def incompatibility(kind: str, grid: str, noise_level: float) -> tuple[str, str] | None:
+    """(key, what is wrong) when an SDE kind cannot run on a sigma grid or at a noise level, else None."""
+    if kind == "flow_grpo" and grid == "unipc":
+        return "sigma_grid", (
+            "starts at 1 - 1e-6, where flow_grpo's noise scale sqrt(sigma/(1-sigma)) is ~1000: use "
+            "sample.sde_kind=flow_grpo_linear (FlowGRPO's Wan SDE)"
+        )
+    if kind == "cps" and noise_level > 1:
+        return "noise_level", "cps needs noise_level in (0, 1]"
+    return None
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """The SDE kind runs on the sigma grid at the noise level (:func:`incompatibility`); a compressed tail needs the
+    uniform grid, whose time it re-spaces (:func:`tail_sigmas`)."""
+    s = cfg.sample
+    problem = incompatibility(s.sde_kind, s.sigma_grid, s.noise_level)
+    if problem is not None:
+        key, allowed = problem
+        raise ConfigError(f"sample.{key}", getattr(s, key), allowed)
+    if s.tail_compress != 1 and s.sigma_grid != "uniform":
+        raise ConfigError(
+            "sample.tail_compress", s.tail_compress, "re-spaces the uniform grid's time: set sample.sigma_grid=uniform"
+        )
+    if s.tail_compress != 1 and s.tail_solver == EULER:  # the source compresses for its DPM solver only
+        raise ConfigError(
+            "sample.tail_compress", s.tail_compress, "compresses the steps of a multistep tail: set sample.tail_solver"
+        )
+    if s.shift_terminal is not None and s.sigma_grid == "unipc":  # UniPC's scheduler has no terminal stretch
+        raise ConfigError("sample.shift_terminal", s.shift_terminal, "stretches the euler and uniform grids only")
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """What a step computes in: float64 for float64 samples, else float32 (half-precision samples included)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _sigma_pair(sigmas: Tensor, index: int | Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(σ, σ') at ``index`` as tensors of shape [B, 1, ..., 1] (broadcastable to ``x``) in ``dtype``.
+
+    An int index (one step for the whole batch) selects on the device; only a CPU index tensor is checked on the
+    host (checking a device tensor would wait for the device every step)."""
+    sigmas = sigmas.to(device=x.device, dtype=dtype)
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    if isinstance(index, int):
+        if not 0 <= index < len(sigmas) - 1:
+            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
+        return sigmas[index].expand(shape), sigmas[index + 1].expand(shape)
+    if index.device.type == "cpu":
+        if index.min() < 0 or index.max() >= len(sigmas) - 1:
+            raise ValueError(f"index={index}: must be in [0, len(sigmas) - 2 = {len(sigmas) - 2}]")
+        index = index.to(x.device)
+    index = index.expand(x.shape[0])
+    return sigmas[index].view(shape), sigmas[index + 1].view(shape)
+
+
+def _noise(x: Tensor, generator: Generators, dtype: torch.dtype) -> Tensor:
+    """Standard normal noise shaped like ``x``, drawn on each generator's device (CPU by default) then moved to
+    ``x.device``. A list of generators draws sample ``b`` from ``generator[b]`` alone, so batching cannot change it."""
+    if isinstance(generator, Sequence):
+        if len(generator) != x.shape[0]:
+            raise ValueError(f"generator: got {len(generator)} generators for a batch of {x.shape[0]}")
+        eps = torch.cat([torch.randn((1, *x.shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator])
+    else:
+        device = generator.device if generator is not None else torch.device("cpu")
+        eps = torch.randn(x.shape, generator=generator, device=device, dtype=dtype)
+    return eps.to(x.device)
+
+
+def sde_step_with_logprob(
+    model_output: Tensor,
+    sample: Tensor,
+    sigmas: Tensor,
+    index: int | Tensor,
+    *,
+    kind: str,
+    noise_level: float,
+    prev_sample: Tensor | None = None,
+    generator: Generators = None,
+    noise: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One stochastic step ``x -> x'`` from ``σ = sigmas[index]`` to ``σ' = sigmas[index+1]`` with its log-prob.
+
+    With ``x = sample``, ``v = model_output``, ``ε ~ N(0, I)``, ``η = noise_level``:
+
+    * ``flow_grpo``: ``dt = σ'−σ``; ``s = η·sqrt(σ/(1−σ̃))`` with ``σ̃ = sigmas[1]`` when ``σ == 1`` (else ``σ``);
+      ``mean = x·(1 + s²/(2σ)·dt) + v·(1 + s²(1−σ)/(2σ))·dt``; ``std = s·sqrt(−dt)``;
+      ``log p = −(x'−mean)²/(2std²) − log std − log sqrt(2π)``.
+    * ``flow_grpo_linear``: as ``flow_grpo`` with ``s = η·(σ_N + (σ_1 − σ_N)·σ)``, ``σ_1 = sigmas[1]``,
+      ``σ_N = sigmas[−1]`` (η = 1 is FlowGRPO's Wan2.1 SDE, where ``σ_N = 0``).
+    * ``cps``: ``std = σ'·sin(ηπ/2)``; ``x̂0 = x − σv``; ``x̂1 = x + (1−σ)v``;
+      ``mean = (1−σ')·x̂0 + sqrt(σ'² − std²)·x̂1``; ``log p = −(x'−mean)²`` (constants and scale dropped, as in
+      FlowGRPO; only ratios/differences of it are used). At the last step ``σ' = 0`` so ``std = 0``, ``x' = mean``.
+    * ``dance``: ``dσ = σ'−σ``; ``x̂0 = x − σv``; ``score = −(x − (1−σ)x̂0)/σ²``;
+      ``mean = x + dσ·v − ½η²·score·dσ``; ``std = η·sqrt(σ−σ')``; Gaussian ``log p`` as for ``flow_grpo``.
+
+    In every case ``x' = mean + std·ε``. ``log p`` is averaged over all non-batch dimensions.
+
+    Args:
+        model_output, sample: ``v`` and ``x``, same shape [B, ...] and dtype.
+        sigmas: the 1-D schedule (descending, last entry 0), e.g. :func:`sigma_schedule`.
+        index: step index, an int or a LongTensor [B] (per-sample steps).
+        kind: one of ``SDE_KINDS``. noise_level: ``η > 0``.
+        prev_sample: score this ``x'`` instead of sampling one (it is detached; gradients reach ``model_output``
+            through the mean only).
+        generator: a ``torch.Generator`` or one per sample (see :func:`_noise`); ignored when ``prev_sample`` is given.
+        noise: the standard normal draw ε itself (on the sample's device, in the compute dtype), instead of drawing it
+            from ``generator`` (``lean.sampling.rollout.StepNoise`` draws a rollout's noise ahead of the device).
+
+    Returns:
+        ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` in the sample's dtype (detached when given);
+        ``mean`` and ``log_prob`` [B] in the compute dtype (float32; float64 for float64 input: a KL between two
+        means rounded to bfloat16 would be mostly rounding); ``std_dev_t`` the standard
+        deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for the flow_grpo kinds, ``std`` otherwise), shape
+        [B, 1, ..., 1] in the compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps.
+    """
+    if kind not in SDE_KINDS:
+        raise ValueError(f"kind={kind!r}: must be one of {', '.join(SDE_KINDS)}")
+    if not noise_level > 0:
+        raise ValueError(f"noise_level={noise_level!r}: must be > 0")
+    dtype = compute_dtype(sample)
+    x, v = sample.to(dtype), model_output.to(dtype)
+    sigma, sigma_next = _sigma_pair(sigmas, index, x, dtype)
+
+    if kind in ("flow_grpo", "flow_grpo_linear"):
+        dt = sigma_next - sigma
+        sigma_max = sigmas[1].to(device=x.device, dtype=dtype)
+        if kind == "flow_grpo":
+            # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
+            s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        else:
+            sigma_min = sigmas[-1].to(device=x.device, dtype=dtype)
+            s = (sigma_min + (sigma_max - sigma_min) * sigma) * noise_level
+        mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = s * torch.sqrt(-dt)
+    elif kind == "cps":
+        std = sigma_next * math.sin(noise_level * math.pi / 2)
+        x0, x1 = x - sigma * v, x + (1 - sigma) * v
+        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
+    else:
+        d_sigma = sigma_next - sigma
+        x0 = x - sigma * v
+        score = -(x - x0 * (1 - sigma)) / sigma**2
+        mean = x + d_sigma * v + (-0.5 * noise_level**2 * score) * d_sigma
+        std = noise_level * torch.sqrt(sigma - sigma_next)
+
+    if prev_sample is None:
+        eps = noise if noise is not None else _noise(x, generator, dtype)
+        prev_sample = (mean + std * eps).detach().to(sample.dtype)
+    else:
+        prev_sample = prev_sample.detach()
+    # Score x' as stored (in the sample's dtype), so sampling and later re-scoring give the same log-prob.
+    sq_err = (prev_sample.to(dtype) - mean) ** 2
+    if kind == "cps":
+        log_prob = -sq_err
+    else:
+        log_prob = -sq_err / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return prev_sample, log_prob, mean, std
+
+
+def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | Tensor) -> Tensor:
+    """Deterministic Euler step ``x' = x + (σ' − σ)·v``, computed in float32 (float64 for float64 samples) and
+    returned in the sample's dtype."""
+    dtype = compute_dtype(sample)
+    sigma, sigma_next = _sigma_pair(sigmas, index, sample, dtype)
+    return (sample.to(dtype) + (sigma_next - sigma) * model_output.to(dtype)).to(sample.dtype)
+
+
+def dpm_solver_pp_step(
+    sample: Tensor, x0: Tensor, prev_x0: Tensor | None, sigma_prev: Tensor | None, sigma: Tensor, sigma_next: Tensor
+) -> Tensor:
+    """One deterministic DPM-Solver++ step (Lu et al. 2022, arXiv:2211.01095, eq. 5 and the 2M midpoint form) from
+    sigma to sigma' on the data prediction x0 = x - sigma v, with alpha = 1 - sigma, lambda = log(alpha / sigma),
+    h = lambda' - lambda:
+
+        first order:   x' = (sigma' / sigma) x - alpha' (e^-h - 1) D0                         (DDIM)
+        second order:  x' = (sigma' / sigma) x - alpha' (e^-h - 1) (D0 + D1 / 2),  D1 = (D0 - D_prev) / r,
+                       r = (lambda - lambda_prev) / h
+
+    where D0 = x0, D_prev = ``prev_x0`` (the previous step's, at ``sigma_prev``; None: first order). At sigma' = 0
+    (lambda' = inf) the step is x0, first order, as MixGRPO's solver takes its last step
+    (fastvideo/utils/sampling_utils.py:308, :328-337, :436). Computed in the sample's compute dtype, returned in its
+    dtype."""
+    dtype = compute_dtype(sample)
+    if float(sigma_next) == 0:
+        return x0.to(sample.dtype)
+    x, d0 = sample.to(dtype), x0.to(dtype)
+    sigma, sigma_next = sigma.to(dtype), sigma_next.to(dtype)
+    lam, lam_next = torch.log((1 - sigma) / sigma), torch.log((1 - sigma_next) / sigma_next)
+    h = lam_next - lam
+    step = d0
+    if prev_x0 is not None:
+        sigma_prev = sigma_prev.to(dtype)
+        r = (lam - torch.log((1 - sigma_prev) / sigma_prev)) / h
+        step = d0 + (d0 - prev_x0.to(dtype)) / (2 * r)
+    return (sigma_next / sigma * x - (1 - sigma_next) * torch.expm1(-h) * step).to(sample.dtype)
+
+
+def tail_sigmas(sigmas: Tensor, last_sde: int, compress: float, shift: float) -> Tensor:
+    """The sigmas after the SDE window whose last step is ``last_sde`` = L (MixGRPO-Flash,
+    fastvideo/utils/sampling_utils.py:41-54): with N steps and t = linspace(1, 0, N + 1) the uniform grid's time,
+    int(max((N - L) x compress, 1)) points from t_{L+1} to 0, shifted as the grid is (:func:`sigma_schedule`); with
+    ``compress`` 1, the run's own ``sigmas[L + 1:]``. On ``sigmas``' device and dtype."""
+    if compress == 1:
+        return sigmas[last_sde + 1 :]
+    n = len(sigmas) - 1
+    start = torch.linspace(1, 0, n + 1, dtype=torch.float32)[last_sde + 1]
+    t = torch.linspace(float(start), 0, int(max((n - last_sde) * compress, 1)), dtype=torch.float32)
+    return (shift * t / (1 + (shift - 1) * t)).to(device=sigmas.device, dtype=sigmas.dtype)
+
+
+def rollout_sigmas(sigmas: Tensor, stochastic: Sequence[bool], cfg: SampleConfig) -> Tensor:
+    """The grid a rollout walks: ``sigmas`` up to the step after the last SDE step, then :func:`tail_sigmas` (the run's
+    own grid unless ``sample.tail_compress`` < 1). The trained steps, all SDE steps, keep their sigmas."""
+    last_sde = max((i for i, s in enumerate(stochastic) if s), default=None)
+    if last_sde is None or cfg.tail_compress == 1:
+        return sigmas
+    return torch.cat([sigmas[: last_sde + 1], tail_sigmas(sigmas, last_sde, cfg.tail_compress, cfg.shift)])
+
+
+def sigma_schedule(num_steps: int, shift: float, grid: str = "euler", terminal: float | None = None) -> Tensor:
+    """The ``num_steps + 1`` descending sampling sigmas (last entry 0) of a published pipeline, as float64 (from the
+    float32 values diffusers computes). With ``f(s) = shift·s/(1 + (shift−1)·s)`` and ``n = num_steps``:
+
+    * ``euler`` (``StableDiffusion3Pipeline``, FlowGRPO's SD3 runs): ``FlowMatchEulerDiscreteScheduler(shift)
+      .set_timesteps(n).sigmas``: ``f`` of a linspace from 1 to the scheduler's ``sigma_min`` (which diffusers has
+      already shifted once, e.g. 0.00893 for shift 3), then 0. ``sigmas[0] = 1``.
+    * ``uniform`` (``FluxPipeline``, i.e. FlowGRPO's FLUX runs, and DanceGRPO): ``f(linspace(1, 0, n + 1))`` in
+      float32 (FluxPipeline passes ``linspace(1, 1/n, n)`` and appends 0: the same points). FLUX's
+      resolution-dependent ``mu`` is ``shift = e^mu``.
+    * ``unipc`` (``WanPipeline``, FlowGRPO's Wan runs): ``UniPCMultistepScheduler(use_flow_sigmas, flow_shift=shift)
+      .set_timesteps(n).sigmas`` (diffusers 0.42: ``f(linspace(1, 1/1000, n + 1)[:n])`` with ``f(1)`` nudged to
+      ``1 − 1e-6``, then 0).
+
+    ``terminal`` (a scheduler config's ``shift_terminal``, Qwen-Image's 0.02) stretches the shifted non-zero sigmas
+    so that the last is ``terminal``: ``1 − (1 − s) (1 − terminal) / (1 − s_last)``, as
+    ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal`` does before appending 0 (``euler`` and ``uniform``).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler  # local: heavy import
+
+    if grid not in SIGMA_GRIDS:
+        raise ValueError(f"grid={grid!r}: must be one of {', '.join(SIGMA_GRIDS)}")
+    if grid == "unipc":
+        if terminal is not None:
+            raise ValueError("the unipc grid has no terminal stretch")
+        scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=shift, prediction_type="flow_prediction")
+        scheduler.set_timesteps(num_steps)
+        return scheduler.sigmas.to(torch.float64)
+    if grid == "uniform":
+        s = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+        sigmas = shift * s / (1 + (shift - 1) * s)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+        scheduler.set_timesteps(num_steps)
+        sigmas = scheduler.sigmas
+    if terminal is not None:
+        one_minus = 1 - sigmas[:-1]
+        sigmas = torch.cat([1 - one_minus / (one_minus[-1] / (1 - terminal)), sigmas[-1:]])
+    return sigmas.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class StepSelection:
+    """Which sampling steps are stochastic and which each sample trains on.
+
+    ``stochastic``: BoolTensor [num_steps]; SDE steps (the others are ODE steps, neither stored nor trained).
+    ``trained``: BoolTensor [B, num_steps]; ``trained[b, i]`` -> sample ``b``'s step ``i`` enters the loss. Always a
+    subset of ``stochastic`` and never the last step.
+    ``window_start``: first step of the FlowGRPO-Fast SDE window, ``None`` without a window.
+    """
+
+    stochastic: Tensor
+    trained: Tensor
+    window_start: int | None = None
+    shared_grad_steps: Tensor | None = None
+    """The steps some sample of *any* process trains, when the processes must track the same steps (a sharded
+    policy's passes are collectives: ``lean.parallel.sharding``); None: this process's own."""
+
+    @property
+    def grad_steps(self) -> Tensor:
+        """BoolTensor [num_steps]: steps that at least one sample trains on (where a rollout needs a graph)."""
+        return self.trained.any(dim=0) if self.shared_grad_steps is None else self.shared_grad_steps
+
+
+def window_selection(num_steps: int, batch_size: int, start: int, size: int) -> StepSelection:
+    """Steps ``start .. start + size - 1`` stochastic and trained for every sample, all others ODE steps
+    (FlowGRPO-Fast's window, MixGRPO's sliding one). The last step is never in it."""
+    if not (size >= 1 and 0 <= start and start + size <= num_steps - 1):
+        raise ValueError(f"window [{start}, {start + size}): must lie in [0, num_steps - 1 = {num_steps - 1}]")
+    stochastic = torch.zeros(num_steps, dtype=torch.bool)
+    stochastic[start : start + size] = True
+    return StepSelection(stochastic=stochastic, trained=stochastic.expand(batch_size, -1).clone(), window_start=start)
+
+
+def num_trained_steps(num_steps: int, timestep_fraction: float, base: str = "all") -> int:
+    """``K = clip(floor(M·timestep_fraction), 1, num_steps−1)`` trained steps, the last step never, with ``M = N``
+    for ``base="all"`` (FlowGRPO: 10 x 0.99 -> 9) and ``M = N − 1`` for ``"trainable"`` (DanceGRPO: 12 steps x 0.6
+    -> 6, where "all" gives 7). A 1e-9 slack absorbs binary rounding of decimal fractions (100 x 0.29 =
+    28.999999999999996 -> 29, not 28)."""
+    if base not in FRACTION_BASES:
+        raise ValueError(f"base={base!r}: must be one of {', '.join(FRACTION_BASES)}")
+    m = num_steps if base == "all" else num_steps - 1
+    return max(1, min(math.floor(m * timestep_fraction + 1e-9), num_steps - 1))
+
+
+def select_steps(
+    num_steps: int,
+    batch_size: int,
+    *,
+    timestep_fraction: float = 1.0,
+    fraction_of: str = "all",
+    selection: str = "first",
+    sde_window: int = 0,
+    sde_window_max_start: int | None = None,
+    window_generator: torch.Generator | None = None,
+    sample_generators: Sequence[torch.Generator] | None = None,
+) -> StepSelection:
+    """Select the stochastic and trained steps of one rollout.
+
+    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps (of
+    ``fraction_of``) are
+    trained per sample:
+
+    * ``selection="first"`` (FlowGRPO): steps ``0..K−1`` for every sample.
+    * ``selection="random"`` (DanceGRPO): the first ``K`` entries of ``randperm(num_steps−1)`` drawn from
+      ``sample_generators[b]`` for sample ``b`` (the global RNG when ``None``).
+
+    With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
+    ``[0, sde_window_max_start]`` with ``window_generator`` (global RNG when ``None``); steps ``s..s+w−1`` are
+    stochastic and trained for every sample, all others are ODE steps. ``timestep_fraction`` and ``selection`` are
+    ignored then. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first
+    half of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy
+    ``s + w ≤ num_steps − 1`` so the last step is never in the window.
+    """
+    if num_steps < 2:
+        raise ValueError(f"num_steps={num_steps}: need >= 2 (the last step is never trained)")
+    if selection not in STEP_SELECTIONS:
+        raise ValueError(f"selection={selection!r}: must be one of {', '.join(STEP_SELECTIONS)}")
+    trained = torch.zeros(batch_size, num_steps, dtype=torch.bool)
+    if sde_window > 0:
+        if sde_window > num_steps - 1:
+            raise ValueError(f"sde_window={sde_window}: must be <= num_steps - 1 = {num_steps - 1}")
+        max_start = max(0, num_steps // 2 - sde_window) if sde_window_max_start is None else sde_window_max_start
+        if not 0 <= max_start <= num_steps - 1 - sde_window:
+            raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {num_steps - 1 - sde_window}]")
+        start = int(torch.randint(0, max_start + 1, (1,), generator=window_generator))
+        return window_selection(num_steps, batch_size, start, sde_window)
+
+    k = num_trained_steps(num_steps, timestep_fraction, fraction_of)
+    if selection == "first":
+        trained[:, :k] = True
+    else:
+        if sample_generators is not None and len(sample_generators) != batch_size:
+            raise ValueError(f"sample_generators: got {len(sample_generators)} for batch_size={batch_size}")
+        for b in range(batch_size):
+            g = sample_generators[b] if sample_generators is not None else None
+            trained[b, torch.randperm(num_steps - 1, generator=g)[:k]] = True
+    return StepSelection(stochastic=torch.ones(num_steps, dtype=torch.bool), trained=trained)
+
+
+def select_steps_for(
+    cfg: SampleConfig,
+    batch_size: int,
+    *,
+    window_generator: torch.Generator | None,
+    sample_generators: Sequence[torch.Generator] | None,
+) -> StepSelection:
+    """:func:`select_steps` with the sampler's settings from ``cfg``."""
+    return select_steps(
+        cfg.num_steps,
+        batch_size,
+        timestep_fraction=cfg.timestep_fraction,
+        fraction_of=cfg.timestep_fraction_of,
+        selection=cfg.timestep_selection,
+        sde_window=cfg.sde_window,
+        sde_window_max_start=cfg.sde_window_max_start,
+        window_generator=window_generator,
+        sample_generators=sample_generators,
+    )
