@@ -39,7 +39,7 @@ def _client():
 
 def test_off_by_default_never_imports_mlflow():
     code = (
-        "import sys; from lean import tracking; run = tracking.start_run('x', params={'a': 1}); "
+        "import sys; from lean.observe import tracking; run = tracking.start_run('x', params={'a': 1}); "
         "run.log_metrics({'m': 1.0}, step=0); run.child('c').finish(); run.finish(); "
         "assert run.run_id is None and not tracking.enabled(); assert 'mlflow' not in sys.modules, 'imported'"
     )
