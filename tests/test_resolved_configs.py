@@ -27,6 +27,8 @@ def resolved(name: str) -> dict:
             return [plain(v) for v in value]
         if getattr(value, "image", None) is not None:
             return {"prompt": str(value), "image": str(Path(value.image).resolve().relative_to(ROOT))}
+        if isinstance(value, str) and value.startswith(f"{ROOT}/"):  # a path inside the checkout
+            return str(Path(value).relative_to(ROOT))
         return value
 
     return plain(load_config(ROOT / "params.yaml", preset=preset).to_dict())
