@@ -5,6 +5,7 @@ model family and a reward through entry points, and ``lean train`` and the float
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import FAST
 
-from lean.config import ConfigError, options_type
+from lean.config import ConfigError, options_type, plugins
 from lean.config.sections import OPTIONS
 from lean.configure import load_config
 from lean.rewards import REWARDS
@@ -192,3 +193,16 @@ def test_a_plugin_that_fails_to_import_is_one_line():
         load_config(None, ["plugins=[no_such_plugin_module]"])
     with pytest.raises(ConfigError, match="must be a list of module names"):
         load_config(None, ["plugins=one_module"])
+
+
+def test_an_entry_point_that_fails_to_import_is_one_line(monkeypatch):
+    broken = importlib.metadata.EntryPoint("broken", "no_such_plugin_module", "lean.rewards")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken] if group == "lean.rewards" else [])
+    plugins.load_entry_points.cache_clear()
+    try:
+        with pytest.raises(
+            ConfigError, match=r"^config error: entry point lean.rewards:broken='no_such_plugin_module': "
+        ):
+            load_config(None, [])
+    finally:
+        plugins.load_entry_points.cache_clear()

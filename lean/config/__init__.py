@@ -50,8 +50,8 @@ MOVED_NAMES = {
 
 
 def __getattr__(name: str):
-    if name in MOVED_NAMES:
-        raise AttributeError(f"lean.config.{name} moved to {MOVED_NAMES[name]} (import it from there)")
+    if name in MOVED_NAMES:  # an ImportError: `from lean.config import X` would replace an AttributeError's message
+        raise ImportError(f"lean.config.{name} moved to {MOVED_NAMES[name]} (import it from there)", name=name)
     raise AttributeError(f"module 'lean.config' has no attribute {name!r}")
 
 
