@@ -159,7 +159,8 @@ def read_config(
     """The run config, typed but not yet validated (``lean.configure.load_config`` validates it). Layers, each on
     top of the one before: the run sections of ``params`` (or ``tree``), the preset, the ``stage`` section's
     ``run:`` mapping of ``params`` (then its ``<variant>.run:``, a second run of the stage), the ``--set``
-    overrides."""
+    overrides. The plugins (``lean.config.plugins``: the entry points, then the top-level ``plugins:`` list of those
+    layers) are imported before the sections are read, so their names and options are registered."""
     whole = read_params(params) if params is not None else {}
     load_entry_points()  # before the sections are read: a plugin registers its names and options
     raw = dict(tree) if tree is not None else {k: v for k, v in whole.items() if k in SECTIONS or k == PLUGINS}
