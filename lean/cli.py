@@ -19,13 +19,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lean import export
-from lean.config import ConfigError, RewardModelConfig, suggest
+from lean.config import ConfigError, suggest
 from lean.configure import load_config
 from lean.observe import tracking
 from lean.parallel.launch import Nodes, launch
 from lean.plan import cost as plan
 from lean.plan import meta as meta_plan
 from lean.rewards import RewardServerError
+from lean.rewards.options import RewardModelConfig
 from lean.run.preemption import EXIT_PREEMPTED, Preempted
 from lean.schedules import several_updates
 from lean.tools import equivalence, sampling

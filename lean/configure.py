@@ -1,8 +1,11 @@
 """A run's configuration, read and checked: :func:`load_config` is ``lean.config.read_config`` then :func:`validate`.
 
-``lean.config`` holds the sections and checks each field alone; the rules that span sections live with the module
-that owns them, and :data:`RULES` lists them in the order they run. Each takes the config and the number of processes
-(None: not known yet) and raises a one-line :class:`~lean.config.ConfigError`.
+``lean.config`` holds the mechanism; each section is declared and registered beside what it configures (:data:`OWNERS`
+imports them, so the sections and the registries their ``choice`` fields name are filled) and checks each field
+alone; the rules that span sections live with the module that owns them, and :data:`RULES` lists them in the order
+they run. Each takes the config and the number of processes (None: not known yet) and raises a one-line
+:class:`~lean.config.ConfigError`. Plugins (entry points, the config's ``plugins:`` list) are imported by
+``read_config`` before it reads the sections (``lean.config.plugins``).
 """
 
 from __future__ import annotations
@@ -12,15 +15,21 @@ import os
 from collections.abc import Callable, Iterable
 
 from lean import algorithms, models, rewards, schedules
-from lean.config import SECTIONS, RunConfig, dtypes, read_config
+from lean.algorithms import options as algorithm_options
+from lean.config import SECTIONS, RunConfig, dtypes, read_config, run_sections
+from lean.models import options as model_options
 from lean.models import sequence_parallel
 from lean.parallel import layout, sharding
+from lean.parallel import options as parallel_options
 from lean.parallel.overlap import p2p
+from lean.rewards import options as reward_options
+from lean.sampling import options as sample_options
 from lean.sampling import rollout, sde
 
-# The modules whose registries the sections' choice fields name (lean.config.registry.CATALOG): imported, they are
-# filled.
-OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, sde, sharding)
+# The modules that register the sections (lean.config.sections) and the registries the sections' choice fields name
+# (lean.config.registry.CATALOG): imported, they are filled.
+SECTION_OWNERS = (model_options, sample_options, reward_options, algorithm_options, run_sections, parallel_options)
+OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, sde, sharding, *SECTION_OWNERS)
 
 Rule = Callable[[RunConfig, "int | None"], None]
 

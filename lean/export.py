@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lean.config import ConfigError, ModelConfig, RunConfig
+from lean.config import ConfigError, RunConfig
 from lean.configure import load_config
 from lean.models import (
     DEVICE_INIT_SIZE,
@@ -47,6 +47,7 @@ from lean.models import (
     lora_config,
     meta_transformer,
 )
+from lean.models.options import ModelConfig
 from lean.parallel.sharding import full_state_dict
 
 LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder

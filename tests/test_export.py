@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from test_models import family_prompts
 
 from lean.cli import main
-from lean.config import DEFAULT_PROMPTS, ModelConfig
+from lean.config import DEFAULT_PROMPTS
 from lean.export import LORA_WEIGHTS, SAMPLING_FILE, run_config, sampling_settings, save_diffusers_lora
 from lean.models import FAMILIES, build_policy
+from lean.models.options import ModelConfig
 from lean.tools.sampling import SETTINGS, SampleOptions, check_folders, load_pipeline, takes_sigmas, with_run_defaults
 from lean.train import train
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lean.config import ModelConfig
 from lean.models import FAMILIES, build_policy, family_spec
+from lean.models.options import ModelConfig
 from lean.models.spec import Component, Family, FamilySpec, Size, VaeConvention
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from lean.cli import main
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.models import build_policy, build_scheduler, count_parameters, time_shift
+from lean.models.options import ModelConfig
 from lean.models.precision import float64_scope
 from lean.sampling.sde import ode_step, sigma_schedule
 

@@ -21,7 +21,7 @@ import torch
 from helpers import FAST, sets, train_every_schedule
 
 from lean.cli import main
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, save_diffusers_lora
 from lean.models import build_policy, build_scheduler, count_parameters, family_spec, pipeline_family, time_shift
@@ -32,6 +32,7 @@ from lean.models.hunyuan_video15.model import (
     glyph_text,
     prefix_tokens,
 )
+from lean.models.options import ModelConfig
 from lean.sampling.sde import ode_step, sigma_schedule
 
 FAMILY = "hunyuan_video15"

@@ -13,10 +13,11 @@ import test_models as generic
 import torch
 from helpers import lean_here, write_edit_prompts
 
-from lean.config import ConfigError, ModelConfig
+from lean.config import ConfigError
 from lean.config.prompts import ImagePrompt, read_prompts, reference_pixels
 from lean.configure import load_config
 from lean.models import EDIT_PROMPTS, build_policy, build_scheduler
+from lean.models.options import ModelConfig
 
 EDITS = read_prompts(EDIT_PROMPTS)
 

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from lean.config import DEFAULT_PROMPTS, ModelConfig
+from lean.config import DEFAULT_PROMPTS
 from lean.models import build_policy, count_parameters
+from lean.models.options import ModelConfig
 from lean.models.text import PromptEmbeds, train_tokenizer
 
 FAMILIES = ["flux", "wan"]

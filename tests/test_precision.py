@@ -8,8 +8,8 @@ import torch
 from helpers import tiny
 from safetensors.torch import load_file
 
-from lean.config import ModelConfig
 from lean.models import build_policy
+from lean.models.options import ModelConfig
 from lean.observe.metrics import gpu_peak_flops
 from lean.parallel.distributed import CPU_TIMEOUT_S, World
 from lean.run.optimizer import TrainState

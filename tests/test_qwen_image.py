@@ -21,11 +21,12 @@ import torch
 from helpers import FAST, renorm, sets, train_every_schedule
 
 from lean.cli import main
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, sampling_settings, save_diffusers_lora
 from lean.models import build_policy, count_parameters, family_spec, time_shift
+from lean.models.options import ModelConfig
 from lean.models.qwen_image.model import PIPELINE_PREFIX_TOKENS, PROMPT_TEMPLATE, prefix_tokens
 from lean.sampling.sde import ode_step, sigma_schedule
 from lean.tools.sampling import SampleOptions, check_folders, load_pipeline

@@ -20,12 +20,13 @@ import torch
 from helpers import FAST, renorm, sets, train_every_schedule, write_edit_prompts
 
 from lean.cli import main
-from lean.config import ConfigError, ModelConfig
+from lean.config import ConfigError
 from lean.config.presets import PRESET_DIR
 from lean.config.prompts import read_prompts, reference_pixels
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, save_diffusers_lora
 from lean.models import EDIT_PROMPTS, build_policy, count_parameters, family_spec
+from lean.models.options import ModelConfig
 from lean.models.qwen_image_edit.model import PIPELINE_PREFIX_TOKENS, prefix_tokens
 from lean.tools.sampling import SampleOptions, check_folders, load_pipeline, sample
 

@@ -10,9 +10,10 @@ import torch
 from helpers import CLIP_PROMPTS, tiny
 
 from lean.cli import main
-from lean.config import ConfigError, RewardModelConfig
+from lean.config import ConfigError
 from lean.rewards import MODEL_REWARDS, Scorer
 from lean.rewards.models import ImageTransform
+from lean.rewards.options import RewardModelConfig
 
 
 def images(seed: int, *shape: int) -> torch.Tensor:

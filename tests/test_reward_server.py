@@ -19,8 +19,9 @@ from helpers import CLIP_PROMPTS, free_port, tiny
 from safetensors.torch import load_file
 
 from lean.cli import main
-from lean.config import ConfigError, RemoteRewardConfig
+from lean.config import ConfigError
 from lean.rewards import REWARDS, RemoteReward, RewardServerError, compute_rewards
+from lean.rewards.options import RemoteRewardConfig
 from lean.rewards.remote import decode_images, encode_images
 from lean.train import train
 

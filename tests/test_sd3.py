@@ -8,8 +8,9 @@ import pytest
 import test_models as generic
 import torch
 
-from lean.config import DEFAULT_PROMPTS, ModelConfig
+from lean.config import DEFAULT_PROMPTS
 from lean.models import build_policy, count_parameters
+from lean.models.options import ModelConfig
 from lean.sampling.sde import ode_step, sigma_schedule
 
 

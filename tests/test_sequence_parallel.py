@@ -20,9 +20,10 @@ import torch.distributed as dist
 from helpers import lean_here, lean_ranks, spawn, tiny
 from safetensors.torch import load_file
 
-from lean.config import ConfigError, ModelConfig
+from lean.config import ConfigError
 from lean.configure import validate
 from lean.models import build_policy, family_spec
+from lean.models.options import ModelConfig
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.parallel.overlap.p2p import METHODS, Overlap
 from lean.parallel.overlap.sequence import gather_tokens, heads_to_seq, seq_to_heads, split_tokens

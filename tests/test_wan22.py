@@ -14,8 +14,9 @@ import test_models as generic
 import torch
 from helpers import lean_here
 
-from lean.config import DEFAULT_PROMPTS, ModelConfig
+from lean.config import DEFAULT_PROMPTS
 from lean.models import build_policy, build_scheduler, count_parameters, family_spec
+from lean.models.options import ModelConfig
 
 BOUNDARY = 0.875
 

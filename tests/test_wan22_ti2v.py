@@ -19,7 +19,7 @@ import torch
 from helpers import sets, train_every_schedule
 
 from lean.cli import main
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.models import (
     build_policy,
@@ -30,6 +30,7 @@ from lean.models import (
     pipeline_family,
     time_shift,
 )
+from lean.models.options import ModelConfig
 
 FAMILY = "wan22_ti2v"
 B = 2

@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from lean.config import DEFAULT_PROMPTS, ConfigError, ModelConfig
+from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
+from lean.models.options import ModelConfig
 from lean.parallel.launch import free_port
 from lean.rewards import compute_rewards
 from lean.workbench import data

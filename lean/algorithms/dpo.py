@@ -35,6 +35,7 @@ pads the pair count to a multiple of the processes with random duplicates (:804-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +49,9 @@ from lean.algorithms.clean_samples import (
     per_sample_mean,
     renoise,
 )
+from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
+from lean.config.sections import register_options
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -168,3 +171,22 @@ class DPO(CleanSampleAlgorithm):
         return torch.stack(
             [torch.nn.functional.softplus(beta / 2 * (diff[2 * p] - diff[2 * p + 1])) for p in range(len(diff) // 2)]
         )
+
+
+@register_options("algorithm.dpo")
+@dataclass
+class DPOConfig:
+    """Online Diffusion-DPO's keys (``lean/algorithms/dpo.py``)."""
+
+    beta: float = 100.0
+    """beta of the logit -beta / 2 [(e_w - e_w^ref) - (e_l - e_l^ref)] (FlowGRPO config/dpo.py: 100)."""
+    ref_update_every: int = 40
+    """Optimizer steps between copies of the trained weights into the reference (and sampler): FlowGRPO's
+    OnlineDPO (its config's comment: 40); 0: never, the reference stays the starting weights (its shipped 1e7)."""
+    sample_from: str = choice("DPO sampler")
+    """Which weights roll out: a name of ``lean.algorithms.dpo.DPO_SAMPLERS``."""
+
+    def validate(self, prefix: str) -> None:
+        choices(self, prefix)
+        check_positive(f"{prefix}.beta", self.beta)
+        check_positive(f"{prefix}.ref_update_every", self.ref_update_every, strict=False)

@@ -38,9 +38,12 @@ as it does GRPO's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lean.algorithms.grpo import GRPO
+from lean.config.checks import check_positive
+from lean.config.sections import register_options
 from lean.sampling.sde import window_selection
 
 if TYPE_CHECKING:
@@ -74,3 +77,22 @@ class MixGRPO(GRPO):
         m, n = cfg.algorithm.mixgrpo, cfg.sample.num_steps
         start = window_start(iteration, n, m.move_every, m.stride)
         return window_selection(n, batch_size, start, min(m.window, n - 2 - start))
+
+
+@register_options("algorithm.mixgrpo")
+@dataclass
+class MixGRPOConfig:
+    """MixGRPO's sliding SDE window (``lean/algorithms/mixgrpo.py``): steps [s, s + window) are SDE steps and trained,
+    the others ODE steps; s = floor(iteration / move_every) x stride, rolled back to 0 past the last trainable start."""
+
+    window: int = 4
+    """SDE (and trained) steps per rollout (MixGRPO's --group_size 4)."""
+    move_every: int = 25
+    """Iterations before the window moves (--iters_per_group: 25; Flash 20)."""
+    stride: int = 1
+    """Steps the window moves by (--prog_overlap_step: 1; 0 freezes it at the first steps, Flash*)."""
+
+    def validate(self, prefix: str) -> None:
+        check_positive(f"{prefix}.window", self.window)
+        check_positive(f"{prefix}.move_every", self.move_every)
+        check_positive(f"{prefix}.stride", self.stride, strict=False)

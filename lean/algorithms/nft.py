@@ -48,6 +48,7 @@ Its rollout feeds the network int(1000 sigma) (``sample.truncate_timestep``), it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +57,9 @@ from torch import Tensor
 from lean.algorithms.base import StepLoss
 from lean.algorithms.clean_samples import CleanSampleAlgorithm, Velocities, per_sample_mean, renoise
 from lean.algorithms.groups import group_advantages
+from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
+from lean.config.sections import register_options
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -171,3 +174,23 @@ class NFT(CleanSampleAlgorithm):
             ref = velocities.reference(x_t, draw_t, rows).double()
             loss = loss + self.kl_weight * ((v - ref) ** 2).flatten(1).mean(1)
         return loss
+
+
+@register_options("algorithm.nft")
+@dataclass
+class NFTConfig:
+    """DiffusionNFT's keys (``lean/algorithms/nft.py``)."""
+
+    beta: float = 1.0
+    """beta: the implicit positive policy is beta v_theta + (1 - beta) v_old, the negative (1 + beta) v_old -
+    beta v_theta (config/nft.py: 1.0; its multi-reward and OCR recipes 0.1)."""
+    kl_weight: float = 1e-4
+    """Weight of mean (v_theta - v_ref)^2 against the reference (adapter off) (config/nft.py: train.beta 1e-4)."""
+    old_decay: str = choice("old-policy decay")
+    """How the old (sampling) policy follows the trained one after each rollout's updates: a name of
+    ``lean.algorithms.nft.OLD_POLICY_DECAYS``."""
+
+    def validate(self, prefix: str) -> None:
+        choices(self, prefix)
+        check_positive(f"{prefix}.beta", self.beta)
+        check_positive(f"{prefix}.kl_weight", self.kl_weight, strict=False)

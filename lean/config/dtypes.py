@@ -20,6 +20,7 @@ DTYPES: Registry[torch.dtype] = Registry(
     ],
 )
 HALF = (torch.bfloat16, torch.float16)
+MODEL_DTYPE = "model"  # model.vae_dtype, sample.latent_dtype: the name of model.dtype's precision
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,7 +33,7 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 def or_model(name: str, model: torch.dtype) -> torch.dtype:
     """A precision that keys such as ``model.vae_dtype`` widen ``model.dtype`` to: the wider of the dtype named
     ``name`` and ``model`` (``model`` itself for the name ``model``), so that a float64 run stays float64."""
-    return model if name == "model" else torch.promote_types(DTYPES[name], model)
+    return model if name == MODEL_DTYPE else torch.promote_types(DTYPES[name], model)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

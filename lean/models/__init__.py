@@ -55,7 +55,8 @@ from lean.models.wan22_ti2v import SPEC as WAN22_TI2V
 from lean.parallel.sharding import FSDP
 
 if TYPE_CHECKING:
-    from lean.config import ModelConfig, RunConfig
+    from lean.config import RunConfig
+    from lean.models.options import ModelConfig
 
 __all__ = [
     "EDIT_PROMPTS",

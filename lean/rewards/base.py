@@ -24,7 +24,8 @@ from lean.config import ConfigError, check_choice, suggest
 from lean.config.registry import Registry
 
 if TYPE_CHECKING:
-    from lean.config import RewardModelConfig, RunConfig
+    from lean.config import RunConfig
+    from lean.rewards.options import RewardModelConfig
 
 RewardFn = Callable[[Tensor, list[str]], Tensor]
 

@@ -51,7 +51,7 @@ from lean.config.dtypes import DTYPES
 from lean.rewards.base import ModelReward, register_model
 
 if TYPE_CHECKING:
-    from lean.config import RewardModelConfig
+    from lean.rewards.options import RewardModelConfig
 
 WEIGHT_FILES = (
     "model.safetensors",

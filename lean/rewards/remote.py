@@ -37,7 +37,7 @@ from lean.rewards.base import check_inputs
 from lean.rewards.builtin import to_uint8
 
 if TYPE_CHECKING:
-    from lean.config import RemoteRewardConfig
+    from lean.rewards.options import RemoteRewardConfig
 
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx
 

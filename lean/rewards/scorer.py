@@ -17,7 +17,7 @@ from lean.rewards.base import MODEL_REWARDS, REWARDS, RewardFn
 from lean.rewards.remote import RemoteReward
 
 if TYPE_CHECKING:
-    from lean.config import RewardConfig
+    from lean.rewards.options import RewardConfig
 
 
 def build_reward(name: str, cfg: RewardConfig, device: torch.device | str, remote: bool = True) -> RewardFn:

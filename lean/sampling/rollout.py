@@ -39,7 +39,7 @@ from lean.sampling.sde import (
 )
 
 if TYPE_CHECKING:
-    from lean.config import SampleConfig
+    from lean.sampling.options import SampleConfig
 
 
 def keyed_generator(*keys: int) -> torch.Generator:

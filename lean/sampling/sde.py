@@ -29,7 +29,8 @@ from lean.config import ConfigError
 from lean.config.registry import Registry
 
 if TYPE_CHECKING:
-    from lean.config import RunConfig, SampleConfig
+    from lean.config import RunConfig
+    from lean.sampling.options import SampleConfig
 
 SDE_KINDS: Registry[str] = Registry(
     "SDE kind",

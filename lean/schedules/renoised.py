@@ -39,7 +39,7 @@ from lean.schedules.recompute import LATER_UPDATE_FORWARD, RECOMPUTE_FORWARD, Re
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from lean.config import SampleConfig
+    from lean.sampling.options import SampleConfig
 
 
 class ConditionalVelocities:

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lean.config import ModelConfig, SampleConfig
 from lean.config.dtypes import dtype_name
 from lean.models import build_policy, family_spec, time_shift
+from lean.models.options import ModelConfig
 from lean.models.spec import SCALE_SHIFT
 from lean.rewards import compute_rewards
+from lean.sampling.options import SampleConfig
 from lean.sampling.rollout import rollout, sample_generator
 from lean.sampling.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
 from lean.workbench.data import make_dataset, vocabulary

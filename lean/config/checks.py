@@ -1,0 +1,78 @@
+"""The one error of configuration and the checks the sections share.
+
+Every error is a :class:`ConfigError` whose message is one line naming the key, the value and what is allowed (a
+did-you-mean where a name is close); the CLI prints it and exits with status 2. A field that names something (a
+schedule, a model family, ...) is a :func:`choice` of the registry of that kind (``lean.config.registry.CATALOG``),
+read through :func:`lean.config.registry.catalog`, so this module imports no owner of the names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from lean.config.prompts import read_prompts
+from lean.config.registry import catalog
+
+AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that fits (lean.schedules); layouts too
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``str(err)`` is a single line meant for the user."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config error: {key}={value!r}: {allowed}")
+
+
+def suggest(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(key: str, value: Any, options: Iterable[str]) -> None:
+    options = list(options)
+    if value not in options:
+        raise ConfigError(key, value, f"must be one of {', '.join(map(str, options))}" + suggest(str(value), options))
+
+
+def check_positive(key: str, value: float, strict: bool = True) -> None:
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(key, value, "must be > 0" if strict else "must be >= 0")
+
+
+def check_fraction(key: str, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(key, value, "must be in [0, 1)")
+
+
+def prompts_of_file(key: str, path: str) -> list[str]:
+    """``lean.config.prompts.read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
+    try:
+        return read_prompts(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, path, str(err)) from None
+
+
+def choice(kind: str, default: str | None = None, *, also: tuple[str, ...] = ()) -> Any:
+    """A field whose value is a name of the registry of ``kind`` (``lean.config.registry.CATALOG``) or one of ``also``;
+    its default is ``default``, or None: the registry's own (its first name, so a name is spelled in its owner only)."""
+    metadata = {"registry": kind, "also": also}
+    if default is not None:
+        return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default_factory=functools.partial(_registry_default, kind), metadata=metadata)
+
+
+def _registry_default(kind: str) -> str:
+    return catalog(kind).default
+
+
+def choices(section: Any, prefix: str) -> None:
+    """Check every :func:`choice` field of ``section`` against its registry (keys ``<prefix>.<field>``)."""
+    for f in dataclasses.fields(section):
+        if "registry" in f.metadata:
+            allowed = [*catalog(f.metadata["registry"]), *f.metadata["also"]]
+            check_choice(f"{prefix}.{f.name}", getattr(section, f.name), allowed)

@@ -1,0 +1,86 @@
+"""The ``reward`` section: the weighted rewards, what is decoded, and the model rewards' and remote rewards' settings
+(registered with ``lean.config.sections``; a reward's own options would be a group registered under
+``reward.<name>``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from lean.config.checks import ConfigError, check_positive, choice, choices
+from lean.config.dtypes import DTYPES
+from lean.config.sections import register_options
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward.models.<name>``: where a model reward (``lean.rewards.MODEL_REWARDS``) loads from and how it runs."""
+
+    folder: str | None = None
+    """A local model folder (the layout each reward needs: ``lean.rewards.models``, docs/rewards.md)."""
+    batch_size: int = 32
+    """Images (video frames) per forward."""
+    dtype: str = choice("dtype", DTYPES.default)
+    """What the reward model computes in: a name of ``lean.config.dtypes.DTYPES``."""
+    device: str | None = None
+    """Where it runs (``cuda:1``, ``cpu``); None: the run's device."""
+
+    def validate(self, key: str) -> None:
+        """The fields alone; the folder's files are checked by the reward (``lean.rewards.check_config``)."""
+        check_positive(f"{key}.batch_size", self.batch_size)
+        choices(self, key)
+
+
+@dataclass
+class RemoteRewardConfig:
+    """``reward.remote.<name>``: the reward is computed by a ``lean reward serve`` server (``lean.rewards.remote``)."""
+
+    url: str = ""
+    """The server's base URL, e.g. http://10.0.0.5:8100 (the client posts to <url>/score)."""
+    token_env: str | None = None
+    """An environment variable holding the server's bearer token (None: no token)."""
+    timeout_s: float = 120.0
+    """Per request."""
+    retries: int = 3
+    """Attempts after the first; then a RewardServerError naming the URL."""
+    backoff_s: float = 1.0
+    """The wait after failed attempt k is backoff_s * 2^k."""
+
+    def validate(self, key: str) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}.url", self.url, "must be an http:// or https:// URL of a lean reward server")
+        if self.token_env is not None and not os.environ.get(self.token_env):
+            raise ConfigError(f"{key}.token_env", self.token_env, "this environment variable is not set")
+        check_positive(f"{key}.timeout_s", self.timeout_s)
+        check_positive(f"{key}.retries", self.retries, strict=False)
+        check_positive(f"{key}.backoff_s", self.backoff_s, strict=False)
+
+
+@register_options("reward")
+@dataclass
+class RewardConfig:
+    """What a sample scores: a weighted sum of registered rewards (``lean.rewards``)."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
+    """reward name (``lean.rewards.REWARDS`` or ``MODEL_REWARDS``, or one of ``remote``) -> weight."""
+    decode: str = choice("decode target")
+    """What is decoded and scored: a name of ``lean.sampling.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
+    prediction of x_0 at the last step)."""
+    async_scoring: bool = True
+    """Decode and score each rollout micro-batch in a worker thread while the next one rolls out (``lean.run.scoring``);
+    false: score each micro-batch after the rollout, in the training thread. The rewards are the same."""
+    models: dict[str, RewardModelConfig] = field(default_factory=dict)
+    """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
+    reward ``remote`` names: ``lean reward serve`` checks it on the server)."""
+    remote: dict[str, RemoteRewardConfig] = field(default_factory=dict)
+    """reward name -> the server that computes it (the name need not be registered in this process)."""
+
+    def validate(self) -> None:
+        """The fields alone; which rewards exist and what their folders hold is ``lean.rewards.check_config``'s."""
+        choices(self, "reward")
+        if not self.weights:
+            raise ConfigError("reward.weights", self.weights, "name at least one reward")
+        for name, remote in self.remote.items():
+            remote.validate(f"reward.remote.{name}")
+        for name, entry in self.models.items():
+            entry.validate(f"reward.models.{name}")
