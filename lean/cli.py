@@ -93,9 +93,7 @@ def _bench_commands(sub) -> None:
     """bench schedules | memory | overlap."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     b = bench.add_parser("schedules", help="the schedules interleaved: speedup, bound, MFU/HFU, peak memory")
-    _add_run_options(b)
-    b.add_argument("--repeats", type=int, default=None, help="timed rounds (default: params.yaml bench.repeats)")
-    b.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
+    _add_bench_options(b)
     b.add_argument(
         "--threads", type=int, default=None, help="torch threads, 0: torch's default (default: bench.threads)"
     )
@@ -103,11 +101,16 @@ def _bench_commands(sub) -> None:
         "--cores", type=int, default=None, help="CPUs the process may run on, 0: all (default: bench.cores, 1)"
     )
     m = bench.add_parser("memory", help="peak memory and time per schedule x layout x activation checkpointing")
-    _add_run_options(m)
-    m.add_argument("--repeats", type=int, default=None, help="timed rounds (default: params.yaml bench.repeats)")
-    m.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
+    _add_bench_options(m)
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
+
+
+def _add_bench_options(p: argparse.ArgumentParser) -> None:
+    """A benchmark's run options, then its timed and discarded rounds."""
+    _add_run_options(p)
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default: params.yaml bench.repeats)")
+    p.add_argument("--warmup", type=int, default=None, help="discarded rounds (default: bench.warmup)")
 
 
 def _reward_commands(sub) -> None:
@@ -164,6 +167,12 @@ def _operations_commands(sub) -> None:
 
 def _diffusers_commands(sub) -> None:
     """export (a LoRA or merged diffusers folder), sample (images from one)."""
+    _export_command(sub)
+    _sample_command(sub)
+
+
+def _export_command(sub) -> None:
+    """export: a run's trained weights as a diffusers LoRA folder, or merged into a whole pipeline folder."""
     p = sub.add_parser(
         "export",
         help="a run's trained weights for diffusers: a LoRA folder (load_lora_weights), or a merged pipeline folder",
@@ -177,6 +186,9 @@ def _diffusers_commands(sub) -> None:
         help="a whole diffusers pipeline folder: the base with the trained weights merged (from_pretrained loads it)",
     )
 
+
+def _sample_command(sub) -> None:
+    """sample: images (video frames) from a diffusers pipeline folder; unset options: the run's."""
     p = sub.add_parser(
         "sample",
         help="images (video frames) from a diffusers pipeline folder and a LoRA folder; unset options: the run's "

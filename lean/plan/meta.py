@@ -211,6 +211,20 @@ def with_all_to_alls(measured: dict, inp: PlanInput, degree: int) -> dict:
     }
 
 
+def decode_counts(
+    policy, latents: torch.Tensor, rows: int, memory: MetaMemory, known: dict[int, tuple[int, int]]
+) -> tuple[int, int]:
+    """(peak bytes, FLOPs) of decoding the first ``rows`` of ``latents``, kept in ``known`` by ``rows``: counted once
+    per row count."""
+    if rows not in known:
+        with FlopCounterMode(display=False) as flops:
+            start = memory.mark()
+            images = policy.decode(latents[:rows])
+            known[rows] = (memory.peak - start, flops.get_total_flops())
+        del images
+    return known[rows]
+
+
 def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int, int]] | None = None) -> dict:
     """:func:`lean.plan.cost.probe`'s figures, counted on the meta device (see the module docstring). ``decodes`` keeps
     the decode's (peak bytes, FLOPs) by decoded rows across calls: it depends on neither the transformer's depth nor
@@ -247,15 +261,7 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
         fb, activation, transient = step(slice(0, batch), grad=True, backward=True, memory=memory)
         fb_one, activation_one, _ = step(slice(0, 1), grad=True, backward=True, memory=memory)
         rows = inp.decoded_rows(batch)  # a split decode: this process's share
-        if decodes is None or rows not in decodes:
-            with FlopCounterMode(display=False) as decode_flops:
-                start = memory.mark()
-                images = policy.decode(x[:rows])
-                counts = (memory.peak - start, decode_flops.get_total_flops())
-            del images
-            if decodes is not None:
-                decodes[rows] = counts
-        decode, decoded_flops = decodes[rows] if decodes is not None else counts
+        decode, decoded_flops = decode_counts(policy, x, rows, memory, {} if decodes is None else decodes)
     trainable = sum(p.numel() * p.element_size() for p in inp.trainable)
     resident = sum(p.numel() * p.element_size() for p in policy.parameters()) + 3 * trainable  # grads, 2 moments
     return {

@@ -127,100 +127,145 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def headline_figures(outputs: str | Path) -> dict[str, Figure]:
-    """The headline figures of the run under ``outputs``, by name; a stage whose output is absent contributes none."""
-    outputs = Path(outputs)
-    figures: dict[str, Figure] = {}
+class FigureSet:
+    """The headline figures found so far, by name, in the order they were found (the report's row order)."""
 
-    def add(name: str, family: str, value: Any, bound: Any = None) -> None:
+    def __init__(self) -> None:
+        self.figures: dict[str, Figure] = {}
+
+    def add(self, name: str, family: str, value: Any, bound: Any = None) -> None:
+        """Adds the figure if ``value`` is a number (an absent or malformed entry contributes none)."""
         number = _number(value)
         if number is not None:
-            figures[name] = Figure(name, family, number, _number(bound))
+            self.figures[name] = Figure(name, family, number, _number(bound))
 
+    def add_eval_gain(self, run: Mapping[str, Any], name: str, gain_family: str, over_noise_family: str) -> None:
+        """A run's eval reward gain, and the gain in units of the base's eval-noise std where that is known."""
+        gain, noise = _number(run.get("eval_reward_gain")), _number(run.get("eval_reward_noise_std"))
+        self.add(f"eval_reward_gain_{name}", gain_family, gain)
+        if gain is not None and noise:
+            self.add(f"eval_gain_over_noise_{name}", over_noise_family, gain / noise)
+
+
+def headline_figures(outputs: str | Path) -> dict[str, Figure]:
+    """The headline figures of the run under ``outputs``, by name; a stage whose output is absent contributes none."""
+    outputs, found = Path(outputs), FigureSet()
+    for stage_figures in (
+        _prepare_figures,
+        _certificate_figures,
+        _bf16_certificate_figures,
+        _schedule_run_figures,
+        _algorithm_run_figures,
+        _bench_figures,
+        _overlap_figures,
+    ):
+        stage_figures(outputs, found)
+    return found.figures
+
+
+def _prepare_figures(outputs: Path, found: FigureSet) -> None:
     if prepare := read_json(outputs / "prepare" / "metrics.json"):
-        add("vae_mse_final", "vae_mse_final", prepare.get("vae_mse_final"))
-        add("flow_loss_final", "flow_loss_final", prepare.get("flow_loss_final"))
+        found.add("vae_mse_final", "vae_mse_final", prepare.get("vae_mse_final"))
+        found.add("flow_loss_final", "flow_loss_final", prepare.get("flow_loss_final"))
 
-    if certificate := read_json(outputs / "equivalence" / "equivalence.json"):
-        tolerance = certificate.get("tolerance") or {}
-        add("certificate_passes", "certificate_passes", certificate.get("passes"))
-        for s in LEAN_SCHEDULES:
-            entry = certificate.get(s) or {}
-            bound = tolerance.get("max_rel_grad_diff")
-            add(f"certificate_rel_grad_diff_{s}", "certificate_rel_grad_diff", entry.get("max_rel_grad_diff"), bound)
-            if (cosine := _number(entry.get("cosine"))) is not None:
-                bound = tolerance.get("one_minus_cosine")
-                add(f"certificate_one_minus_cosine_{s}", "certificate_one_minus_cosine", 1 - cosine, bound)
 
-    if bf16 := read_json(outputs / "equivalence_bf16" / "metrics.json"):
-        tolerance = _number(bf16.get("bf16_tolerance"))
-        add("bf16_certificate_passes", "bf16_certificate_passes", bf16.get("bf16_passes"))
-        reference = (read_json(outputs / "equivalence_bf16" / "equivalence.json") or {}).get("reference") or {}
-        for s in LEAN_SCHEDULES:
-            add(f"bf16_rel_l2_{s}", "bf16_rel_l2", bf16.get(f"bf16_rel_l2_{s}"), tolerance)
-            cosine = _number((reference.get(s) or {}).get("cosine"))
-            if cosine is not None and tolerance is not None:  # lean.tools.equivalence.half_tolerance: (rel, rel^2 / 2)
-                add(f"bf16_one_minus_cosine_{s}", "bf16_one_minus_cosine", 1 - cosine, tolerance**2 / 2)
+def _certificate_figures(outputs: Path, found: FigureSet) -> None:
+    """The float32 certificate: each schedule's gradient difference and 1 - cosine, with the certificate's bounds."""
+    if not (certificate := read_json(outputs / "equivalence" / "equivalence.json")):
+        return
+    tolerance = certificate.get("tolerance") or {}
+    found.add("certificate_passes", "certificate_passes", certificate.get("passes"))
+    for s in LEAN_SCHEDULES:
+        entry = certificate.get(s) or {}
+        bound = tolerance.get("max_rel_grad_diff")
+        found.add(f"certificate_rel_grad_diff_{s}", "certificate_rel_grad_diff", entry.get("max_rel_grad_diff"), bound)
+        if (cosine := _number(entry.get("cosine"))) is not None:
+            bound = tolerance.get("one_minus_cosine")
+            found.add(f"certificate_one_minus_cosine_{s}", "certificate_one_minus_cosine", 1 - cosine, bound)
 
+
+def _bf16_certificate_figures(outputs: Path, found: FigureSet) -> None:
+    """The bfloat16 certificate: each schedule's distance and 1 - cosine to the float64 gradient."""
+    if not (bf16 := read_json(outputs / "equivalence_bf16" / "metrics.json")):
+        return
+    tolerance = _number(bf16.get("bf16_tolerance"))
+    found.add("bf16_certificate_passes", "bf16_certificate_passes", bf16.get("bf16_passes"))
+    reference = (read_json(outputs / "equivalence_bf16" / "equivalence.json") or {}).get("reference") or {}
+    for s in LEAN_SCHEDULES:
+        found.add(f"bf16_rel_l2_{s}", "bf16_rel_l2", bf16.get(f"bf16_rel_l2_{s}"), tolerance)
+        cosine = _number((reference.get(s) or {}).get("cosine"))
+        if cosine is not None and tolerance is not None:  # lean.tools.equivalence.half_tolerance: (rel, rel^2 / 2)
+            found.add(f"bf16_one_minus_cosine_{s}", "bf16_one_minus_cosine", 1 - cosine, tolerance**2 / 2)
+
+
+def _schedule_run_figures(outputs: Path, found: FigureSet) -> None:
+    """Each schedule's train run: its eval gain and reward curve, and the largest gap between the curves."""
     curves = {}
     for s in SCHEDULES:
         run = read_json(outputs / "train" / s / "metrics.json")
         if not run:
             continue
         if s == BASELINE:  # the same base and eval noise for every schedule
-            add("eval_reward_base", "eval_reward_base", run.get("eval_reward_first"))
-        gain, noise = _number(run.get("eval_reward_gain")), _number(run.get("eval_reward_noise_std"))
-        add(f"eval_reward_gain_{s}", "eval_reward_gain", gain)
-        if gain is not None and noise:
-            add(f"eval_gain_over_noise_{s}", "eval_gain_over_noise", gain / noise)
+            found.add("eval_reward_base", "eval_reward_base", run.get("eval_reward_first"))
+        found.add_eval_gain(run, s, "eval_reward_gain", "eval_gain_over_noise")
         curve = [float(v) for v in run.get("reward_mean") or [] if _number(v) is not None]
         if curve:
             curves[s] = curve
-            add(f"reward_mean_{s}", "reward_mean", statistics.fmean(curve))
-            add(f"reward_last10_{s}", "reward_last10", statistics.fmean(curve[-10:]))
+            found.add(f"reward_mean_{s}", "reward_mean", statistics.fmean(curve))
+            found.add(f"reward_last10_{s}", "reward_last10", statistics.fmean(curve[-10:]))
     if BASELINE in curves and len(curves) > 1:
-        base = curves[BASELINE]
-        gaps = [
-            max(abs(a - b) for a, b in zip(curve, base)) if len(curve) == len(base) else math.inf
-            for s, curve in curves.items()
-            if s != BASELINE
-        ]
-        add("reward_curves_max_diff", "reward_curves_max_diff", max(gaps))
+        found.add("reward_curves_max_diff", "reward_curves_max_diff", _largest_gap(curves))
 
-    # the algorithms side by side: GRPO's is the train stage's Retain run, the others train_algorithm@<algorithm>'s
+
+def _largest_gap(curves: Mapping[str, list[float]]) -> float:
+    """max over schedules and iterations of |curve - baseline's curve| (inf where the lengths differ)."""
+    base = curves[BASELINE]
+    return max(
+        max(abs(a - b) for a, b in zip(curve, base)) if len(curve) == len(base) else math.inf
+        for s, curve in curves.items()
+        if s != BASELINE
+    )
+
+
+def _algorithm_run_figures(outputs: Path, found: FigureSet) -> None:
+    """The algorithms side by side: GRPO's is the train stage's Retain run, the others train_algorithm@<algorithm>'s."""
     runs = {ALGORITHMS.default: outputs / "train" / GRPO_RUN}
     runs.update({p.name: p for p in sorted((outputs / "algorithms").glob("*")) if p.is_dir()})
     for name, folder in runs.items():
         if run := read_json(folder / "metrics.json"):
-            gain, noise = _number(run.get("eval_reward_gain")), _number(run.get("eval_reward_noise_std"))
-            add(f"eval_reward_gain_{name}", "algorithm_eval_reward_gain", gain)
-            if gain is not None and noise:
-                add(f"eval_gain_over_noise_{name}", "algorithm_gain_over_noise", gain / noise)
+            found.add_eval_gain(run, name, "algorithm_eval_reward_gain", "algorithm_gain_over_noise")
 
-    if bench := read_json(outputs / "bench" / "schedules.json"):
-        base = bench.get(BASELINE) or {}
-        add(f"time_iteration_s_{BASELINE}", "time_iteration_s", base.get("time_iteration_s"))
-        for s in LEAN_SCHEDULES:
-            entry = bench.get(s) or {}
-            speedup, bound = _number(entry.get("speedup")), _number(entry.get("speedup_bound"))
-            if speedup is not None and bound:
-                add(f"speedup_vs_bound_{s}", "speedup_vs_bound", speedup / bound)
-            peak, base_peak = _number(entry.get("peak_memory_mb")), _number(base.get("peak_memory_mb"))
-            if peak is not None and base_peak:
-                add(f"peak_memory_ratio_{s}", "peak_memory_ratio", peak / base_peak)
 
-    if overlap := read_json(outputs / "overlap" / "metrics.json"):
-        # lean.tools.bench.sequence_parallel.flat_metrics: sp_time_iteration_s_<schedule>_compute_only
-        base = _number(overlap.get(f"sp_time_iteration_s_{BASELINE}_compute_only"))
-        for s in LEAN_SCHEDULES:
-            time = _number(overlap.get(f"sp_time_iteration_s_{s}_compute_only"))
-            if base is not None and time:
-                add(f"sp_speedup_{s}", "sp_speedup", base / time)
-        for key, value in overlap.items():
-            if key.startswith("overlap_exposed_ms_"):
-                add(key, "overlap_exposed_ms", value)
-        add("sp_decode_ratio", "sp_decode_ratio", _number(overlap.get("sp_decode_ratio")))
-    return figures
+def _bench_figures(outputs: Path, found: FigureSet) -> None:
+    """The baseline's iteration time; each Lean schedule's speedup / its bound and peak memory / the baseline's."""
+    if not (bench := read_json(outputs / "bench" / "schedules.json")):
+        return
+    base = bench.get(BASELINE) or {}
+    found.add(f"time_iteration_s_{BASELINE}", "time_iteration_s", base.get("time_iteration_s"))
+    for s in LEAN_SCHEDULES:
+        entry = bench.get(s) or {}
+        speedup, bound = _number(entry.get("speedup")), _number(entry.get("speedup_bound"))
+        if speedup is not None and bound:
+            found.add(f"speedup_vs_bound_{s}", "speedup_vs_bound", speedup / bound)
+        peak, base_peak = _number(entry.get("peak_memory_mb")), _number(base.get("peak_memory_mb"))
+        if peak is not None and base_peak:
+            found.add(f"peak_memory_ratio_{s}", "peak_memory_ratio", peak / base_peak)
+
+
+def _overlap_figures(outputs: Path, found: FigureSet) -> None:
+    """Sequence parallelism's compute-only speedups, the overlap ops' exposed communication, the split decode ratio."""
+    if not (overlap := read_json(outputs / "overlap" / "metrics.json")):
+        return
+    # lean.tools.bench.sequence_parallel.flat_metrics: sp_time_iteration_s_<schedule>_compute_only
+    base = _number(overlap.get(f"sp_time_iteration_s_{BASELINE}_compute_only"))
+    for s in LEAN_SCHEDULES:
+        time = _number(overlap.get(f"sp_time_iteration_s_{s}_compute_only"))
+        if base is not None and time:
+            found.add(f"sp_speedup_{s}", "sp_speedup", base / time)
+    for key, value in overlap.items():
+        if key.startswith("overlap_exposed_ms_"):
+            found.add(key, "overlap_exposed_ms", value)
+    found.add("sp_decode_ratio", "sp_decode_ratio", _number(overlap.get("sp_decode_ratio")))
 
 
 def measured_on(outputs: str | Path) -> dict[str, dict | None]:
@@ -361,78 +406,22 @@ def check(
     here = dict(here) if here is not None else provenance.machine()
     figures = headline_figures(outputs)
     ref_figures = dict((reference or {}).get("figures") or {})
-    ref_records = (reference or {}).get("measured_on") or {}
-    measured = {}
-    for group, record in measured_on(outputs).items():
-        names = [n for n, f in figures.items() if f.group == group]
-        committed = bool(names) and all(_number(ref_figures.get(n)) == figures[n].value for n in names)
-        if record is None and committed:  # the committed figures, from before provenance: the reference knows more
-            record = ref_records.get(group)
-        here_ = provenance.same_machine(record, here)
-        where = provenance.describe(record)
-        if here_:
-            source = f"measured on this machine ({where})"
-        else:
-            source = ("the committed figures, measured on " if committed else "measured on ") + where
-            source += {False: ", another machine", None: ", perhaps another machine"}[here_]
-            source += ": `make bench` re-measures them here"
-        measured[group] = {
-            "measured_on": record,
-            "reference_measured_on": ref_records.get(group),
-            "measured_here": here_,
-            "committed": committed,
-            "shows": source,
-        }
-
-    rows, outside = [], []
-    for name in [*figures, *(n for n in ref_figures if n not in figures)]:
-        figure, ref = figures.get(name), _number(ref_figures.get(name))
-        family = figure.family if figure else None
-        band = dict(bands.get(family) or {}) if family else {}
-        row: dict[str, Any] = {
-            "figure": name,
-            "group": figure.group if figure else None,
-            "what": FAMILIES[family][1] if family else None,
-            "value": figure.value if figure else None,
-            "reference": ref,
-            "band": band or None,
-        }
-        if figure is None:
-            row.update(checked=True, inside=False, note="missing from this run's outputs")
-        elif not band:
-            row.update(checked=False, inside=None, note=f"no band: params.yaml report.bands.{family}")
-        elif band.get("info"):
-            row.update(checked=False, inside=None, note="shown, not checked (machine-dependent)")
-        else:
-            low, high, missing = allowed_range(band, ref, figure.bound)
-            row["allowed"] = [_finite(low), _finite(high)]
-            if figure.bound is not None:
-                row["bound"] = figure.bound
-            inside = math.isfinite(figure.value) and low <= figure.value <= high
-            row.update(checked=True, inside=inside)
-            if missing:
-                row["note"] = missing + (
-                    " (not in the reference: `python -m pipelines.report --pin`)" if ref is None else ""
-                )
-        if row["group"] in measured:
-            row["measured_here"] = measured[row["group"]]["measured_here"]
-        rows.append(row)
-        if row["checked"] and row["inside"] is False:
-            outside.append({k: row.get(k) for k in ("figure", "value", "reference", "band", "allowed", "note")})
-
+    measured = measured_groups(outputs, figures, reference, here)
+    rows = [
+        figure_row(name, figures.get(name), _number(ref_figures.get(name)), bands, measured)
+        for name in [*figures, *(n for n in ref_figures if n not in figures)]
+    ]
+    outside = [
+        {k: row.get(k) for k in ("figure", "value", "reference", "band", "allowed", "note")}
+        for row in rows
+        if row["checked"] and row["inside"] is False
+    ]
     compared = reference is not None and params is not None and isinstance(reference.get("params"), Mapping)
     differ, one_side = params_differences(reference["params"], params) if compared else ([], [])
     checked = [r for r in rows if r["checked"]]
-    reasons = []
-    if reference is None:
-        reasons.append(f"no reference at {reference_path}: pin one with `python -m pipelines.report --pin`")
-    if differ:
-        reasons.append(f"params differ from the reference's in {len(differ)} entries (an experiment, not a rerun)")
-    if not checked:
-        reasons.append("no figure checked (params.yaml report.bands is empty?)")
-    reproduced = not reasons and not outside
+    reasons = not_reproduced_reasons(reference is not None, reference_path, differ, bool(checked))
     result = {
-        "reproduced": reproduced,
+        "reproduced": not reasons and not outside,
         "outside_band": outside,
         "reasons": reasons,
         "checked": len(checked),
@@ -450,6 +439,95 @@ def check(
     }
     result["verdict"] = verdict(result)
     return result
+
+
+def measured_groups(
+    outputs: str | Path, figures: Mapping[str, Figure], reference: Mapping[str, Any] | None, here: Mapping[str, Any]
+) -> dict[str, dict]:
+    """Per measured group (``bench``, ``overlap``): where its figures were measured, whether that is ``here``,
+    whether they are the reference's (``committed``) and the sentence the report shows of it."""
+    ref_figures = (reference or {}).get("figures") or {}
+    ref_records = (reference or {}).get("measured_on") or {}
+    measured = {}
+    for group, record in measured_on(outputs).items():
+        names = [n for n, f in figures.items() if f.group == group]
+        committed = bool(names) and all(_number(ref_figures.get(n)) == figures[n].value for n in names)
+        if record is None and committed:  # the committed figures, from before provenance: the reference knows more
+            record = ref_records.get(group)
+        measured_here = provenance.same_machine(record, here)
+        measured[group] = {
+            "measured_on": record,
+            "reference_measured_on": ref_records.get(group),
+            "measured_here": measured_here,
+            "committed": committed,
+            "shows": measured_source(record, measured_here, committed),
+        }
+    return measured
+
+
+def measured_source(record: dict | None, measured_here: bool | None, committed: bool) -> str:
+    """Where a group's figures come from, in words (``measured_here`` None: the records cannot tell)."""
+    where = provenance.describe(record)
+    if measured_here:
+        return f"measured on this machine ({where})"
+    source = ("the committed figures, measured on " if committed else "measured on ") + where
+    source += {False: ", another machine", None: ", perhaps another machine"}[measured_here]
+    return source + ": `make bench` re-measures them here"
+
+
+def figure_row(
+    name: str, figure: Figure | None, reference: float | None, bands: Mapping[str, Any], measured: Mapping[str, dict]
+) -> dict[str, Any]:
+    """The report's row of one figure (absent from this run: ``figure`` None): its value, reference and band, and
+    whether it was checked and is inside its band."""
+    family = figure.family if figure else None
+    band = dict(bands.get(family) or {}) if family else {}
+    row: dict[str, Any] = {
+        "figure": name,
+        "group": figure.group if figure else None,
+        "what": FAMILIES[family][1] if family else None,
+        "value": figure.value if figure else None,
+        "reference": reference,
+        "band": band or None,
+    }
+    row.update(band_check(figure, reference, band, family))
+    if row["group"] in measured:
+        row["measured_here"] = measured[row["group"]]["measured_here"]
+    return row
+
+
+def band_check(figure: Figure | None, reference: float | None, band: Mapping[str, Any], family: str | None) -> dict:
+    """A row's ``checked``, ``inside`` and ``note``, and for a checked figure its ``allowed`` range and ``bound``
+    (in the report's key order)."""
+    if figure is None:
+        return {"checked": True, "inside": False, "note": "missing from this run's outputs"}
+    if not band:
+        return {"checked": False, "inside": None, "note": f"no band: params.yaml report.bands.{family}"}
+    if band.get("info"):
+        return {"checked": False, "inside": None, "note": "shown, not checked (machine-dependent)"}
+    low, high, missing = allowed_range(band, reference, figure.bound)
+    entries: dict[str, Any] = {"allowed": [_finite(low), _finite(high)]}
+    if figure.bound is not None:
+        entries["bound"] = figure.bound
+    entries.update(checked=True, inside=math.isfinite(figure.value) and low <= figure.value <= high)
+    if missing:
+        unpinned = " (not in the reference: `python -m pipelines.report --pin`)" if reference is None else ""
+        entries["note"] = missing + unpinned
+    return entries
+
+
+def not_reproduced_reasons(
+    has_reference: bool, reference_path: str | Path, differ: list[str], any_checked: bool
+) -> list[str]:
+    """Why the run cannot count as a reproduction whatever its figures: no reference, other params, nothing checked."""
+    reasons = []
+    if not has_reference:
+        reasons.append(f"no reference at {reference_path}: pin one with `python -m pipelines.report --pin`")
+    if differ:
+        reasons.append(f"params differ from the reference's in {len(differ)} entries (an experiment, not a rerun)")
+    if not any_checked:
+        reasons.append("no figure checked (params.yaml report.bands is empty?)")
+    return reasons
 
 
 def _fmt(value: float | None) -> str:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Pattern = Literal["all_gather", "reduce_scatter", "all_to_all"]
@@ -259,105 +259,154 @@ def collective_seconds(pattern: Pattern, world: int, nbytes: float, p: Profile) 
     return p.collective_latency + (world - 1) * max(nbytes / p.beta, reduce)
 
 
+@dataclass
+class TaskGraph:
+    """The tasks of one schedule of ``op`` in issue order, and the kinds of task the schedules are written in.
+    ``compute=False`` drops the GEMMs and what the GEMMs' callbacks do besides (comm-only): they stay in the graph
+    at 0 s and unlaunched, so that the dependencies hold."""
+
+    op: OpSpec
+    p: Profile
+    compute: bool = True
+    tasks: list[Task] = field(default_factory=list)
+
+    @property
+    def exchanged(self) -> bool:
+        """A 16-bit reduce-scatter: ``p2p._exchange_and_sum``, the partials all-to-all'd and summed in float32."""
+        return self.op.pattern == "reduce_scatter" and self.op.element_bytes == 2
+
+    @property
+    def produces(self) -> bool:
+        """Whether the GEMM makes the blocks that are sent (else it uses those that arrive)."""
+        return self.op.gemm_side == "produce"
+
+    def add(self, name: str, stream: str, seconds: float, deps=(), kind: str = "gemm", callback: bool = False) -> int:
+        """Appends a task; returns its index (what later tasks depend on)."""
+        dropped = not self.compute and (kind == "gemm" or callback)
+        self.tasks.append(Task(name, stream, 0.0 if dropped else seconds, tuple(deps), kind, not dropped))
+        return len(self.tasks) - 1
+
+    def gemm(self, name: str, shape: tuple[int, int, int], deps=()) -> int:
+        return self.add(name, COMPUTE, gemm_seconds(*shape, self.op.element_bytes, self.p), deps)
+
+    def memory(self, name: str, nbytes: float, passes: int, deps=(), callback: bool = False) -> int:
+        """An add or copy: ``passes`` reads and writes of ``nbytes``."""
+        return self.add(name, COMPUTE, self.p.launch + passes * nbytes / self.p.mem_bw, deps, "memory", callback)
+
+    def consume(self, name: str, shape: tuple[int, int, int], nbytes: float, deps=()) -> int:
+        """The GEMM on arrived blocks of ``nbytes``, after copying them where the op keeps them (``keeps_blocks``)."""
+        if self.op.keeps_blocks:
+            deps = [self.memory(f"keep {name}", nbytes, 2, deps, callback=True)]
+        return self.gemm(name, shape, deps)
+
+    def transfer(self, name: str, nbytes: float, deps=()) -> int:
+        """One P2P step of ``nbytes`` sent by this rank."""
+        return self.add(name, COMM, self.p.p2p_latency + nbytes / self.p.beta, deps, "transfer")
+
+    def collective(self, name: str, nbytes: float, deps=()) -> int:
+        """One collective call of ``nbytes`` per rank's chunk; the 16-bit partials travel as an all-to-all."""
+        pattern = "all_to_all" if self.exchanged else self.op.pattern
+        return self.add(name, COMM, collective_seconds(pattern, self.op.world, nbytes, self.p), deps, "collective")
+
+
 def schedule(
     op: OpSpec, method: str, p: Profile, slices: int | None = None, bidirectional: bool = False, compute: bool = True
 ) -> list[Task]:
     """The task graph ``p2p.py`` runs for ``op`` with ``method``, in its issue order; ``compute=False`` drops the
     GEMMs and what the GEMMs' callbacks do besides (comm-only)."""
-    world, chunk, e = op.world, op.chunk_bytes, op.element_bytes
-    tasks: list[Task] = []
+    graph = TaskGraph(op, p, compute)
+    if op.world == 1:
+        graph.gemm("gemm", op.full_gemm)
+    elif method == "collective":
+        collective_schedule(graph)
+    elif method == "sliced":
+        sliced_schedule(graph, slices)
+    elif op.pattern == "all_gather":
+        flash_all_gather(graph, bidirectional)
+    elif op.pattern == "reduce_scatter" and not graph.exchanged:
+        flash_reduce_scatter(graph)
+    else:  # an all-to-all, or the all-to-all of a 16-bit reduce-scatter
+        flash_all_to_all(graph)
+    return graph.tasks
 
-    def add(name: str, stream: str, seconds: float, deps=(), kind: str = "gemm", callback: bool = False) -> int:
-        dropped = not compute and (kind == "gemm" or callback)
-        tasks.append(Task(name, stream, 0.0 if dropped else seconds, tuple(deps), kind, not dropped))
-        return len(tasks) - 1
 
-    def gemm(name: str, shape: tuple[int, int, int], deps=()) -> int:
-        return add(name, COMPUTE, gemm_seconds(*shape, e, p), deps)
+def collective_schedule(g: TaskGraph) -> None:
+    """One collective of the whole chunk, before (consume) or after (produce) the whole GEMM."""
+    op, chunk = g.op, g.op.chunk_bytes
+    if g.exchanged:
+        g.memory("sum", chunk, op.world + 1, [g.collective("all_to_all", chunk, [g.gemm("gemm", op.full_gemm)])])
+    elif g.produces:  # an all-to-all receives straight into the output: nothing to place
+        g.collective(op.pattern, chunk, [g.gemm("gemm", op.full_gemm)])
+    else:
+        c = g.collective(op.pattern, chunk, [])
+        g.consume("gemm", op.full_gemm, op.world * chunk, [c])
 
-    def memory(name: str, nbytes: float, passes: int, deps=(), callback: bool = False) -> int:
-        return add(name, COMPUTE, p.launch + passes * nbytes / p.mem_bw, deps, "memory", callback)
 
-    def consume(name: str, shape: tuple[int, int, int], nbytes: float, deps=()) -> int:
-        """The GEMM on arrived blocks of ``nbytes``, after copying them where the op keeps them (``keeps_blocks``)."""
-        if op.keeps_blocks:
-            deps = [memory(f"keep {name}", nbytes, 2, deps, callback=True)]
-        return gemm(name, shape, deps)
+def sliced_schedule(g: TaskGraph, slices: int | None) -> None:
+    """The whole GEMM cut into ``slices`` (default: the world size, at most a chunk's rows), one collective each; every
+    collective is posted before the first slice is consumed or summed."""
+    op, chunk, world = g.op, g.op.chunk_bytes, g.op.world
+    n_slices = max(1, min(slices or world, op.chunk_rows))
+    part = op.slice_gemm(n_slices)
+    pending = []
+    for i in range(n_slices):
+        made = [g.gemm(f"gemm {i}", part)] if g.produces else []
+        pending.append(g.collective(f"{op.pattern} {i}", chunk / n_slices, made))
+    for i, c in enumerate(pending):
+        if not g.produces:
+            g.consume(f"gemm {i}", part, world * chunk / n_slices, [c])
+        elif g.exchanged:
+            g.memory(f"sum {i}", chunk / n_slices, world + 1, [c])
+        elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
+            g.memory(f"place {i}", world * chunk / n_slices, 2, [c])
+    if op.pattern == "reduce_scatter" and not g.exchanged:
+        g.memory("concatenate", chunk, 2, pending)
 
-    def transfer(name: str, nbytes: float, deps=()) -> int:
-        return add(name, COMM, p.p2p_latency + nbytes / p.beta, deps, "transfer")
 
-    exchanged = op.pattern == "reduce_scatter" and e == 2  # p2p._exchange_and_sum: partials summed in float32
-
-    def collective(name: str, nbytes: float, deps=()) -> int:
-        pattern = "all_to_all" if exchanged else op.pattern  # the 16-bit partials travel as an all-to-all
-        return add(name, COMM, collective_seconds(pattern, world, nbytes, p), deps, "collective")
-
-    produce_side = op.gemm_side == "produce"
-    if world == 1:
-        gemm("gemm", op.full_gemm)
-        return tasks
-    if method == "collective":
-        if exchanged:
-            memory("sum", chunk, world + 1, [collective("all_to_all", chunk, [gemm("gemm", op.full_gemm)])])
-        elif produce_side:  # an all-to-all receives straight into the output: nothing to place
-            collective(op.pattern, chunk, [gemm("gemm", op.full_gemm)])
-        else:
-            c = collective(op.pattern, chunk, [])
-            consume("gemm", op.full_gemm, world * chunk, [c])
-        return tasks
-    if method == "sliced":
-        n_slices = max(1, min(slices or world, op.chunk_rows))
-        part = op.slice_gemm(n_slices)
-        pending = []
-        for i in range(n_slices):
-            g = gemm(f"gemm {i}", part) if produce_side else None
-            pending.append(collective(f"{op.pattern} {i}", chunk / n_slices, [g] if g is not None else []))
-        for i, c in enumerate(pending):
-            if not produce_side:
-                consume(f"gemm {i}", part, world * chunk / n_slices, [c])
-            elif exchanged:
-                memory(f"sum {i}", chunk / n_slices, world + 1, [c])
-            elif op.pattern == "all_to_all":  # a row slice of the output is strided: receive, then copy
-                memory(f"place {i}", world * chunk / n_slices, 2, [c])
-        if op.pattern == "reduce_scatter" and not exchanged:
-            memory("concatenate", chunk, 2, pending)
-        return tasks
-    if op.pattern == "all_gather":  # step t: post transfer t, compute chunk t-1, wait transfer t
-        from_left = world // 2 if bidirectional else world - 1
-        from_right = world - 1 - from_left
-        ready, prev_transfer, prev_compute = ["local"], None, None
-        for t in range(1, from_left + 1):
-            messages = 2 if t <= from_right else 1
-            x = transfer(f"step {t}", messages * chunk, [d for d in (prev_transfer, prev_compute) if d is not None])
-            for name in ready:
-                prev_compute = consume(f"gemm {name}", op.chunk_gemm, chunk)
-            ready, prev_transfer = [f"-{t}"] + ([f"+{t}"] if messages == 2 else []), x
+def flash_all_gather(g: TaskGraph, bidirectional: bool) -> None:
+    """The ring all-gather: step t posts transfer t, computes the chunks that arrived at step t-1, waits transfer t.
+    ``bidirectional``: half the chunks come from each side, two messages a step while both sides have one."""
+    op, chunk = g.op, g.op.chunk_bytes
+    from_left = op.world // 2 if bidirectional else op.world - 1
+    from_right = op.world - 1 - from_left
+    ready, prev_transfer, prev_compute = ["local"], None, None
+    for t in range(1, from_left + 1):
+        messages = 2 if t <= from_right else 1
+        x = g.transfer(f"step {t}", messages * chunk, [d for d in (prev_transfer, prev_compute) if d is not None])
         for name in ready:
-            consume(f"gemm {name}", op.chunk_gemm, chunk, [prev_transfer])
-    elif op.pattern == "reduce_scatter" and not exchanged:  # step t: partial of chunk me-1-t, add what arrived, send
-        x = None
-        for t in range(world):
-            g = gemm(f"partial {t}", op.chunk_gemm)
-            if x is not None:
-                g = memory(f"accumulate {t}", chunk, 3, [x, g])
-            if t < world - 1:
-                x = transfer(f"step {t + 1}", chunk, [g])
-    else:  # all-to-all: compute and post each remote block, then the local one, then consume what arrived
-        arrivals = []
-        for step in range(1, world):
-            g = gemm(f"block +{step}", op.chunk_gemm) if produce_side else None
-            arrivals.append(transfer(f"to +{step}", chunk, [g] if g is not None else []))
-        if produce_side:
-            place = memory("place local", chunk, 2, [gemm("block local", op.chunk_gemm)])
-            if exchanged:
-                memory("sum", chunk, world + 1, [place, *arrivals])
-        else:
-            gemm("local", op.chunk_gemm)
-        for step, x in enumerate(arrivals, 1):
-            if not produce_side:  # produce side: the blocks arrive in place
-                gemm(f"from -{step}", op.chunk_gemm, [x])
-    return tasks
+            prev_compute = g.consume(f"gemm {name}", op.chunk_gemm, chunk)
+        ready, prev_transfer = [f"-{t}"] + ([f"+{t}"] if messages == 2 else []), x
+    for name in ready:
+        g.consume(f"gemm {name}", op.chunk_gemm, chunk, [prev_transfer])
+
+
+def flash_reduce_scatter(g: TaskGraph) -> None:
+    """The ring reduce-scatter: step t computes the partial of chunk me-1-t, adds what arrived, sends the sum on."""
+    x = None
+    for t in range(g.op.world):
+        made = g.gemm(f"partial {t}", g.op.chunk_gemm)
+        if x is not None:
+            made = g.memory(f"accumulate {t}", g.op.chunk_bytes, 3, [x, made])
+        if t < g.op.world - 1:
+            x = g.transfer(f"step {t + 1}", g.op.chunk_bytes, [made])
+
+
+def flash_all_to_all(g: TaskGraph) -> None:
+    """Compute and post each remote block, then the local one, then consume what arrived (produce side: the blocks
+    arrive in place; a 16-bit reduce-scatter sums them at the end, after placing the local block)."""
+    op, chunk = g.op, g.op.chunk_bytes
+    arrivals = []
+    for step in range(1, op.world):
+        made = [g.gemm(f"block +{step}", op.chunk_gemm)] if g.produces else []
+        arrivals.append(g.transfer(f"to +{step}", chunk, made))
+    if g.produces:
+        place = g.memory("place local", chunk, 2, [g.gemm("block local", op.chunk_gemm)])
+        if g.exchanged:
+            g.memory("sum", chunk, op.world + 1, [place, *arrivals])
+        return
+    g.gemm("local", op.chunk_gemm)
+    for step, x in enumerate(arrivals, 1):
+        g.gemm(f"from -{step}", op.chunk_gemm, [x])
 
 
 def finish(tasks: list[Task], p: Profile) -> float:
@@ -407,6 +456,28 @@ def matmul_reduce_scatter_spec(name: str, world: int, rows: int, k: int, n: int,
     return OpSpec(name, "reduce_scatter", world, chunk, (rows, k, n), nbytes, "produce", element_bytes)
 
 
+def matmul_all_to_all_spec(name: str, world: int, rows: int, k: int, n: int, element_bytes: int) -> OpSpec:
+    """``all_to_all(x @ W)``: x (rows, k) local, W (k, n) in P column blocks; block j, (rows, n/P), goes to rank j."""
+    chunk = (rows, k, n // world)
+    nbytes = rows * n // world * element_bytes
+    return OpSpec(name, "all_to_all", world, chunk, (rows, k, n), nbytes, "produce", element_bytes)
+
+
+def all_to_all_matmul_spec(name: str, world: int, rows: int, k: int, n: int, element_bytes: int) -> OpSpec:
+    """``all_to_all(o) @ W``: o's P blocks (rows, k/P) arrive from the peers, each times its row block of W (k/P, n)."""
+    chunk = (rows, k // world, n)
+    nbytes = rows * k // world * element_bytes
+    return OpSpec(name, "all_to_all", world, chunk, (rows, k, n), nbytes, "consume", element_bytes)
+
+
+def weight_gather_matmul_spec(name: str, world: int, rows: int, k: int, n: int, element_bytes: int) -> OpSpec:
+    """``x @ all_gather(W)``: x (rows, k) local, W's row shards (k/P, n) gathered (ZeRO-3): the chunks cut the
+    contraction, and each arrived block is also copied (the gathered weight is kept for the backward)."""
+    chunk = (rows, k // world, n)
+    nbytes = k // world * n * element_bytes
+    return OpSpec(name, "all_gather", world, chunk, (rows, k, n), nbytes, "consume", element_bytes, "k", True)
+
+
 def layer_ops(
     world: int,
     batch: int,
@@ -415,7 +486,6 @@ def layer_ops(
     ffn: int,
     qkv_out: int | None = None,
     element_bytes: int = 4,
-    prefix: str = "",
     gated: bool = False,
 ) -> list[OpSpec]:
     """The overlap ops of one transformer layer with (batch, seq, d) activations, parallel degree ``world``.
@@ -432,43 +502,15 @@ def layer_ops(
                  batch*seq tokens (data parallel), reduce-scattered over the d rows
     """
     tokens, rows = batch * seq, batch * seq // world
-    qkv_out = qkv_out or 3 * d
     fc2_in = ffn // 2 if gated else ffn
     e = element_bytes
-
-    def spec(name, pattern, chunk, full, nbytes, side, split="m", keeps=False):
-        return OpSpec(prefix + name, pattern, world, chunk, full, nbytes, side, e, split, keeps)
-
     return [
-        all_gather_matmul_spec(prefix + "mlp.fc1 all_gather_matmul", world, tokens, d, ffn // world, e),
-        matmul_reduce_scatter_spec(prefix + "mlp.fc2 matmul_reduce_scatter", world, tokens, fc2_in // world, d, e),
-        spec(
-            "ulysses.qkv matmul_all_to_all",
-            "all_to_all",
-            (rows, d, qkv_out // world),
-            (rows, d, qkv_out),
-            rows * qkv_out // world * e,
-            "produce",
-        ),
-        spec(
-            "ulysses.out all_to_all_matmul",
-            "all_to_all",
-            (rows, d // world, d),
-            (rows, d, d),
-            rows * d // world * e,
-            "consume",
-        ),
-        spec(
-            "dp.fc1.gather all_gather_matmul",
-            "all_gather",
-            (tokens, d // world, ffn),
-            (tokens, d, ffn),
-            d // world * ffn * e,
-            "consume",
-            "k",
-            True,
-        ),
-        matmul_reduce_scatter_spec(prefix + "dp.fc1.wgrad matmul_reduce_scatter", world, d, tokens, ffn, e),
+        all_gather_matmul_spec("mlp.fc1 all_gather_matmul", world, tokens, d, ffn // world, e),
+        matmul_reduce_scatter_spec("mlp.fc2 matmul_reduce_scatter", world, tokens, fc2_in // world, d, e),
+        matmul_all_to_all_spec("ulysses.qkv matmul_all_to_all", world, rows, d, qkv_out or 3 * d, e),
+        all_to_all_matmul_spec("ulysses.out all_to_all_matmul", world, rows, d, d, e),
+        weight_gather_matmul_spec("dp.fc1.gather all_gather_matmul", world, tokens, d, ffn, e),
+        matmul_reduce_scatter_spec("dp.fc1.wgrad matmul_reduce_scatter", world, d, tokens, ffn, e),
     ]
 
 

@@ -16,13 +16,12 @@ same weights. Reported per variant, beside ``lean plan``'s predictions of the sa
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from lean.config import RunConfig
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median
-from lean.observe.outputs import JsonLines, write_json
+from lean.observe.outputs import JsonLines
 from lean.parallel.distributed import set_threads
 from lean.parallel.sharding import FSDP, effective_shard, shard_sizes
 from lean.plan.cost import (
@@ -34,7 +33,7 @@ from lean.plan.cost import (
     with_schedule,
 )
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
-from lean.tools.bench.schedules import BenchOptions, timed_rounds
+from lean.tools.bench.schedules import BenchOptions, measured_log, publish, timed_rounds
 from lean.train import Trainer
 
 CHECKPOINTING = (False, True)
@@ -55,6 +54,9 @@ def variant_name(schedule: str, layout: str, checkpointing: bool) -> str:
     return f"{schedule}/{layout}/{'ckpt' if checkpointing else 'no-ckpt'}"
 
 
+Variant = tuple[str, str, bool]  # (schedule, layout, activation checkpointing)
+
+
 def bench_memory(
     cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
 ) -> dict:
@@ -62,7 +64,7 @@ def bench_memory(
     set_threads(options.threads)
     trainer = trainer or Trainer(cfg)
     own = trainer.pipeline.cfg
-    log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
+    log = measured_log(out, trainer.world.is_main)
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
     shard = effective_shard(cfg.parallel.shard, trainer.world.size)  # what runs: the measured rows
@@ -73,47 +75,17 @@ def bench_memory(
         for s in SCHEDULES
         if shard != FSDP or not fsdp_problem(with_schedule(cfg, s))
     ]
-
-    def run(schedule: str, layout: str, checkpointing: bool, measure_memory: bool) -> dict:
-        configure(trainer, layout, checkpointing)
-        return trainer.iteration(0, schedule, measure_memory=measure_memory).metrics
-
-    memory = {}
-    with live_bytes_heap():
-        for v in variants:
-            trainer.state.load_state_dict(state)
-            memory[v] = run(*v, measure_memory=True)
-            log.append({"pass": "memory", "variant": variant_name(*v), **memory[v]})
+    memory = memory_pass(trainer, state, variants, log)
     if trainer.world.device.type == "cpu":
         keep_freed_memory()
-    link = link_speed(trainer.world, shard_sizes(inp.policy).unit)
-    predicted = {
-        (r["schedule"], r["layout"], r["gradient_checkpointing"]): r
-        for r in combinations(inp, shard_probes(inp, probe_checkpointing(inp), link))
-        if r["shard"] == shard
-    }
+    predicted = planned(trainer, inp, shard)
     resident = trainer.state.resident_mb(trainer.policy)  # after the memory pass: AdamW's moments exist
-    calls = {variant_name(*v): (lambda v=v: run(*v, measure_memory=False)) for v in variants}
+    calls = {variant_name(*v): (lambda v=v: run_variant(trainer, v, measure_memory=False)) for v in variants}
     rows = timed_rounds(trainer, state, options, log, calls)
     trainer.pipeline.cfg = own
     trainer.policy.set_gradient_checkpointing(own.model.gradient_checkpointing)
     trainer.state.load_state_dict(state)
-
-    entries = []
-    for v in variants:
-        timed = rows[variant_name(*v)]
-        entries.append(
-            {
-                "schedule": v[0],
-                "layout": v[1],
-                "gradient_checkpointing": v[2],
-                "peak_memory_mb": memory[v]["peak_memory_mb"],
-                "time_iteration_s": median(r["time_iteration_s"] for r in timed),
-                "time_recompute_forward_s": median(r.get("time_recompute_forward_s", 0.0) for r in timed),
-                "plan_peak_memory_mb": predicted[v]["peak_memory_mb"],
-                "plan_time_iteration_s": predicted[v]["time_iteration_s"],
-            }
-        )
+    entries = [variant_entry(v, memory[v], rows[variant_name(*v)], predicted[v]) for v in variants]
     result = {
         "config": {
             "family": cfg.model.family,
@@ -132,17 +104,64 @@ def bench_memory(
         },
         "variants": add_relative(entries),
     }
-    for s in LEAN_SCHEDULES:  # what the schedule holds beyond Recompute: group layout / slice layout
+    result.update(held_ratios(entries))
+    publish(result, format_table, out, "memory.json", trainer.world.is_main)
+    return result
+
+
+def run_variant(trainer: Trainer, variant: Variant, measure_memory: bool) -> dict:
+    """One iteration of ``variant``'s schedule in its layout and checkpointing; its metrics."""
+    schedule, layout, checkpointing = variant
+    configure(trainer, layout, checkpointing)
+    return trainer.iteration(0, schedule, measure_memory=measure_memory).metrics
+
+
+def memory_pass(trainer: Trainer, state: dict, variants: list[Variant], log: JsonLines) -> dict[Variant, dict]:
+    """Each variant's untimed iteration from ``state`` for its peak (under ``live_bytes_heap``)."""
+    memory = {}
+    with live_bytes_heap():
+        for v in variants:
+            trainer.state.load_state_dict(state)
+            memory[v] = run_variant(trainer, v, measure_memory=True)
+            log.append({"pass": "memory", "variant": variant_name(*v), **memory[v]})
+    return memory
+
+
+def planned(trainer: Trainer, inp, shard: str) -> dict[Variant, dict]:
+    """``lean plan``'s row of every variant at ``shard``, from a probe taken in this process."""
+    link = link_speed(trainer.world, shard_sizes(inp.policy).unit)
+    return {
+        (r["schedule"], r["layout"], r["gradient_checkpointing"]): r
+        for r in combinations(inp, shard_probes(inp, probe_checkpointing(inp), link))
+        if r["shard"] == shard
+    }
+
+
+def variant_entry(variant: Variant, memory: dict, timed: list[dict], predicted: dict) -> dict:
+    """One variant's measured peak and median times beside the plan's prediction of them."""
+    return {
+        "schedule": variant[0],
+        "layout": variant[1],
+        "gradient_checkpointing": variant[2],
+        "peak_memory_mb": memory["peak_memory_mb"],
+        "time_iteration_s": median(r["time_iteration_s"] for r in timed),
+        "time_recompute_forward_s": median(r.get("time_recompute_forward_s", 0.0) for r in timed),
+        "plan_peak_memory_mb": predicted["peak_memory_mb"],
+        "plan_time_iteration_s": predicted["time_iteration_s"],
+    }
+
+
+def held_ratios(entries: list[dict]) -> dict[str, float]:
+    """``held_ratio_<schedule>``: what the schedule holds beyond Recompute, group layout / slice layout (no
+    checkpointing), where both were measured and the slice layout holds more than Recompute."""
+    ratios = {}
+    for s in LEAN_SCHEDULES:
         extra = {
             (e["layout"], e["gradient_checkpointing"]): e["extra_memory_mb"] for e in entries if e["schedule"] == s
         }
         if extra.get(("slice", False), 0) > 0 and ("group", False) in extra:
-            result[f"held_ratio_{s}"] = extra["group", False] / extra["slice", False]
-    if trainer.world.is_main:
-        print(format_table(result))
-        if out:
-            write_json(Path(out) / "memory.json", result)
-    return result
+            ratios[f"held_ratio_{s}"] = extra["group", False] / extra["slice", False]
+    return ratios
 
 
 def add_relative(entries: list[dict]) -> list[dict]:

@@ -234,6 +234,21 @@ def pinned(options: BenchOptions) -> list[int]:
     return pin_cores(options.cores, local_rank) if not torch.cuda.is_available() else []
 
 
+def measured_log(out: str | None, is_main: bool) -> JsonLines:
+    """``out/measured.jsonl``: each measured iteration appended as soon as it ends, so that a run stopped by a time
+    limit keeps what it measured (written by the main process only; without ``out``, nowhere)."""
+    return JsonLines(Path(out) / "measured.jsonl" if out and is_main else None)
+
+
+def publish(result: dict, format_table: Callable[[dict], str], out: str | None, filename: str, is_main: bool) -> None:
+    """On the main process: prints ``result``'s table and writes ``result`` to ``out/filename`` (without ``out``:
+    printed only)."""
+    if is_main:
+        print(format_table(result))
+        if out:
+            write_json(Path(out) / filename, result)
+
+
 def bench_schedules(
     cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
 ) -> dict:
@@ -242,7 +257,7 @@ def bench_schedules(
     ends, so that a run stopped by a time limit keeps what it measured."""
     cores = pinned(options)
     subject = Subject.build(cfg, trainer)
-    log = JsonLines(Path(out) / "measured.jsonl" if out and subject.trainer.world.is_main else None)
+    log = measured_log(out, subject.trainer.world.is_main)
     with live_bytes_heap():
         subject.memory_pass(log)
     if subject.trainer.world.device.type == "cpu":
@@ -250,10 +265,7 @@ def bench_schedules(
     subject.plan()
     rows = timed_rounds(subject.trainer, subject.state, options, log)
     result = subject.result(rows, options, cores)
-    if subject.trainer.world.is_main:
-        print(format_table(result))
-        if out:
-            write_json(Path(out) / "schedules.json", result)
+    publish(result, format_table, out, "schedules.json", subject.trainer.world.is_main)
     return result
 
 
@@ -272,7 +284,7 @@ def bench_recipe(cfg: RunConfig, out: str | None = None, options: BenchOptions =
     on_policy = Subject(on_policy_form(recipe.cfg), recipe.trainer, recipe.state)  # the same model, another loop
     subjects = dict(zip(FORMS, (recipe, on_policy)))
     is_main = recipe.trainer.world.is_main
-    log = JsonLines(Path(out) / "measured.jsonl" if out and is_main else None)
+    log = measured_log(out, is_main)
     with live_bytes_heap():
         for name, subject in subjects.items():
             subject.memory_pass(log, label=f"{name}/")

@@ -22,16 +22,21 @@ the GPU (``benchmarks/gpu_overlap.sh`` runs it).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from lean.config import ConfigError, RunConfig
 from lean.observe.metrics import median
-from lean.observe.outputs import JsonLines, write_json
 from lean.observe.provenance import machine
 from lean.parallel.distributed import set_threads
-from lean.parallel.overlap.p2p import METHODS
+from lean.parallel.overlap.p2p import METHODS, Overlap
 from lean.schedules import BASELINE, SCHEDULES
-from lean.tools.bench.schedules import BenchOptions, iteration_metrics, measured_config, timed_rounds
+from lean.tools.bench.schedules import (
+    BenchOptions,
+    iteration_metrics,
+    measured_config,
+    measured_log,
+    publish,
+    timed_rounds,
+)
 from lean.train import Trainer
 
 COMPUTE_ONLY = "compute-only"
@@ -52,11 +57,9 @@ def bench_sequence_parallel(
             cfg.parallel.sequence_parallel,
             "needs as many processes: run it under `lean launch -n P -- bench schedules ...`",
         )
-    log = JsonLines(Path(out) / "measured.jsonl" if out and trainer.world.is_main else None)
+    log = measured_log(out, trainer.world.is_main)
     state, configured = trainer.state.state_dict(), sp.ov
-    overlaps = {m: dataclasses.replace(configured, method=m, loopback=False) for m in METHODS}
-    overlaps[COMPUTE_ONLY] = dataclasses.replace(configured, method=METHODS[0], loopback=True)
-
+    overlaps = overlap_variants(configured)
     parallel = trainer.pipeline.cfg.parallel
 
     def variant(schedule: str, method: str, split_decode: bool = True):
@@ -84,32 +87,49 @@ def bench_sequence_parallel(
         "methods": list(overlaps),
         "measured_on": machine(trainer.world.device),  # where these figures were measured (lean.observe.provenance)
     }
-    for s in SCHEDULES:
-        times = {m: [row["time_iteration_s"] for row in rows[f"{s}/{m}"]] for m in overlaps}
-        compute = median(times[COMPUTE_ONLY])
-        result[s] = {
-            m: {
-                "time_iteration_s": median(t),
-                "exposed_ms": (median(t) - compute) * 1e3,
-                "time_decode_s": median([row["time_decode_s"] for row in rows[f"{s}/{m}"]]),
-                "time_iteration_all_s": t,
-            }
-            for m, t in times.items()
-        }
-    split = rows[f"{BASELINE}/{configured.method}"]
-    result["decode"] = {  # the baseline with the configured method: decode per process, split vs whole
-        "method": configured.method,
-        "samples_per_group": result["config"]["samples_per_group"],
-        **{f"{k}_s": median([row[f"time_{k}_s"] for row in split]) for k in ("decode", "reward", "iteration")},
-        **{f"{k}_whole_s": median([row[f"time_{k}_s"] for row in rows[WHOLE_DECODE]]) for k in ("decode", "reward")},
-        "time_iteration_whole_s": median([row["time_iteration_s"] for row in rows[WHOLE_DECODE]]),
-    }
-    result["decode"]["decode_ratio"] = result["decode"]["decode_s"] / result["decode"]["decode_whole_s"]
-    if trainer.world.is_main:
-        print(format_table(result))
-        if out:
-            write_json(Path(out) / "sequence_parallel.json", result)
+    result.update({s: method_entries({m: rows[f"{s}/{m}"] for m in overlaps}) for s in SCHEDULES})
+    result["decode"] = decode_comparison(rows, configured.method, result["config"]["samples_per_group"])
+    publish(result, format_table, out, "sequence_parallel.json", trainer.world.is_main)
     return result
+
+
+def overlap_variants(configured: Overlap) -> dict[str, Overlap]:
+    """The configured overlap with each method, and its compute-only form (``loopback``: every transfer a local
+    copy of the same bytes)."""
+    overlaps = {m: dataclasses.replace(configured, method=m, loopback=False) for m in METHODS}
+    overlaps[COMPUTE_ONLY] = dataclasses.replace(configured, method=METHODS[0], loopback=True)
+    return overlaps
+
+
+def method_entries(rows: dict[str, list[dict]]) -> dict[str, dict]:
+    """One schedule's medians per method (``rows``: its timed rounds by method), with the exposed communication
+    (median T_iter(method) - median T_iter(compute-only), ms)."""
+    times = {m: [row["time_iteration_s"] for row in method_rows] for m, method_rows in rows.items()}
+    compute = median(times[COMPUTE_ONLY])
+    return {
+        m: {
+            "time_iteration_s": median(t),
+            "exposed_ms": (median(t) - compute) * 1e3,
+            "time_decode_s": median([row["time_decode_s"] for row in rows[m]]),
+            "time_iteration_all_s": t,
+        }
+        for m, t in times.items()
+    }
+
+
+def decode_comparison(rows: dict[str, list[dict]], method: str, samples_per_group: int) -> dict:
+    """The baseline with the configured ``method``: the decode per process, the decode + rewards and the iteration,
+    split over the group vs every process decoding every sample (``decode_ratio``: split / whole)."""
+    split, whole = rows[f"{BASELINE}/{method}"], rows[WHOLE_DECODE]
+    decode = {
+        "method": method,
+        "samples_per_group": samples_per_group,
+        **{f"{k}_s": median([row[f"time_{k}_s"] for row in split]) for k in ("decode", "reward", "iteration")},
+        **{f"{k}_whole_s": median([row[f"time_{k}_s"] for row in whole]) for k in ("decode", "reward")},
+        "time_iteration_whole_s": median([row["time_iteration_s"] for row in whole]),
+    }
+    decode["decode_ratio"] = decode["decode_s"] / decode["decode_whole_s"]
+    return decode
 
 
 def flat_metrics(result: dict) -> dict[str, float]:
