@@ -50,7 +50,7 @@ from lean.parallel.layout import finish_unit, local_slice
 from lean.parallel.overlap.p2p import Overlap
 from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
-from lean.run.scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
+from lean.run.async_scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
 from lean.sampling.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
 from lean.sampling.sde import StepSelection, select_steps_for, sigma_schedule
 from lean.schedules import IterationContext, Schedule, schedule_class
@@ -229,7 +229,7 @@ class IterationPipeline:
 
     @functools.cached_property
     def score_worker(self) -> ThreadPoolExecutor:
-        """The thread that scores rollout micro-batches during the rollout (``lean.run.scoring``), started once."""
+        """The thread that scores rollout micro-batches during the rollout (``lean.run.async_scoring``), started once."""
         return score_worker()
 
     # ------------------------------------------------------------ phases
@@ -318,7 +318,7 @@ class IterationPipeline:
     def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
         """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images. Under
         sequence parallelism with ``parallel.split_decode``, this process's share of the rows, the rewards then
-        gathered over its group (``lean.run.scoring``)."""
+        gathered over its group (``lean.run.async_scoring``)."""
         if self.world.sequence_parallel == 1 or not self.cfg.parallel.split_decode:
             return self._decode_and_score(final, prompts, tally)
         rows = self.world.sequence_share(len(prompts))
@@ -341,7 +341,7 @@ class IterationPipeline:
         return ScoredBatch(images, rewards, parts, decode_s=decode_s)
 
     def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
-        """How the rollout's micro-batches are scored (``lean.run.scoring``): in a worker thread while the next rolls
+        """How the rollout's micro-batches are scored (``lean.run.async_scoring``): in a worker thread while the next rolls
         out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter sees
         only its own thread), else after the rollout, in this thread."""
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
