@@ -1,6 +1,6 @@
-"""Scoring during the rollout (``lean.run.async_scoring``, ``reward.async_scoring``): the same rewards and trajectories as
-scoring afterwards, the scoring time split into its hidden and exposed parts, and a failed reward server still
-keeps the whole rollout."""
+"""Scoring during the rollout (``lean.run.async_scoring``, ``reward.async_scoring``): the same rewards and trajectories
+as scoring afterwards, the scoring time split into its hidden and exposed parts, and a failed reward server still keeps
+the whole rollout."""
 
 from __future__ import annotations
 

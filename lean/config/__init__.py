@@ -349,8 +349,9 @@ class RewardConfig:
     """What is decoded and scored: a name of ``lean.sampling.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
     async_scoring: bool = True
-    """Decode and score each rollout micro-batch in a worker thread while the next one rolls out (``lean.run.async_scoring``);
-    false: score each micro-batch after the rollout, in the training thread. The rewards are the same."""
+    """Decode and score each rollout micro-batch in a worker thread while the next one rolls out
+    (``lean.run.async_scoring``); false: score each micro-batch after the rollout, in the training thread. The rewards
+    are the same."""
     models: dict[str, RewardModelConfig] = field(default_factory=dict)
     """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
     reward ``remote`` names: ``lean reward serve`` checks it on the server)."""
@@ -631,8 +632,8 @@ class ParallelConfig:
     sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
     split_decode: bool = True
     """Under sequence parallelism, each process of a group decodes and scores its share of the group's samples and
-    the rewards are all-gathered (``lean.run.async_scoring``): the VAE decode and the rewards run once per sample, not once
-    per process. false: every process decodes and scores all of them."""
+    the rewards are all-gathered (``lean.run.async_scoring``): the VAE decode and the rewards run once per sample, not
+    once per process. false: every process decodes and scores all of them."""
     overlap: str = choice("overlap method", "flash")
     """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
     ``lean.parallel.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per

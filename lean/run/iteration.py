@@ -229,7 +229,8 @@ class IterationPipeline:
 
     @functools.cached_property
     def score_worker(self) -> ThreadPoolExecutor:
-        """The thread that scores rollout micro-batches during the rollout (``lean.run.async_scoring``), started once."""
+        """The thread that scores rollout micro-batches during the rollout (``lean.run.async_scoring``), started
+        once."""
         return score_worker()
 
     # ------------------------------------------------------------ phases
@@ -341,9 +342,9 @@ class IterationPipeline:
         return ScoredBatch(images, rewards, parts, decode_s=decode_s)
 
     def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
-        """How the rollout's micro-batches are scored (``lean.run.async_scoring``): in a worker thread while the next rolls
-        out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter sees
-        only its own thread), else after the rollout, in this thread."""
+        """How the rollout's micro-batches are scored (``lean.run.async_scoring``): in a worker thread while the next
+        rolls out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter
+        sees only its own thread), else after the rollout, in this thread."""
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
         concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
         _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
