@@ -14,7 +14,8 @@
 
 :meth:`IterationPipeline.run` composes them for ``lean train``, ``lean equivalence`` and ``lean bench schedules``;
 the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the same phases one by one. A change to
-the order of an iteration is made in :meth:`IterationPipeline.run` alone.
+the order of an iteration is made in :meth:`IterationPipeline.run` (and :meth:`~IterationPipeline.roll_out`, its
+first half) alone.
 
 Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
 owns the contiguous slice r of it (``lean.parallel.layout.local_slice``). Random streams are keyed by (seed, iteration,
