@@ -544,7 +544,13 @@ class UnitHooks:
     """The rollout's hooks for one finishing unit, rolled out on its own: ``lean.sampling.rollout`` numbers its rows
     from 0, the schedule and the callers see rows of the local batch (``rows.start`` on)."""
 
-    def __init__(self, rows: slice, schedule: Schedule, on_step, on_finished):
+    def __init__(
+        self,
+        rows: slice,
+        schedule: Schedule,
+        on_step: Callable[[StepOutput], None] | None,
+        on_finished: Callable[[slice, Tensor], None] | None,
+    ):
         self.rows, self.schedule, self.then, self.finished = rows, schedule, on_step, on_finished
 
     def on_step(self, step: StepOutput) -> None:
