@@ -139,81 +139,144 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
 
 
 def _train(cfg: RunConfig, out_dir: Path, resume: bool, force: bool, stop: StopOnSigterm) -> list[dict]:
-    """The run loop of ``lean train``: resume (or start), then per iteration the step, its checks, the logs, the
-    evaluations and the checkpoints, until ``train.iterations`` or a SIGTERM (``stop``); returns the metric rows."""
-    t = cfg.train
-    set_threads(t.threads)
-    saved = checkpoint.latest(out_dir / "checkpoints") if resume else None
-    if saved is not None and not force:
-        check_resumable(saved.get("config"), cfg, out_dir)
-    trainer = Trainer(cfg)
-    trainer.pipeline.failed_rollouts = out_dir / "failed_rollouts"  # a batch no reward server scored is kept
-    schedule, decision = resolve_schedule(trainer)
-    start, history, run_id = resume_point(trainer, saved)
-    evaluations = list(saved.get("eval_history", [])) if saved is not None else []
-    if trainer.world.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        world = trainer.world
-        shard = effective_shard(cfg.parallel.shard, world.size)
-        sharded = f", {shard} over all {world.size}" if shard == FSDP else ""
-        layout = (
-            f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
-            f"overlap={cfg.parallel.overlap}{sharded})"
-            if world.sequence_parallel > 1
-            else f" ({shard})"
-            if shard == FSDP
-            else ""
-        )
-        print(
-            f"lean train: {world.size} process(es){layout} on {world.device}, schedule={schedule}, "
-            f"{describe_model(trainer)}" + (f", resuming at iteration {start}" if start else ""),
-            flush=True,
-        )
-    run = tracking_run(trainer, out_dir, schedule, run_id)
-    evaluator = Evaluator(trainer.pipeline, out_dir) if cfg.eval.every else None
-    evaluate(trainer, evaluator, start, run, evaluations)  # iteration 0: the base model
-    last, flops = None, None
+    """The run loop of ``lean train``: per iteration run it and log it, evaluate when due, checkpoint when due (and
+    at a SIGTERM, ``stop``, after which it stops), until ``train.iterations``; returns the metric rows."""
+    training = Training.set_up(cfg, out_dir, resume, force)
+    training.evaluate(training.start)  # iteration 0: the base model
     bar = tqdm(
-        range(start, t.iterations),
-        desc=f"train[{schedule}]",
-        initial=start,
-        total=t.iterations,
-        disable=not trainer.world.is_main,
+        range(training.start, cfg.train.iterations),
+        desc=f"train[{training.schedule}]",
+        initial=training.start,
+        total=cfg.train.iterations,
+        disable=not training.trainer.world.is_main,
     )
     for it in bar:
-        tally = FlopTally() if flops is None else None
-        row, result = guarded_iteration(trainer, it, schedule, tally)
-        if tally is not None and result is not None:
-            flops, row["flops_counted"] = dict(tally.flops), 1
-        last = result or last
-        history.append(row)
-        run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
+        row = training.iterate(it)  # its row kept and logged
         bar.set_postfix(reward=f"{row['reward_mean']:.4f}")
-        evaluate(trainer, evaluator, it + 1, run, evaluations)  # the weights after it + 1 updates
-        saved_now = t.save_every and (it + 1) % t.save_every == 0
-        preempted = stop.requested(trainer.world)  # the safe point: every rank agrees
-        if saved_now or preempted:  # every process: sharded state is gathered for the file
-            save_checkpoint(out_dir, it, trainer, history, evaluations, run.run_id, cfg)
+        training.evaluate(it + 1)  # the weights after it + 1 updates
+        preempted = stop.requested(training.trainer.world)  # the safe point: every rank agrees
+        if training.checkpoint_due(it) or preempted:  # every process: sharded state is gathered for the file
+            training.save_checkpoint(it)
         if preempted:
             bar.close()
-            run.finish()
-            trainer.world.wait_for_everyone()  # the checkpoint is written before any process exits
-            raise Preempted(
-                f"SIGTERM: stopped after iteration {it} ({it + 1} of {t.iterations} done), checkpoint in "
-                f"{out_dir / 'checkpoints'}; continue with --resume"
+            raise training.stop(it)
+    training.finish()
+    return training.history
+
+
+@dataclasses.dataclass(kw_only=True)
+class Training:
+    """One ``lean train`` in progress: its trainer and schedule, where it writes, and what its loop gathered."""
+
+    cfg: RunConfig
+    out_dir: Path
+    trainer: Trainer
+    schedule: str
+    decision: dict  # auto's choice and the predictions behind it (resolve_schedule), or {}
+    start: int  # the first iteration to run (after a resumed checkpoint's)
+    history: list[dict]  # one metrics row per iteration
+    evaluations: list[dict]
+    run: tracking.Run
+    evaluator: Evaluator | None
+    flops: dict[str, int] | None = None  # per region, counted in the first iteration this process runs
+    last: IterationResult | None = None  # the last completed iteration
+
+    @classmethod
+    def set_up(cls, cfg: RunConfig, out_dir: Path, resume: bool, force: bool) -> Training:
+        """Resume from the newest checkpoint under ``out_dir`` (refused under another config unless ``force``) or
+        start: the trainer, its schedule, the tracking run and the evaluator."""
+        set_threads(cfg.train.threads)
+        saved = checkpoint.latest(out_dir / "checkpoints") if resume else None
+        if saved is not None and not force:
+            check_resumable(saved.get("config"), cfg, out_dir)
+        trainer = Trainer(cfg)
+        trainer.pipeline.failed_rollouts = out_dir / "failed_rollouts"  # a batch no reward server scored is kept
+        schedule, decision = resolve_schedule(trainer)
+        start, history, run_id = resume_point(trainer, saved)
+        if trainer.world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            resuming = f", resuming at iteration {start}" if start else ""
+            print(f"lean train: {describe_run(trainer, schedule)}{resuming}", flush=True)
+        return cls(
+            cfg=cfg,
+            out_dir=out_dir,
+            trainer=trainer,
+            schedule=schedule,
+            decision=decision,
+            start=start,
+            history=history,
+            evaluations=list(saved.get("eval_history", [])) if saved is not None else [],
+            run=tracking_run(trainer, out_dir, schedule, run_id),
+            evaluator=Evaluator(trainer.pipeline, out_dir) if cfg.eval.every else None,
+        )
+
+    def iterate(self, it: int) -> dict:
+        """Iteration ``it`` (FLOPs counted in the first this process runs); its row kept and logged to MLflow."""
+        tally = FlopTally() if self.flops is None else None
+        row, result = guarded_iteration(self.trainer, it, self.schedule, tally)
+        if tally is not None and result is not None:
+            self.flops, row["flops_counted"] = dict(tally.flops), 1
+        self.last = result or self.last
+        self.history.append(row)
+        self.run.log_metrics(row, step=it)  # --- MLflow: every iteration's numbers
+        return row
+
+    def evaluate(self, iteration: int) -> None:
+        """The evaluation of the weights after ``iteration`` updates, when due (:func:`evaluate`)."""
+        evaluate(self.trainer, self.evaluator, iteration, self.run, self.evaluations)
+
+    def checkpoint_due(self, it: int) -> bool:
+        every = self.cfg.train.save_every
+        return bool(every) and (it + 1) % every == 0
+
+    def save_checkpoint(self, it: int) -> None:
+        save_checkpoint(self.out_dir, it, self.trainer, self.history, self.evaluations, self.run.run_id, self.cfg)
+
+    def stop(self, it: int) -> Preempted:
+        """After a SIGTERM at iteration ``it`` (its checkpoint written): the tracking run closed, every process
+        waiting for the checkpoint before any exits; the error to raise."""
+        self.run.finish()
+        self.trainer.world.wait_for_everyone()
+        return Preempted(
+            f"SIGTERM: stopped after iteration {it} ({it + 1} of {self.cfg.train.iterations} done), checkpoint in "
+            f"{self.out_dir / 'checkpoints'}; continue with --resume"
+        )
+
+    def finish(self) -> None:
+        """After the last iteration: the FLOPs (one more, undone, iteration when none completed), the last
+        rollout's latents, the trained weights and every output (:func:`write_outputs`); the tracking run closed."""
+        trainer, last = self.trainer, self.last
+        flops = self.flops
+        if flops is None:
+            flops = flops_of_one_iteration(trainer, self.schedule, self.cfg.train.iterations - 1)
+        latents = trainer.world.gather(last.final.contiguous()) if last is not None else None  # every rank's x_T
+        weights = trained_weights(trainer)  # every process: sharded weights are gathered
+        if trainer.world.is_main:
+            write_outputs(
+                self.out_dir, trainer, self.history, flops, self.schedule, self.decision, self.evaluations, weights
             )
-    if flops is None:
-        flops = flops_of_one_iteration(trainer, schedule, t.iterations - 1)
-    latents = trainer.world.gather(last.final.contiguous()) if last is not None else None  # every rank's x_T
-    weights = trained_weights(trainer)  # every process: sharded weights are gathered
-    if trainer.world.is_main:
-        write_outputs(out_dir, trainer, history, flops, schedule, decision, evaluations, weights)
-        if last is not None:
-            save_file({"latents": latents.cpu(), "rewards": last.rewards.cpu()}, out_dir / "rollout.safetensors")
-        log_summary(run, out_dir)
-    run.finish()
-    trainer.world.wait_for_everyone()
-    return history
+            if last is not None:
+                rollout = {"latents": latents.cpu(), "rewards": last.rewards.cpu()}
+                save_file(rollout, self.out_dir / "rollout.safetensors")
+            log_summary(self.run, self.out_dir)
+        self.run.finish()
+        trainer.world.wait_for_everyone()
+
+
+def describe_run(trainer: Trainer, schedule: str) -> str:
+    """How many processes, in which layout (data x sequence parallel, FSDP), on which device, with which schedule
+    and model (:func:`describe_model`)."""
+    world, parallel = trainer.world, trainer.cfg.parallel
+    shard = effective_shard(parallel.shard, world.size)
+    sharded = f", {shard} over all {world.size}" if shard == FSDP else ""
+    if world.sequence_parallel > 1:
+        layout = (
+            f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
+            f"overlap={parallel.overlap}{sharded})"
+        )
+    else:
+        layout = f" ({shard})" if shard == FSDP else ""
+    return f"{world.size} process(es){layout} on {world.device}, schedule={schedule}, {describe_model(trainer)}"
 
 
 def save_checkpoint(

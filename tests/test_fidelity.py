@@ -209,7 +209,14 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, old_mean, rewards, j)
     trained[:, j] = True
     steps = StepSelection(stochastic=torch.ones(cfg.sample.num_steps, dtype=torch.bool), trained=trained)
     algorithm = build_algorithm(cfg, sigmas)
-    ctx = IterationContext(policy, cfg, algorithm, sigmas, policy.encode_prompts(["p"] * n), steps)
+    ctx = IterationContext(
+        policy=policy,
+        cfg=cfg,
+        algorithm=algorithm,
+        sigmas=sigmas,
+        emb=policy.encode_prompts(["p"] * n),
+        steps=steps,
+    )
     schedule = Recompute(ctx)
     schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, old_mean, None))
     advantages = algorithm.targets(rewards, GROUPS).to(x.dtype)

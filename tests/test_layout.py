@@ -68,6 +68,31 @@ def test_group_layout_gives_the_slice_layouts_gradients(case):
         assert diff <= 1e-10, (key, diff)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("micro_batch", [2, 4])  # 4: units of 2 groups, and a last unit of one, finished at the end
+def test_units_are_finished_with_the_whole_batchs_advantages(micro_batch):
+    """A unit's advantages are computed once, from its own rewards, when it is finished; the update's are assembled
+    from the units' (a last, shorter unit's after the rollout) and equal the whole batch's targets to the bit."""
+    trainer = Trainer(tiny(*GROUPS, f"train.rollout_batch_size={micro_batch}", "parallel.layout=group"))
+    pipeline, handed = trainer.pipeline, []
+
+    def retain(ctx):
+        schedule = SCHEDULES["retain"](ctx)
+        finish_rows = schedule.finish_rows
+        schedule.finish_rows = lambda rows, a: (handed.append((rows, a.clone())), finish_rows(rows, a))[-1]
+        return schedule
+
+    rolled = pipeline.roll_out(0, retain)
+    rewards, advantages = pipeline.advantages(rolled)
+    whole = pipeline.algorithm.targets(rewards, rolled.batch.group_ids())[rolled.batch.local]
+    assert torch.equal(advantages.cpu(), whole) and whole.abs().sum() > 0
+    assert [rows for rows, _ in handed] == (
+        [slice(0, 2), slice(2, 4), slice(4, 6)] if micro_batch == 2 else [slice(0, 4)]
+    )
+    assert all(torch.equal(a[rows].cpu(), whole[rows]) for rows, a in handed)
+    pipeline.finish(rolled, advantages, trainer.state.step)
+
+
 def most_groups_retain_holds(trainer: Trainer) -> int:
     """The most rollout micro-batches (here: groups) whose graphs Retain holds at once during one iteration."""
     schedules, most = [], [0]

@@ -50,7 +50,8 @@ MATRIX = {
         "algorithm.beta=0.04",
         "train.prompts=[a red circle on a white background, plain]",
     ],
-    # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out (lean.run.scoring)
+    # one trajectory per rollout micro-batch, each scored in the worker while the next rolls out
+    # (lean.run.async_scoring)
     "flux-micro-batches": ["train.rollout_batch_size=1", "algorithm.beta=0.04", "reward.decode=x0_prediction"],
     "wan-cfg-kl": ["model.family=wan", "algorithm.beta=0.04"],
     "wan-nocfg-window": ["model.family=wan", "sample.cfg=false", "sample.sde_window=2", "sample.num_steps=6"],

@@ -1,6 +1,6 @@
-"""Scoring during the rollout (``lean.run.scoring``, ``reward.async_scoring``): the same rewards and trajectories as
-scoring afterwards, the scoring time split into its hidden and exposed parts, and a failed reward server still
-keeps the whole rollout."""
+"""Scoring during the rollout (``lean.run.async_scoring``, ``reward.async_scoring``): the same rewards and trajectories
+as scoring afterwards, the scoring time split into its hidden and exposed parts, and a failed reward server still keeps
+the whole rollout."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_a_sequence_parallel_group_splits_the_decode_in_contiguous_shares(rows, 
 
 
 def test_shares_scored_by_the_group_merge_in_row_order_and_an_error_reaches_every_process():
-    from lean.run.scoring import ScoredBatch, merge_shares
+    from lean.run.async_scoring import ScoredBatch, merge_shares
 
     mine = ScoredBatch(torch.zeros(1, 3, 4, 4), torch.tensor([0.5], dtype=torch.float64), decode_s=0.25)
     every = [

@@ -138,7 +138,7 @@ def keep_freed_memory() -> bool:
     largest positive threshold (2 GiB), the heap top that Retain's backward frees on Wan (its kept graphs, > 2 GiB)
     went back to the kernel every iteration, and the next decode page-faulted it in again (~0.5 M faults, +3 s).
     One arena for all threads: a thread's own arena is a heap of at most 64 MiB, so without mmap the scoring
-    worker's (``lean.run.scoring``) large blocks would first fail there and go to the main arena every time.
+    worker's (``lean.run.async_scoring``) large blocks would first fail there and go to the main arena every time.
     Memory is measured under :func:`live_bytes_heap` instead.
     """
     global _heap_keeps_freed

@@ -89,6 +89,16 @@ def finish_unit(cfg: RunConfig, world_size: int) -> int | None:
     return unit if unit < local else None
 
 
+def finishing_units(rows: int, unit: int | None) -> list[tuple[slice, bool]]:
+    """The ``rows`` of a local batch as finishing units of ``unit`` rows (:func:`finish_unit`), each with whether it
+    is finished before the next one rolls out. None: one unit, the whole batch, finished after the rollout. A last
+    unit shorter than ``unit`` (micro-batches of c groups that do not divide the batch) is finished after the
+    rollout, with the batch."""
+    if unit is None:
+        return [(slice(0, rows), False)]
+    return [(slice(start, min(start + unit, rows)), start + unit <= rows) for start in range(0, rows, unit)]
+
+
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """The layout's rules: the batch divides over the data-parallel ranks, the group layout (when asked for) holds
     the run, and every process's samples divide into the optimizer steps."""

@@ -194,8 +194,8 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
     f_cfg = f / 2 if cfg.sample.cfg and algorithm.trains_on == CLEAN_SAMPLES else 0.0
     unit = finish_unit(laid_out, inp.world_size) or local  # trajectories held at once (group layout: one unit)
     # Each rollout micro-batch is decoded and scored on its own (the decoder holds one at a time); with
-    # reward.async_scoring while the next rolls out (lean.run.scoring), so a unit waits for its last one's only. The
-    # group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
+    # reward.async_scoring while the next rolls out (lean.run.async_scoring), so a unit waits for its last one's only.
+    # The group layout waits at the end of every unit (its graphs are freed before the next group rolls out).
     concurrent = cfg.reward.async_scoring and rounds > 1
     waited_for = -(-local // unit) * (min(probed, unit) if concurrent else unit)
     return IterationCosts(

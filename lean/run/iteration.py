@@ -2,16 +2,20 @@
 
     local batch   which (group, prompt, sample) this process owns, their random streams, the trained-step selection
     embed         cached prompt embeddings of the local samples
-    rollout       the one sampling loop (``lean.sampling.rollout``) with the schedule's hooks: track_grad(i),
-    on_step(step) score         decode x_T -> rewards [B_local]
-    advantages    rewards gathered over processes -> the algorithm's targets (GRPO: group advantages) -> this
-                  process's share
+    for each finishing unit (whole groups in the group layout, the whole local batch in the slice layout):
+      rollout     the one sampling loop (``lean.sampling.rollout``) over the unit's rows, with the schedule's hooks
+                  track_grad(i), on_step(step), on_finished(rows, x_T)
+      score       each finished micro-batch decoded and scored (``lean.run.async_scoring``: beside the next's rollout)
+      finish it   group layout: the unit's advantages from its own rewards, ``Schedule.finish_rows``
+    advantages    rewards gathered over processes; the units' advantages, or the algorithm's targets of the whole
+                  batch (GRPO: group advantages) -> this process's share
     finish        the schedule turns advantages into gradients; ``optimizer_step`` is the one place they are
                   synchronised, clipped and applied (``lean.run.optimizer``)
 
 :meth:`IterationPipeline.run` composes them for ``lean train``, ``lean equivalence`` and ``lean bench schedules``;
 the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the same phases one by one. A change to
-the order of an iteration is made in :meth:`IterationPipeline.run` alone.
+the order of an iteration is made in :meth:`IterationPipeline.run` (and :meth:`~IterationPipeline.roll_out`, its
+first half) alone.
 
 Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
 owns the contiguous slice r of it (``lean.parallel.layout.local_slice``). Random streams are keyed by (seed, iteration,
@@ -46,12 +50,19 @@ from lean.models.sequence_parallel import enable, sequence_problem
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
 from lean.parallel.distributed import CPU_TIMEOUT_S, World
-from lean.parallel.layout import finish_unit, local_slice
+from lean.parallel.layout import finish_unit, finishing_units, local_slice
 from lean.parallel.overlap.p2p import Overlap
 from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
-from lean.run.scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
-from lean.sampling.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
+from lean.run.async_scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
+from lean.sampling.rollout import (
+    StepOutput,
+    group_init_generator,
+    iteration_generator,
+    local_rows,
+    rollout,
+    sample_generator,
+)
 from lean.sampling.sde import StepSelection, select_steps_for, sigma_schedule
 from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
@@ -101,6 +112,10 @@ class LocalBatch:
         """Group of every sample of the iteration (global order) [N]."""
         return torch.tensor([g for g, _, _ in self.samples])
 
+    def local_group_ids(self) -> Tensor:
+        """Group of every local sample [B_local]."""
+        return self.group_ids()[self.local]
+
 
 def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int = 1) -> LocalBatch:
     """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
@@ -145,9 +160,17 @@ def select_local_steps(
 
 
 @dataclass
+class FinishedUnits:
+    """The finishing units the schedule finished during the rollout (group layout), with their advantages."""
+
+    advantages: Tensor  # float64 [B_local] on the host: true at rows [0, rows), 0 after (what finish_rows is handed)
+    rows: int = 0  # local rows [0, rows) are finished
+
+
+@dataclass
 class Rollout:
     """What the first half of an iteration leaves for the update: the schedule that saw every step, x_T, the
-    rewards of the local samples and their components."""
+    rewards of the local samples and their components, and what was finished during the rollout."""
 
     batch: LocalBatch
     ctx: IterationContext
@@ -155,6 +178,7 @@ class Rollout:
     final: Tensor  # x_T [B_local, ...]
     rewards: Tensor  # float64 [B_local]
     parts: dict[str, Tensor] = field(default_factory=dict)
+    finished: FinishedUnits | None = None  # None: nothing finished before the rollout's end
 
 
 @dataclass
@@ -229,7 +253,8 @@ class IterationPipeline:
 
     @functools.cached_property
     def score_worker(self) -> ThreadPoolExecutor:
-        """The thread that scores rollout micro-batches during the rollout (``lean.run.scoring``), started once."""
+        """The thread that scores rollout micro-batches during the rollout (``lean.run.async_scoring``), started
+        once."""
         return score_worker()
 
     # ------------------------------------------------------------ phases
@@ -248,18 +273,18 @@ class IterationPipeline:
         tally: FlopTally | None = None,
     ) -> IterationContext:
         return IterationContext(
-            self.policy,
-            self.cfg,
-            self.algorithm,
-            self.sigmas,
-            emb,
-            batch.steps,
-            batch.iteration,
-            finish_unit(self.cfg, self.world.data_size),
-            tally or FlopTally(),
-            timer or PhaseTimer(self.world.device),
-            batch.mine,
-            self.snapshot,
+            policy=self.policy,
+            cfg=self.cfg,
+            algorithm=self.algorithm,
+            sigmas=self.sigmas,
+            emb=emb,
+            steps=batch.steps,
+            iteration=batch.iteration,
+            finish_unit=finish_unit(self.cfg, self.world.data_size),
+            tally=tally or FlopTally(),
+            timer=timer or PhaseTimer(self.world.device),
+            samples=batch.mine,
+            snapshot=self.snapshot,
         )
 
     def refresh_snapshot(self, iteration: int) -> None:
@@ -278,36 +303,34 @@ class IterationPipeline:
         ctx: IterationContext,
         schedule: Schedule,
         *,
+        rows: slice | None = None,
         on_step: Callable[[StepOutput], None] | None = None,
         progress: Callable[[int], None] | None = None,
         on_finished: Callable[[slice, Tensor], None] | None = None,
     ) -> Tensor:
-        """Sample the local trajectories; ``on_step`` (a check or a recorder), then the schedule, see every SDE
-        step; ``on_finished(rows, x_T)`` every finished micro-batch."""
-
-        def hook(step: StepOutput) -> None:
-            if on_step is not None:
-                on_step(step)
-            schedule.on_step(step)
-
+        """Sample the local trajectories ``rows`` (a finishing unit; all by default) and return their x_T;
+        ``on_step`` (a check or a recorder), then the schedule, see every SDE step; ``on_finished(rows, x_T)`` every
+        finished micro-batch (rows of the local batch, as the steps')."""
+        rows = rows or slice(0, len(batch.prompts))
+        unit = UnitHooks(rows, schedule, on_step, on_finished)
         weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
         with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
             return rollout(
                 self.policy,
-                ctx.emb,
-                batch.generators,
+                ctx.emb.index(rows),
+                batch.generators[rows],
                 batch.steps,
                 self.cfg.sample,
                 self.sigmas,
-                on_step=hook,
+                on_step=unit.on_step,
                 track_grad=schedule.track_grad,
-                rows_tracked=schedule.rows_tracked,
+                rows_tracked=unit.rows_tracked,
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
                 progress=progress,
-                init_generators=batch.init_generators,
+                init_generators=None if batch.init_generators is None else batch.init_generators[rows],
                 decode=self.cfg.reward.decode,
-                on_finished=on_finished,
+                on_finished=unit.on_finished,
             )
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -318,7 +341,7 @@ class IterationPipeline:
     def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
         """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images. Under
         sequence parallelism with ``parallel.split_decode``, this process's share of the rows, the rewards then
-        gathered over its group (``lean.run.scoring``)."""
+        gathered over its group (``lean.run.async_scoring``)."""
         if self.world.sequence_parallel == 1 or not self.cfg.parallel.split_decode:
             return self._decode_and_score(final, prompts, tally)
         rows = self.world.sequence_share(len(prompts))
@@ -341,9 +364,9 @@ class IterationPipeline:
         return ScoredBatch(images, rewards, parts, decode_s=decode_s)
 
     def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
-        """How the rollout's micro-batches are scored (``lean.run.scoring``): in a worker thread while the next rolls
-        out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter sees
-        only its own thread), else after the rollout, in this thread."""
+        """How the rollout's micro-batches are scored (``lean.run.async_scoring``): in a worker thread while the next
+        rolls out (``reward.async_scoring``, with more than one micro-batch, and while no FLOPs are counted: the counter
+        sees only its own thread), else after the rollout, in this thread."""
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
         concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
         _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
@@ -385,14 +408,24 @@ class IterationPipeline:
 
         Rewards are host values (they come from decoded pixels), so the group statistics are computed on the host
         once all ranks' rewards are gathered (a collective of device tensors); the local share goes back to the
-        device for the loss."""
+        device for the loss. The units finished during the rollout (group layout) keep the advantages they were
+        finished with, and only the rows after them (a last unit shorter than the others: whole groups) are computed
+        here, from their own rewards. When nothing finished early, the targets need the whole batch: a group may
+        straddle processes (slice layout), ``algorithm.global_std`` takes every reward's std."""
+        batch, finished = rollout.batch, rollout.finished
         with rollout.ctx.timer("advantage"):
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
-            advantages = self.algorithm.targets(rewards, rollout.batch.group_ids())
+            if finished is None:
+                advantages = self.algorithm.targets(rewards, batch.group_ids())[batch.local]
+            else:
+                advantages, rest = finished.advantages.clone(), slice(finished.rows, len(batch.prompts))
+                if rest.start < rest.stop:
+                    mine = rewards[batch.local]
+                    advantages[rest] = self.algorithm.targets(mine[rest], batch.local_group_ids()[rest])
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
-            raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {rollout.batch.iteration}")
-        return rewards, advantages[rollout.batch.local].to(self.world.device)
+            raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {batch.iteration}")
+        return rewards, advantages.to(self.world.device)
 
     def finish(self, rollout: Rollout, advantages: Tensor, optimizer_step: OptimizerStep) -> dict:
         """The schedule's update from this process's advantages; it calls ``optimizer_step`` once per update."""
@@ -415,31 +448,60 @@ class IterationPipeline:
         on_step: Callable[[StepOutput], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> Rollout:
-        """The first half of an iteration: local batch -> embed -> rollout -> score."""
+        """The first half of an iteration: local batch -> embed -> for each finishing unit: roll it out, score it
+        (each micro-batch as it finishes), finish it (group layout: :meth:`finish_unit`) -> the rewards."""
         self.refresh_snapshot(iteration)
         batch = self.local_batch(iteration)
         ctx = self.context(batch, self.embed(batch), timer, tally)
         schedule = make_schedule(ctx)
-        finite: dict[int, Tensor] = {}  # step -> all log-probs finite, on the device: read once, after the loop
+        scoring, finite = self.scoring(ctx, batch), FiniteLogProbs(on_step)
 
-        def check(step: StepOutput) -> None:
-            ok = torch.isfinite(step.log_prob.detach()).all()
-            finite[step.index] = finite[step.index] & ok if step.index in finite else ok
-            if on_step is not None:
-                on_step(step)
+        def finished_micro_batch(rows: slice, final: Tensor) -> None:  # scored beside the next micro-batch's rollout
+            schedule.on_finished(rows, final)
+            scoring.submit(final, batch.prompts[rows])
 
-        scoring = self.scoring(ctx, batch)
-        early = EarlyFinish(self, ctx, batch, schedule, scoring)
+        # a unit: whole groups in the group layout when the schedule finishes early, else the whole local batch
+        units = finishing_units(len(batch.prompts), ctx.finish_unit if schedule.finishes_early else None)
+        finished, finals = FinishedUnits(torch.zeros(len(batch.prompts), dtype=torch.float64)), []
+        hooks = {"on_step": finite, "progress": progress, "on_finished": finished_micro_batch}
         try:
-            final = self.rollout(batch, ctx, schedule, on_step=check, progress=progress, on_finished=early)
-            if finite and not torch.stack(list(finite.values())).all():
-                first = next(i for i, ok in finite.items() if not ok)
-                raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")
+            for rows, early in units:
+                finals.append(self.rollout(batch, ctx, schedule, rows=rows, **hooks))
+                if early:
+                    self.finish_unit(ctx, batch, schedule, scoring, rows, finished)
+            finite.check(iteration)
         except BaseException:
             scoring.cancel()
             raise
+        final = torch.cat(finals)
         rewards, parts = self.score(ctx, final, batch.prompts, scoring)
-        return Rollout(batch, ctx, schedule, final, rewards, parts)
+        return Rollout(batch, ctx, schedule, final, rewards, parts, finished if finished.rows else None)
+
+    def finish_unit(
+        self,
+        ctx: IterationContext,
+        batch: LocalBatch,
+        schedule: Schedule,
+        scoring: RolloutScoring,
+        rows: slice,
+        finished: FinishedUnits,
+    ) -> None:
+        """Group layout: the unit ``rows`` (whole groups) is rolled out. What needs no advantage runs beside its
+        scoring (``schedule.unit_rolled_out``: Retain's backward with a provisional advantage); then its rewards are
+        awaited, its advantages computed, once (a group's depend on its own rewards only: the whole batch's targets
+        at these rows), and the schedule finishes its rows before the next unit rolls out. A failed reward finishes
+        nothing: the rollout goes on and :meth:`score` keeps it and raises after it."""
+        with ctx.timer("update"):
+            schedule.unit_rolled_out(rows)
+        with ctx.timer("reward_exposed"):
+            rewards = scoring.rewards()  # rows [0, rows.stop)
+        if rewards is None:
+            return
+        with ctx.timer("advantage"):
+            finished.advantages[rows] = self.algorithm.targets(rewards[rows], batch.local_group_ids()[rows])
+        with ctx.timer("update"):
+            schedule.finish_rows(rows, finished.advantages.to(self.world.device))
+        finished.rows = rows.stop
 
     def run(
         self,
@@ -451,14 +513,15 @@ class IterationPipeline:
         progress: Callable[[int], None] | None = None,
         measure_memory: bool = True,
     ) -> IterationResult:
-        """One whole iteration with the named schedule: roll out, score, advantages, finish."""
+        """One whole iteration with the named schedule: local batch -> embed -> for each finishing unit: roll out,
+        score, finish it (:meth:`roll_out`) -> advantages -> the rest of finish, which calls ``optimizer_step``."""
         timer = PhaseTimer(self.world.device)
         cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
         with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
             make_schedule = schedule_class(schedule, self.algorithm)
             rolled = self.roll_out(iteration, make_schedule, timer=timer, tally=tally, progress=progress)
-            rewards, advantages = self.advantages(rolled)
-            stats = self.finish(rolled, advantages, optimizer_step)
+            rewards, advantages = self.advantages(rolled)  # every rank's rewards; the finished units' advantages kept
+            stats = self.finish(rolled, advantages, optimizer_step)  # the rest of finish -> the optimizer step(s)
         metrics = {
             "iteration": iteration,
             "schedule": schedule,
@@ -477,31 +540,50 @@ class IterationPipeline:
         return IterationResult(metrics, rolled.final, rewards)
 
 
-class EarlyFinish:
-    """The rollout's ``on_finished`` hook: hand each finished micro-batch to the scoring and, in the group layout
-    (``ctx.finish_unit``, ``lean.parallel.layout``), once a unit of whole groups is rolled out, wait for its rewards,
-    compute its advantages (a group's depend on its own rewards only) and let the schedule finish those rows before the
-    next group rolls out. The advantages are the ones :meth:`IterationPipeline.advantages` computes later from the whole
-    batch: the same per-group formula on the same numbers."""
+class UnitHooks:
+    """The rollout's hooks for one finishing unit, rolled out on its own: ``lean.sampling.rollout`` numbers its rows
+    from 0, the schedule and the callers see rows of the local batch (``rows.start`` on)."""
 
-    def __init__(self, pipeline: IterationPipeline, ctx: IterationContext, batch: LocalBatch, schedule, scoring):
-        self.pipeline, self.ctx, self.batch, self.schedule, self.scoring = pipeline, ctx, batch, schedule, scoring
-        self.finished = 0  # local rows [0, finished) are finished
-        self.advantages = torch.zeros(len(batch.prompts), dtype=torch.float64)
-        self.groups = batch.group_ids()[batch.local]  # of the local rows
+    def __init__(
+        self,
+        rows: slice,
+        schedule: Schedule,
+        on_step: Callable[[StepOutput], None] | None,
+        on_finished: Callable[[slice, Tensor], None] | None,
+    ):
+        self.rows, self.schedule, self.then, self.finished = rows, schedule, on_step, on_finished
 
-    def __call__(self, rows: slice, final: Tensor) -> None:
-        self.schedule.on_finished(rows, final)
-        self.scoring.submit(final, self.batch.prompts[rows])
-        unit = self.ctx.finish_unit
-        if unit is None or rows.stop % unit or not self.schedule.finishes_early:
-            return  # nothing to finish (Recompute holds no graphs): the scoring goes on beside the rollout
-        done = slice(self.finished, rows.stop)
-        self.schedule.unit_rolled_out(done)  # beside the scoring (Retain: its backward with a provisional advantage)
-        with self.ctx.timer("reward_exposed"):
-            rewards = self.scoring.rewards()  # rows [0, rows.stop)
-        if rewards is None:
-            return  # a reward failed: the whole rollout is kept and the error raised after it (score)
-        self.advantages[done] = self.pipeline.algorithm.targets(rewards[done], self.groups[done])
-        self.schedule.finish_rows(done, self.advantages.to(self.pipeline.world.device))
-        self.finished = rows.stop
+    def on_step(self, step: StepOutput) -> None:
+        """``on_step`` (a check or a recorder), then the schedule."""
+        step = dataclasses.replace(step, rows=local_rows(self.rows.start, step.rows))
+        if self.then is not None:
+            self.then(step)
+        self.schedule.on_step(step)
+
+    def rows_tracked(self, i: int) -> Tensor | None:
+        tracked = self.schedule.rows_tracked(i)
+        return None if tracked is None else tracked[self.rows]
+
+    def on_finished(self, rows: slice, final: Tensor) -> None:
+        if self.finished is not None:
+            self.finished(local_rows(self.rows.start, rows), final)
+
+
+class FiniteLogProbs:
+    """An ``on_step`` hook: whether every step's log-probs are finite, kept on the device and read once after the
+    rollout (:meth:`check`); ``then`` (a check or a recorder) sees every step after it."""
+
+    def __init__(self, then: Callable[[StepOutput], None] | None = None):
+        self.then = then
+        self.finite: dict[int, Tensor] = {}  # step -> all its log-probs so far are finite (a device bool)
+
+    def __call__(self, step: StepOutput) -> None:
+        ok = torch.isfinite(step.log_prob.detach()).all()
+        self.finite[step.index] = self.finite[step.index] & ok if step.index in self.finite else ok
+        if self.then is not None:
+            self.then(step)
+
+    def check(self, iteration: int) -> None:
+        if self.finite and not torch.stack(list(self.finite.values())).all():
+            first = next(i for i, ok in self.finite.items() if not ok)
+            raise NonFiniteError(f"non-finite log_prob at step {first} of iteration {iteration}")

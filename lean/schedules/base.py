@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from lean.config import RunConfig
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IterationContext:
-    """Everything about one process's share of one iteration that a schedule needs."""
+    """Everything about one process's share of one iteration that a schedule needs (built by keyword)."""
 
     policy: object
     cfg: RunConfig
