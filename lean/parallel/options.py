@@ -29,8 +29,8 @@ class ParallelConfig:
     sequence-parallel. The heads and the tokens (FLUX: the text tokens too) must divide by it."""
     split_decode: bool = True
     """Under sequence parallelism, each process of a group decodes and scores its share of the group's samples and
-    the rewards are all-gathered (``lean.run.scoring``): the VAE decode and the rewards run once per sample, not once
-    per process. false: every process decodes and scores all of them."""
+    the rewards are all-gathered (``lean.run.async_scoring``): the VAE decode and the rewards run once per sample, not
+    once per process. false: every process decodes and scores all of them."""
     overlap: str = choice("overlap method", "flash")
     """How sequence parallelism's all-to-alls run beside the projections' GEMMs: a name of
     ``lean.parallel.overlap.METHODS`` (collective: one all-to-all after the projection; sliced; flash: one P2P step per

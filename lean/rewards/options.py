@@ -67,8 +67,9 @@ class RewardConfig:
     """What is decoded and scored: a name of ``lean.sampling.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
     async_scoring: bool = True
-    """Decode and score each rollout micro-batch in a worker thread while the next one rolls out (``lean.run.scoring``);
-    false: score each micro-batch after the rollout, in the training thread. The rewards are the same."""
+    """Decode and score each rollout micro-batch in a worker thread while the next one rolls out
+    (``lean.run.async_scoring``); false: score each micro-batch after the rollout, in the training thread. The rewards
+    are the same."""
     models: dict[str, RewardModelConfig] = field(default_factory=dict)
     """model reward name -> its folder, batch size, dtype and device; every entry's folder is checked (but for a
     reward ``remote`` names: ``lean reward serve`` checks it on the server)."""

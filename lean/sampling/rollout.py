@@ -286,9 +286,9 @@ def rollout(
 
     The trajectories run in contiguous micro-batches of ``micro_batch`` (all at once when None), each through all
     its steps before the next starts, so that ``on_finished(rows, target)`` can hand a finished micro-batch to the
-    decoder and the rewards while the next one rolls out (``lean.run.scoring``). ``track_grad(i)`` says whether step i
-    runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given, and
-    ``on_step`` may backpropagate or keep the graph. ``rows_tracked(i)`` (host bool [B] or None: all; the rows that
+    decoder and the rewards while the next one rolls out (``lean.run.async_scoring``). ``track_grad(i)`` says whether
+    step i runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given,
+    and ``on_step`` may backpropagate or keep the graph. ``rows_tracked(i)`` (host bool [B] or None: all; the rows that
     train step i, among a hybrid schedule's first-update samples) limits the tracking of step i to those rows: the
     step runs the micro-batch's other rows in one forward without autograd, and hands both to ``on_step`` with
     ``rows`` as host ids. The next step always starts from a
