@@ -349,7 +349,7 @@ def counted(inp: PlanInput, count: Callable[[PlanInput], dict]) -> dict[bool, di
     plain step's activations (small FLUX on a CPU: 27 MiB modelled, 30 measured)."""
     by_checkpointing = probe_checkpointing(inp, lambda inp: depth_extrapolated(inp, count))
     plain, checkpointed = by_checkpointing[False], by_checkpointing[True]
-    blocks = transformer_blocks(base_model(inp.policy.denoisers[0]).config)
+    blocks = transformer_blocks(family_spec(inp.cfg.model.family), base_model(inp.policy.denoisers[0]).config)
     checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks
     return by_checkpointing
 
