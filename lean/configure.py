@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from lean import algorithms, models, rewards, schedules
 from lean.algorithms import options as algorithm_options
 from lean.config import SECTIONS, RunConfig, dtypes, read_config, run_sections
+from lean.models import checks, sequence_parallel
 from lean.models import options as model_options
-from lean.models import sequence_parallel
 from lean.parallel import layout, sharding
 from lean.parallel import options as parallel_options
 from lean.parallel.overlap import p2p
@@ -34,7 +34,7 @@ OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, 
 Rule = Callable[[RunConfig, "int | None"], None]
 
 RULES: tuple[Rule, ...] = (
-    models.check_config,  # the family: its sizes, frame counts, capabilities, the pretrained folder
+    checks.check_config,  # the family: its sizes, frame counts, capabilities, the pretrained folder
     sde.check_config,  # which SDE kind runs on which sigma grid and noise level
     algorithms.check_config,  # what the algorithm runs with (GRPO-Guard: a Gaussian transition)
     rewards.check_config,  # the reward names and the model rewards' folders
@@ -50,7 +50,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     divides over the data-parallel ranks (processes / ``parallel.sequence_parallel``)."""
     for name in SECTIONS:
         getattr(cfg, name).validate()
-    models.family_defaults(cfg)  # an editing family's default prompts carry reference images
+    checks.family_defaults(cfg)  # an editing family's default prompts carry reference images
     for rule in RULES:
         rule(cfg, world_size)
 

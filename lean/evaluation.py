@@ -32,7 +32,7 @@ each process samples, scores and writes its own, the rewards are gathered (``Wor
 draws the grid from the written files. Every process works, so none waits idle in a collective whose timeout
 (``train.dist_timeout_s``) an evaluation by the main process alone could exceed.
 
-Random-weight policies train their tokenizer on the training prompts (``lean.models.build_policy``): words of eval
+Random-weight policies train their tokenizer on the training prompts (``lean.models.build.build_policy``): words of eval
 prompts that no training prompt has read as unknown tokens (a pretrained folder brings its own tokenizer).
 """
 
@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lean.config.prompts import reference_image
-from lean.models import family_spec
+from lean.models.registry import family_spec
 from lean.observe.outputs import write_csv
 from lean.parallel.sharding import FSDP
 from lean.sampling.rollout import rollout, sample_generator

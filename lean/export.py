@@ -19,9 +19,9 @@ pipeline (``model.pretrained``, or the random base rebuilt from the run's config
 every adapted layer (peft's ``merge_and_unload``) and a scheduler with the run's ``sample.shift`` (static), loadable
 with ``<Pipeline>.from_pretrained``.
 
-A random base (``model.pretrained: null``) is drawn from fixed seeds on the CPU (``lean.models.build_policy``), so it is
-rebuilt exactly, as long as torch and diffusers draw it as they did in the run: ``lean train`` records a SHA-256 of
-the base weights in ``<out>/base.json``, and ``--merge`` refuses (one line) a rebuild that does not match it. The
+A random base (``model.pretrained: null``) is drawn from fixed seeds on the CPU (``lean.models.build.build_policy``), so
+it is rebuilt exactly, as long as torch and diffusers draw it as they did in the run: ``lean train`` records a SHA-256
+of the base weights in ``<out>/base.json``, and ``--merge`` refuses (one line) a rebuild that does not match it. The
 ``full`` size is drawn on the run's device and is never rebuilt.
 """
 
@@ -38,16 +38,12 @@ from torch import Tensor
 
 from lean.config import ConfigError, RunConfig
 from lean.configure import load_config
-from lean.models import (
-    DEVICE_INIT_SIZE,
-    Policy,
-    build_policy,
-    build_scheduler,
-    family_spec,
-    lora_config,
-    meta_transformer,
-)
+from lean.models.build import DEVICE_INIT_SIZE, build_policy, lora_config
+from lean.models.footprint import meta_transformer
 from lean.models.options import ModelConfig
+from lean.models.policy import Policy
+from lean.models.registry import family_spec
+from lean.models.scheduler import build_scheduler
 from lean.parallel.sharding import full_state_dict
 
 LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder

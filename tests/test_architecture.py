@@ -1,7 +1,7 @@
 """The shape of the code, read from the source with ``ast``: an acyclic module graph inside ``lean/`` (counting the
 imports made for annotations only), configuration at the bottom of it, GRPO's objective written in one file, long
 functions documented, and every schedule, model family and dtype name spelled as a literal in exactly one module (its
-registry)."""
+registry), as is each family's pipeline class (its spec)."""
 
 from __future__ import annotations
 
@@ -229,8 +229,18 @@ def string_literals(path: Path) -> set[str]:
 SOURCES = [*PACKAGE.rglob("*.py"), *(ROOT / "pipelines").glob("*.py"), *(ROOT / "notebooks").glob("*.py")]
 
 
+# a family's diffusers pipeline class is a fact of its spec (lean/models/<family>/spec.py), spelled nowhere else
+PIPELINES = sorted({spec.pipeline for spec in FAMILIES.values()})
+
+
 @pytest.mark.parametrize(
-    "kind,names", [("schedule", [*SCHEDULES, AUTO]), ("model family", list(FAMILIES)), ("dtype", list(DTYPES))]
+    "kind,names",
+    [
+        ("schedule", [*SCHEDULES, AUTO]),
+        ("model family", list(FAMILIES)),
+        ("dtype", list(DTYPES)),
+        ("pipeline class", PIPELINES),
+    ],
 )
 def test_names_are_spelled_in_one_module(kind, names):
     literals = {path: string_literals(path) for path in SOURCES}

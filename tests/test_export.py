@@ -50,10 +50,10 @@ def assert_same_velocity(policy, transformer):
     """``transformer`` (a diffusers model) gives lean's policy velocity on the same inputs, and the adapter matters."""
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        got = policy.arch.forward(transformer, x, sigma, emb, None)
+        expected = policy.velocity(x, sigma, emb)
+        got = policy.runtime.forward(transformer, x, sigma, emb, None)
         with policy.reference():
-            base = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            base = policy.velocity(x, sigma, emb)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
     assert (expected - base).abs().max() > 100 * ATOL  # the trained weights change the velocity
 

@@ -1,6 +1,6 @@
 """Model families as specs: every registered ``FamilySpec`` is complete and typed, its runtime implements the whole
-``Family`` protocol, nothing outside ``lean/models/`` probes a family with ``getattr``/``hasattr``, and a policy with
-two denoisers (Wan2.2-A14B's high- and low-noise experts) runs each on its side of the boundary sigma."""
+``FamilyRuntime`` protocol, nothing outside ``lean/models/`` probes a family with ``getattr``/``hasattr``, and a policy
+with two denoisers (Wan2.2-A14B's high- and low-noise experts) runs each on its side of the boundary sigma."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from lean.models import FAMILIES, build_policy, family_spec
 from lean.models.options import ModelConfig
-from lean.models.spec import Component, Family, FamilySpec, Size, VaeConvention
+from lean.models.spec import Component, FamilyRuntime, FamilySpec, Size, VaeConvention
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red cube", "a blue ball"]
@@ -82,7 +82,7 @@ def test_every_spec_is_complete_and_typed(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_runtime_implements_the_family_protocol(name):
     runtime = family_spec(name).runtime
-    members = {n for n in vars(Family) if not n.startswith("_")} | set(Family.__annotations__)
+    members = {n for n in vars(FamilyRuntime) if not n.startswith("_")} | set(FamilyRuntime.__annotations__)
     assert {"shard_sequence", "splits_text", "latents_from_vae", "forward", "decode"} <= members
     assert [m for m in sorted(members) if not hasattr(runtime, m)] == []
 
@@ -114,7 +114,7 @@ def test_importing_the_families_imports_no_diffusers():
 
 # ---------------------------------------------------------------- no capability probes outside lean/models
 
-PROBED = re.compile(r"\b(spec|family|families|FAMILIES|arch|ARCH|family_spec|family_module)\b")
+PROBED = re.compile(r"\b(spec|family|families|FAMILIES|runtime|ARCH|family_spec|family_module)\b")
 GONE = {"family_module", "FRAME_STEP", "GUIDANCE_EMBED", "KEEPS_FLOAT32", "ARCH", "reference_transformer"}
 
 
@@ -148,7 +148,7 @@ def test_the_module_constants_are_gone_and_sequence_parallel_hooks_stay_in_lean_
 
 
 def test_the_probe_finder_finds_probes():
-    tree = ast.parse('x = getattr(family_spec(f), "FRAME_STEP", None)\ny = hasattr(policy.arch, "scaling")')
+    tree = ast.parse('x = getattr(family_spec(f), "FRAME_STEP", None)\ny = hasattr(policy.runtime, "scaling")')
     calls = [n for n in ast.walk(tree) if is_probe(n)]
     assert [bool(PROBED.search(ast.unparse(c.args[0]))) for c in calls] == [True, True]
 
@@ -199,22 +199,22 @@ def test_two_experts_each_run_on_their_side_of_the_boundary(experts, tmp_path):
     policy.perturb_lora_(0.05, torch.Generator().manual_seed(1))
     x, sigma, emb = _inputs(policy, [0.9, 0.2])
     with torch.no_grad():
-        v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        v = policy.velocity(x, sigma, emb)
         for b, net in enumerate((high, low)):  # each sample ran its own expert
-            alone = policy.arch.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
-            other = policy.arch.forward((low, high)[b], x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
+            alone = policy.runtime.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
+            other = policy.runtime.forward((low, high)[b], x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
             torch.testing.assert_close(v[b : b + 1], alone)
             assert (v[b : b + 1] - other).abs().max() > 1e-4
         with policy.reference():  # both adapters off
-            ref = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            ref = policy.velocity(x, sigma, emb)
         assert (ref - v).abs().max() > 1e-4
         for b, net in enumerate((high, low)):
             with net.disable_adapter():
                 torch.testing.assert_close(
-                    ref[b : b + 1], policy.arch.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
+                    ref[b : b + 1], policy.runtime.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
                 )
 
-    policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0).square().mean().backward()
+    policy.velocity(x, sigma, emb).square().mean().backward()
     grads = {n.split(".")[0]: p.grad for n, p in policy.trainable_parameters() if ".lora_B." in n}
     assert set(grads) == {"transformer", "transformer_2"} and all(g.abs().sum() > 0 for g in grads.values())
 
@@ -223,8 +223,8 @@ def test_two_experts_each_run_on_their_side_of_the_boundary(experts, tmp_path):
     assert (tmp_path / "transformer_2" / "config.json").is_file()
     with torch.no_grad():
         torch.testing.assert_close(
-            loaded.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0),
-            policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0),
+            loaded.velocity(x, sigma, emb),
+            policy.velocity(x, sigma, emb),
             rtol=0,
             atol=0,
         )
@@ -237,7 +237,7 @@ def test_two_experts_full_finetune_keeps_a_reference_of_each(experts):
     assert sum(p.numel() for _, p in policy.trainable_parameters()) == total
     x, sigma, emb = _inputs(policy, [0.9, 0.2])
     with torch.no_grad():
-        v0 = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        v0 = policy.velocity(x, sigma, emb)
         policy.perturb_lora_(0.01, torch.Generator().manual_seed(0))
         with policy.reference():
-            torch.testing.assert_close(policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0), v0)
+            torch.testing.assert_close(policy.velocity(x, sigma, emb), v0)

@@ -34,6 +34,7 @@ from PIL import Image
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, build_algorithm
 from lean.config.presets import PRESETS
 from lean.configure import load_config
+from lean.models import Guidance
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
 from lean.rewards import REWARDS
@@ -409,8 +410,8 @@ def test_truncated_timestep_reaches_the_model_only():
     policy = Recording(theta, theta, theta)
     x, emb = torch.zeros((2, *SHAPE)), policy.encode_prompts(["p", "p"])
     sigma = torch.tensor(0.91835, dtype=torch.float32)
-    policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, truncate_timestep=True)
-    policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+    policy.velocity(x, sigma, emb, Guidance(truncate_timestep=True))
+    policy.velocity(x, sigma, emb)
     assert seen[0][0].item() == pytest.approx(0.918, abs=1e-7) and seen[1][0].item() == sigma.item()
 
 
@@ -437,7 +438,5 @@ def test_dance_rollout_shares_x0_and_decodes_the_prediction():
     last = cfg.sample.num_steps - 1
     x = [s for s in recorder.steps if s.index == last][0].sample
     with torch.no_grad():
-        v = pipeline.policy.velocity(
-            x, pipeline.sigmas[last], rolled.ctx.emb, cfg=False, guidance_scale=1.0, guidance_embed=None
-        )
+        v = pipeline.policy.velocity(x, pipeline.sigmas[last], rolled.ctx.emb)
     torch.testing.assert_close(rolled.final, (x - pipeline.sigmas[last] * v).to(x.dtype))

@@ -19,7 +19,7 @@ import torch
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
-from lean.models import build_policy, build_scheduler, count_parameters, time_shift
+from lean.models import Guidance, build_policy, build_scheduler, count_parameters, time_shift
 from lean.models.options import ModelConfig
 from lean.models.precision import float64_scope
 from lean.sampling.sde import ode_step, sigma_schedule
@@ -80,12 +80,10 @@ def inputs(policy, seed: int = 0):
     return x, sigma, policy.encode_prompts(DEFAULT_PROMPTS[:B])
 
 
-def guidance(family: str, s: float) -> dict:
-    """lean's velocity arguments for the pipeline's ``guidance_scale`` s: [dev]'s distilled-guidance embedding, or
+def guidance(family: str, s: float) -> Guidance:
+    """lean's velocity guidance for the pipeline's ``guidance_scale`` s: [dev]'s distilled-guidance embedding, or
     [klein]'s true CFG against the empty prompt."""
-    return (
-        dict(cfg=False, guidance_scale=1.0, guidance_embed=s) if family == "flux2" else dict(cfg=True, guidance_scale=s)
-    )
+    return Guidance(guidance_embed=s) if family == "flux2" else Guidance(cfg=True, guidance_scale=s)
 
 
 # ---------------------------------------------------------------- the policy contract (tests/test_models.py's checks)
@@ -101,9 +99,9 @@ def test_policy_contract(family, float64):
     uncond = policy.encode_prompts([""] * B)
     s = 3.0
     with torch.no_grad():
-        batched = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=s)
-        v_u = policy.velocity(x, sigma, uncond, cfg=False, guidance_scale=s)
-        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=s)
+        batched = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=s))
+        v_u = policy.velocity(x, sigma, uncond)
+        v_c = policy.velocity(x, sigma, emb)
     torch.testing.assert_close(batched, v_u + s * (v_c - v_u), rtol=1e-9, atol=1e-9)
     assert not torch.allclose(v_u, v_c)  # the prompt matters
 
@@ -114,7 +112,7 @@ def test_policy_contract(family, float64):
         return torch.autograd.grad((v * w).sum(), params)
 
     def velocity(e, cfg=False, **kw):
-        return policy.velocity(x, sigma, e, cfg=cfg, guidance_scale=s, **kw)
+        return policy.velocity(x, sigma, e, Guidance(cfg=cfg, guidance_scale=s, **kw))
 
     g_detached, g_c = grads(velocity(emb, cfg=True)), grads(s * velocity(emb))
     g_full = grads(velocity(emb, cfg=True, uncond_grad=True))
@@ -147,24 +145,26 @@ def test_matches_the_diffusers_pipeline(family, built):
 
     x = policy.init_latents([torch.Generator().manual_seed(10 + k) for k in range(B)])
     s = 3.5
-    res = policy.arch.h * 2 * 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    res = policy.runtime.h * 2 * 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     call = dict(num_inference_steps=STEPS, guidance_scale=s, height=res, width=res, max_sequence_length=16)
-    expected = pipe(prompt=prompts, latents=unpack(x, policy.arch.h, policy.arch.w), output_type="latent", **call)
-    shift, source = time_shift(family, None, None, policy.arch.image_seq_len, STEPS)
+    expected = pipe(prompt=prompts, latents=unpack(x, policy.runtime.h, policy.runtime.w), output_type="latent", **call)
+    shift, source = time_shift(family, None, None, policy.runtime.image_seq_len, STEPS)
     assert "dynamic" in source
     sigmas = sigma_schedule(STEPS, shift, "uniform")  # the pipelines' linspace(1, 1/n, n), then 0
     with torch.no_grad():
         for i in range(STEPS):
-            v = policy.velocity(x, sigmas[i].expand(B), emb, **guidance(family, s))
+            v = policy.velocity(x, sigmas[i].expand(B), emb, guidance(family, s))
             x = ode_step(v, x, sigmas, i)
     if family == "flux2_klein":  # Flux2KleinPipeline's "latent" output is the VAE's latent (denormalised)
-        p = unpack(x, policy.arch.h, policy.arch.w)
+        p = unpack(x, policy.runtime.h, policy.runtime.w)
         mean, std = bn_stats(policy.vae, p)
         torch.testing.assert_close(unpatchify(p * std + mean), expected.images, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(x, expected.images, rtol=1e-5, atol=1e-5)
     x0 = policy.init_latents([torch.Generator().manual_seed(10 + k) for k in range(B)])
-    image = pipe(prompt=prompts, latents=unpack(x0, policy.arch.h, policy.arch.w), output_type="pt", **call).images
+    image = pipe(
+        prompt=prompts, latents=unpack(x0, policy.runtime.h, policy.runtime.w), output_type="pt", **call
+    ).images
     torch.testing.assert_close(policy.decode(x), image, rtol=1e-5, atol=1e-5)
 
 
@@ -193,7 +193,7 @@ def test_a_folder_the_pipeline_saved_loads_as_pretrained(family, built, float64)
     one = torch.ones(B)
     with torch.no_grad():
         for p in (b["policy"], loaded):
-            p.v1 = p.velocity(x, one, p.encode_prompts(DEFAULT_PROMPTS[:B]), **guidance(family, 2.0))
+            p.v1 = p.velocity(x, one, p.encode_prompts(DEFAULT_PROMPTS[:B]), guidance(family, 2.0))
     torch.testing.assert_close(loaded.v1, b["policy"].v1, rtol=0, atol=0)
 
     policy = float64(family)  # float64, perturbed adapter
@@ -201,10 +201,10 @@ def test_a_folder_the_pipeline_saved_loads_as_pretrained(family, built, float64)
     pipe = b["pipe"]
     with torch.no_grad():
         with policy.reference():
-            ref = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            ref = policy.velocity(x, sigma, emb)
+        v = policy.velocity(x, sigma, emb)
         with float64_scope():  # as the policy computes in float64 (its rotary table too)
-            got = policy.arch.forward(pipe.transformer.double(), x, sigma, emb, None)
+            got = policy.runtime.forward(pipe.transformer.double(), x, sigma, emb, None)
         pipe.transformer.float()
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     assert (v - ref).abs().max() > 1e-4
@@ -250,7 +250,7 @@ def test_architecture_lora_targets_and_refusals(family, float64):
     assert (embedder is not None) == (family == "flux2") == spec.guidance_embed
 
     with pytest.raises(NotImplementedError, match="to_qkv_mlp_proj"):
-        policy.arch.shard_sequence(None, None)
+        policy.runtime.shard_sequence(None, None)
     with pytest.raises(ConfigError, match="no sequence parallelism") as err:
         load_config(None, [f"model.family={family}", "parallel.sequence_parallel=2"])
     assert "\n" not in str(err.value)
@@ -303,10 +303,10 @@ def test_cli_schedules_certificate_export_and_sample(family, built, tmp_path, mo
     pipe = getattr(diffusers, trained.pipeline_class).from_pretrained(folder, scheduler=build_scheduler(family, None))
     x, sigma, emb = inputs(trained)
     with torch.no_grad():
-        before = trained.arch.forward(pipe.transformer, x, sigma, emb, None)
+        before = trained.runtime.forward(pipe.transformer, x, sigma, emb, None)
         pipe.load_lora_weights(tmp_path / "exported")
-        after = trained.arch.forward(pipe.transformer, x, sigma, emb, None)
-        expected = trained.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        after = trained.runtime.forward(pipe.transformer, x, sigma, emb, None)
+        expected = trained.velocity(x, sigma, emb)
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
     assert (after - before).abs().max() > 1e-3
 

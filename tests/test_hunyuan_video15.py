@@ -24,7 +24,15 @@ from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, save_diffusers_lora
-from lean.models import build_policy, build_scheduler, count_parameters, family_spec, pipeline_family, time_shift
+from lean.models import (
+    Guidance,
+    build_policy,
+    build_scheduler,
+    count_parameters,
+    family_spec,
+    pipeline_family,
+    time_shift,
+)
 from lean.models.hunyuan_video15.model import (
     GLYPH_MAX_LENGTH,
     PIPELINE_PREFIX_TOKENS,
@@ -119,7 +127,7 @@ def test_uncond_grad(policy64):
         return [torch.zeros_like(p) if d is None else d for d, p in zip(g, params, strict=True)]
 
     def velocity(e, cfg=False, **kw):
-        return policy.velocity(x, sigma, e, cfg=cfg, guidance_scale=s, **kw)
+        return policy.velocity(x, sigma, e, Guidance(cfg=cfg, guidance_scale=s, **kw))
 
     g_detached, g_full = grads(velocity(emb, cfg=True)), grads(velocity(emb, cfg=True, uncond_grad=True))
     g_c, g_mix = grads(s * velocity(emb)), grads((1 - s) * velocity(uncond) + s * velocity(emb))
@@ -136,7 +144,7 @@ def test_float64_end_to_end(policy64):
     assert {p.dtype for p in policy.parameters()} == {torch.float64}  # transformer, LoRA, VAE, both text encoders
     x, sigma, emb = generic.inputs(policy, batch=2)
     assert x.dtype == emb.tokens.dtype == torch.float64
-    v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
+    v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
     assert v.dtype == torch.float64
     v.square().mean().backward()
     last = len(policy.transformer.get_base_model().transformer_blocks) - 1
@@ -168,7 +176,7 @@ def test_text_conditioning_is_the_pipelines(policy, pipe):
         "<|im_start|>assistant\n"
     )
     assert glyph_text(GLYPH) == 'Text "lean". ' and glyph_text(DEFAULT_PROMPTS[0]) is None
-    width = policy.arch.text_dim
+    width = policy.runtime.text_dim
     for prompts in (PROMPTS, [""]):
         tokens, mask, glyphs, glyph_mask = pipe.encode_prompt(prompts, device="cpu", batch_size=len(prompts))
         emb = policy.encode_prompts(prompts)
@@ -202,23 +210,25 @@ def test_velocity_is_the_pipelines_transformer_call_and_its_loop(policy, pipe):
         hook.remove()
     assert len(calls) == 6  # 3 steps x (conditional, unconditional)
     emb, uncond = policy.encode_prompts(PROMPTS), policy.encode_prompts(["", ""])
-    channels = policy.arch.channels
+    channels = policy.runtime.channels
     for k, (kwargs, out) in enumerate(calls):
         hidden = kwargs["hidden_states"]
         assert hidden.shape[1] == 2 * channels + 1 and hidden[:, channels:].abs().max() == 0
         assert kwargs["image_embeds"].shape[1] == 729 and kwargs["image_embeds"].abs().max() == 0
         sigma = kwargs["timestep"] / 1000
         with torch.no_grad():
-            got = policy.arch.forward(policy.transformer, hidden[:, :channels], sigma, (emb, uncond)[k % 2], None)
+            got = policy.runtime.forward(policy.transformer, hidden[:, :channels], sigma, (emb, uncond)[k % 2], None)
         torch.testing.assert_close(got, out, rtol=ATOL, atol=ATOL)
 
-    shift, source = time_shift(FAMILY, None, None, policy.arch.image_seq_len)
+    shift, source = time_shift(FAMILY, None, None, policy.runtime.image_seq_len)
     assert shift == 5.0 and "published" in source
     sigmas = sigma_schedule(3, shift, "uniform")
     torch.testing.assert_close(pipe.scheduler.sigmas.double(), sigmas, rtol=0, atol=1e-6)
     with torch.no_grad():
         for i in range(3):
-            x = ode_step(policy.velocity(x, sigmas[i].expand(2), emb, cfg=True, guidance_scale=SCALE), x, sigmas, i)
+            x = ode_step(
+                policy.velocity(x, sigmas[i].expand(2), emb, Guidance(cfg=True, guidance_scale=SCALE)), x, sigmas, i
+            )
     torch.testing.assert_close(x, expected, rtol=ATOL, atol=ATOL)
 
 
@@ -237,7 +247,7 @@ def test_decoding_is_the_pipelines(policy, pipe):
             output_type="pt",
         ).frames  # fmt: skip  [1, F, 3, H, W] in [0, 1]
         sigmas = sigma_schedule(1, 5.0, "uniform")
-        v = policy.velocity(x, sigmas[:1], policy.encode_prompts(PROMPTS[:1]), cfg=True, guidance_scale=SCALE)
+        v = policy.velocity(x, sigmas[:1], policy.encode_prompts(PROMPTS[:1]), Guidance(cfg=True, guidance_scale=SCALE))
         video = policy.decode(ode_step(v, x, sigmas, 0))
     assert video.shape == (1, 3, 5, 32, 32)
     torch.testing.assert_close(video, frames.permute(0, 2, 1, 3, 4), rtol=ATOL, atol=ATOL)
@@ -253,13 +263,13 @@ def test_masks_make_the_velocity_independent_of_padding(policy64):
     x = policy64.init_latents(generators(1) * 2)
     sigma = torch.tensor([0.6, 0.6], dtype=torch.float64)
     with torch.no_grad():
-        padded = policy64.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        single = policy64.velocity(x[:1], sigma[:1], alone, cfg=True, guidance_scale=SCALE)
-        unmasked = policy64.arch.forward(
+        padded = policy64.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        single = policy64.velocity(x[:1], sigma[:1], alone, Guidance(cfg=True, guidance_scale=SCALE))
+        unmasked = policy64.runtime.forward(
             policy64.transformer, x, sigma, type(emb)(emb.tokens, mask=torch.ones_like(emb.mask)), None
         )
     torch.testing.assert_close(padded[:1], single, rtol=1e-10, atol=1e-12)
-    assert (unmasked[:1] - policy64.arch.forward(policy64.transformer, x, sigma, emb, None)[:1]).abs().max() > 1e-6
+    assert (unmasked[:1] - policy64.runtime.forward(policy64.transformer, x, sigma, emb, None)[:1]).abs().max() > 1e-6
 
 
 def test_pipeline_folder_loads_as_model_pretrained(policy, pipe, tmp_path):
@@ -275,8 +285,8 @@ def test_pipeline_folder_loads_as_model_pretrained(policy, pipe, tmp_path):
     x = policy.init_latents(generators(2))
     sigma = torch.tensor([0.9, 0.4])
     with torch.no_grad():
-        expected = policy.velocity(x, sigma, policy.encode_prompts(PROMPTS), cfg=True, guidance_scale=SCALE)
-        got = loaded.velocity(x, sigma, loaded.encode_prompts(PROMPTS), cfg=True, guidance_scale=SCALE)
+        expected = policy.velocity(x, sigma, policy.encode_prompts(PROMPTS), Guidance(cfg=True, guidance_scale=SCALE))
+        got = loaded.velocity(x, sigma, loaded.encode_prompts(PROMPTS), Guidance(cfg=True, guidance_scale=SCALE))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -297,9 +307,9 @@ def test_lora_folder_loads_into_the_pipelines_transformer(policy, folder, tmp_pa
     x = policy.init_latents(generators(2))
     sigma, emb = torch.tensor([0.8, 0.3]), perturbed.encode_prompts(PROMPTS)
     with torch.no_grad():
-        expected = perturbed.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        got = perturbed.arch.forward(adapted, x, sigma, emb, None)
-        without = perturbed.arch.forward(base, x, sigma, emb, None)
+        expected = perturbed.velocity(x, sigma, emb)
+        got = perturbed.runtime.forward(adapted, x, sigma, emb, None)
+        without = perturbed.runtime.forward(base, x, sigma, emb, None)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
     assert (got - without).abs().max() > 100 * ATOL
 
@@ -355,7 +365,7 @@ def test_refusals_are_one_line(folder, tmp_path):
         load_config(None, [f"model.family={FAMILY}", "model.num_frames=4"])
     with pytest.raises(ValueError, match="guidance"):
         policy = build_policy(ModelConfig(family=FAMILY), VOCABULARY)
-        policy.velocity(*generic.inputs(policy, 1), cfg=False, guidance_scale=1.0, guidance_embed=3.5)
+        policy.velocity(*generic.inputs(policy, 1), Guidance(guidance_embed=3.5))
 
 
 # ---------------------------------------------------------------- runs, the certificate, exports

@@ -16,7 +16,7 @@ from helpers import lean_here, write_edit_prompts
 from lean.config import ConfigError
 from lean.config.prompts import ImagePrompt, read_prompts, reference_pixels
 from lean.configure import load_config
-from lean.models import EDIT_PROMPTS, build_policy, build_scheduler
+from lean.models import EDIT_PROMPTS, Guidance, build_policy, build_scheduler
 from lean.models.options import ModelConfig
 
 EDITS = read_prompts(EDIT_PROMPTS)
@@ -75,7 +75,7 @@ def test_velocity_is_the_kontext_pipelines_transformer_call(policy, tmp_path):
             img_ids=torch.cat([latent_ids, image_ids]),
             return_dict=False,
         )[0][:, : latents.shape[1]]
-        got = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, guidance_embed=2.5)
+        got = policy.velocity(x, sigma, emb, Guidance(guidance_embed=2.5))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -176,7 +176,7 @@ def test_a_folder_saved_by_the_kontext_pipeline_loads_as_model_pretrained(policy
     x, sigma, _ = generic.inputs(loaded, batch=2)
     emb, emb_loaded = policy.encode_prompts(EDITS[:2]), loaded.encode_prompts(EDITS[:2])
     with torch.no_grad(), policy.reference():  # the base weights: the folder holds no adapter
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, guidance_embed=2.5)
+        expected = policy.velocity(x, sigma, emb, Guidance(guidance_embed=2.5))
     with torch.no_grad():
-        got = loaded.velocity(x, sigma, emb_loaded, cfg=False, guidance_scale=1.0, guidance_embed=2.5)
+        got = loaded.velocity(x, sigma, emb_loaded, Guidance(guidance_embed=2.5))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lean.config import DEFAULT_PROMPTS
-from lean.models import build_policy, count_parameters
+from lean.models import Guidance, build_policy, count_parameters
 from lean.models.options import ModelConfig
 from lean.models.text import PromptEmbeds, train_tokenizer
 
@@ -56,9 +56,9 @@ def test_velocity_shape_and_latents(family, shape):
     x, sigma, emb = inputs(policy)
     assert x.shape == (B, *shape) and x.dtype == torch.float32
     with torch.no_grad():
-        v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+        v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
     assert v.shape == x.shape and torch.isfinite(v).all()
-    assert policy(x, sigma, emb, cfg=False, guidance_scale=1.0).shape == x.shape  # forward is velocity
+    assert policy(x, sigma, emb).shape == x.shape  # forward is velocity
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -78,10 +78,10 @@ def test_cfg_batch_equals_two_forwards(family):
     uncond = emb.negative if emb.negative is not None else policy.encode_prompts([""] * B)
     s = 3.0
     with torch.no_grad():
-        batched = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=s)  # one [uncond, cond] forward
-        v_u = policy.velocity(x, sigma, uncond, cfg=False, guidance_scale=s)
-        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=s)
-    split = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=s)  # grad on: uncond runs apart, no grad
+        batched = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=s))  # one [uncond, cond] forward
+        v_u = policy.velocity(x, sigma, uncond)
+        v_c = policy.velocity(x, sigma, emb)
+    split = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=s))  # grad on: uncond runs apart, no grad
     torch.testing.assert_close(batched, v_u + s * (v_c - v_u), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(split.detach(), batched, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(v_u, v_c)  # the prompt matters
@@ -101,7 +101,7 @@ def test_uncond_grad(family):
         return torch.autograd.grad((v * w).sum(), params)
 
     def velocity(e, cfg=False, **kw):
-        return policy.velocity(x, sigma, e, cfg=cfg, guidance_scale=s, **kw)
+        return policy.velocity(x, sigma, e, Guidance(cfg=cfg, guidance_scale=s, **kw))
 
     g_detached = grads(velocity(emb, cfg=True))
     g_full = grads(velocity(emb, cfg=True, uncond_grad=True))
@@ -119,11 +119,11 @@ def test_reference_is_the_base_model(family):
     policy = perturbed(family)
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
-        v_base = base.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
-        v_policy = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+        v_base = base.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
+        v_policy = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
         with policy.reference():
-            v_ref = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
-        v_after = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+            v_ref = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
+        v_after = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
     torch.testing.assert_close(v_ref, v_base, rtol=0, atol=0)  # B = 0 at init: the fresh adapter adds exact zeros
     assert (v_policy - v_ref).abs().max() > 1e-4
     assert torch.equal(v_after, v_policy)  # the adapter is back on
@@ -135,11 +135,11 @@ def test_full_finetune_trains_everything_and_keeps_a_reference():
     assert len(names) == len(list(policy.transformer.parameters())) and not any("lora" in n for n in names)
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
-        v0 = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        v0 = policy.velocity(x, sigma, emb)
         policy.perturb_lora_(0.01, torch.Generator().manual_seed(0))
         with policy.reference():
-            torch.testing.assert_close(policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0), v0)
-        assert not torch.allclose(policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0), v0)
+            torch.testing.assert_close(policy.velocity(x, sigma, emb), v0)
+        assert not torch.allclose(policy.velocity(x, sigma, emb), v0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -148,7 +148,7 @@ def test_float64_end_to_end(family):
     assert {p.dtype for p in policy.parameters()} == {torch.float64}  # transformer, LoRA, VAE, text encoders
     x, sigma, emb = inputs(policy)
     assert x.dtype == emb.tokens.dtype == torch.float64
-    v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+    v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
     assert v.dtype == torch.float64
     v.square().mean().backward()
     grads = [p.grad for _, p in policy.trainable_parameters()]
@@ -170,9 +170,9 @@ def test_bfloat16_keeps_diffusers_fp32_modules_and_round_trips(tmp_path):
     assert {n: p.dtype for n, p in loaded.named_parameters()} == {n: p.dtype for n, p in policy.named_parameters()}
     x, sigma, emb = inputs(policy, batch=2)
     with torch.no_grad():
-        v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+        v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
         assert v.dtype == torch.bfloat16 and torch.isfinite(v).all()
-        assert torch.equal(loaded.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), v)
+        assert torch.equal(loaded.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5)), v)
 
 
 @pytest.mark.parametrize("family,shape", [("flux", (2, 3, 32, 32)), ("wan", (2, 3, 5, 32, 32))])
@@ -219,9 +219,9 @@ def test_save_pretrained_round_trip(family, tmp_path):
     assert torch.equal(loaded.encode_prompts(family_prompts(family)[:B]).tokens, emb.tokens)
     with torch.no_grad():
         for p in (policy, loaded):
-            p.outputs = [p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), p.decode(x)]
+            p.outputs = [p.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5)), p.decode(x)]
             with p.reference():
-                p.outputs.append(p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5))
+                p.outputs.append(p.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5)))
     for a, b in zip(policy.outputs, loaded.outputs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -237,10 +237,10 @@ def test_cache_dir_builds_once_and_matches(tmp_path):
         p.perturb_lora_(0.05, torch.Generator().manual_seed(1))
     x, sigma, emb = inputs(fresh)
     with torch.no_grad():
-        expected = fresh.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+        expected = fresh.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
         for p in (first, second):
             torch.testing.assert_close(
-                p.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5), expected, rtol=0, atol=0
+                p.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5)), expected, rtol=0, atol=0
             )
 
 
@@ -275,13 +275,13 @@ def test_guidance_embedding():
     flux = perturbed("flux")
     x, sigma, emb = inputs(flux)
     with torch.no_grad():
-        plain = flux.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        one = flux.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, guidance_embed=1.0)
-        distilled = flux.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0, guidance_embed=3.5)
+        plain = flux.velocity(x, sigma, emb)
+        one = flux.velocity(x, sigma, emb, Guidance(guidance_embed=1.0))
+        distilled = flux.velocity(x, sigma, emb, Guidance(guidance_embed=3.5))
     assert torch.equal(plain, one) and not torch.allclose(plain, distilled)
     wan = make("wan")
     with pytest.raises(ValueError, match="guidance"):
-        wan.velocity(*inputs(wan), cfg=False, guidance_scale=1.0, guidance_embed=3.5)
+        wan.velocity(*inputs(wan), Guidance(guidance_embed=3.5))
 
 
 def test_tokenizer_is_a_hf_folder(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny
 from safetensors.torch import load_file
 
-from lean.models import build_policy
+from lean.models import Guidance, build_policy
 from lean.models.options import ModelConfig
 from lean.observe.metrics import gpu_peak_flops
 from lean.parallel.distributed import CPU_TIMEOUT_S, World
@@ -21,11 +21,11 @@ PROMPTS = ["a red circle"] * 2
 def test_bfloat16_policy_sees_float32_timesteps():
     policy = build_policy(ModelConfig(family="sd3", dtype="bfloat16"), ["a red circle"])
     seen = []
-    forward = policy.arch.forward
-    policy.arch.forward = lambda net, x, sigma, emb, g: seen.append(sigma) or forward(net, x, sigma, emb, g)
+    forward = policy.runtime.forward
+    policy.runtime.forward = lambda net, x, sigma, emb, g: seen.append(sigma) or forward(net, x, sigma, emb, g)
     x = torch.randn(2, *policy.latent_shape()).to(torch.bfloat16)
     sigma = torch.tensor(0.91335, dtype=torch.float64)
-    policy.velocity(x, sigma, policy.encode_prompts(["a red circle"] * 2), cfg=False, guidance_scale=1.0)
+    policy.velocity(x, sigma, policy.encode_prompts(["a red circle"] * 2))
     assert seen[0].dtype == torch.float32 and abs(1000 * seen[0][0].item() - 913.35) < 1e-3  # bfloat16: 916
 
 
@@ -47,7 +47,7 @@ def test_half_precision_never_rounds_what_diffusers_keeps_in_float32():
 def _loss(policy) -> tuple[torch.Tensor, torch.Tensor]:
     """The guided velocity at a fixed x and sigma, and a float32 scalar of it to backpropagate."""
     x = torch.randn(2, *policy.latent_shape(), generator=torch.Generator().manual_seed(0)).to(policy.dtype)
-    v = policy.velocity(x, torch.tensor(0.6), policy.encode_prompts(PROMPTS), cfg=True, guidance_scale=4.0)
+    v = policy.velocity(x, torch.tensor(0.6), policy.encode_prompts(PROMPTS), Guidance(cfg=True, guidance_scale=4.0))
     return v, v.float().square().mean()
 
 

@@ -25,7 +25,7 @@ from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, sampling_settings, save_diffusers_lora
-from lean.models import build_policy, count_parameters, family_spec, time_shift
+from lean.models import Guidance, build_policy, count_parameters, family_spec, time_shift
 from lean.models.options import ModelConfig
 from lean.models.qwen_image.model import PIPELINE_PREFIX_TOKENS, PROMPT_TEMPLATE, prefix_tokens
 from lean.sampling.sde import ode_step, sigma_schedule
@@ -67,7 +67,7 @@ def pipe(policy, folder):
     """diffusers' QwenImagePipeline from lean's folder as ``lean sample`` loads it, with the static shift of lean's
     dynamic one at 32 px (a static shift drops the scheduler's terminal stretch: lean's grids have none), so that
     both walk the same sigmas."""
-    shift, _ = time_shift(FAMILY, None, None, policy.arch.image_seq_len)
+    shift, _ = time_shift(FAMILY, None, None, policy.runtime.image_seq_len)
     return load_pipeline(folder, None, SampleOptions(device="cpu", shift=shift), FAMILY)
 
 
@@ -101,7 +101,7 @@ def test_float64_end_to_end():
     assert {p.dtype for p in policy.parameters()} == {torch.float64}  # transformer, LoRA, VAE, text encoders
     x, sigma, emb = inputs(policy)
     assert x.dtype == emb.tokens.dtype == torch.float64
-    v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.5)
+    v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.5))
     assert v.dtype == torch.float64
     v.square().mean().backward()
     last = len(policy.transformer.get_base_model().transformer_blocks) - 1
@@ -126,10 +126,10 @@ def test_cfg_is_renormalised_and_batches_as_two_forwards():
     x, sigma, emb = inputs(policy)
     uncond = policy.encode_prompts([""] * len(x))
     with torch.no_grad():
-        batched = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        v_u = policy.velocity(x, sigma, uncond, cfg=False, guidance_scale=SCALE)
-        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=SCALE)
-    split = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
+        batched = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        v_u = policy.velocity(x, sigma, uncond)
+        v_c = policy.velocity(x, sigma, emb)
+    split = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
     torch.testing.assert_close(batched, renorm(v_u, v_c, SCALE), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(split.detach(), batched, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(batched.norm(dim=-1), v_c.norm(dim=-1), rtol=1e-12, atol=0)
@@ -144,7 +144,7 @@ def test_cfg_is_renormalised_and_batches_as_two_forwards():
         return [torch.zeros_like(p) if d is None else d for d, p in zip(g, params, strict=True)]
 
     def vel(e, **kw):
-        return policy.velocity(x, sigma, e, cfg=kw.pop("cfg", False), guidance_scale=SCALE, **kw)
+        return policy.velocity(x, sigma, e, Guidance(guidance_scale=SCALE, **kw))
 
     detached, live = grads(vel(emb, cfg=True)), grads(vel(emb, cfg=True, uncond_grad=True))
     by_hand_detached = grads(renorm(vel(uncond).detach(), vel(emb), SCALE))
@@ -169,11 +169,11 @@ def test_text_mask_makes_the_velocity_independent_of_padding():
         torch.tensor([0.6, 0.6], dtype=torch.float64),
     )
     with torch.no_grad():
-        padded = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        single = policy.velocity(x[:1], sigma[:1], alone, cfg=True, guidance_scale=SCALE)
-        unmasked = policy.arch.forward(policy.transformer, x, sigma, type(emb)(emb.tokens), None)
+        padded = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        single = policy.velocity(x[:1], sigma[:1], alone, Guidance(cfg=True, guidance_scale=SCALE))
+        unmasked = policy.runtime.forward(policy.transformer, x, sigma, type(emb)(emb.tokens), None)
     torch.testing.assert_close(padded[:1], single, rtol=1e-10, atol=1e-12)
-    assert (unmasked[:1] - policy.arch.forward(policy.transformer, x, sigma, emb, None)[:1]).abs().max() > 1e-6
+    assert (unmasked[:1] - policy.runtime.forward(policy.transformer, x, sigma, emb, None)[:1]).abs().max() > 1e-6
 
 
 def test_architecture_lora_targets_and_template(policy):
@@ -200,7 +200,7 @@ def test_architecture_lora_targets_and_template(policy):
     ids = tokenizer(PROMPT_TEMPLATE.format("a red cube"), add_special_tokens=False).input_ids
     assert ids[:drop] == tokenizer(PROMPT_TEMPLATE.split("{}")[0], add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="guidance"):
-        policy.velocity(*inputs(policy, 1), cfg=False, guidance_scale=1.0, guidance_embed=3.5)
+        policy.velocity(*inputs(policy, 1), Guidance(guidance_embed=3.5))
     with pytest.raises(ValueError, match="multiple of 8"):
         make(resolution=36)
 
@@ -230,13 +230,13 @@ def test_matches_qwen_image_pipeline(policy, pipe):
         width=32,
     )
     expected = pipe(latents=x.clone(), output_type="latent", **kwargs).images
-    shift, source = time_shift(FAMILY, None, None, policy.arch.image_seq_len)
+    shift, source = time_shift(FAMILY, None, None, policy.runtime.image_seq_len)
     assert "dynamic" in source and shift == pytest.approx(math.exp(0.5 + 0.4 * (16 - 256) / (8192 - 256)))
     sigmas = sigma_schedule(3, shift, "uniform")
     torch.testing.assert_close(pipe.scheduler.sigmas.double(), sigmas, rtol=0, atol=1e-6)
     with torch.no_grad():
         for i in range(3):
-            v = policy.velocity(x, sigmas[i].expand(2), emb, cfg=True, guidance_scale=SCALE)
+            v = policy.velocity(x, sigmas[i].expand(2), emb, Guidance(cfg=True, guidance_scale=SCALE))
             x = ode_step(v, x, sigmas, i)
     torch.testing.assert_close(x, expected, rtol=ATOL, atol=ATOL)
     images = pipe(
@@ -279,8 +279,10 @@ def test_pipeline_folder_loads_as_model_pretrained(policy, pipe, tmp_path):
     x, _, emb = inputs(policy, 2)
     sigma = torch.ones(2)
     with torch.no_grad():
-        expected = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        got = loaded.velocity(x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:2]), cfg=True, guidance_scale=SCALE)
+        expected = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        got = loaded.velocity(
+            x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:2]), Guidance(cfg=True, guidance_scale=SCALE)
+        )
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -340,9 +342,9 @@ def test_lora_folder_loads_into_the_diffusers_pipeline(perturbed, folder, tmp_pa
     loaded = load_pipeline(folder, tmp_path / "lora", SampleOptions(device="cpu"), family)
     x, sigma, emb = inputs(policy, 2)
     with torch.no_grad():
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        got = policy.arch.forward(loaded.transformer, x, sigma, emb, None)
-        without = policy.arch.forward(base.transformer, x, sigma, emb, None)
+        expected = policy.velocity(x, sigma, emb)
+        got = policy.runtime.forward(loaded.transformer, x, sigma, emb, None)
+        without = policy.runtime.forward(base.transformer, x, sigma, emb, None)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
     assert (got - without).abs().max() > 100 * ATOL
 
@@ -412,11 +414,11 @@ def test_negative_prompt_is_cfgs_unconditional_branch(policy):
     try:
         policy.negative_prompt = "a red cube"
         with torch.no_grad():
-            guided = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-            v_u = policy.velocity(x, sigma, policy.encode_prompts(["a red cube"] * 2), cfg=False, guidance_scale=1.0)
-            v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            guided = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+            v_u = policy.velocity(x, sigma, policy.encode_prompts(["a red cube"] * 2))
+            v_c = policy.velocity(x, sigma, emb)
             policy.negative_prompt = ""
-            against_empty = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
+            against_empty = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
     finally:
         policy.negative_prompt = ""
     torch.testing.assert_close(guided, renorm(v_u, v_c, SCALE), rtol=1e-5, atol=1e-5)

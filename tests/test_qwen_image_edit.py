@@ -25,7 +25,7 @@ from lean.config.presets import PRESET_DIR
 from lean.config.prompts import read_prompts, reference_pixels
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, save_diffusers_lora
-from lean.models import EDIT_PROMPTS, build_policy, count_parameters, family_spec
+from lean.models import EDIT_PROMPTS, Guidance, build_policy, count_parameters, family_spec
 from lean.models.options import ModelConfig
 from lean.models.qwen_image_edit.model import PIPELINE_PREFIX_TOKENS, prefix_tokens
 from lean.tools.sampling import SampleOptions, check_folders, load_pipeline, sample
@@ -85,12 +85,12 @@ def test_edit_cfg_is_renormalised_on_the_same_image():
     x, sigma, emb = inputs(policy)
     assert torch.equal(emb.negative.reference, emb.reference) and emb.tokens.dtype == torch.float64
     with torch.no_grad():
-        batched = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        v_u = policy.velocity(x, sigma, emb.negative, cfg=False, guidance_scale=SCALE)
-        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=SCALE)
+        batched = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        v_u = policy.velocity(x, sigma, emb.negative)
+        v_c = policy.velocity(x, sigma, emb)
     torch.testing.assert_close(batched, renorm(v_u, v_c, SCALE), rtol=1e-9, atol=1e-9)
     assert not torch.allclose(v_u, v_c)  # the instruction matters
-    split = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)  # grad on: v_u apart, no grad
+    split = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))  # grad on: v_u apart, no grad
     torch.testing.assert_close(split.detach(), batched, rtol=1e-9, atol=1e-9)
     split.square().mean().backward()
     grads = [p.grad for _, p in policy.trainable_parameters() if p.grad is not None]
@@ -141,7 +141,7 @@ def test_velocity_is_the_edit_pipelines_transformer_call(policy, pipe):
             img_shapes=img_shapes,
             return_dict=False,
         )[0][:, : latents.shape[1]]
-        got = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        got = policy.velocity(x, sigma, emb)
     torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL)
 
 
@@ -159,8 +159,8 @@ def test_pipeline_folder_loads_as_model_pretrained(policy, pipe, tmp_path):
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
         with policy.reference():
-            expected = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=SCALE)
-        got = loaded.velocity(x, sigma, loaded.encode_prompts(EDITS[:2]), cfg=True, guidance_scale=SCALE)
+            expected = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=SCALE))
+        got = loaded.velocity(x, sigma, loaded.encode_prompts(EDITS[:2]), Guidance(cfg=True, guidance_scale=SCALE))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -238,7 +238,7 @@ def test_exported_lora_loads_into_the_edit_pipeline_which_samples_edits(policy, 
     trained = load_pipeline(folder, tmp_path / "exported", SampleOptions(device="cpu"), FAMILY)
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
-        outs = [policy.arch.forward(p.transformer, x, sigma, emb, None) for p in (base, trained)]
+        outs = [policy.runtime.forward(p.transformer, x, sigma, emb, None) for p in (base, trained)]
     assert (outs[0] - outs[1]).abs().max() > 0
 
     edits = write_edit_prompts(tmp_path / "data", count=1)

@@ -9,7 +9,7 @@ import test_models as generic
 import torch
 
 from lean.config import DEFAULT_PROMPTS
-from lean.models import build_policy, count_parameters
+from lean.models import Guidance, build_policy, count_parameters
 from lean.models.options import ModelConfig
 from lean.sampling.sde import ode_step, sigma_schedule
 
@@ -65,14 +65,14 @@ def test_matches_stable_diffusion3_pipeline(tmp_path):
         negative_pooled_prompt_embeds=neg_pooled,
         num_inference_steps=3,
         guidance_scale=4.5,
-        height=policy.arch.h * 8,
-        width=policy.arch.w * 8,
+        height=policy.runtime.h * 8,
+        width=policy.runtime.w * 8,
     )
     expected = pipe(latents=x.clone(), output_type="latent", **kwargs).images
     sigmas = sigma_schedule(3, 3.0)
     with torch.no_grad():
         for i in range(3):
-            v = policy.velocity(x, sigmas[i].expand(2), emb, cfg=True, guidance_scale=4.5)
+            v = policy.velocity(x, sigmas[i].expand(2), emb, Guidance(cfg=True, guidance_scale=4.5))
             x = ode_step(v, x, sigmas, i)
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
@@ -114,7 +114,7 @@ def test_architecture_and_lora_targets():
 def test_guards():
     policy = make()
     with pytest.raises(ValueError, match="guidance"):
-        policy.velocity(*generic.inputs(policy)[:3], cfg=False, guidance_scale=1.0, guidance_embed=3.5)
+        policy.velocity(*generic.inputs(policy)[:3], Guidance(guidance_embed=3.5))
     with pytest.raises(ValueError, match="patches per side"):
         make(resolution=1040)  # 130 latent rows -> 65 patches > the tiny table's 64
 

@@ -55,7 +55,7 @@ def _wide_heads(family: str, heads: int) -> str:
 
 def _velocity_and_grads(policy, x, sigma, emb, weights):
     policy.zero_grad(set_to_none=True)
-    v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+    v = policy.velocity(x, sigma, emb)
     (v * weights).sum().backward()
     grads = torch.cat([p.grad.reshape(-1) for _, p in policy.trainable_parameters()])
     return v.detach(), grads
@@ -78,14 +78,14 @@ def _policy_worker(rank: int, world: int, port: int, family: str, full_finetune:
         emb = policy.encode_prompts(PROMPTS)
         weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
         v_ref, g_ref = _velocity_and_grads(policy, x, sigma, emb, weights)
-        sp = enable(policy.networks(), policy.arch, Overlap(METHODS[0]))
+        sp = enable(policy.networks(), policy.runtime, Overlap(METHODS[0]))
         result = {}
         for method in METHODS:
             sp.ov = Overlap(method)
             v, grads = _velocity_and_grads(policy, x, sigma, emb, weights)
             dist.all_reduce(grads)  # each rank's gradient is its share's (lean.parallel.overlap.sequence)
             with torch.no_grad(), policy.reference():
-                ref_v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+                ref_v = policy.velocity(x, sigma, emb)
             result[method] = {"velocity": _rel(v, v_ref), "grads": _rel(grads, g_ref), "ref_norm": ref_v.norm().item()}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:

@@ -189,7 +189,7 @@ def test_flux_dynamic_shifting_gives_e_to_the_mu_of_the_run_token_count(tiny_flu
         "max_image_seq_len": 64,
     }
     trainer = Trainer(tiny(f"model.pretrained={with_scheduler(tiny_flux_folder, tmp_path, scheduler)}"))
-    tokens = trainer.policy.arch.latent_shape[0]  # FLUX's packed image tokens: 32 px -> 8x8 latent -> 16
+    tokens = trainer.policy.runtime.latent_shape[0]  # FLUX's packed image tokens: 32 px -> 8x8 latent -> 16
     assert tokens == 16
     mu = 0.3 + (1.2 - 0.3) * (tokens - 4) / (64 - 4)
     assert trainer.cfg.sample.shift == pytest.approx(math.exp(mu), rel=1e-12)

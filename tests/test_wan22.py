@@ -15,7 +15,7 @@ import torch
 from helpers import lean_here
 
 from lean.config import DEFAULT_PROMPTS
-from lean.models import build_policy, build_scheduler, count_parameters, family_spec
+from lean.models import Guidance, build_policy, build_scheduler, count_parameters, family_spec
 from lean.models.options import ModelConfig
 
 BOUNDARY = 0.875
@@ -81,7 +81,7 @@ def test_each_expert_runs_on_its_side_of_the_boundary_as_in_the_wan_pipeline(pol
         sigma = t.to(policy.dtype) / 1000
         assert policy.denoiser_index(float(sigma[0])) == k
         with torch.no_grad():
-            got = policy.velocity(x, sigma, dataclasses.replace(emb, tokens=tokens), cfg=False, guidance_scale=1.0)
+            got = policy.velocity(x, sigma, dataclasses.replace(emb, tokens=tokens))
         torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
 
 
@@ -98,9 +98,9 @@ def test_a_folder_saved_by_the_wan_pipeline_loads_as_model_pretrained(policy, tm
     x, _, emb = generic.inputs(policy, batch=2)
     sigma = torch.tensor([0.95, 0.3], dtype=policy.dtype)
     with torch.no_grad(), policy.reference():  # the base weights: the folder holds no adapter
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        expected = policy.velocity(x, sigma, emb)
     with torch.no_grad():
-        got = loaded.velocity(x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:2]), cfg=False, guidance_scale=1.0)
+        got = loaded.velocity(x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:2]))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -123,11 +123,11 @@ def test_exported_lora_of_both_experts_loads_into_the_wan_pipeline(policy, tmp_p
     x, _, emb = generic.inputs(policy, batch=2)
     sigma = torch.tensor([0.95, 0.3], dtype=policy.dtype)
     with torch.no_grad():
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        expected = policy.velocity(x, sigma, emb)
         with policy.reference():
-            base_v = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            base_v = policy.velocity(x, sigma, emb)
         for b, net in enumerate((pipe.transformer, pipe.transformer_2)):
-            got = policy.arch.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
+            got = policy.runtime.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
             torch.testing.assert_close(got, expected[b : b + 1], rtol=0, atol=1e-5)
             assert (expected[b] - base_v[b]).abs().max() > 1e-3  # the adapter matters
 
@@ -174,9 +174,9 @@ def test_the_low_noise_expert_guides_at_its_own_scale(policy):
     x = torch.randn(2, *policy.init_latents([torch.Generator().manual_seed(0)]).shape[1:])
     sigma = torch.tensor([0.95, 0.5])  # the high-noise expert, then the low-noise one
     with torch.no_grad():
-        v = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.0, guidance_scale_2=3.0)
-        v_c = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
-        v_u = policy.velocity(x, sigma, policy.encode_prompts([""]).expand(2), cfg=False, guidance_scale=1.0)
+        v = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.0, guidance_scale_2=3.0))
+        v_c = policy.velocity(x, sigma, emb)
+        v_u = policy.velocity(x, sigma, policy.encode_prompts([""]).expand(2))
     for row, scale in enumerate((4.0, 3.0)):
         torch.testing.assert_close(v[row], v_u[row] + scale * (v_c[row] - v_u[row]), rtol=1e-5, atol=1e-5)
     cfg = load_config(None, ["model.family=wan22", "sample.guidance_scale=4", "sample.guidance_scale_2=3"])
@@ -216,8 +216,8 @@ def test_frames_of_another_width_than_height_are_the_wan_pipelines(tmp_path):
     from lean.configure import load_config
 
     policy = build_policy(ModelConfig(family="wan", resolution=32, width=64, num_frames=5), DEFAULT_PROMPTS)
-    channels, frames, h, w = policy.arch.noise_shape
-    assert w == 2 * h and policy.arch.image_seq_len == frames * h * w // 4  # 1x2x2 patches
+    channels, frames, h, w = policy.runtime.noise_shape
+    assert w == 2 * h and policy.runtime.image_seq_len == frames * h * w // 4  # 1x2x2 patches
     policy.save_pretrained(tmp_path, adapter=False)
     pipe = WanPipeline.from_pretrained(tmp_path, scheduler=build_scheduler("wan", None))
     calls = transformer_calls(
@@ -225,9 +225,9 @@ def test_frames_of_another_width_than_height_are_the_wan_pipelines(tmp_path):
     )
     emb = policy.encode_prompts(DEFAULT_PROMPTS[:1])
     for _, x, t, tokens, out in calls:
-        assert x.shape[1:] == policy.arch.noise_shape
+        assert x.shape[1:] == policy.runtime.noise_shape
         with torch.no_grad():
-            got = policy.velocity(x, t / 1000, dataclasses.replace(emb, tokens=tokens), cfg=False, guidance_scale=1.0)
+            got = policy.velocity(x, t / 1000, dataclasses.replace(emb, tokens=tokens))
         torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="renders square frames"):
         load_config(None, ["model.family=flux", "model.width=64"])

@@ -22,14 +22,15 @@ from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.models import (
+    Guidance,
     build_policy,
     build_scheduler,
-    component_config,
     count_parameters,
     family_spec,
     pipeline_family,
     time_shift,
 )
+from lean.models.footprint import component_config
 from lean.models.options import ModelConfig
 
 FAMILY = "wan22_ti2v"
@@ -130,10 +131,10 @@ def test_the_velocity_is_the_transformer_inside_the_wan_pipeline_loop(built):
     assert len(calls) == 6  # 3 steps x (conditional, unconditional)
     emb = policy.encode_prompts(DEFAULT_PROMPTS[:B])
     for x, t, tokens, out in calls:
-        assert t.shape == (B, policy.arch.image_seq_len) and (t == t[:, :1]).all()  # one timestep per token
+        assert t.shape == (B, policy.runtime.image_seq_len) and (t == t[:, :1]).all()  # one timestep per token
         sigma = t[:, 0].to(policy.dtype) / 1000
         with torch.no_grad():
-            got = policy.velocity(x, sigma, dataclasses.replace(emb, tokens=tokens), cfg=False, guidance_scale=1.0)
+            got = policy.velocity(x, sigma, dataclasses.replace(emb, tokens=tokens))
         torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         decoded = policy.decode(final["latents"])
@@ -160,9 +161,11 @@ def test_pipeline_folders_load_and_are_told_from_wan21(built, tmp_path):
     loaded = build_policy(ModelConfig(family=FAMILY, pretrained=str(built["diffusers"])), DEFAULT_PROMPTS)
     x, sigma, emb = inputs(policy)
     with torch.no_grad(), policy.reference():  # the base weights: the folder holds no adapter
-        expected = policy.velocity(x, sigma, emb, cfg=True, guidance_scale=4.0)
+        expected = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.0))
     with torch.no_grad():
-        got = loaded.velocity(x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:B]), cfg=True, guidance_scale=4.0)
+        got = loaded.velocity(
+            x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:B]), Guidance(cfg=True, guidance_scale=4.0)
+        )
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
     wan = tmp_path / "wan"
@@ -188,10 +191,10 @@ def test_the_exported_lora_loads_into_the_wan_pipeline(built, tmp_path):
     assert pipe.config.expand_timesteps
     x, sigma, emb = inputs(policy)
     with torch.no_grad():
-        got = policy.arch.forward(pipe.transformer, x, sigma, emb, None)
-        expected = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        got = policy.runtime.forward(pipe.transformer, x, sigma, emb, None)
+        expected = policy.velocity(x, sigma, emb)
         with policy.reference():
-            base = policy.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+            base = policy.velocity(x, sigma, emb)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert (expected - base).abs().max() > 1e-3  # the adapter matters
 
@@ -217,10 +220,10 @@ def test_cli_schedules_certificate_export_plan_and_sample(built, tmp_path, capsy
     pipe = WanPipeline.from_pretrained(base)
     x, sigma, emb = inputs(trained)
     with torch.no_grad():
-        before = trained.arch.forward(pipe.transformer, x, sigma, emb, None)
+        before = trained.runtime.forward(pipe.transformer, x, sigma, emb, None)
         pipe.load_lora_weights(tmp_path / "exported")
-        after = trained.arch.forward(pipe.transformer, x, sigma, emb, None)
-        expected = trained.velocity(x, sigma, emb, cfg=False, guidance_scale=1.0)
+        after = trained.runtime.forward(pipe.transformer, x, sigma, emb, None)
+        expected = trained.velocity(x, sigma, emb)
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
     assert (after - before).abs().max() > 1e-6  # the trained adapter is not the identity
 

@@ -6,10 +6,12 @@ v = noise - x_0. Classifier-free guidance combines an unconditional (empty promp
 v = v_u + s (v_c - v_u). The reference policy of the KL term is the same network with the adapter switched off.
 
 Everything family-specific (latent layout, timestep scale, text conditioning, VAE normalisation) sits behind the
-:class:`lean.models.spec.Family` protocol implemented in ``lean/models/<family>/``; this module does not know which
-family it runs. A family has one denoiser or several (Wan2.2-A14B: a high-noise and a low-noise expert), each step
-running the one its noise level chooses (:meth:`Policy.denoiser_index`); LoRA, gradient checkpointing, the
-reference and the trainable parameters cover every denoiser.
+:class:`lean.models.spec.FamilyRuntime` protocol implemented in ``lean/models/<family>/`` (``Policy.runtime``); this
+module does not know which family it runs. ``lean.models.build.build_policy`` builds a policy from the family's spec,
+its runtime, its built modules (:class:`PolicyParts`) and the model options. A family has one denoiser or several
+(Wan2.2-A14B: a high-noise and a low-noise expert), each step running the one its noise level chooses
+(:meth:`Policy.denoiser_index`); LoRA, gradient checkpointing, the reference and the trainable parameters cover every
+denoiser.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,15 +30,49 @@ import torch.utils.checkpoint
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lean.config.dtypes import HALF, master_dtype
+from lean.config.dtypes import DTYPES, HALF, master_dtype
 from lean.config.prompts import reference_image, reference_pixels
 from lean.models.precision import float64_scope
-from lean.models.spec import Family
+from lean.models.spec import FamilyRuntime, FamilySpec
 from lean.models.text import PromptEmbeds
 from lean.parallel.sharding import full, full_state_dict, like
 from lean.sampling.sde import compute_dtype
 
+if TYPE_CHECKING:
+    from lean.models.options import ModelConfig
+    from lean.sampling.options import SampleConfig
+
 LORA_FILE = "lora.safetensors"
+
+
+@dataclass
+class PolicyParts:
+    """The built modules of a policy (``lean.models.build.build_policy``): the denoisers by pipeline folder, in the
+    order steps use them (peft-wrapped for LoRA, bare under full fine-tuning), the VAE, the text encoders by folder,
+    the tokenizers (and multimodal processors) by folder, and under full fine-tuning frozen copies of the denoisers'
+    initial weights (the reference; else None)."""
+
+    denoisers: Mapping[str, torch.nn.Module]
+    vae: torch.nn.Module
+    text_encoders: dict[str, torch.nn.Module]
+    tokenizers: dict
+    reference_denoisers: Sequence[torch.nn.Module] | None = None
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How :meth:`Policy.velocity` guides: the guidance fields of the ``sample`` section (a ``SampleConfig`` has them
+    all and serves as one); the default is no guidance."""
+
+    cfg: bool = False  # classifier-free guidance: v = v_u + s (v_c - v_u)
+    guidance_scale: float = 1.0  # s
+    guidance_scale_2: float | None = None  # s on the low-noise expert's rows (two denoisers; None: guidance_scale)
+    uncond_grad: bool = False  # v_u carries a gradient (else it is a constant)
+    guidance_embed: float | None = None  # the distilled-guidance embedding's value (FLUX.1); None: the family's default
+    truncate_timestep: bool = False  # the network sees floor(1000 sigma) / 1000, in float32 (DanceGRPO)
+
+
+UNGUIDED = Guidance()
 
 
 def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str, Tensor]]:
@@ -94,50 +132,43 @@ class Policy(torch.nn.Module):
 
     def __init__(
         self,
-        family: str,
-        arch: Family,
-        denoisers: Mapping[str, torch.nn.Module],
-        vae: torch.nn.Module,
-        text_encoders: dict[str, torch.nn.Module],
-        tokenizers: dict,
-        text_max_length: int,
-        pipeline_class: str,
-        device: torch.device,
-        dtype: torch.dtype,
-        reference_denoisers: Sequence[torch.nn.Module] | None = None,
-        boundary: float | None = None,
-        vae_dtype: torch.dtype | None = None,
-        cfg_renorm: bool = False,
-        resolution: int | None = None,
-        reference_resolution: int | None = None,
-        pipeline_config: dict | None = None,
+        spec: FamilySpec,
+        runtime: FamilyRuntime,
+        parts: PolicyParts,
+        options: ModelConfig,
+        device: torch.device | str,
     ):
+        """``options`` (the ``model`` section) gives the family's name, the text length, the precisions and the
+        samples' resolution; ``spec`` the pipeline class and settings, the expert boundary, the CFG renormalisation
+        and the size's reference resolution."""
         super().__init__()
-        if len(denoisers) not in (1, 2) or (len(denoisers) == 2) != (boundary is not None):
+        if len(parts.denoisers) not in (1, 2) or (len(parts.denoisers) == 2) != (spec.boundary is not None):
             raise ValueError("a policy has one denoiser, or two with a boundary sigma")
-        self.family, self.arch, self.pipeline_class = family, arch, pipeline_class
-        self.pipeline_config = dict(pipeline_config or {})  # FamilySpec.pipeline_config: model_index.json's settings
-        self.denoiser_folders, self.boundary = tuple(denoisers), boundary
-        self.cfg_renorm = cfg_renorm
-        self.resolution = resolution  # of the samples, and of the reference images edits are conditioned on
+        self.family, self.spec, self.runtime, self.pipeline_class = options.family, spec, runtime, spec.pipeline
+        self.pipeline_config = dict(spec.pipeline_config)  # model_index.json's settings of the pipeline class
+        self.denoiser_folders, self.boundary = tuple(parts.denoisers), spec.boundary
+        self.cfg_renorm = spec.cfg_renorm
+        self.resolution = options.resolution  # of the samples, and of the reference images edits are conditioned on
         # the square side an edit's reference is encoded at when the family's pipeline resizes it again
         # (Qwen-Image-Edit: 1024, Size.reference_resolution); None: resolution
-        self.reference_resolution = reference_resolution
+        self.reference_resolution = spec.sizes[options.size].reference_resolution
         self.negative_prompt = ""  # CFG's unconditional prompt: sample.negative_prompt, set before the first encode
-        self.denoisers = torch.nn.ModuleList(denoisers.values())
-        self.vae = vae
-        self.text_encoders = torch.nn.ModuleDict(text_encoders)
-        self.tokenizers, self.text_max_length = tokenizers, text_max_length
-        self.reference_denoisers = None if reference_denoisers is None else torch.nn.ModuleList(reference_denoisers)
+        self.denoisers = torch.nn.ModuleList(parts.denoisers.values())
+        self.vae = parts.vae
+        self.text_encoders = torch.nn.ModuleDict(parts.text_encoders)
+        self.tokenizers, self.text_max_length = parts.tokenizers, options.text_max_length
+        reference = parts.reference_denoisers
+        self.reference_denoisers = None if reference is None else torch.nn.ModuleList(reference)
         self._prompt_cache: dict[str, PromptEmbeds] = {}
         self._use_reference = False
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
+        dtype = DTYPES[options.dtype]
         self.device, self.dtype = torch.device(device), dtype
-        self.vae_dtype = vae_dtype or dtype  # FlowGRPO decodes in float32 whatever the policy computes in
+        self.vae_dtype = options.torch_vae_dtype or dtype  # FlowGRPO decodes in float32 whatever the policy computes in
         self.to(device=device).eval()
         for part in (*(self.reference_denoisers or []), self.text_encoders):  # each its own _keep_in_fp32_modules
             cast_floating(part, dtype)
-        cast_floating(vae, self.vae_dtype)
+        cast_floating(self.vae, self.vae_dtype)
         # (module, name, float32 master) read at ``dtype``
         self._masters = [m for net in self.denoisers for m in cast_floating(net, dtype)]
 
@@ -190,7 +221,7 @@ class Policy(torch.nn.Module):
         return PromptEmbeds.cat([self._prompt_cache[p] for p in prompts])
 
     def _encode_text(self, prompts: list[str], images=None) -> PromptEmbeds:
-        return self.arch.encode_text(
+        return self.runtime.encode_text(
             self.text_encoders, self.tokenizers, prompts, self.text_max_length, self.device, images=images
         )
 
@@ -208,7 +239,7 @@ class Policy(torch.nn.Module):
         if side is not None and side != self.resolution:
             image = image.resize((side, side), Image.Resampling.LANCZOS)
             pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        reference = self.arch.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))
+        reference = self.runtime.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))
         negative = self._encode_text([self.negative_prompt], images=[image])
         negative.reference = reference
         emb = self._encode_text([str(prompt)], images=[image])
@@ -217,13 +248,13 @@ class Policy(torch.nn.Module):
 
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample shape of x in the layout :meth:`velocity` takes."""
-        return tuple(self.arch.latent_shape)
+        return tuple(self.runtime.latent_shape)
 
     def init_latents(self, generators: list[torch.Generator], dtype: torch.dtype | None = None) -> Tensor:
         """x_1 ~ N(0, I) in ``dtype`` (default: the policy's): sample b is a float32 draw from ``generators[b]``
         (CPU), so it never depends on batching or on the dtype / device of the run."""
-        noise = torch.stack([torch.randn(self.arch.noise_shape, generator=g) for g in generators])
-        latents = self.arch.noise_to_latents(noise)
+        noise = torch.stack([torch.randn(self.runtime.noise_shape, generator=g) for g in generators])
+        latents = self.runtime.noise_to_latents(noise)
         latents = latents.pin_memory() if self.device.type == "cuda" else latents  # a copy the host need not wait for
         return latents.to(self.device, dtype or self.dtype, non_blocking=True)
 
@@ -236,18 +267,18 @@ class Policy(torch.nn.Module):
         with self._forward_scope():
             nets = self._nets()
             if len(nets) == 1:
-                return self.arch.forward(nets[0], x, sigma, emb, guidance_embed)
+                return self.runtime.forward(nets[0], x, sigma, emb, guidance_embed)
             # several denoisers: each sample runs the one its sigma chooses (one forward when they all agree)
             chosen = (sigma < self.boundary).long()  # denoiser_index of every sample
             # the meta device (lean plan) has no values: one expert's pass is counted (the experts share a shape)
             picks = [0] if sigma.device.type == "meta" else chosen.unique().tolist()
             if len(picks) == 1:
-                return self.arch.forward(nets[picks[0]], x, sigma, emb, guidance_embed)
+                return self.runtime.forward(nets[picks[0]], x, sigma, emb, guidance_embed)
             order = torch.argsort(chosen, stable=True)
             parts = []
             for k in picks:
                 rows = (chosen == k).nonzero().squeeze(1)
-                parts.append(self.arch.forward(nets[k], x[rows], sigma[rows], emb.index(rows), guidance_embed))
+                parts.append(self.runtime.forward(nets[k], x[rows], sigma[rows], emb.index(rows), guidance_embed))
             return torch.cat(parts)[torch.argsort(order)]
 
     @contextmanager
@@ -307,18 +338,12 @@ class Policy(torch.nn.Module):
         x: Tensor,
         sigma: Tensor,
         emb: PromptEmbeds,
-        *,
-        cfg: bool,
-        guidance_scale: float,
-        guidance_scale_2: float | None = None,
-        uncond_grad: bool = False,
-        guidance_embed: float | None = None,
+        guidance: Guidance | SampleConfig = UNGUIDED,
         joint_cfg: bool = False,
-        truncate_timestep: bool = False,
     ) -> Tensor:
-        """v(x, sigma | prompt), guided when ``cfg``: v = v_u + s (v_c - v_u), v_u for :attr:`negative_prompt` (or the
-        row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image); with two experts,
-        ``guidance_scale_2`` (if set) is s on the low-noise expert's rows, as WanPipeline's. Families with
+        """v(x, sigma | prompt), guided when ``guidance.cfg``: v = v_u + s (v_c - v_u), v_u for :attr:`negative_prompt`
+        (or the row's own unconditional conditioning, ``emb.negative``: an edit keeps its reference image); with two
+        experts, ``guidance_scale_2`` (if set) is s on the low-noise expert's rows, as WanPipeline's. Families with
         ``cfg_renorm`` (Qwen-Image) rescale v per token to the norm of v_c over the channels, as their pipelines do.
 
         ``sigma`` is ``[B]`` (or a scalar) in [0, 1]. With ``uncond_grad=False`` v_u is a constant.
@@ -331,11 +356,12 @@ class Policy(torch.nn.Module):
         """
         x = x.to(self.dtype)  # a trajectory kept wider than the network (sample.latent_dtype) is read at its precision
         sigma = torch.as_tensor(sigma, device=x.device)
-        if truncate_timestep:
+        guidance_embed, uncond_grad = guidance.guidance_embed, guidance.uncond_grad
+        if guidance.truncate_timestep:
             sigma = torch.floor(sigma.float() * 1000) / 1000
         # sigma in the step's compute dtype: rounding it to bfloat16 would move the timestep (913.35 -> 916)
         sigma = sigma.to(compute_dtype(x)).expand(x.shape[0])
-        if not cfg:
+        if not guidance.cfg:
             return self._forward(x, sigma, emb, guidance_embed)
         if emb.negative is not None:
             uncond = emb.negative
@@ -352,10 +378,10 @@ class Policy(torch.nn.Module):
             v_u, v_c = v.chunk(2)
             if not uncond_grad:
                 v_u = v_u.detach()  # a constant (no-op without autograd)
-        scale = guidance_scale
-        if guidance_scale_2 is not None and self.boundary is not None:  # per row, by the expert its sigma picks
+        scale = guidance.guidance_scale
+        if guidance.guidance_scale_2 is not None and self.boundary is not None:  # per row, by its sigma's expert
             low = (sigma < self.boundary).view(-1, *[1] * (x.dim() - 1))
-            scale = torch.where(low, guidance_scale_2, guidance_scale).to(v_c.dtype)
+            scale = torch.where(low, guidance.guidance_scale_2, guidance.guidance_scale).to(v_c.dtype)
         v = v_u + scale * (v_c - v_u)
         if self.cfg_renorm:
             v = v * (
@@ -384,7 +410,7 @@ class Policy(torch.nn.Module):
     def decode(self, x: Tensor) -> Tensor:
         """Images ``[B, 3, H, W]`` (video: ``[B, 3, F, H, W]``), float32 in [0, 1], decoded at the VAE's
         precision."""
-        return (self.arch.decode(self.vae, x.to(self.vae_dtype)) / 2 + 0.5).clamp(0, 1).float()
+        return (self.runtime.decode(self.vae, x.to(self.vae_dtype)) / 2 + 0.5).clamp(0, 1).float()
 
     # ------------------------------------------------------------------ trainable state
 
@@ -447,7 +473,7 @@ class Policy(torch.nn.Module):
     def save_pretrained(self, folder: str | Path, adapter: bool = True) -> None:
         """Write a diffusers pipeline folder: ``model_index.json``, ``transformer/`` (each denoiser's folder: base
         weights, adapter excluded), ``vae/``, the text encoders and tokenizers; plus, if ``adapter``, the LoRA as
-        ``lora.safetensors``. :func:`lean.models.build_policy` with ``pretrained=folder`` restores this policy
+        ``lora.safetensors``. :func:`lean.models.build.build_policy` with ``pretrained=folder`` restores this policy
         exactly."""
         from diffusers import __version__ as diffusers_version  # local: diffusers takes seconds to import
 

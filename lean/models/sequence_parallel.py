@@ -4,7 +4,7 @@ ranks of a sequence-parallel group, Ulysses attention inside diffusers' blocks (
 Every rank of the group holds the same trajectories (data parallelism is over groups); inside the transformer rank r
 computes tokens r*S/P .. (r+1)*S/P through every block and all-gathers the output, so the velocity, the SDE step and
 the loss are the same on every rank. Attention swaps tokens for heads and back with all-to-alls; the families hook
-that in as diffusers attention processors and module hooks (``Family.shard_sequence``, each family's
+that in as diffusers attention processors and module hooks (``FamilyRuntime.shard_sequence``, each family's
 ``sequence_parallel.py``), no model code is forked.
 
 The all-to-alls are fused with the projections around them (``lean.parallel.overlap.ops``), each by
@@ -165,20 +165,20 @@ def base_model(transformer: nn.Module) -> nn.Module:
 def sequence_problem(policy, size: int) -> str | None:
     """Why ``policy`` cannot split over ``size`` ranks (heads and tokens must divide), or None."""
     heads = math.lcm(*(base_model(net).config.num_attention_heads for net in policy.denoisers))  # each must divide
-    tokens = {"heads": heads, "image/video tokens": policy.arch.image_seq_len}
-    if policy.arch.splits_text:
+    tokens = {"heads": heads, "image/video tokens": policy.runtime.image_seq_len}
+    if policy.runtime.splits_text:
         tokens["text tokens (model.text_max_length)"] = policy.text_max_length
     bad = [f"{n} {what}" for what, n in tokens.items() if n % size]
     return f"must divide the {', '.join(bad)}" if bad else None
 
 
-def enable(transformers: Sequence[nn.Module], arch, ov: Overlap) -> SequenceParallel:
-    """Install the family's sequence parallelism (``arch.shard_sequence``) on each transformer (the policy's
+def enable(transformers: Sequence[nn.Module], runtime, ov: Overlap) -> SequenceParallel:
+    """Install the family's sequence parallelism (``runtime.shard_sequence``) on each transformer (the policy's
     denoisers and, in a full fine-tune, their reference copies: ``Policy.networks``); one :class:`SequenceParallel`
     drives them all."""
     sp = SequenceParallel(ov)
     for net in transformers:
-        sp.handles += arch.shard_sequence(base_model(net), sp)
+        sp.handles += runtime.shard_sequence(base_model(net), sp)
     return sp
 
 
@@ -188,7 +188,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     p = cfg.parallel
     if p.sequence_parallel == 1:
         return
-    families = catalog("model family")  # lean.models.FAMILIES, whose family packages import this module
+    families = catalog("model family")  # lean.models.registry.FAMILIES, whose family packages import this module
     family = families[cfg.model.family]
     if not family.sequence_parallel:
         able = ", ".join(n for n, f in families.items() if f.sequence_parallel)

@@ -1,10 +1,11 @@
 """What a model family is: a typed :class:`FamilySpec` (everything lean reads about a family before or without
-building it) and the :class:`Family` runtime protocol (everything a built policy calls on it).
+building it) and the :class:`FamilyRuntime` protocol (everything a built policy calls on it, ``Policy.runtime``).
 
-A family is a package ``lean/models/<family>/`` whose ``SPEC`` is a :class:`FamilySpec`; ``lean.models.FAMILIES``
-maps its name to that spec. Config validation reads specs, so a family package imports no diffusers or transformers
-at import time: components are named by class name (``model_index.json``'s spelling) and imported when a model is
-built. Code outside ``lean/models/`` reads spec fields; it never probes a family for attributes.
+A family is a package ``lean/models/<family>/`` whose ``SPEC`` is a :class:`FamilySpec`;
+``lean.models.registry.FAMILIES`` maps its name to that spec. Every fact about a family is a field of its spec, set in
+its folder's ``spec.py``. Config validation reads specs, so a family package imports no diffusers or transformers at
+import time: components are named by class name (``model_index.json``'s spelling) and imported when a model is built.
+Code outside ``lean/models/`` reads spec fields; it never probes a family for attributes.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ BATCH_NORM = "batch_norm"  # z = (patchify_2x2(z_vae) - bn.running_mean) / sqrt(
 Normalisation = Literal["scale_shift", "mean_std", "batch_norm"]
 
 
-class Family(Protocol):
+class FamilyRuntime(Protocol):
     """A family's runtime object for one resolution / frame count, built by ``FamilySpec.runtime(transformer_config,
-    vae_config, resolution, num_frames)``: the latent geometry, the text conditioning, the network call and the
-    decode, and how sequence parallelism enters the network."""
+    vae_config, resolution, num_frames)`` (``lean.models.build.build_runtime``) and held as ``Policy.runtime``: the
+    latent geometry, the text conditioning, the network call and the decode, and how sequence parallelism enters the
+    network."""
 
     noise_shape: tuple[int, ...]  # per-sample Gaussian draw, in the VAE latent layout
     latent_shape: tuple[int, ...]  # per-sample x as the transformer takes it
@@ -126,10 +128,13 @@ class FamilySpec:
     sizes: Mapping[str, Size]  # tiny (tests), small (CPU bench), ..., full (as published)
     lora_attention: str  # regex (peft full match) of the adapted attention projections
     lora_ffn: str  # regex of the MLP layers model.lora_ffn adds
-    runtime: Callable[..., Family]  # (transformer_config, vae_config, resolution, num_frames) -> Family
+    runtime: Callable[..., FamilyRuntime]  # (transformer_config, vae_config, resolution, num_frames) -> FamilyRuntime
     # the denoiser's stacks of repeated blocks (ModuleList attributes of the diffusers model), in forward order; each
     # stack's last block may differ from the others (SD3's last joint block updates no text)
     block_lists: tuple[str, ...] = ("transformer_blocks",)
+    # the transformer config fields whose sum is its number of blocks (lean.models.footprint.transformer_blocks):
+    # FLUX's double- and single-stream blocks are two counts
+    block_counts: tuple[str, ...] = ("num_layers",)
     # the denoiser folders, in the order steps use them: one, or a high-noise and a low-noise expert (Wan2.2-A14B)
     denoiser_folders: tuple[str, ...] = ("transformer",)
     boundary: float | None = None  # two denoisers: the first runs at sigma >= boundary, the second below
@@ -143,9 +148,13 @@ class FamilySpec:
     cfg_renorm: bool = False
     # the pipeline's CFG is ``true_cfg_scale`` against a ``negative_prompt`` (QwenImagePipeline), not ``guidance_scale``
     true_cfg: bool = False
+    # the pipeline's __call__ takes ``sigmas`` (lean sample passes lean's sigma grid; tests/test_export.py checks it
+    # against diffusers); WanPipeline's does not: it steps on its scheduler's own grid
+    takes_sigmas: bool = False
     keeps_float32: bool = False  # the transformer class keeps some modules float32 in half precision
     # a dynamically shifting scheduler's mu as the pipeline computes it, mu(image_seq_len, num_steps), instead of the
-    # config's linear rule (Flux2Pipeline's compute_empirical_mu); None: the linear rule (lean.models.time_shift)
+    # config's linear rule (Flux2Pipeline's compute_empirical_mu); None: the linear rule
+    # (lean.models.scheduler.dynamic_mu)
     mu_rule: Callable[[int, int], float] | None = None
     # Jinja chat template given to a random build's word-level tokenizer, for a pipeline that formats its prompts with
     # ``tokenizer.apply_chat_template`` (FLUX.2); saved with the tokenizer. None: the pipeline uses no chat template

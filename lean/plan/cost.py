@@ -39,7 +39,9 @@ import torch
 
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, ROLLOUT_STEPS, build_algorithm
 from lean.config.dtypes import DTYPES, master_dtype
-from lean.models import family_spec, lora_config, meta_transformer
+from lean.models.build import lora_config
+from lean.models.footprint import meta_transformer
+from lean.models.registry import family_spec
 from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import init_world
@@ -65,7 +67,7 @@ from lean.schedules.recompute import first_update_rows
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
-    from lean.models import Policy
+    from lean.models.policy import Policy
 
 
 @dataclass(frozen=True)

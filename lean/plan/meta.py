@@ -52,7 +52,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lean.config import AUTO, ConfigError
 from lean.configure import validate
-from lean.models import build_policy, family_spec, transformer_blocks
+from lean.models.build import build_policy
+from lean.models.footprint import transformer_blocks
+from lean.models.registry import family_spec
 from lean.models.sequence_parallel import base_model, enable, sequence_problem
 from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
 from lean.observe.outputs import write_json
@@ -189,12 +191,12 @@ def ulysses_exposed_s(inp: PlanInput, degree: int, rows: int) -> float:
         return 0.0
     config = base_model(inp.policy.denoisers[0]).config
     width = config.num_attention_heads * config.attention_head_dim
-    arch = inp.policy.arch
-    seq = arch.image_seq_len + (inp.policy.text_max_length if arch.splits_text else 0)
+    runtime = inp.policy.runtime
+    seq = runtime.image_seq_len + (inp.policy.text_max_length if runtime.splits_text else 0)
     ops = sim.layer_ops(degree, rows, seq, width, width, 3 * width, element_bytes=2)
     method = inp.cfg.parallel.overlap
     per_block = sum(sim.predict(op, method, sim.H100_SXM).exposed for op in ops if op.name.startswith("ulysses"))
-    return per_block * transformer_blocks(config)
+    return per_block * transformer_blocks(family_spec(inp.cfg.model.family), config)
 
 
 def with_all_to_alls(measured: dict, inp: PlanInput, degree: int) -> dict:
@@ -353,7 +355,7 @@ def counted(inp: PlanInput, count: Callable[[PlanInput], dict]) -> dict[bool, di
     plain step's activations (small FLUX on a CPU: 27 MiB modelled, 30 measured)."""
     by_checkpointing = probe_checkpointing(inp, lambda inp: depth_extrapolated(inp, count))
     plain, checkpointed = by_checkpointing[False], by_checkpointing[True]
-    blocks = transformer_blocks(base_model(inp.policy.denoisers[0]).config)
+    blocks = transformer_blocks(family_spec(inp.cfg.model.family), base_model(inp.policy.denoisers[0]).config)
     checkpointed["backward_transient_mb"] = plain["backward_transient_mb"] + plain["activation_mb"] / blocks
     return by_checkpointing
 
@@ -411,7 +413,7 @@ def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: fl
     sp, out = None, {}
     for degree in degrees:
         if degree > 1 and sp is None:
-            sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.arch, SimulatedOverlap())
+            sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.runtime, SimulatedOverlap())
         if sp is not None:
             sp.ov = SimulatedOverlap(inp.cfg.parallel.overlap, size=degree)
         at = at_degree(inp, gpus, degree)

@@ -44,8 +44,11 @@ from torch import Tensor
 from lean.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from lean.config import ConfigError
 from lean.configure import validate
-from lean.models import build_policy, family_spec, terminal_stretch, time_shift, tracked_step_floor
+from lean.models.build import build_policy
+from lean.models.footprint import tracked_step_floor
 from lean.models.precision import set_matmul_precision
+from lean.models.registry import family_spec
+from lean.models.scheduler import terminal_stretch, time_shift
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
@@ -70,7 +73,8 @@ from lean.schedules.recompute import rolled_out_in_update_order, shuffled
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
-    from lean.models import Policy, PromptEmbeds
+    from lean.models.policy import Policy
+    from lean.models.text import PromptEmbeds
 
 SampleKey = tuple[int, int, int]  # (group, prompt index, sample index)
 WINDOW_STREAM = 99  # iteration_generator purpose of the SDE window draw
@@ -189,8 +193,8 @@ class IterationResult:
 
 
 def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
-    """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma
-    grid. The pipeline's config is ``cfg`` with ``sample.shift`` resolved (``lean.models.time_shift``: the user's
+    """The policy of ``cfg`` on this process's device (``cfg`` validated for ``world.size`` first), and its sigma grid.
+    The pipeline's config is ``cfg`` with ``sample.shift`` resolved (``lean.models.scheduler.time_shift``: the user's
     value, the pretrained folder's scheduler config, or the family's published one); ``pipeline.shift_source`` says
     which."""
     validate(cfg, world_size=world.size)
@@ -203,10 +207,10 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
         if problem := sequence_problem(policy, world.sequence_parallel):
             raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)
         ov = Overlap(cfg.parallel.overlap, world.sequence_group, timeout=cfg.train.dist_timeout_s or CPU_TIMEOUT_S)
-        policy.sequence_parallel = enable(policy.networks(), policy.arch, ov)
+        policy.sequence_parallel = enable(policy.networks(), policy.runtime, ov)
     policy.negative_prompt = cfg.sample.negative_prompt
     shift, source = time_shift(
-        cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.arch.image_seq_len, cfg.sample.num_steps
+        cfg.model.family, cfg.model.pretrained, cfg.sample.shift, policy.runtime.image_seq_len, cfg.sample.num_steps
     )
     terminal = terminal_stretch(cfg.model.family, cfg.model.pretrained, cfg.sample.shift, cfg.sample.shift_terminal)
     cfg = dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, shift=shift, shift_terminal=terminal))
@@ -218,8 +222,8 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
 
 def refuse_what_cannot_fit(cfg: RunConfig, device: torch.device) -> None:
     """A config error before anything is built when even one trajectory's tracked step cannot fit: its activations
-    alone (a lower bound from the configs, ``lean.models.tracked_step_floor``) exceed ``train.memory_budget_mb`` or
-    what the device has (``lean.observe.metrics.device_memory_mb``)."""
+    alone (a lower bound from the configs, ``lean.models.footprint.tracked_step_floor``) exceed
+    ``train.memory_budget_mb`` or what the device has (``lean.observe.metrics.device_memory_mb``)."""
     floor, how = tracked_step_floor(cfg.model)
     available_mb = cfg.train.memory_budget_mb or device_memory_mb(device)
     if floor / 2**20 > available_mb:

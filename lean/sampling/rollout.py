@@ -103,18 +103,8 @@ class StepOutput:
 
 
 def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig, joint_cfg: bool = False):
-    return policy.velocity(
-        x,
-        sigma,
-        emb,
-        cfg=cfg.cfg,
-        guidance_scale=cfg.guidance_scale,
-        guidance_scale_2=cfg.guidance_scale_2,
-        uncond_grad=cfg.uncond_grad,
-        guidance_embed=cfg.guidance_embed,
-        joint_cfg=joint_cfg,
-        truncate_timestep=cfg.truncate_timestep,
-    )
+    """The policy's velocity, guided as the sampler ``cfg`` says (the fields ``lean.models.policy.Guidance`` names)."""
+    return policy.velocity(x, sigma, emb, cfg, joint_cfg)
 
 
 def sde_step(v, x, index, cfg: SampleConfig, sigmas, *, next_sample=None, generators=None, noise=None):

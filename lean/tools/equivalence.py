@@ -22,7 +22,7 @@ import torch
 from lean.algorithms import CLEAN_SAMPLES, build_algorithm
 from lean.config import RunConfig
 from lean.config.dtypes import HALF, dtype_name
-from lean.models import build_policy
+from lean.models.build import build_policy
 from lean.models.snapshot import swapped_in
 from lean.observe.outputs import write_json
 from lean.parallel.sharding import FSDP, full, full_state_dict

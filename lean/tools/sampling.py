@@ -5,9 +5,9 @@ The pipeline class is the one ``model_index.json`` names (a family's ``FamilySpe
 StableDiffusion3Pipeline, WanPipeline); the LoRA folder (``<run>/lora``, or ``lean export``'s) is loaded with
 ``pipe.load_lora_weights``. Each prompt is one call ``pipe(prompt=..., num_inference_steps=..., guidance_scale=...,
 generator=...)``: the ODE of the pipeline's scheduler. A folder without ``scheduler/`` (lean's own base folders) gets
-the family's published scheduler config (``lean.models.build_scheduler``); ``shift`` sets a static shift instead (the
-``sample.shift`` a run trained with). The text encoders see what lean's policy gives them: CLIP padded to its full
-context, T5 at most the tokenizer's ``model_max_length`` tokens (lean's ``model.text_max_length``).
+the family's published scheduler config (``lean.models.scheduler.build_scheduler``); ``shift`` sets a static shift
+instead (the ``sample.shift`` a run trained with). The text encoders see what lean's policy gives them: CLIP padded to
+its full context, T5 at most the tokenizer's ``model_max_length`` tokens (lean's ``model.text_max_length``).
 
 The run's settings: an export (``<run>/lora``, ``lean export``'s folders, ``--merge``'s included) carries the settings
 of the run's evaluation in ``lean_sampling.json`` (``lean.export.sampling_settings``); every option left unset
@@ -45,23 +45,14 @@ from lean.config.dtypes import DTYPES
 from lean.config.prompts import read_prompts, reference_image, reference_pixels
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE, expert_weight_name
-from lean.models import FAMILIES, build_scheduler, family_spec, pipeline_family, pretrained_problem
+from lean.models.checks import pipeline_family, pretrained_problem
 from lean.models.processors import load_processor
+from lean.models.registry import FAMILIES, family_spec
+from lean.models.scheduler import build_scheduler
 from lean.sampling.rollout import sample_generator
 from lean.sampling.sde import SIGMA_GRIDS, sigma_schedule
 
 GIF_FRAME_MS = 125  # 8 frames per second
-# the pipelines whose __call__ takes sigmas (tests/test_export.py checks it against diffusers); WanPipeline does not
-SIGMAS_PIPELINES = (
-    "FluxPipeline",
-    "StableDiffusion3Pipeline",
-    "QwenImagePipeline",
-    "QwenImageEditPipeline",
-    "FluxKontextPipeline",
-    "Flux2Pipeline",
-    "Flux2KleinPipeline",
-    "HunyuanVideo15Pipeline",
-)
 
 
 @dataclass
@@ -148,8 +139,8 @@ SETTINGS = tuple(
 
 
 def takes_sigmas(family: str) -> bool:
-    """Whether the family's pipeline call takes ``sigmas`` (:data:`SIGMAS_PIPELINES`)."""
-    return family_spec(family).pipeline in SIGMAS_PIPELINES
+    """Whether the family's pipeline call takes ``sigmas`` (``FamilySpec.takes_sigmas``)."""
+    return family_spec(family).takes_sigmas
 
 
 def run_settings(pretrained: str | Path, lora: str | Path | None) -> tuple[dict, Path] | None:
@@ -221,7 +212,7 @@ def noise_generator(seed: int, index: int) -> torch.Generator:
 
 def pipeline_sigmas(num_steps: int, shift: float, grid: str, terminal: float | None = None) -> list[float]:
     """The ``sigmas`` argument that makes FluxPipeline / StableDiffusion3Pipeline, with a scheduler of the static
-    ``shift`` (and no terminal stretch: ``lean.models.build_scheduler``), step on lean's grid
+    ``shift`` (and no terminal stretch: ``lean.models.scheduler.build_scheduler``), step on lean's grid
     ``sigma_schedule(num_steps, shift, grid, terminal)``: the scheduler shifts what it is given by
     f(s) = shift s / (1 + (shift - 1) s) (in float32) and appends 0, so these are f^-1 of the grid's first
     ``num_steps`` points, s = g / (shift - (shift - 1) g)."""

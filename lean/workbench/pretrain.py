@@ -34,8 +34,10 @@ import torch
 from torch import Tensor
 
 from lean.config.dtypes import dtype_name
-from lean.models import build_policy, family_spec, time_shift
+from lean.models.build import build_policy
 from lean.models.options import ModelConfig
+from lean.models.registry import family_spec
+from lean.models.scheduler import time_shift
 from lean.models.spec import SCALE_SHIFT
 from lean.rewards import compute_rewards
 from lean.sampling.options import SampleConfig
@@ -114,12 +116,12 @@ def calibrate_latents(policy, z: Tensor, resolution: int, num_frames: int) -> No
     else:  # z = (z_vae - mean_c) / std_c per channel
         dims = [d for d in range(z.ndim) if d != 1]
         vae.register_to_config(latents_mean=z.mean(dims).tolist(), latents_std=z.std(dims).tolist())
-    policy.arch = spec.runtime(policy.denoisers[0].config, vae.config, resolution, num_frames)
+    policy.runtime = spec.runtime(policy.denoisers[0].config, vae.config, resolution, num_frames)
 
 
 def normalise_latents(policy, z: Tensor) -> Tensor:
     """VAE latents -> the policy's latent layout (the inverse of its family's decode transform)."""
-    return policy.arch.latents_from_vae(z)
+    return policy.runtime.latents_from_vae(z)
 
 
 def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> Tensor:
@@ -145,14 +147,14 @@ def train_flow(
         idx = torch.randint(len(latents), (cfg.batch_size,), generator=gen)
         drop = torch.rand(cfg.batch_size, generator=gen) < cfg.caption_dropout
         prompts = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist())]
-        emb = policy.arch.encode_text(
+        emb = policy.runtime.encode_text(
             policy.text_encoders, policy.tokenizers, prompts, policy.text_max_length, policy.device
         )
         x0 = latents[idx]
         noise = torch.randn(x0.shape, generator=gen)
         sigma = sample_sigmas(cfg.batch_size, cfg.shift, gen)
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        v = policy.velocity((1 - s) * x0 + s * noise, sigma, emb, cfg=False, guidance_scale=1.0)
+        v = policy.velocity((1 - s) * x0 + s * noise, sigma, emb)  # unguided
         loss = (v - (noise - x0)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -179,8 +181,8 @@ def sample_reward(
 ) -> float:
     """Mean reward of ``samples_per_prompt`` images per prompt drawn with the GRPO sampler (SDE steps, CFG).
     ``pretrained``: the folder ``policy`` was loaded from, whose scheduler config sets an unset ``sample_cfg.shift``
-    (``lean.models.time_shift``)."""
-    shift, _ = time_shift(policy.family, pretrained, sample_cfg.shift, policy.arch.image_seq_len)
+    (``lean.models.scheduler.time_shift``)."""
+    shift, _ = time_shift(policy.family, pretrained, sample_cfg.shift, policy.runtime.image_seq_len)
     sample_cfg = dataclasses.replace(sample_cfg, shift=shift)
     pairs = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt)]
     gens = [sample_generator(seed, 0, i, i, k) for i, k in pairs]  # one group per prompt

@@ -28,7 +28,7 @@ SPEC = FamilySpec(
     vae=VaeConvention(SCALE_SHIFT),
     packed_latents=True,
     # FLUX.1-dev's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): FluxPipeline shifts by e^mu, mu
-    # linear in the image token count (lean.models.time_shift); the static shift is unused
+    # linear in the image token count (lean.models.scheduler.time_shift); the static shift is unused
     scheduler={
         "_class_name": "FlowMatchEulerDiscreteScheduler",
         "shift": 3.0,
@@ -45,4 +45,6 @@ SPEC = FamilySpec(
     block_lists=("transformer_blocks", "single_transformer_blocks"),  # 19 double-stream, then 38 single-stream
     guidance_embed=True,  # FLUX.1-dev is guidance-distilled: it takes the guidance value as an embedding
     sequence_parallel=True,
+    block_counts=("num_layers", "num_single_layers"),  # double-stream blocks, then single-stream ones
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

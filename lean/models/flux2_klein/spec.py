@@ -32,4 +32,6 @@ SPEC = FamilySpec(
     sequence_parallel=False,  # lean.models.flux2.model.NO_SEQUENCE_PARALLEL says why
     mu_rule=empirical_mu,
     chat_template=CHAT_TEMPLATE,
+    block_counts=("num_layers", "num_single_layers"),  # double-stream blocks, then single-stream ones
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

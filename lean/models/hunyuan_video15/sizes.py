@@ -17,7 +17,7 @@ The full size, and where each value was checked:
 * ``text_encoder_2/config.json``: google/byt5-small's encoder (the script loads ``T5EncoderModel.from_pretrained(
   "google/byt5-small")`` and the Glyph-SDXL-v2 weights into it): d_model 1472, d_kv 64, 6 heads, d_ff 3584, 12 layers,
   gated-GELU (its config.json, read through the docs search). Glyph-SDXL-v2 adds colour and font tokens to the
-  vocabulary; a random build takes its vocabulary from lean's tokenizer anyway (``lean.models._random_components``).
+  vocabulary; a random build takes its vocabulary from lean's tokenizer anyway (``lean.models.build``).
 
 The smaller sizes shrink every width and depth and keep the structure: the 2048-wide byT5 projection is the class's
 own constant, so even the tiny transformer has 4.5M parameters; the tiny VAE compresses 8x (32 px -> 4 x 4 latent, 32
@@ -38,11 +38,12 @@ SCALING_FACTOR = 1.03682  # AutoencoderKLHunyuanVideo15's default, the published
 
 
 def _dit(
-    heads: int, head_dim: int, layers: int, refiner: int, text: int, glyph: int, image: int, latent: int, rope
+    heads: int, head_dim: int, layers: int, refiner: int, embeds: tuple[int, int, int], latent: int, rope
 ) -> dict[str, Any]:
     """HunyuanVideo15Transformer3DModel: ``latent`` channels in and out (the input also carries T2V's zero condition
-    latent and mask: 2 latent + 1 channels), 1 x 1 x 1 patches; ``rope`` (frame, height, width) sums to
-    ``head_dim``."""
+    latent and mask: 2 latent + 1 channels), 1 x 1 x 1 patches; ``embeds`` the widths of the (Qwen2.5-VL text, byT5
+    glyph, SigLIP image) embeddings it takes; ``rope`` (frame, height, width) sums to ``head_dim``."""
+    text, glyph, image = embeds
     return dict(
         in_channels=2 * latent + 1,
         out_channels=latent,
@@ -90,7 +91,7 @@ def _qwen2_5_vl_text(hidden: int, layers: int, heads: int, kv_heads: int, interm
 
 SIZES = {
     "tiny": Size(  # 32 px x 5 frames -> 2 x 4 x 4 latent (8x VAE) -> 32 video tokens
-        transformer=_dit(2, 16, layers=1, refiner=1, text=32, glyph=32, image=16, latent=8, rope=(4, 6, 6)),
+        transformer=_dit(2, 16, layers=1, refiner=1, embeds=(32, 32, 16), latent=8, rope=(4, 6, 6)),
         vae=_vae(8, (8, 8, 8, 16), 1, spatial=8),
         text_encoders=dict(
             text_encoder=_qwen2_5_vl_text(32, 3, 2, 1, 64, [2, 3, 3]),
@@ -98,7 +99,7 @@ SIZES = {
         ),
     ),
     "small": Size(  # 256 px x 5 frames -> 2 x 16 x 16 latent (16x VAE, like the real one) -> 512 video tokens
-        transformer=_dit(4, 32, layers=4, refiner=2, text=64, glyph=64, image=32, latent=32, rope=(8, 12, 12)),
+        transformer=_dit(4, 32, layers=4, refiner=2, embeds=(64, 64, 32), latent=32, rope=(8, 12, 12)),
         vae=_vae(32, (16, 32, 32, 64, 64), 1, spatial=16),
         text_encoders=dict(
             text_encoder=_qwen2_5_vl_text(64, 3, 4, 2, 128, [2, 3, 3]),
@@ -106,9 +107,7 @@ SIZES = {
         ),
     ),
     "full": Size(  # HunyuanVideo-1.5 480p T2V: 8.33B transformer, Qwen2.5-VL-7B language model, byT5-small (Glyph)
-        transformer=_dit(
-            16, 128, layers=54, refiner=2, text=3584, glyph=1472, image=1152, latent=32, rope=(16, 56, 56)
-        ),
+        transformer=_dit(16, 128, layers=54, refiner=2, embeds=(3584, 1472, 1152), latent=32, rope=(16, 56, 56)),
         vae=_vae(32, (128, 256, 512, 1024, 1024), 2, spatial=16),
         text_encoders=dict(
             text_encoder=_qwen2_5_vl_text(3584, 28, 28, 4, 18944, [16, 24, 24]),

@@ -57,4 +57,5 @@ SPEC = FamilySpec(
     non_square=True,  # model.width: the pipeline draws frames of its target area at the requested aspect ratio
     chat_template=CHAT_TEMPLATE,  # the pipeline formats prompts with tokenizer.apply_chat_template
     special_tokens=CHAT_MARKERS,
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

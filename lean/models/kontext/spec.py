@@ -32,4 +32,6 @@ SPEC = FamilySpec(
     guidance_embed=True,  # guidance-distilled, as FLUX.1-dev (FluxKontextPipeline's guidance_scale=3.5)
     sequence_parallel=True,  # FLUX.1's Ulysses attention: the reference tokens split with the noisy ones
     reference_images=True,
+    block_counts=FLUX.block_counts,
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

@@ -17,7 +17,7 @@ The full size is written from the published ``config.json`` files of the Hugging
 
 The smaller sizes shrink every width and depth and keep the structure (the vision tower too, so that the text
 encoder builds and saves as the real class). A random build takes its vocabulary and special tokens from lean's own
-tokenizer (``lean.models._random_components``), so ``vocab_size`` is not in these tables.
+tokenizer (``lean.models.build._random_components``), so ``vocab_size`` is not in these tables.
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ SPEC = FamilySpec(
     vae=VaeConvention(MEAN_STD),  # (z - latents_mean_c) / latents_std_c; images: no temporal_compression
     packed_latents=True,
     # Qwen/Qwen-Image's scheduler/scheduler_config.json (written from memory): QwenImagePipeline shifts by e^mu, mu
-    # linear in the image token count from 0.5 at 256 tokens to 0.9 at 8192 (lean.models.time_shift reads it; the
+    # linear in the image token count from 0.5 at 256 tokens to 0.9 at 8192 (lean.models.scheduler reads it; the
     # static shift is unused). shift_terminal 0.02 then stretches the shifted grid so that its last non-zero sigma is
     # 0.02 (FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal). FlowGRPO's rollout keeps that stretch (its
     # pipeline_with_logprob calls retrieve_timesteps(scheduler, sigmas=linspace(1, 1/n, n), mu=mu),
     # flow_grpo/diffusers_patch/qwenimage_pipeline_with_logprob.py:98-113 at 9745241), and so does lean: with
-    # sample.shift and sample.shift_terminal unset both come from here (lean.models.terminal_stretch).
+    # sample.shift and sample.shift_terminal unset both come from here (lean.models.scheduler.terminal_stretch).
     scheduler={
         "_class_name": "FlowMatchEulerDiscreteScheduler",
         "base_image_seq_len": 256,
@@ -60,4 +60,5 @@ SPEC = FamilySpec(
     sequence_parallel=False,
     cfg_renorm=True,  # QwenImagePipeline's true CFG: v <- v * |v_c| / |v| per token
     true_cfg=True,  # QwenImagePipeline(true_cfg_scale=..., negative_prompt=...); its guidance_scale is unused
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

@@ -46,4 +46,5 @@ SPEC = FamilySpec(
         "image_token_id": "<|image_pad|>",
         "video_token_id": "<|video_pad|>",
     },
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

@@ -30,4 +30,5 @@ SPEC = FamilySpec(
     lora_attention=_ATTN,
     lora_ffn=_FFN,
     runtime=SD3,
+    takes_sigmas=True,  # its pipeline call takes lean's sigma grid
 )

@@ -81,7 +81,7 @@ def bench_sequence_parallel(
             **measured_config(cfg, options),
             "sequence_parallel": sp.size,
             "processes": trainer.world.size,
-            "tokens": trainer.policy.arch.image_seq_len,
+            "tokens": trainer.policy.runtime.image_seq_len,
             "samples_per_group": len(trainer.pipeline.local_batch(0).prompts),
         },
         "methods": list(overlaps),
