@@ -51,8 +51,16 @@ from lean.parallel.overlap.p2p import Overlap
 from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
 from lean.run.scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
-from lean.sampling.rollout import StepOutput, group_init_generator, iteration_generator, rollout, sample_generator
-from lean.sampling.sde import StepSelection, select_steps_for, sigma_schedule
+from lean.sampling.rollout import (
+    RolloutHooks,
+    RolloutPlan,
+    group_init_generator,
+    iteration_generator,
+    rollout,
+    sample_generator,
+)
+from lean.sampling.sde import StepRule, StepSelection, select_steps, sigma_schedule
+from lean.sampling.transition import Transition
 from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
 from lean.schedules.recompute import rolled_out_in_update_order, shuffled
@@ -136,8 +144,8 @@ def select_local_steps(
         return own
     if generators is None:
         generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
-    return select_steps_for(
-        cfg.sample,
+    return select_steps(
+        StepRule.of(cfg.sample),
         len(generators),
         window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
         sample_generators=generators,
@@ -248,18 +256,18 @@ class IterationPipeline:
         tally: FlopTally | None = None,
     ) -> IterationContext:
         return IterationContext(
-            self.policy,
-            self.cfg,
-            self.algorithm,
-            self.sigmas,
-            emb,
-            batch.steps,
-            batch.iteration,
-            finish_unit(self.cfg, self.world.data_size),
-            tally or FlopTally(),
-            timer or PhaseTimer(self.world.device),
-            batch.mine,
-            self.snapshot,
+            policy=self.policy,
+            cfg=self.cfg,
+            algorithm=self.algorithm,
+            sigmas=self.sigmas,
+            emb=emb,
+            steps=batch.steps,
+            iteration=batch.iteration,
+            finish_unit=finish_unit(self.cfg, self.world.data_size),
+            tally=tally or FlopTally(),
+            timer=timer or PhaseTimer(self.world.device),
+            samples=batch.mine,
+            snapshot=self.snapshot,
         )
 
     def refresh_snapshot(self, iteration: int) -> None:
@@ -278,37 +286,38 @@ class IterationPipeline:
         ctx: IterationContext,
         schedule: Schedule,
         *,
-        on_step: Callable[[StepOutput], None] | None = None,
+        on_step: Callable[[Transition], None] | None = None,
         progress: Callable[[int], None] | None = None,
         on_finished: Callable[[slice, Tensor], None] | None = None,
     ) -> Tensor:
         """Sample the local trajectories; ``on_step`` (a check or a recorder), then the schedule, see every SDE
         step; ``on_finished(rows, x_T)`` every finished micro-batch."""
 
-        def hook(step: StepOutput) -> None:
+        def hook(step: Transition) -> None:
             if on_step is not None:
                 on_step(step)
             schedule.on_step(step)
 
         weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
         with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
-            return rollout(
-                self.policy,
-                ctx.emb,
-                batch.generators,
-                batch.steps,
-                self.cfg.sample,
-                self.sigmas,
-                on_step=hook,
-                track_grad=schedule.track_grad,
-                rows_tracked=schedule.rows_tracked,
+            plan = RolloutPlan(
+                sampler=ctx.sampler,
+                emb=ctx.emb,
+                generators=batch.generators,
+                steps=batch.steps,
+                init_generators=batch.init_generators,
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
-                progress=progress,
-                init_generators=batch.init_generators,
                 decode=self.cfg.reward.decode,
-                on_finished=on_finished,
             )
+            hooks = RolloutHooks(
+                track_grad=schedule.track_grad,
+                rows_tracked=schedule.rows_tracked,
+                on_step=hook,
+                on_finished=on_finished,
+                progress=progress,
+            )
+            return rollout(self.policy, plan, hooks)
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
@@ -412,7 +421,7 @@ class IterationPipeline:
         *,
         timer: PhaseTimer | None = None,
         tally: FlopTally | None = None,
-        on_step: Callable[[StepOutput], None] | None = None,
+        on_step: Callable[[Transition], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> Rollout:
         """The first half of an iteration: local batch -> embed -> rollout -> score."""
@@ -422,7 +431,7 @@ class IterationPipeline:
         schedule = make_schedule(ctx)
         finite: dict[int, Tensor] = {}  # step -> all log-probs finite, on the device: read once, after the loop
 
-        def check(step: StepOutput) -> None:
+        def check(step: Transition) -> None:
             ok = torch.isfinite(step.log_prob.detach()).all()
             finite[step.index] = finite[step.index] & ok if step.index in finite else ok
             if on_step is not None:

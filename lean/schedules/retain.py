@@ -41,7 +41,8 @@ import torch
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
 from lean.parallel.sharding import is_sharded
-from lean.sampling.rollout import StepOutput, row_ids
+from lean.sampling.rollout import row_ids
+from lean.sampling.transition import Transition
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
 from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
@@ -59,7 +60,7 @@ class Retain(Schedule):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.kept: list[tuple[StepOutput, torch.Tensor | None]] = []  # (step with its graph, reference mean)
+        self.kept: list[tuple[Transition, torch.Tensor | None]] = []  # (step with its graph, reference mean)
         self.losses = []  # every backpropagated step's loss terms, for the stats
         self.provisional_stats: list[tuple[slice, StepLoss]] = []  # (rows, terms) backpropagated with Â
         self.unscaled = False  # an early finish under skip_zero_advantage used N = 1 (N is known only at the end)
@@ -81,7 +82,7 @@ class Retain(Schedule):
         buffers = TrajectoryBuffers(params, ctx.finish_unit)
         return buffers, PerSampleGrads(ctx.policy, params, buffers)
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         if self.later is not None:
             self.later.on_step(step)
         if step.log_prob.requires_grad:

@@ -57,7 +57,8 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
-from lean.sampling.rollout import StepOutput, row_ids
+from lean.sampling.rollout import row_ids
+from lean.sampling.transition import Transition
 from lean.schedules.base import (
     IterationCosts,
     OptimizerStep,
@@ -126,7 +127,7 @@ class Reweight(Schedule):
         per_trajectory = self.policy_buffers.nbytes + (self.kl_buffers.nbytes if self.kl_buffers else 0)
         return (per_trajectory + sum(b.numel() * b.element_size() for b in flat)) / 2**20
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         if self.later is not None:
             self.later.on_step(step)
         if not step.log_prob.requires_grad:
