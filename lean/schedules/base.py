@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.algorithms import Algorithm, StepLoss
+from lean.algorithms import Algorithm
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PhaseTimer
 from lean.sampling.rollout import Sampler, reference_mean
@@ -102,18 +102,14 @@ class IterationContext:
         choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose advantage is 0)."""
         return self.algorithm.kept_samples(targets)
 
-    def on_policy_loss(self, step: Transition, ref_mean: torch.Tensor | None, targets: torch.Tensor) -> StepLoss:
-        """The algorithm's loss terms of a rollout's step whose graph is its own (Retain, Reweight): its old values
-        are its own, detached, so the ratio is exp(log p - stopgrad(log p)) = 1, its gradient that of log p;
-        ``targets`` of the step's rows."""
-        return self.algorithm.step_loss(dataclasses.replace(step, ref_mean=ref_mean), targets)
-
-    def reference_mean(self, step: Transition) -> torch.Tensor | None:
-        """The reference policy's transition mean at the step's x_i (None when the regulariser is off)."""
+    def with_reference(self, step: Transition) -> Transition:
+        """The step with the reference policy's transition mean at its x_i, for the KL term (the step itself when the
+        regulariser is off)."""
         if self.algorithm.kl_weight == 0:
-            return None
+            return step
         with self.region("reference_forward"):
-            return reference_mean(self.policy, self.sampler, step, self.emb.index(step.rows))
+            ref_mean = reference_mean(self.policy, self.sampler, step, self.emb.index(step.rows))
+        return dataclasses.replace(step, ref_mean=ref_mean)
 
 
 OptimizerStep = Callable[[], dict]

@@ -30,7 +30,6 @@ Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,7 +38,7 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.config.registry import Registry
-from lean.sampling.rollout import iteration_generator, policy_step, reference_mean
+from lean.sampling.rollout import iteration_generator, policy_step
 from lean.sampling.transition import RECOMPUTE_INPUTS, Transition
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
@@ -244,10 +243,7 @@ class Recompute(Schedule):
         emb = ctx.emb.index(rows)
         with ctx.region(region):
             step = policy_step(ctx.policy, ctx.sampler, terms.step, emb, joint_cfg=joint_cfg)
-        if ctx.algorithm.kl_weight:
-            with ctx.region("reference_forward"):
-                step = dataclasses.replace(step, ref_mean=reference_mean(ctx.policy, ctx.sampler, step, emb))
-        loss = ctx.algorithm.step_loss(step, advantages[rows])
+        loss = ctx.algorithm.step_loss(ctx.with_reference(step), advantages[rows])
         self.ratios[rows, step.index] = loss.ratio.detach().double()
         with ctx.region("backward"):
             (terms.weight * loss.total(ctx.algorithm.kl_weight)).sum().backward()

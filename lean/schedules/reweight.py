@@ -133,14 +133,14 @@ class Reweight(Schedule):
         if not step.log_prob.requires_grad:
             return
         ctx = self.ctx
-        ref = ctx.reference_mean(step)
-        loss = ctx.on_policy_loss(step, ref, self.provisional[step.rows])
+        step = ctx.with_reference(step)  # the rollout's own step: its old values are its own, the ratio is 1
+        loss = ctx.algorithm.step_loss(step, self.provisional[step.rows])
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
             self._per_trajectory_backward(
-                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=ref is not None
+                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=step.ref_mean is not None
             )
-            if ref is not None:
+            if step.ref_mean is not None:
                 kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 if self.kl_buffers is not None:
                     self._per_trajectory_backward(kl_loss, step.rows, self.kl_buffers, retain_graph=False)
