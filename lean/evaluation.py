@@ -53,7 +53,7 @@ from lean.config.prompts import reference_image
 from lean.models.registry import family_spec
 from lean.observe.outputs import write_csv
 from lean.parallel.sharding import FSDP
-from lean.sampling.rollout import rollout, sample_generator
+from lean.sampling.rollout import RolloutPlan, Sampler, rollout, sample_generator
 from lean.sampling.sde import EULER, StepSelection, sigma_schedule
 
 if TYPE_CHECKING:
@@ -157,7 +157,10 @@ class Evaluator:
             stochastic=torch.zeros(n, dtype=torch.bool), trained=torch.zeros(len(keys), n, dtype=torch.bool)
         )
         emb = self.policy.encode_prompts([self.prompts[p] for p, _ in keys])
-        final = rollout(self.policy, emb, generators, deterministic, self.sample_cfg, self.sigmas)
+        plan = RolloutPlan(
+            sampler=Sampler(self.sample_cfg, self.sigmas), emb=emb, generators=generators, steps=deterministic
+        )
+        final = rollout(self.policy, plan)
         return self.policy.decode(final)
 
     def score(self, seed: int | None = None, folder: Path | None = None) -> Tensor:

@@ -38,8 +38,8 @@ from lean.models import Guidance
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
 from lean.rewards import REWARDS
-from lean.sampling.rollout import StepOutput
 from lean.sampling.sde import StepSelection, sigma_schedule
+from lean.sampling.transition import Transition
 from lean.schedules.base import IterationContext
 from lean.schedules.recompute import Recompute
 
@@ -210,16 +210,11 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, old_mean, rewards, j)
     trained[:, j] = True
     steps = StepSelection(stochastic=torch.ones(cfg.sample.num_steps, dtype=torch.bool), trained=trained)
     algorithm = build_algorithm(cfg, sigmas)
-    ctx = IterationContext(
-        policy=policy,
-        cfg=cfg,
-        algorithm=algorithm,
-        sigmas=sigmas,
-        emb=policy.encode_prompts(["p"] * n),
-        steps=steps,
-    )
+    emb = policy.encode_prompts(["p"] * n)
+    ctx = IterationContext(policy=policy, cfg=cfg, algorithm=algorithm, sigmas=sigmas, emb=emb, steps=steps)
     schedule = Recompute(ctx)
-    schedule.on_step(StepOutput(j, slice(0, n), x, x_next, old_log_p, old_mean, None))
+    rollout_step = Transition(index=j, rows=slice(0, n), sample=x, next_sample=x_next)
+    schedule.on_step(dataclasses.replace(rollout_step, old_log_prob=old_log_p, old_mean=old_mean))
     advantages = algorithm.targets(rewards, GROUPS).to(x.dtype)
     stats = schedule.finish(advantages, lambda: {})
     loss = stats["policy_loss"] + cfg.algorithm.beta * stats.get("kl", 0.0)

@@ -3,6 +3,8 @@ on-policy gradient is GRPO's reweighted by s_j / Delta_j, and what it cannot run
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import tiny
@@ -10,13 +12,14 @@ from helpers import tiny
 from lean.algorithms import build_algorithm
 from lean.algorithms.grpo_guard import sample_means
 from lean.config import ConfigError
-from lean.sampling.sde import sde_step_with_logprob, sigma_schedule
+from lean.sampling.sde import Sde, sde_step_with_logprob, sigma_schedule
+from lean.sampling.transition import Transition
 
 GUARD = ["algorithm.name=grpo_guard", "model.dtype=float64"]
 
 
 def _step(v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, j: int, x_next: torch.Tensor | None = None):
-    return sde_step_with_logprob(v, x, sigmas, j, kind="flow_grpo", noise_level=0.7, prev_sample=x_next)
+    return sde_step_with_logprob(Sde("flow_grpo", 0.7, sigmas), v, x, j, prev_sample=x_next)
 
 
 def test_ratio_norm_is_its_closed_form_off_policy():
@@ -29,7 +32,8 @@ def test_ratio_norm_is_its_closed_form_off_policy():
     for j in (0, 4, 8):
         x_next, log_p_old, mean_old, std = _step(v_old, x, sigmas, j)
         _, log_p, mean, _ = _step(v_new, x, sigmas, j, x_next)
-        got = algorithm.log_ratio(log_p, log_p_old, mean, mean_old, std)
+        step = Transition(index=j, sample=x, next_sample=x_next, log_prob=log_p, mean=mean, std=std)
+        got = algorithm.log_ratio(dataclasses.replace(step, old_log_prob=log_p_old, old_mean=mean_old))
         eps, delta, s = (x_next - mean_old) / std, mean - mean_old, std.flatten()[0]
         squares = sample_means(delta**2)
         closed = sample_means(eps * delta) + (squares.mean() - squares) / (2 * s)
@@ -49,7 +53,8 @@ def test_on_policy_the_ratio_is_one_and_the_gradient_grpos_times_s_over_dt():
     for name, algorithm in (("guard", guard), ("grpo", grpo)):
         v = v0.clone().requires_grad_()
         _, log_p, mean, std = _step(v, x, sigmas, j, x_next)
-        loss = algorithm.step_loss(j, log_p, log_p.detach(), targets, mean=mean, std=std, old_mean=mean.detach())
+        step = Transition(index=j, sample=x, next_sample=x_next, log_prob=log_p, mean=mean, std=std)
+        loss = algorithm.step_loss(step.on_policy(), targets)
         assert torch.equal(loss.ratio, torch.ones_like(loss.ratio))  # to the bit
         (grads[name],) = torch.autograd.grad(loss.policy.sum(), v)
         s = std.flatten()[0]

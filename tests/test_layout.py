@@ -102,7 +102,7 @@ def most_groups_retain_holds(trainer: Trainer) -> int:
         return schedules[-1]
 
     def count(step):  # runs before the schedule sees the step
-        most[0] = max(most[0], len({kept.rows.start for kept, _ in schedules[0].kept}))
+        most[0] = max(most[0], len({kept.rows.start for kept in schedules[0].kept}))
 
     rolled = trainer.pipeline.roll_out(0, retain, on_step=count)
     trainer.pipeline.finish(rolled, trainer.pipeline.advantages(rolled)[1], trainer.state.step)

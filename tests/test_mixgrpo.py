@@ -12,7 +12,7 @@ from helpers import tiny
 from lean.algorithms.mixgrpo import MixGRPO, window_start
 from lean.config import ConfigError
 from lean.run.iteration import local_batch
-from lean.sampling.rollout import rollout
+from lean.sampling.rollout import RolloutHooks, RolloutPlan, Sampler, rollout
 from lean.sampling.sde import dpm_solver_pp_step, ode_step, rollout_sigmas, sigma_schedule, tail_sigmas
 
 MIX = ["algorithm.name=mixgrpo"]
@@ -147,15 +147,14 @@ def test_flash_rollout_takes_the_window_then_the_compressed_tail():
     batch = pipeline.local_batch(0)
     steps, seen = [], []
     with torch.no_grad():
+        plan = RolloutPlan(
+            sampler=Sampler(pipeline.cfg.sample, pipeline.sigmas),
+            emb=pipeline.embed(batch),
+            generators=batch.generators,
+            steps=batch.steps,
+        )
         final = rollout(
-            pipeline.policy,
-            pipeline.embed(batch),
-            batch.generators,
-            batch.steps,
-            pipeline.cfg.sample,
-            pipeline.sigmas,
-            on_step=lambda s: steps.append(s.index),
-            progress=seen.append,
+            pipeline.policy, plan, RolloutHooks(on_step=lambda s: steps.append(s.index), progress=seen.append)
         )
     assert sorted(set(steps)) == [0, 1]  # the window's SDE steps, at their own sigmas
     assert len(seen) == 1 + int(max((12 - 1) * 0.5, 1))  # L + n_post steps: the window ends at L = 1
@@ -172,13 +171,13 @@ def test_a_tail_after_a_window_tracked_in_parts_is_the_same_trajectory(grad_micr
     trainer = Trainer(tiny(*MIX, *sets, "sample.tail_compress=0.5", "algorithm.mixgrpo.window=2", "sample.shift=3"))
     pipeline = trainer.pipeline
 
-    def final(**tracking):
+    def final(hooks: RolloutHooks | None = None, grad_micro_batch: int | None = None):
         batch = pipeline.local_batch(0)  # fresh random streams: a rollout consumes them
-        emb = pipeline.embed(batch)
-        return rollout(
-            pipeline.policy, emb, batch.generators, batch.steps, pipeline.cfg.sample, pipeline.sigmas, **tracking
-        ).detach()
+        sampler = Sampler(pipeline.cfg.sample, pipeline.sigmas)
+        plan = RolloutPlan(sampler=sampler, emb=pipeline.embed(batch), generators=batch.generators, steps=batch.steps)
+        plan.grad_micro_batch = grad_micro_batch
+        return rollout(pipeline.policy, plan, hooks).detach()
 
     untracked = final()
-    tracked = final(track_grad=lambda i: True, grad_micro_batch=grad_micro_batch)
+    tracked = final(RolloutHooks(track_grad=lambda i: True), grad_micro_batch)
     torch.testing.assert_close(tracked, untracked, rtol=1e-12, atol=1e-12)  # the forward in parts rounds apart

@@ -8,6 +8,8 @@ import torch
 
 from lean.sampling.sde import (
     SDE_KINDS,
+    Sde,
+    StepRule,
     num_trained_steps,
     ode_step,
     sde_step_with_logprob,
@@ -61,7 +63,7 @@ def hand_log_prob(kind: str, x_next: float, mean: float, std: float) -> float:
 def test_worked_example(kind, eta, mean, std, log_prob):
     sigmas = torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64)
     x, v, x_next = (torch.full((1, 2, 2), value, dtype=torch.float64) for value in (1.0, 2.0, 0.5))
-    out, lp, m, sd = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=eta, prev_sample=x_next)
+    out, lp, m, sd = sde_step_with_logprob(Sde(kind, eta, sigmas), v, x, 1, prev_sample=x_next)
     torch.testing.assert_close(m, torch.full_like(x, mean))
     assert sd.shape == (1, 1, 1) and sd.item() == pytest.approx(std, abs=1e-12)
     assert lp.shape == (1,) and lp.item() == pytest.approx(log_prob, abs=1e-9)
@@ -73,7 +75,7 @@ def test_flow_grpo_sigma_one_uses_sigmas_1():
     # mean = 1·(1 + ½·(-0.25)) + 2·(1 + 0)·(-0.25) = 0.375, std = 1·sqrt(0.25) = 0.5.
     sigmas = torch.tensor([1.0, 0.75, 0.25, 0.0], dtype=torch.float64)
     x, v = torch.ones(1, 3, dtype=torch.float64), torch.full((1, 3), 2.0, dtype=torch.float64)
-    _, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 0, kind="flow_grpo", noise_level=0.5, prev_sample=x)
+    _, lp, mean, std = sde_step_with_logprob(Sde("flow_grpo", 0.5, sigmas), v, x, 0, prev_sample=x)
     torch.testing.assert_close(mean, torch.full_like(x, 0.375))
     assert std.item() == pytest.approx(0.5)
     assert torch.isfinite(lp).all() and lp.item() == pytest.approx(hand_log_prob("flow_grpo", 1.0, 0.375, 0.5))
@@ -86,7 +88,7 @@ def test_sampled_step_matches_formula_elementwise(kind, index):
     eta = 0.7
     x, v = torch.randn(2, 2, 3, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64).unbind(0)
     out, lp, mean, std = sde_step_with_logprob(
-        v, x, sigmas, index, kind=kind, noise_level=eta, generator=torch.Generator().manual_seed(7)
+        Sde(kind, eta, sigmas), v, x, index, generator=torch.Generator().manual_seed(7)
     )
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     s, s_next = sigmas[index].item(), sigmas[index + 1].item()
@@ -105,8 +107,8 @@ def test_sampled_step_matches_formula_elementwise(kind, index):
 def test_scoring_reproduces_sampling(kind):
     sigmas = sigma_schedule(6, 3.0)
     x, v = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(1)).unbind(0)
-    out, lp, mean, _ = sde_step_with_logprob(v, x, sigmas, 2, kind=kind, noise_level=0.8, generator=torch.Generator())
-    out2, lp2, mean2, _ = sde_step_with_logprob(v, x, sigmas, 2, kind=kind, noise_level=0.8, prev_sample=out)
+    out, lp, mean, _ = sde_step_with_logprob(Sde(kind, 0.8, sigmas), v, x, 2, generator=torch.Generator())
+    out2, lp2, mean2, _ = sde_step_with_logprob(Sde(kind, 0.8, sigmas), v, x, 2, prev_sample=out)
     assert torch.equal(out, out2) and torch.equal(lp, lp2) and torch.equal(mean, mean2)
 
 
@@ -117,7 +119,7 @@ def test_gradient_through_mean_only(kind):
     x = torch.randn(2, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     v = torch.randn(2, d, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
     x_next = torch.randn(2, d, generator=torch.Generator().manual_seed(4), dtype=torch.float64, requires_grad=True)
-    _, lp, mean, _ = sde_step_with_logprob(v, x, sigmas, index, kind=kind, noise_level=eta, prev_sample=x_next)
+    _, lp, mean, _ = sde_step_with_logprob(Sde(kind, eta, sigmas), v, x, index, prev_sample=x_next)
     lp.sum().backward()
     assert x_next.grad is None
 
@@ -143,7 +145,7 @@ def test_gradient_through_mean_only(kind):
 def test_sampled_prev_sample_is_detached():
     sigmas = sigma_schedule(4, 1.0)
     v = torch.randn(2, 3, requires_grad=True)
-    out, lp, mean, _ = sde_step_with_logprob(v, torch.zeros(2, 3), sigmas, 1, kind="flow_grpo", noise_level=1.0)
+    out, lp, mean, _ = sde_step_with_logprob(Sde("flow_grpo", 1.0, sigmas), v, torch.zeros(2, 3), 1)
     assert not out.requires_grad and mean.requires_grad and lp.requires_grad
 
 
@@ -151,15 +153,15 @@ def test_sampled_prev_sample_is_detached():
 def test_int_and_per_sample_index_agree(kind):
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(2, 3, 2, 2, generator=torch.Generator().manual_seed(5)).unbind(0)
-    step = dict(kind=kind, noise_level=0.5, prev_sample=x * 0.9)
-    same = [sde_step_with_logprob(v, x, sigmas, idx, **step) for idx in (2, torch.tensor([2, 2, 2]))]
+    sde, step = Sde(kind, 0.5, sigmas), dict(prev_sample=x * 0.9)
+    same = [sde_step_with_logprob(sde, v, x, idx, **step) for idx in (2, torch.tensor([2, 2, 2]))]
     for a, b in zip(*same):
         torch.testing.assert_close(a.expand_as(b), b)
 
-    mixed = sde_step_with_logprob(v, x, sigmas, torch.tensor([0, 3, 1]), **step)
+    mixed = sde_step_with_logprob(sde, v, x, torch.tensor([0, 3, 1]), **step)
     for b, idx in enumerate((0, 3, 1)):
         one = slice(b, b + 1)
-        single = sde_step_with_logprob(v[one], x[one], sigmas, idx, **{**step, "prev_sample": x[one] * 0.9})
+        single = sde_step_with_logprob(sde, v[one], x[one], idx, prev_sample=x[one] * 0.9)
         for got, want in zip(mixed, single):
             torch.testing.assert_close(got[b : b + 1], want)
 
@@ -169,12 +171,12 @@ def test_generator_list_noise_independent_of_batching(kind):
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(2, 4, 3, 4, generator=torch.Generator().manual_seed(6)).unbind(0)
     gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
-    batch, *_ = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.9, generator=gens([10, 11, 12, 13]))
-    alone, *_ = sde_step_with_logprob(v[2:3], x[2:3], sigmas, 1, kind=kind, noise_level=0.9, generator=gens([12]))
+    batch, *_ = sde_step_with_logprob(Sde(kind, 0.9, sigmas), v, x, 1, generator=gens([10, 11, 12, 13]))
+    alone, *_ = sde_step_with_logprob(Sde(kind, 0.9, sigmas), v[2:3], x[2:3], 1, generator=gens([12]))
     torch.testing.assert_close(batch[2:3], alone)
     assert not torch.allclose(batch[0], batch[1])
     with pytest.raises(ValueError, match="generator"):
-        sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.9, generator=gens([1, 2]))
+        sde_step_with_logprob(Sde(kind, 0.9, sigmas), v, x, 1, generator=gens([1, 2]))
 
 
 @pytest.mark.parametrize("kind", SDE_KINDS)
@@ -184,20 +186,18 @@ def test_generator_list_noise_independent_of_batching(kind):
 def test_dtypes(kind, dtype, lp_dtype):
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(2, 2, 3, 4, generator=torch.Generator().manual_seed(8)).to(dtype).unbind(0)
-    out, lp, mean, std = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.7, generator=torch.Generator())
+    out, lp, mean, std = sde_step_with_logprob(Sde(kind, 0.7, sigmas), v, x, 1, generator=torch.Generator())
     assert out.dtype == dtype and mean.dtype == lp.dtype == std.dtype == lp_dtype  # the mean stays unrounded
     assert std.shape == (2, 1, 1) and torch.isfinite(lp).all()
     # Re-scoring the stored (rounded) sample gives the very same log-prob.
-    _, lp2, _, _ = sde_step_with_logprob(v, x, sigmas, 1, kind=kind, noise_level=0.7, prev_sample=out)
+    _, lp2, _, _ = sde_step_with_logprob(Sde(kind, 0.7, sigmas), v, x, 1, prev_sample=out)
     assert torch.equal(lp, lp2)
 
 
 def test_cps_last_step_is_the_deterministic_mean():
     sigmas = sigma_schedule(4, 3.0)
     x, v = torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(9)).unbind(0)
-    out, lp, mean, std = sde_step_with_logprob(
-        v, x, sigmas, 3, kind="cps", noise_level=0.5, generator=torch.Generator()
-    )
+    out, lp, mean, std = sde_step_with_logprob(Sde("cps", 0.5, sigmas), v, x, 3, generator=torch.Generator())
     assert std.eq(0).all() and torch.equal(out, mean) and lp.eq(0).all()
     torch.testing.assert_close(out, x - sigmas[3].float() * v)  # σ' = 0: the predicted x0
 
@@ -206,7 +206,7 @@ def test_cps_last_step_is_the_deterministic_mean():
 def test_last_step_stays_finite(kind):
     sigmas = sigma_schedule(4, 3.0)
     x, v = torch.randn(2, 2, 5, generator=torch.Generator().manual_seed(9)).unbind(0)
-    out, lp, _, std = sde_step_with_logprob(v, x, sigmas, 3, kind=kind, noise_level=0.5, generator=torch.Generator())
+    out, lp, _, std = sde_step_with_logprob(Sde(kind, 0.5, sigmas), v, x, 3, generator=torch.Generator())
     assert (std > 0).all() and torch.isfinite(out).all() and torch.isfinite(lp).all()
 
 
@@ -223,12 +223,12 @@ def test_invalid_arguments():
     sigmas = sigma_schedule(4, 3.0)
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="kind"):
-        sde_step_with_logprob(x, x, sigmas, 0, kind="ddim", noise_level=0.5)
+        sde_step_with_logprob(Sde("ddim", 0.5, sigmas), x, x, 0)
     for bad in (0.0, -0.1):
         with pytest.raises(ValueError, match="noise_level"):
-            sde_step_with_logprob(x, x, sigmas, 0, kind="cps", noise_level=bad)
+            sde_step_with_logprob(Sde("cps", bad, sigmas), x, x, 0)
     with pytest.raises(ValueError, match="index"):
-        sde_step_with_logprob(x, x, sigmas, 4, kind="cps", noise_level=0.5)
+        sde_step_with_logprob(Sde("cps", 0.5, sigmas), x, x, 4)
 
 
 def test_sigma_schedule_is_the_schedulers():
@@ -250,26 +250,27 @@ def test_sigma_schedule_is_the_schedulers():
 def test_plan_first():
     assert [num_trained_steps(10, f) for f in (0.99, 1.0, 0.5, 0.01)] == [9, 9, 5, 1]
     assert num_trained_steps(100, 0.29) == 29
-    plan = select_steps(10, 3, timestep_fraction=0.99, selection="first")
+    plan = select_steps(StepRule(10, timestep_fraction=0.99, selection="first"), 3)
     assert plan.stochastic.all() and plan.window_start is None
     assert plan.trained.shape == (3, 10) and plan.trained[:, :9].all() and not plan.trained[:, 9:].any()
-    assert select_steps(10, 2, timestep_fraction=0.5).trained.sum(1).tolist() == [5, 5]
+    assert select_steps(StepRule(10, timestep_fraction=0.5), 2).trained.sum(1).tolist() == [5, 5]
 
 
 def test_plan_random_per_sample():
     gens = lambda: [torch.Generator().manual_seed(100 + b) for b in range(16)]  # noqa: E731
-    plan = select_steps(8, 16, timestep_fraction=0.5, selection="random", sample_generators=gens())
+    plan = select_steps(StepRule(8, timestep_fraction=0.5, selection="random"), 16, sample_generators=gens())
     assert plan.stochastic.all()
     assert plan.trained.sum(1).eq(4).all() and not plan.trained[:, -1].any()
     assert len({tuple(row.tolist()) for row in plan.trained}) > 1  # samples draw their own steps
     assert torch.equal(
-        plan.trained, select_steps(8, 16, timestep_fraction=0.5, selection="random", sample_generators=gens()).trained
+        plan.trained,
+        select_steps(StepRule(8, timestep_fraction=0.5, selection="random"), 16, sample_generators=gens()).trained,
     )
     # sample b's steps depend on its generator only, not on the batch around it
-    alone = select_steps(8, 1, timestep_fraction=0.5, selection="random", sample_generators=gens()[5:6])
+    alone = select_steps(StepRule(8, timestep_fraction=0.5, selection="random"), 1, sample_generators=gens()[5:6])
     assert torch.equal(alone.trained[0], plan.trained[5])
     assert torch.equal(plan.grad_steps, plan.trained.any(0))
-    tiny = select_steps(8, 2, timestep_fraction=0.01, selection="random", sample_generators=gens()[:2])
+    tiny = select_steps(StepRule(8, timestep_fraction=0.01, selection="random"), 2, sample_generators=gens()[:2])
     assert tiny.trained.sum(1).tolist() == [1, 1]
 
 
@@ -277,18 +278,20 @@ def test_plan_window():
     starts = set()
     for seed in range(60):
         generator = torch.Generator().manual_seed(seed)
-        plan = select_steps(10, 2, timestep_fraction=0.99, sde_window=2, window_generator=generator)
+        plan = select_steps(StepRule(10, timestep_fraction=0.99, sde_window=2), 2, window_generator=generator)
         s = plan.window_start
         expected = torch.zeros(10, dtype=torch.bool)
         expected[s : s + 2] = True
         assert torch.equal(plan.stochastic, expected) and torch.equal(plan.trained, expected.expand(2, 10))
         starts.add(s)
     assert starts == {0, 1, 2, 3}  # default: the window stays in the first half (steps < 5)
-    plan = select_steps(10, 1, sde_window=3, sde_window_max_start=6, window_generator=torch.Generator().manual_seed(0))
+    plan = select_steps(
+        StepRule(10, sde_window=3, sde_window_max_start=6), 1, window_generator=torch.Generator().manual_seed(0)
+    )
     assert 0 <= plan.window_start <= 6 and not plan.trained[:, -1].any()
     with pytest.raises(ValueError, match="sde_window_max_start"):
-        select_steps(10, 1, sde_window=3, sde_window_max_start=7)
+        select_steps(StepRule(10, sde_window=3, sde_window_max_start=7), 1)
     with pytest.raises(ValueError, match="sde_window"):
-        select_steps(10, 1, sde_window=10)
+        select_steps(StepRule(10, sde_window=10), 1)
     with pytest.raises(ValueError, match="selection"):
-        select_steps(10, 1, selection="last")
+        select_steps(StepRule(10, selection="last"), 1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lean.sampling.sde import SIGMA_GRIDS, sde_step_with_logprob, sigma_schedule
+from lean.sampling.sde import SIGMA_GRIDS, Sde, sde_step_with_logprob, sigma_schedule
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -26,9 +26,7 @@ def test_worked_example():
     # std = 0.25·0.5 = 0.125; log p(0.5) = -(0.03125)²/(2·0.125²) - log 0.125 - log sqrt(2π) = 1.1292530.
     sigmas = torch.tensor([1.0, 0.5, 0.25, 0.0], dtype=torch.float64)
     x, v, x_next = (torch.full((1, 2, 2), value, dtype=torch.float64) for value in (1.0, 2.0, 0.5))
-    _, lp, mean, std = sde_step_with_logprob(
-        v, x, sigmas, 1, kind="flow_grpo_linear", noise_level=1.0, prev_sample=x_next
-    )
+    _, lp, mean, std = sde_step_with_logprob(Sde("flow_grpo_linear", 1.0, sigmas), v, x, 1, prev_sample=x_next)
     torch.testing.assert_close(mean, torch.full_like(x, 0.46875))
     assert std.item() == pytest.approx(0.125, abs=1e-15)
     assert lp.item() == pytest.approx(-0.5 * 0.03125**2 / 0.125**2 + math.log(8) - LOG_SQRT_2PI, abs=1e-12)
@@ -42,7 +40,7 @@ def test_sampled_step_matches_formula(sigmas):
     eta, index = 0.8, torch.tensor([0, 1, 3])
     x, v = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64).unbind(0)
     out, lp, mean, std = sde_step_with_logprob(
-        v, x, sigmas, index, kind="flow_grpo_linear", noise_level=eta, generator=torch.Generator().manual_seed(5)
+        Sde("flow_grpo_linear", eta, sigmas), v, x, index, generator=torch.Generator().manual_seed(5)
     )
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     for b, i in enumerate(index.tolist()):
@@ -61,9 +59,7 @@ def test_gradient_through_mean_only():
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     v = torch.randn(2, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64, requires_grad=True)
     x_next = torch.randn(2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
-    _, lp, mean, std = sde_step_with_logprob(
-        v, x, sigmas, 4, kind="flow_grpo_linear", noise_level=1.0, prev_sample=x_next
-    )
+    _, lp, mean, std = sde_step_with_logprob(Sde("flow_grpo_linear", 1.0, sigmas), v, x, 4, prev_sample=x_next)
     lp.sum().backward()
     assert x_next.grad is None
     s, s_next = sigmas[4].item(), sigmas[5].item()

@@ -4,8 +4,10 @@ An algorithm declares
   * the sampler it rolls out with (:data:`ROLLOUTS`; GRPO: SDE transitions with their log-probs);
   * how rewards become its targets, one per sample (:meth:`Algorithm.targets`; GRPO: group advantages), and which
     samples an update keeps (:meth:`Algorithm.kept_samples`);
-  * the loss of one trained step (:meth:`Algorithm.step_loss`): a term linear in the target (``StepLoss.policy``)
-    plus a target-free regulariser (``StepLoss.kl``) weighted by :attr:`Algorithm.kl_weight`;
+  * the loss of one trained step (:meth:`Algorithm.step_loss`, of a ``lean.sampling.transition.Transition`` and the
+    rows' targets): a term linear in the target (``StepLoss.policy``) plus a target-free regulariser (``StepLoss.kl``)
+    weighted by :attr:`Algorithm.kl_weight`; which of the rollout's values of a step it reads (:attr:`Algorithm.reads`:
+    GRPO the old log-prob, GRPO-Guard the old mean too), which Recompute stores;
   * the facts that decide which schedules run it exactly (:attr:`Algorithm.facts`): Retain needs the on-policy
     ratio to be identically 1, Reweight also needs the loss to be linear in the target (its A / Â fold);
   * a float64 reference of that loss for the certificate (``lean equivalence``): the same :meth:`step_loss`,
@@ -23,10 +25,12 @@ import torch
 from torch import Tensor
 
 from lean.config.registry import Registry
+from lean.sampling.transition import OLD_LOG_PROB
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
     from lean.sampling.sde import StepSelection
+    from lean.sampling.transition import Transition
 
 ROLLOUTS: Registry[str] = Registry(
     "rollout",
@@ -87,7 +91,9 @@ class Algorithm:
 
     rollout: ClassVar[str] = ROLLOUTS.default
     facts: ClassVar[frozenset[str]] = frozenset()
-    uses_old_mean: ClassVar[bool] = False  # step_loss reads the rollout's transition mean (Recompute stores it)
+    # the fields of the rollout's transition (lean.sampling.transition) step_loss reads beyond those a recomputed
+    # forward gives: Recompute stores exactly these of every trained step
+    reads: ClassVar[frozenset[str]] = frozenset({OLD_LOG_PROB})
     trains_on: ClassVar[str] = ROLLOUT_STEPS  # or CLEAN_SAMPLES (lean.algorithms.clean_samples)
     uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.run.optimizer.Snapshot)
 
@@ -155,27 +161,16 @@ class Algorithm:
         """(which samples an update keeps [B], or None for all; how many, the N of the objective's 1/(N K))."""
         return None, targets.shape[0]
 
-    def step_loss(
-        self,
-        step: int | Tensor,
-        log_prob: Tensor,
-        old_log_prob: Tensor,
-        targets: Tensor,
-        *,
-        mean: Tensor | None = None,
-        std: Tensor | None = None,
-        ref_mean: Tensor | None = None,
-        old_mean: Tensor | None = None,
-    ) -> StepLoss:
-        """The loss terms [B] of trained step ``step`` (an index, or one per row): the policy's transition
-        log-prob and mean / std at it, the rollout's log-prob, the rows' targets, the reference's mean (None: no
-        regulariser), the rollout's transition mean (given when :attr:`uses_old_mean`)."""
+    def step_loss(self, step: Transition, targets: Tensor) -> StepLoss:
+        """The loss terms [B] of the trained step ``step`` (its index an int, or one per row): the policy's
+        log-prob, mean and std at it, the rollout's values it :attr:`reads` (``old_log_prob``, ...), the reference's
+        mean (None: no regulariser); ``targets`` [B] of its rows."""
         raise NotImplementedError
 
     def reference_loss(self, policy, step, emb, targets: Tensor) -> Tensor:
         """The float64 anchor of the certificate: the total loss [B] of one recorded trained step ``step``
-        (``lean.sampling.rollout.StepOutput``) recomputed by ``policy`` (a float64 twin) with the ratio 1 by
-        construction."""
+        (a ``lean.sampling.transition.Transition`` holding x_i and x_{i+1}) recomputed by ``policy`` (a float64 twin)
+        with the ratio 1 by construction."""
         raise NotImplementedError
 
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ and the policy part is linear in A_b, so a step backpropagated with a provisiona
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -46,8 +47,9 @@ from torch import Tensor
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY, Algorithm, StepLoss
 from lean.algorithms.groups import group_advantages
 from lean.config.registry import Registry
-from lean.sampling.rollout import StepOutput, policy_step, reference_mean
+from lean.sampling.rollout import Sampler, policy_step, reference_mean
 from lean.sampling.sde import SQRT_DT_KINDS
+from lean.sampling.transition import Transition
 
 KL_FORMS: Registry[str] = Registry(
     "KL form",
@@ -135,34 +137,38 @@ class GRPO(Algorithm):
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:
         return clipped_surrogate(ratio, targets.to(ratio.dtype), self.cfg.clip_range)
 
-    def log_ratio(self, log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    @functools.cached_property
+    def sampler(self) -> Sampler:
+        """The run's sampler on the algorithm's grid (float64 for the certificate's reference)."""
+        return Sampler(self.sample, self.sigmas)
+
+    def log_ratio(self, step: Transition) -> Tensor:
         """log r [B] of a trained step: log p_theta - log p_old."""
-        return log_prob - old_log_prob
+        return step.log_prob - step.old_log_prob
 
     def step_policy_term(self, step: int | Tensor, ratio: Tensor, targets: Tensor) -> Tensor:
         """The target-dependent term [B] of trained step ``step`` at ``ratio``: the clipped surrogate."""
         return self.policy_term(ratio, targets)
 
-    def step_loss(
-        self, step, log_prob, old_log_prob, targets, *, mean=None, std=None, ref_mean=None, old_mean=None
-    ) -> StepLoss:
-        ratio = torch.exp(self.log_ratio(log_prob, old_log_prob, mean, old_mean, std))
-        policy = self.step_policy_term(step, ratio, targets)
+    def step_loss(self, step: Transition, targets: Tensor) -> StepLoss:
+        ratio = torch.exp(self.log_ratio(step))
+        policy = self.step_policy_term(step.index, ratio, targets)
         kl = None
-        if ref_mean is not None:
-            kl = kl_penalty(mean, ref_mean, std, self.kl_weights[step]).to(policy.dtype)
+        if step.ref_mean is not None:
+            kl = kl_penalty(step.mean, step.ref_mean, step.std, self.kl_weights[step.index]).to(policy.dtype)
         return StepLoss(policy, kl, ratio.detach())
 
-    def reference_loss(self, policy, step: StepOutput, emb, targets: Tensor) -> Tensor:
+    def recomputed(self, policy, step: Transition, emb) -> Transition:
+        """The recorded step ``step`` (x_j, x_{j+1}) recomputed in float64 by ``policy``, its own old policy (log p_old
+        = stopgrad(log p)), with the reference's mean when the KL term is on."""
+        x = dataclasses.replace(step, sample=step.sample.double(), next_sample=step.next_sample.double())
+        step = policy_step(policy, self.sampler, x, emb).on_policy()
+        ref_mean = reference_mean(policy, self.sampler, step, emb) if self.kl_weight else None
+        return dataclasses.replace(step, ref_mean=ref_mean)
+
+    def reference_loss(self, policy, step: Transition, emb, targets: Tensor) -> Tensor:
         """The certificate's anchor (``lean equivalence``): the loss [B] of one recorded trained step
         (x_j, x_{j+1}) recomputed by ``policy`` (the float64 twin of ``lean.tools.equivalence``) straight from the
         module docstring, with the ratio 1 by construction (log p - stopgrad(log p)). Summed with the weights 1/(N K),
         its gradient is the one every schedule computes on-policy."""
-        x, x_next = step.sample.double(), step.next_sample.double()
-        _, log_prob, mean, std = policy_step(policy, x, step.index, emb, self.sample, self.sigmas, next_sample=x_next)
-        ref_mean = None
-        if self.kl_weight:
-            ref_mean = reference_mean(policy, x, step.index, emb, self.sample, self.sigmas, x_next)
-        targets = targets.double()
-        loss = self.step_loss(step.index, log_prob, log_prob.detach(), targets, mean=mean, std=std, ref_mean=ref_mean)
-        return loss.total(self.kl_weight)
+        return self.step_loss(self.recomputed(policy, step, emb), targets.double()).total(self.kl_weight)

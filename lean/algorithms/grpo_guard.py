@@ -37,20 +37,22 @@ a mean of delta grad delta / s_j^2 = 0), so
     grad L = 1/(N K) sum_b sum_j [ -A_b (s_j / Delta_j) grad log p_bj + beta grad kl_bj ]
 
 The rollout's own graph gives it, and it is linear in A_b (the A / Â fold). Recompute's later updates recompute mu and
-read mu_old from the rollout (``uses_old_mean``).
+read mu_old from the rollout (``reads`` names ``old_mean``: Recompute stores it).
 
 Needs a Gaussian transition (``sample.sde_kind`` other than cps, whose log p drops the Gaussian's scale).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import Tensor
 
 from lean.algorithms.grpo import GRPO, kl_penalty, transition_std
-from lean.sampling.rollout import StepOutput, policy_step, reference_mean
+from lean.sampling.rollout import policy_step, reference_mean
+from lean.sampling.transition import OLD_MEAN, Transition
 
 NON_GAUSSIAN_KINDS = ("cps",)  # log p is -(x' - mean)^2 without the Gaussian's 1 / (2 std^2): no RatioNorm
 
@@ -63,7 +65,7 @@ def sample_means(x: Tensor) -> Tensor:
 class GRPOGuard(GRPO):
     """GRPO with RatioNorm and the 1 / Delta_j reweighting of the module docstring."""
 
-    uses_old_mean = True
+    reads = GRPO.reads | {OLD_MEAN}
 
     @classmethod
     def problem(cls, cfg, world_size: int | None = None) -> tuple[str, object, str] | None:
@@ -76,26 +78,27 @@ class GRPOGuard(GRPO):
         """Delta_j = sigma_j - sigma_{j+1} of every step [num_steps]."""
         return self.sigmas[:-1] - self.sigmas[1:]
 
-    def log_ratio(self, log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
+    def log_ratio(self, step: Transition) -> Tensor:
         """RatioNorm's log r [B], as the script computes it (its shift a mean over the micro-batch and the latent)."""
-        s = transition_std(std)
-        shift = ((mean - old_mean) ** 2).mean() / (2 * s**2)
-        return s * (log_prob - old_log_prob + shift)
+        s = transition_std(step.std)
+        shift = ((step.mean - step.old_mean) ** 2).mean() / (2 * s**2)
+        return s * (step.log_prob - step.old_log_prob + shift)
 
     def step_policy_term(self, step: int | Tensor, ratio: Tensor, targets: Tensor) -> Tensor:
         """The clipped surrogate divided by the step size Delta_j (the KL term, added by ``step_loss``, is not)."""
         return self.policy_term(ratio, targets) / self.step_sizes[step].to(ratio.dtype)
 
-    def reference_loss(self, policy, step: StepOutput, emb, targets: Tensor) -> Tensor:
+    def reference_loss(self, policy, step: Transition, emb, targets: Tensor) -> Tensor:
         """The certificate's anchor: the loss [B] of one recorded trained step recomputed in float64 from the closed
         form of log r (module docstring), eps = (x_{j+1} - stopgrad(mu)) / s_j, delta = mu - stopgrad(mu)."""
-        x, x_next = step.sample.double(), step.next_sample.double()
-        _, _, mean, std = policy_step(policy, x, step.index, emb, self.sample, self.sigmas, next_sample=x_next)
-        eps, delta, s = (x_next - mean.detach()) / std, mean - mean.detach(), transition_std(std)
+        x = dataclasses.replace(step, sample=step.sample.double(), next_sample=step.next_sample.double())
+        recomputed = policy_step(policy, self.sampler, x, emb)
+        mean, std = recomputed.mean, recomputed.std
+        eps, delta, s = (x.next_sample - mean.detach()) / std, mean - mean.detach(), transition_std(std)
         squares = sample_means(delta**2)
         ratio = torch.exp(sample_means(eps * delta) + (squares.mean() - squares) / (2 * s))
         loss = self.step_policy_term(step.index, ratio, targets.double())
         if self.kl_weight:
-            ref = reference_mean(policy, x, step.index, emb, self.sample, self.sigmas, x_next)
+            ref = reference_mean(policy, self.sampler, recomputed, emb)
             loss = loss + self.kl_weight * kl_penalty(mean, ref, std, self.kl_weights[step.index])
         return loss

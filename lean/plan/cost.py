@@ -48,8 +48,9 @@ from lean.parallel.distributed import init_world
 from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
 from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
-from lean.sampling.rollout import policy_step
+from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import rollout_sigmas
+from lean.sampling.transition import Transition
 from lean.schedules import (
     AUTO,
     LEAN_SCHEDULES,
@@ -137,11 +138,10 @@ def probe(inp: PlanInput) -> dict:
     def step(rows: slice, grad: bool = False, backward: bool = False):
         def run():
             with torch.set_grad_enabled(grad or backward):
-                out = policy_step(
-                    policy, x[rows], index[rows], emb.index(rows), cfg.sample, inp.sigmas, generators=gens[rows]
-                )
+                at = Transition(index=index[rows], rows=rows, sample=x[rows])
+                out = policy_step(policy, Sampler(cfg.sample, inp.sigmas), at, emb.index(rows), generators=gens[rows])
             if backward:
-                out[1].sum().backward()
+                out.log_prob.sum().backward()
 
         return run
 

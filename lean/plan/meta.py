@@ -70,8 +70,9 @@ from lean.plan.cost import (
     shard_probes,
 )
 from lean.run.iteration import local_batch
-from lean.sampling.rollout import policy_step
+from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import sigma_schedule
+from lean.sampling.transition import Transition
 
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
 ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
@@ -245,13 +246,12 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
         with FlopCounterMode(display=False) as flops:
             start = memory.mark()
             with torch.set_grad_enabled(grad):
-                out = policy_step(
-                    policy, x[rows], index[rows], emb.index(rows), cfg.sample, inp.sigmas, generators=gens[rows]
-                )
+                at = Transition(index=index[rows], rows=rows, sample=x[rows])
+                out = policy_step(policy, Sampler(cfg.sample, inp.sigmas), at, emb.index(rows), generators=gens[rows])
             kept = memory.live - start
             before = memory.mark()
             if backward:
-                out[1].sum().backward()
+                out.log_prob.sum().backward()
             transient = memory.peak - before  # what the backward needs beyond the kept activations
         del out
         for p in inp.trainable:

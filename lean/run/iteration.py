@@ -59,14 +59,16 @@ from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
 from lean.run.async_scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
 from lean.sampling.rollout import (
-    StepOutput,
+    RolloutHooks,
+    RolloutPlan,
     group_init_generator,
     iteration_generator,
     local_rows,
     rollout,
     sample_generator,
 )
-from lean.sampling.sde import StepSelection, select_steps_for, sigma_schedule
+from lean.sampling.sde import StepRule, StepSelection, select_steps, sigma_schedule
+from lean.sampling.transition import Transition
 from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
 from lean.schedules.recompute import rolled_out_in_update_order, shuffled
@@ -155,8 +157,8 @@ def select_local_steps(
         return own
     if generators is None:
         generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
-    return select_steps_for(
-        cfg.sample,
+    return select_steps(
+        StepRule.of(cfg.sample),
         len(generators),
         window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
         sample_generators=generators,
@@ -308,7 +310,7 @@ class IterationPipeline:
         schedule: Schedule,
         *,
         rows: slice | None = None,
-        on_step: Callable[[StepOutput], None] | None = None,
+        on_step: Callable[[Transition], None] | None = None,
         progress: Callable[[int], None] | None = None,
         on_finished: Callable[[slice, Tensor], None] | None = None,
     ) -> Tensor:
@@ -319,23 +321,24 @@ class IterationPipeline:
         unit = UnitHooks(rows, schedule, on_step, on_finished)
         weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
         with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
-            return rollout(
-                self.policy,
-                ctx.emb.index(rows),
-                batch.generators[rows],
-                batch.steps,
-                self.cfg.sample,
-                self.sigmas,
-                on_step=unit.on_step,
-                track_grad=schedule.track_grad,
-                rows_tracked=unit.rows_tracked,
+            plan = RolloutPlan(
+                sampler=ctx.sampler,
+                emb=ctx.emb.index(rows),
+                generators=batch.generators[rows],
+                steps=batch.steps,
+                init_generators=None if batch.init_generators is None else batch.init_generators[rows],
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
-                progress=progress,
-                init_generators=None if batch.init_generators is None else batch.init_generators[rows],
                 decode=self.cfg.reward.decode,
-                on_finished=unit.on_finished,
             )
+            hooks = RolloutHooks(
+                track_grad=schedule.track_grad,
+                rows_tracked=unit.rows_tracked,
+                on_step=unit.on_step,
+                on_finished=unit.on_finished,
+                progress=progress,
+            )
+            return rollout(self.policy, plan, hooks)
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
@@ -449,7 +452,7 @@ class IterationPipeline:
         *,
         timer: PhaseTimer | None = None,
         tally: FlopTally | None = None,
-        on_step: Callable[[StepOutput], None] | None = None,
+        on_step: Callable[[Transition], None] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> Rollout:
         """The first half of an iteration: local batch -> embed -> for each finishing unit: roll it out, score it
@@ -552,12 +555,12 @@ class UnitHooks:
         self,
         rows: slice,
         schedule: Schedule,
-        on_step: Callable[[StepOutput], None] | None,
+        on_step: Callable[[Transition], None] | None,
         on_finished: Callable[[slice, Tensor], None] | None,
     ):
         self.rows, self.schedule, self.then, self.finished = rows, schedule, on_step, on_finished
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         """``on_step`` (a check or a recorder), then the schedule."""
         step = dataclasses.replace(step, rows=local_rows(self.rows.start, step.rows))
         if self.then is not None:
@@ -577,11 +580,11 @@ class FiniteLogProbs:
     """An ``on_step`` hook: whether every step's log-probs are finite, kept on the device and read once after the
     rollout (:meth:`check`); ``then`` (a check or a recorder) sees every step after it."""
 
-    def __init__(self, then: Callable[[StepOutput], None] | None = None):
+    def __init__(self, then: Callable[[Transition], None] | None = None):
         self.then = then
         self.finite: dict[int, Tensor] = {}  # step -> all its log-probs so far are finite (a device bool)
 
-    def __call__(self, step: StepOutput) -> None:
+    def __call__(self, step: Transition) -> None:
         ok = torch.isfinite(step.log_prob.detach()).all()
         self.finite[step.index] = self.finite[step.index] & ok if step.index in self.finite else ok
         if self.then is not None:

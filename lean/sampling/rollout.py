@@ -2,10 +2,11 @@
 
 A trajectory starts from x_0 ~ N(0, I) at sigma_0 = 1 and takes ``num_steps`` steps down the sigma schedule. Steps
 that the :class:`~lean.sampling.sde.StepSelection` marks stochastic use the SDE (``sde_step_with_logprob``); the others
-are deterministic Euler (ODE) steps. Which steps run with gradient tracking, and in which micro-batches, is the
-schedule's choice; what it does with each step is its ``on_step`` hook. Recompute runs the whole loop under
-``no_grad``; Retain and Reweight track gradients on the trained steps. The loop itself is the same for all three,
-so their trajectories are the same.
+are deterministic Euler (ODE) steps. What a rollout samples, and in which micro-batches, is its
+:class:`RolloutPlan`; which steps run with gradient tracking is the schedule's choice, and what it does with each
+step (a :class:`~lean.sampling.transition.Transition`) is its ``on_step`` hook (:class:`RolloutHooks`). Recompute
+runs the whole loop under ``no_grad``; Retain and Reweight track gradients on the trained steps. The loop itself is
+the same for all three, so their trajectories are the same.
 
 Random streams: every sample owns a ``torch.Generator`` keyed by (seed, iteration, group, prompt, sample index). Its
 step selection, its initial noise and every SDE noise draw come from it in a fixed order, so a trajectory never
@@ -19,6 +20,7 @@ the clean sample at the last step, x̂_0 = x_{N−1} − σ_{N−1} v(x_{N−1},
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +32,8 @@ from lean.config.dtypes import or_model
 from lean.config.registry import Registry
 from lean.sampling.sde import (
     EULER,
+    Generators,
+    Sde,
     StepSelection,
     compute_dtype,
     dpm_solver_pp_step,
@@ -37,6 +41,7 @@ from lean.sampling.sde import (
     rollout_sigmas,
     sde_step_with_logprob,
 )
+from lean.sampling.transition import Transition
 
 if TYPE_CHECKING:
     from lean.sampling.options import SampleConfig
@@ -84,22 +89,18 @@ def iteration_generator(seed: int, iteration: int, purpose: int = 0) -> torch.Ge
     return keyed_generator(seed, iteration, 2**31 + purpose)
 
 
-@dataclass
-class StepOutput:
-    """One SDE step of a micro-batch of trajectories, as ``on_step`` sees it."""
+@dataclass(frozen=True)
+class Sampler:
+    """A run's sampler: its settings (``sample.*``: guidance, SDE kind and noise level, ...) and its sigma grid
+    [num_steps + 1] (float32, or float64 for the certificate's twin), on the compute device."""
 
-    index: int  # step i
-    rows: slice | torch.Tensor  # which trajectories of the local batch: a contiguous micro-batch, or host ids [b]
-    # (the rows of a micro-batch that a step tracks, or the others: ``rollout``'s ``rows_tracked``)
-    sample: torch.Tensor  # x_i, detached
-    next_sample: torch.Tensor  # x_{i+1}, detached
-    log_prob: torch.Tensor  # [b]; carries a graph when the step was tracked
-    mean: torch.Tensor  # mean of p(x_{i+1} | x_i), in the compute dtype; carries a graph when tracked
-    std: torch.Tensor  # std of the Gaussian transition
+    cfg: SampleConfig
+    sigmas: torch.Tensor
 
     @property
-    def size(self) -> int:
-        return self.rows.stop - self.rows.start if isinstance(self.rows, slice) else len(self.rows)
+    def sde(self) -> Sde:
+        """The SDE of its stochastic steps."""
+        return Sde.of(self.cfg, self.sigmas)
 
 
 def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfig, joint_cfg: bool = False):
@@ -107,42 +108,29 @@ def velocity(policy, x: torch.Tensor, sigma: torch.Tensor, emb, cfg: SampleConfi
     return policy.velocity(x, sigma, emb, cfg, joint_cfg)
 
 
-def sde_step(v, x, index, cfg: SampleConfig, sigmas, *, next_sample=None, generators=None, noise=None):
-    """One SDE step of the sampler ``cfg`` from the velocity ``v``: ``(x_{i+1}, log_prob, mean, std)``."""
-    return sde_step_with_logprob(
-        v,
-        x,
-        sigmas,
-        index,
-        kind=cfg.sde_kind,
-        noise_level=cfg.noise_level,
-        prev_sample=next_sample,
-        generator=generators,
-        noise=noise,
-    )
-
-
 def policy_step(
     policy,
-    x: torch.Tensor,
-    index: int | torch.Tensor,
+    sampler: Sampler,
+    step: Transition,
     emb,
-    cfg: SampleConfig,
-    sigmas: torch.Tensor,
     *,
-    next_sample: torch.Tensor | None = None,
-    generators=None,
+    generators: Generators = None,
     noise: torch.Tensor | None = None,
     joint_cfg: bool = False,
-):
-    """v = policy(x, sigma_i), then one SDE step: sample x_{i+1} (or score the given one).
+) -> Transition:
+    """v = policy(x_i, sigma_i) at ``step.sample`` and ``step.index``, then one SDE step: sample x_{i+1} (from
+    ``noise``, or drawn from ``generators``), or score ``step.next_sample`` when the step has it. Returns the step
+    with x_{i+1}, its log_prob, mean and std (and the sampler's grid).
 
-    ``index`` is the step (an int for the whole micro-batch) or a LongTensor [b] on the device (one step per
-    sample). sigma stays in the grid's dtype (float32 or float64): a bfloat16 sigma would move the timestep the model
-    sees (913.35 -> 916). Returns ``(x_{i+1}, log_prob, mean, std)``.
+    ``step.index`` is an int for the whole micro-batch or a LongTensor [b] on the device (one step per sample). sigma
+    stays in the grid's dtype (float32 or float64): a bfloat16 sigma would move the timestep the model sees
+    (913.35 -> 916).
     """
-    v = velocity(policy, x, sigmas[index], emb, cfg, joint_cfg)
-    return sde_step(v, x, index, cfg, sigmas, next_sample=next_sample, generators=generators, noise=noise)
+    v = velocity(policy, step.sample, sampler.sigmas[step.index], emb, sampler.cfg, joint_cfg)
+    nxt, log_prob, mean, std = sde_step_with_logprob(
+        sampler.sde, v, step.sample, step.index, prev_sample=step.next_sample, generator=generators, noise=noise
+    )
+    return dataclasses.replace(step, next_sample=nxt, log_prob=log_prob, mean=mean, std=std, sigmas=sampler.sigmas)
 
 
 def predicted_x0(v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, index: int) -> torch.Tensor:
@@ -152,10 +140,11 @@ def predicted_x0(v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, index: 
 
 
 @torch.no_grad()
-def reference_mean(policy, x, index, emb, cfg: SampleConfig, sigmas, next_sample) -> torch.Tensor:
-    """Mean of the reference policy's transition (adapter disabled) at the same x_i, for the KL term."""
+def reference_mean(policy, sampler: Sampler, step: Transition, emb) -> torch.Tensor:
+    """Mean of the reference policy's transition (adapter disabled) at the step's x_i, scoring its x_{i+1}, for the
+    KL term."""
     with policy.reference():
-        return policy_step(policy, x, index, emb, cfg, sigmas, next_sample=next_sample)[2]
+        return policy_step(policy, sampler, step, emb).mean
 
 
 class StepNoise:
@@ -244,7 +233,7 @@ def forward_rows(
 
 
 def row_ids(rows: slice | torch.Tensor) -> torch.Tensor:
-    """A step's rows (``StepOutput.rows``: a contiguous slice, or host ids) as host ids [b]."""
+    """A step's rows (``Transition.rows``: a contiguous slice, or host ids) as host ids [b]."""
     return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
 
 
@@ -253,93 +242,129 @@ def local_rows(start: int, sub: slice | torch.Tensor) -> slice | torch.Tensor:
     return slice(start + sub.start, start + sub.stop) if isinstance(sub, slice) else sub + start
 
 
-def rollout(
-    policy,
-    emb,
-    generators: list[torch.Generator],
-    steps: StepSelection,
-    cfg: SampleConfig,
-    sigmas: torch.Tensor,
-    *,
-    on_step: Callable[[StepOutput], None] | None = None,
-    track_grad: Callable[[int], bool] = lambda i: False,
-    rows_tracked: Callable[[int], torch.Tensor | None] = lambda i: None,
-    micro_batch: int | None = None,
-    grad_micro_batch: int | None = None,
-    progress: Callable[[int], None] | None = None,
-    init_generators: list[torch.Generator] | None = None,
-    decode: str = "sample",
-    on_finished: Callable[[slice, torch.Tensor], None] | None = None,
-) -> torch.Tensor:
-    """Roll out ``len(generators)`` trajectories; return what is decoded (``decode``, a name of
+@dataclass
+class RolloutPlan:
+    """What one rollout of B trajectories samples, and in which batches."""
+
+    sampler: Sampler
+    emb: object  # the PromptEmbeds of the B trajectories
+    generators: list[torch.Generator]  # every trajectory's own stream [B]: its initial noise, then its SDE draws
+    steps: StepSelection  # which steps are SDE steps (a window among them) and which each trajectory trains
+    init_generators: list[torch.Generator] | None = None  # the initial noise's streams (sample.init_same_noise)
+    micro_batch: int | None = None  # trajectories rolled out together, through all their steps (None: all B)
+    grad_micro_batch: int | None = None  # rows per tracked forward (None: the micro-batch's)
+    decode: str = "sample"  # what the rollout returns: a name of DECODE_TARGETS
+
+
+def _untracked(i: int) -> bool:
+    return False
+
+
+def _every_row(i: int) -> torch.Tensor | None:
+    return None
+
+
+@dataclass(frozen=True)
+class RolloutHooks:
+    """What a rollout's caller (the schedule, through ``lean.run.iteration``) decides and sees, step by step."""
+
+    track_grad: Callable[[int], bool] = _untracked  # whether step i runs with autograd on
+    rows_tracked: Callable[[int], torch.Tensor | None] = _every_row  # host bool [B]: the rows step i tracks (None: all)
+    on_step: Callable[[Transition], None] | None = None  # every SDE step of every micro-batch
+    on_finished: Callable[[slice, torch.Tensor], None] | None = None  # (rows, decode target) per finished micro-batch
+    progress: Callable[[int], None] | None = None  # after step i of every micro-batch
+
+
+def rollout(policy, plan: RolloutPlan, hooks: RolloutHooks | None = None) -> torch.Tensor:
+    """Roll out ``len(plan.generators)`` trajectories; return what is decoded (``plan.decode``, a name of
     ``DECODE_TARGETS``): the final latents x_N, or the last step's x̂_0.
 
-    The trajectories run in contiguous micro-batches of ``micro_batch`` (all at once when None), each through all
-    its steps before the next starts, so that ``on_finished(rows, target)`` can hand a finished micro-batch to the
-    decoder and the rewards while the next one rolls out (``lean.run.async_scoring``). ``track_grad(i)`` says whether
-    step i runs with autograd on; tracked steps split the micro-batch further into ``grad_micro_batch`` rows when given,
-    and ``on_step`` may backpropagate or keep the graph. ``rows_tracked(i)`` (host bool [B] or None: all; the rows that
-    train step i, among a hybrid schedule's first-update samples) limits the tracking of step i to those rows: the
-    step runs the micro-batch's other rows in one forward without autograd, and hands both to ``on_step`` with
-    ``rows`` as host ids. The next step always starts from a
-    detached x_{i+1}: as in the recomputed loss, every step's input is a constant. Nothing in the loop reads a value
-    back from the device: the schedule's decisions come from the host-side step selection, and the noise is drawn
-    ahead (:class:`StepNoise`).
-    ``init_generators`` draw the initial noise instead of the samples' own streams (``sample.init_same_noise``).
-    ``progress(i)`` is called after step i of every micro-batch (``num_steps`` calls per micro-batch).
+    The trajectories run in contiguous micro-batches of ``plan.micro_batch`` (all at once when None), each through
+    all its steps before the next starts, so that ``hooks.on_finished(rows, target)`` can hand a finished micro-batch
+    to the decoder and the rewards while the next one rolls out (``lean.run.async_scoring``). ``hooks.track_grad(i)``
+    says whether step i runs with autograd on; tracked steps split the micro-batch further into
+    ``plan.grad_micro_batch`` rows when given, and ``hooks.on_step`` may backpropagate or keep the graph.
+    ``hooks.rows_tracked(i)`` (host bool [B] or None: all; the rows that train step i, among a hybrid schedule's
+    first-update samples) limits the tracking of step i to those rows: the step runs the micro-batch's other rows in one
+    forward without autograd, and hands both to ``on_step`` with ``rows`` as host ids. The next step always starts from
+    a detached x_{i+1}: as in the recomputed loss, every step's input is a constant. Nothing in the loop reads a value
+    back from the device: the schedule's decisions come from the host-side step selection, and the noise is drawn ahead
+    (:class:`StepNoise`). ``plan.init_generators`` draw the initial noise instead of the samples' own streams
+    (``sample.init_same_noise``). ``hooks.progress(i)`` is called after step i of every micro-batch (``num_steps`` calls
+    per micro-batch). Without ``hooks`` nothing is tracked and nothing seen.
     """
-    if decode not in DECODE_TARGETS:
-        raise ValueError(f"decode={decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
+    if plan.decode not in DECODE_TARGETS:
+        raise ValueError(f"decode={plan.decode!r}: must be one of {', '.join(DECODE_TARGETS)}")
+    hooks = hooks or RolloutHooks()
     # every sample's first draw, before any step's; kept at the sampler's precision (sample.latent_dtype)
-    x = policy.init_latents(init_generators or generators, or_model(cfg.latent_dtype, policy.dtype))
+    x = policy.init_latents(
+        plan.init_generators or plan.generators, or_model(plan.sampler.cfg.latent_dtype, policy.dtype)
+    )
+    loop = RolloutLoop(policy, plan, hooks)
     batch = x.shape[0]
-    grid = rollout_sigmas(sigmas, steps.stochastic.tolist(), cfg)  # sigmas, or a compressed tail after the window
-    num_steps = len(grid) - 1
-    stochastic = steps.stochastic.tolist() + [False] * (num_steps - cfg.num_steps)  # host-side: which draw noise
-    upcoming = [next((j for j in range(i + 1, num_steps) if stochastic[j]), None) for i in range(num_steps)]
-    first_stochastic = next((j for j in range(num_steps) if stochastic[j]), None)
-    tail = max((i + 1 for i in range(num_steps) if stochastic[i]), default=0)  # first step after the SDE
-    ode_steps = OdeSteps(grid, cfg.tail_solver, tail)
-    last = num_steps - 1
+    target = torch.empty_like(x)
+    for start in range(0, batch, plan.micro_batch or batch):
+        rows = slice(start, min(start + (plan.micro_batch or batch), batch))
+        target[rows] = loop.roll_out_rows(x, rows)
+        if hooks.on_finished is not None:
+            hooks.on_finished(rows, target[rows])
+    return target
 
-    def roll_out_rows(rows: slice) -> torch.Tensor:
-        """All steps of the trajectories ``rows``; returns their decode target."""
+
+class RolloutLoop:
+    """The steps of one :func:`rollout`, micro-batch by micro-batch, and the host-side facts they read: the grid it
+    walks (the run's sigmas, or a compressed tail after the SDE window), which steps draw noise, where the next
+    stochastic step is."""
+
+    def __init__(self, policy, plan: RolloutPlan, hooks: RolloutHooks):
+        self.policy, self.plan, self.hooks = policy, plan, hooks
+        cfg = plan.sampler.cfg
+        self.grid = rollout_sigmas(plan.sampler.sigmas, plan.steps.stochastic.tolist(), cfg)
+        n = self.num_steps = len(self.grid) - 1
+        self.stochastic = plan.steps.stochastic.tolist() + [False] * (n - cfg.num_steps)  # host-side: which draw noise
+        self.upcoming = [next((j for j in range(i + 1, n) if self.stochastic[j]), None) for i in range(n)]
+        self.first_stochastic = next((j for j in range(n) if self.stochastic[j]), None)
+        tail = max((i + 1 for i in range(n) if self.stochastic[i]), default=0)  # first step after the SDE
+        self.ode_steps = OdeSteps(self.grid, cfg.tail_solver, tail)
+
+    def roll_out_rows(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """All steps of the trajectories ``rows`` from x_0 = ``x[rows]``; returns their decode target."""
         x_rows = x[rows]
-        noise = StepNoise(generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
-        noise.prefetch(first_stochastic)
-        x0 = torch.empty_like(x_rows) if decode == "x0_prediction" else None
-        ode = ode_steps.start()
-        for i in range(num_steps):
-            tracked = stochastic[i] and track_grad(i)
-            eps = noise.take(i) if stochastic[i] else None
-            x_next = torch.empty_like(x_rows)
-            mine = rows_tracked(i) if tracked else None
-            mine = None if mine is None else mine[rows]
-            for sub, grad in forward_rows(x_rows.shape[0], tracked, grad_micro_batch, mine):
-                at = local_rows(rows.start, sub)  # the same rows of the local batch
-                with torch.set_grad_enabled(grad):
-                    v = velocity(policy, x_rows[sub], grid[i], emb.index(at), cfg)
-                if i == last and x0 is not None:
-                    x0[sub] = predicted_x0(v.detach(), x_rows[sub], grid, i)
-                ode.observe(i, sub, v.detach(), x_rows)
-                if not stochastic[i]:
-                    x_next[sub] = ode.step(i, sub, v, x_rows[sub])
-                    continue
-                with torch.set_grad_enabled(grad):
-                    nxt, log_prob, mean, std = sde_step(v, x_rows[sub], i, cfg, sigmas, noise=eps[sub])
-                x_next[sub] = nxt.detach()
-                if on_step is not None:
-                    on_step(StepOutput(i, at, x_rows[sub], nxt.detach(), log_prob, mean, std))
-            noise.prefetch(upcoming[i])  # host draws step i+1's noise while the device works on step i
-            x_rows = x_next
-            if progress is not None:
-                progress(i)
+        noise = StepNoise(self.plan.generators[rows], tuple(x.shape[1:]), compute_dtype(x), x.device)
+        noise.prefetch(self.first_stochastic)
+        x0 = torch.empty_like(x_rows) if self.plan.decode == "x0_prediction" else None
+        ode = self.ode_steps.start()
+        for i in range(self.num_steps):
+            eps = noise.take(i) if self.stochastic[i] else None
+            x_rows = self.step(i, rows, x_rows, eps, ode, x0)
+            noise.prefetch(self.upcoming[i])  # host draws step i+1's noise while the device works on step i
+            if self.hooks.progress is not None:
+                self.hooks.progress(i)
         return x_rows if x0 is None else x0
 
-    target = torch.empty_like(x)
-    for start in range(0, batch, micro_batch or batch):
-        rows = slice(start, min(start + (micro_batch or batch), batch))
-        target[rows] = roll_out_rows(rows)
-        if on_finished is not None:
-            on_finished(rows, target[rows])
-    return target
+    def step(self, i: int, rows: slice, x_rows, eps, ode: OdeSteps.Trajectories, x0) -> torch.Tensor:
+        """Step i of the micro-batch ``rows`` at x_i = ``x_rows`` (SDE noise ``eps``, or None: an ODE step), in the
+        forwards :func:`forward_rows` splits it into; the last step writes its x̂_0 into ``x0`` when given. Returns
+        x_{i+1}, detached."""
+        plan, hooks, stochastic = self.plan, self.hooks, self.stochastic[i]
+        tracked = stochastic and hooks.track_grad(i)
+        x_next = torch.empty_like(x_rows)
+        mine = hooks.rows_tracked(i) if tracked else None
+        mine = None if mine is None else mine[rows]
+        for sub, grad in forward_rows(x_rows.shape[0], tracked, plan.grad_micro_batch, mine):
+            at = local_rows(rows.start, sub)  # the same rows of the local batch
+            with torch.set_grad_enabled(grad):
+                v = velocity(self.policy, x_rows[sub], self.grid[i], plan.emb.index(at), plan.sampler.cfg)
+            if i == self.num_steps - 1 and x0 is not None:
+                x0[sub] = predicted_x0(v.detach(), x_rows[sub], self.grid, i)
+            ode.observe(i, sub, v.detach(), x_rows)
+            if not stochastic:
+                x_next[sub] = ode.step(i, sub, v, x_rows[sub])
+                continue
+            with torch.set_grad_enabled(grad):
+                nxt, log_prob, mean, std = sde_step_with_logprob(plan.sampler.sde, v, x_rows[sub], i, noise=eps[sub])
+            x_next[sub] = nxt.detach()
+            if hooks.on_step is not None:
+                step = Transition(index=i, rows=at, sample=x_rows[sub], next_sample=nxt.detach(), log_prob=log_prob)
+                hooks.on_step(dataclasses.replace(step, mean=mean, std=std, sigmas=plan.sampler.sigmas).on_policy())
+        return x_next

@@ -147,96 +147,123 @@ def _noise(x: Tensor, generator: Generators, dtype: torch.dtype) -> Tensor:
     return eps.to(x.device)
 
 
+@dataclass(frozen=True)
+class Sde:
+    """A stochastic sampler: its kind (one of ``SDE_KINDS``), its noise level ``η > 0`` and the 1-D sigma grid it
+    walks (descending, last entry 0; e.g. :func:`sigma_schedule`)."""
+
+    kind: str
+    noise_level: float
+    sigmas: Tensor
+
+    def __post_init__(self):
+        if self.kind not in SDE_KINDS:
+            raise ValueError(f"kind={self.kind!r}: must be one of {', '.join(SDE_KINDS)}")
+        if not self.noise_level > 0:
+            raise ValueError(f"noise_level={self.noise_level!r}: must be > 0")
+
+    @classmethod
+    def of(cls, cfg: SampleConfig, sigmas: Tensor) -> Sde:
+        """The sampler ``cfg`` (``sample.sde_kind``, ``sample.noise_level``) on ``sigmas``."""
+        return cls(cfg.sde_kind, cfg.noise_level, sigmas)
+
+
+def _flow_grpo_transition(sde: Sde, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> tuple[Tensor, Tensor]:
+    """FlowGRPO's reverse SDE, ``dt = σ'−σ``:
+
+    * ``flow_grpo``: ``s = η·sqrt(σ/(1−σ̃))`` with ``σ̃ = sigmas[1]`` when ``σ == 1`` (else ``σ``);
+    * ``flow_grpo_linear``: ``s = η·(σ_N + (σ_1 − σ_N)·σ)``, ``σ_1 = sigmas[1]``, ``σ_N = sigmas[−1]`` (η = 1 is
+      FlowGRPO's Wan2.1 SDE, where ``σ_N = 0``);
+
+    ``mean = x·(1 + s²/(2σ)·dt) + v·(1 + s²(1−σ)/(2σ))·dt``; ``std = s·sqrt(−dt)``."""
+    dt = sigma_next - sigma
+    sigma_max = sde.sigmas[1].to(device=x.device, dtype=x.dtype)
+    if sde.kind == "flow_grpo":
+        # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
+        s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * sde.noise_level
+    else:
+        sigma_min = sde.sigmas[-1].to(device=x.device, dtype=x.dtype)
+        s = (sigma_min + (sigma_max - sigma_min) * sigma) * sde.noise_level
+    mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, s * torch.sqrt(-dt)
+
+
+def _cps_transition(sde: Sde, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> tuple[Tensor, Tensor]:
+    """Coefficients-preserving sampling: ``std = σ'·sin(ηπ/2)``; ``x̂0 = x − σv``; ``x̂1 = x + (1−σ)v``;
+    ``mean = (1−σ')·x̂0 + sqrt(σ'² − std²)·x̂1``. At the last step ``σ' = 0`` so ``std = 0``, ``x' = mean``."""
+    std = sigma_next * math.sin(sde.noise_level * math.pi / 2)
+    x0, x1 = x - sigma * v, x + (1 - sigma) * v
+    return x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0)), std
+
+
+def _dance_transition(sde: Sde, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> tuple[Tensor, Tensor]:
+    """DanceGRPO's SDE: ``dσ = σ'−σ``; ``x̂0 = x − σv``; ``score = −(x − (1−σ)x̂0)/σ²``;
+    ``mean = x + dσ·v − ½η²·score·dσ``; ``std = η·sqrt(σ−σ')``."""
+    d_sigma = sigma_next - sigma
+    x0 = x - sigma * v
+    score = -(x - x0 * (1 - sigma)) / sigma**2
+    mean = x + d_sigma * v + (-0.5 * sde.noise_level**2 * score) * d_sigma
+    return mean, sde.noise_level * torch.sqrt(sigma - sigma_next)
+
+
+# kind -> (sde, x, v, σ, σ') -> (mean, std) of the Gaussian transition x' ~ N(mean, std² I)
+TRANSITIONS = {
+    "flow_grpo": _flow_grpo_transition,
+    "flow_grpo_linear": _flow_grpo_transition,
+    "cps": _cps_transition,
+    "dance": _dance_transition,
+}
+
+
+def _log_prob(kind: str, x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """log p(x' | x) [B], averaged over the non-batch dimensions: the Gaussian's
+    ``−(x'−mean)²/(2std²) − log std − log sqrt(2π)``, or for ``cps`` ``−(x'−mean)²`` (constants and scale dropped,
+    as in FlowGRPO; only ratios/differences of it are used)."""
+    sq_err = (x_next - mean) ** 2
+    if kind == "cps":
+        log_prob = -sq_err
+    else:
+        log_prob = -sq_err / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
 def sde_step_with_logprob(
+    sde: Sde,
     model_output: Tensor,
     sample: Tensor,
-    sigmas: Tensor,
     index: int | Tensor,
     *,
-    kind: str,
-    noise_level: float,
     prev_sample: Tensor | None = None,
     generator: Generators = None,
     noise: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One stochastic step ``x -> x'`` from ``σ = sigmas[index]`` to ``σ' = sigmas[index+1]`` with its log-prob.
+    """One stochastic step ``x -> x' = mean + std·ε`` (``ε ~ N(0, I)``) of ``sde`` from ``σ = sigmas[index]`` to
+    ``σ' = sigmas[index+1]``, with its log-prob; ``x = sample`` and ``v = model_output`` [B, ...] of one dtype,
+    ``index`` an int or a LongTensor [B] (per-sample steps). Each kind's mean and std: :data:`TRANSITIONS`; the
+    log-prob: :func:`_log_prob`.
 
-    With ``x = sample``, ``v = model_output``, ``ε ~ N(0, I)``, ``η = noise_level``:
+    ``prev_sample``: score this ``x'`` instead of sampling one (it is detached; gradients reach ``model_output``
+    through the mean only). ``generator``: a ``torch.Generator`` or one per sample (:func:`_noise`), ignored when
+    ``prev_sample`` is given. ``noise``: the draw ε itself (on the sample's device, in the compute dtype;
+    ``lean.sampling.rollout.StepNoise`` draws a rollout's noise ahead of the device).
 
-    * ``flow_grpo``: ``dt = σ'−σ``; ``s = η·sqrt(σ/(1−σ̃))`` with ``σ̃ = sigmas[1]`` when ``σ == 1`` (else ``σ``);
-      ``mean = x·(1 + s²/(2σ)·dt) + v·(1 + s²(1−σ)/(2σ))·dt``; ``std = s·sqrt(−dt)``;
-      ``log p = −(x'−mean)²/(2std²) − log std − log sqrt(2π)``.
-    * ``flow_grpo_linear``: as ``flow_grpo`` with ``s = η·(σ_N + (σ_1 − σ_N)·σ)``, ``σ_1 = sigmas[1]``,
-      ``σ_N = sigmas[−1]`` (η = 1 is FlowGRPO's Wan2.1 SDE, where ``σ_N = 0``).
-    * ``cps``: ``std = σ'·sin(ηπ/2)``; ``x̂0 = x − σv``; ``x̂1 = x + (1−σ)v``;
-      ``mean = (1−σ')·x̂0 + sqrt(σ'² − std²)·x̂1``; ``log p = −(x'−mean)²`` (constants and scale dropped, as in
-      FlowGRPO; only ratios/differences of it are used). At the last step ``σ' = 0`` so ``std = 0``, ``x' = mean``.
-    * ``dance``: ``dσ = σ'−σ``; ``x̂0 = x − σv``; ``score = −(x − (1−σ)x̂0)/σ²``;
-      ``mean = x + dσ·v − ½η²·score·dσ``; ``std = η·sqrt(σ−σ')``; Gaussian ``log p`` as for ``flow_grpo``.
-
-    In every case ``x' = mean + std·ε``. ``log p`` is averaged over all non-batch dimensions.
-
-    Args:
-        model_output, sample: ``v`` and ``x``, same shape [B, ...] and dtype.
-        sigmas: the 1-D schedule (descending, last entry 0), e.g. :func:`sigma_schedule`.
-        index: step index, an int or a LongTensor [B] (per-sample steps).
-        kind: one of ``SDE_KINDS``. noise_level: ``η > 0``.
-        prev_sample: score this ``x'`` instead of sampling one (it is detached; gradients reach ``model_output``
-            through the mean only).
-        generator: a ``torch.Generator`` or one per sample (see :func:`_noise`); ignored when ``prev_sample`` is given.
-        noise: the standard normal draw ε itself (on the sample's device, in the compute dtype), instead of drawing it
-            from ``generator`` (``lean.sampling.rollout.StepNoise`` draws a rollout's noise ahead of the device).
-
-    Returns:
-        ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` in the sample's dtype (detached when given);
-        ``mean`` and ``log_prob`` [B] in the compute dtype (float32; float64 for float64 input: a KL between two
-        means rounded to bfloat16 would be mostly rounding); ``std_dev_t`` the standard
-        deviation of the Gaussian transition itself (``s·sqrt(−dt)`` for the flow_grpo kinds, ``std`` otherwise), shape
-        [B, 1, ..., 1] in the compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps.
+    Returns ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: ``x'`` in the sample's dtype (detached when
+    given); ``mean`` and ``log_prob`` [B] in the compute dtype (float32; float64 for float64 input: a KL between two
+    means rounded to bfloat16 would be mostly rounding); ``std_dev_t`` the standard deviation of the Gaussian
+    transition itself (``s·sqrt(−dt)`` for the flow_grpo kinds, ``std`` otherwise), shape [B, 1, ..., 1] in the
+    compute dtype, so that ``‖mean_θ − mean_ref‖²/(2·std_dev_t²)`` is the KL of two steps. x' is scored as stored (in
+    the sample's dtype), so sampling and later re-scoring give the same log-prob.
     """
-    if kind not in SDE_KINDS:
-        raise ValueError(f"kind={kind!r}: must be one of {', '.join(SDE_KINDS)}")
-    if not noise_level > 0:
-        raise ValueError(f"noise_level={noise_level!r}: must be > 0")
     dtype = compute_dtype(sample)
     x, v = sample.to(dtype), model_output.to(dtype)
-    sigma, sigma_next = _sigma_pair(sigmas, index, x, dtype)
-
-    if kind in ("flow_grpo", "flow_grpo_linear"):
-        dt = sigma_next - sigma
-        sigma_max = sigmas[1].to(device=x.device, dtype=dtype)
-        if kind == "flow_grpo":
-            # σ = 1 would divide by zero: FlowGRPO evaluates the noise scale at sigmas[1] there instead.
-            s = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
-        else:
-            sigma_min = sigmas[-1].to(device=x.device, dtype=dtype)
-            s = (sigma_min + (sigma_max - sigma_min) * sigma) * noise_level
-        mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
-        std = s * torch.sqrt(-dt)
-    elif kind == "cps":
-        std = sigma_next * math.sin(noise_level * math.pi / 2)
-        x0, x1 = x - sigma * v, x + (1 - sigma) * v
-        mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
-    else:
-        d_sigma = sigma_next - sigma
-        x0 = x - sigma * v
-        score = -(x - x0 * (1 - sigma)) / sigma**2
-        mean = x + d_sigma * v + (-0.5 * noise_level**2 * score) * d_sigma
-        std = noise_level * torch.sqrt(sigma - sigma_next)
-
+    sigma, sigma_next = _sigma_pair(sde.sigmas, index, x, dtype)
+    mean, std = TRANSITIONS[sde.kind](sde, x, v, sigma, sigma_next)
     if prev_sample is None:
         eps = noise if noise is not None else _noise(x, generator, dtype)
         prev_sample = (mean + std * eps).detach().to(sample.dtype)
     else:
         prev_sample = prev_sample.detach()
-    # Score x' as stored (in the sample's dtype), so sampling and later re-scoring give the same log-prob.
-    sq_err = (prev_sample.to(dtype) - mean) ** 2
-    if kind == "cps":
-        log_prob = -sq_err
-    else:
-        log_prob = -sq_err / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    return prev_sample, log_prob, mean, std
+    return prev_sample, _log_prob(sde.kind, prev_sample.to(dtype), mean, std), mean, std
 
 
 def ode_step(model_output: Tensor, sample: Tensor, sigmas: Tensor, index: int | Tensor) -> Tensor:
@@ -384,51 +411,74 @@ def num_trained_steps(num_steps: int, timestep_fraction: float, base: str = "all
     return max(1, min(math.floor(m * timestep_fraction + 1e-9), num_steps - 1))
 
 
+@dataclass(frozen=True)
+class StepRule:
+    """How a rollout of ``num_steps`` steps chooses its stochastic and trained steps (``sample.*``: the keys of the
+    same names, ``fraction_of`` is ``timestep_fraction_of``, ``selection`` is ``timestep_selection``).
+
+    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps (of
+    ``fraction_of``) are trained per sample: ``selection="first"`` (FlowGRPO) steps ``0..K−1`` for every sample,
+    ``"random"`` (DanceGRPO) the first ``K`` entries of ``randperm(num_steps−1)`` of each sample's stream.
+
+    With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
+    ``[0, sde_window_max_start]``; steps ``s..s+w−1`` are stochastic and trained for every sample, all others are ODE
+    steps; ``timestep_fraction`` and ``selection`` are ignored then. The default ``sde_window_max_start =
+    max(0, num_steps // 2 − w)`` keeps the window in the first half of the schedule (steps ``< num_steps // 2``) where
+    it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤ num_steps − 1`` so the last step is never in the window.
+    """
+
+    num_steps: int
+    timestep_fraction: float = 1.0
+    fraction_of: str = "all"
+    selection: str = "first"
+    sde_window: int = 0
+    sde_window_max_start: int | None = None
+
+    @classmethod
+    def of(cls, cfg: SampleConfig) -> StepRule:
+        """The sampler's rule (``sample.*``)."""
+        return cls(
+            cfg.num_steps,
+            timestep_fraction=cfg.timestep_fraction,
+            fraction_of=cfg.timestep_fraction_of,
+            selection=cfg.timestep_selection,
+            sde_window=cfg.sde_window,
+            sde_window_max_start=cfg.sde_window_max_start,
+        )
+
+
+def _drawn_window(rule: StepRule, batch_size: int, generator: torch.Generator | None) -> StepSelection:
+    """The window of ``rule`` (``sde_window > 0``) at a start drawn with ``generator`` (the global RNG when None)."""
+    n, w = rule.num_steps, rule.sde_window
+    if w > n - 1:
+        raise ValueError(f"sde_window={w}: must be <= num_steps - 1 = {n - 1}")
+    max_start = max(0, n // 2 - w) if rule.sde_window_max_start is None else rule.sde_window_max_start
+    if not 0 <= max_start <= n - 1 - w:
+        raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {n - 1 - w}]")
+    start = int(torch.randint(0, max_start + 1, (1,), generator=generator))
+    return window_selection(n, batch_size, start, w)
+
+
 def select_steps(
-    num_steps: int,
+    rule: StepRule,
     batch_size: int,
     *,
-    timestep_fraction: float = 1.0,
-    fraction_of: str = "all",
-    selection: str = "first",
-    sde_window: int = 0,
-    sde_window_max_start: int | None = None,
     window_generator: torch.Generator | None = None,
     sample_generators: Sequence[torch.Generator] | None = None,
 ) -> StepSelection:
-    """Select the stochastic and trained steps of one rollout.
-
-    Without a window (``sde_window == 0``) every step is stochastic, and ``K = num_trained_steps(...)`` steps (of
-    ``fraction_of``) are
-    trained per sample:
-
-    * ``selection="first"`` (FlowGRPO): steps ``0..K−1`` for every sample.
-    * ``selection="random"`` (DanceGRPO): the first ``K`` entries of ``randperm(num_steps−1)`` drawn from
-      ``sample_generators[b]`` for sample ``b`` (the global RNG when ``None``).
-
-    With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
-    ``[0, sde_window_max_start]`` with ``window_generator`` (global RNG when ``None``); steps ``s..s+w−1`` are
-    stochastic and trained for every sample, all others are ODE steps. ``timestep_fraction`` and ``selection`` are
-    ignored then. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first
-    half of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy
-    ``s + w ≤ num_steps − 1`` so the last step is never in the window.
-    """
+    """The stochastic and trained steps of one rollout of ``batch_size`` samples by ``rule`` (:class:`StepRule`):
+    a window's start drawn with ``window_generator``, a random selection's steps of sample ``b`` with
+    ``sample_generators[b]`` (the global RNG when None)."""
+    num_steps = rule.num_steps
     if num_steps < 2:
         raise ValueError(f"num_steps={num_steps}: need >= 2 (the last step is never trained)")
-    if selection not in STEP_SELECTIONS:
-        raise ValueError(f"selection={selection!r}: must be one of {', '.join(STEP_SELECTIONS)}")
+    if rule.selection not in STEP_SELECTIONS:
+        raise ValueError(f"selection={rule.selection!r}: must be one of {', '.join(STEP_SELECTIONS)}")
+    if rule.sde_window > 0:
+        return _drawn_window(rule, batch_size, window_generator)
     trained = torch.zeros(batch_size, num_steps, dtype=torch.bool)
-    if sde_window > 0:
-        if sde_window > num_steps - 1:
-            raise ValueError(f"sde_window={sde_window}: must be <= num_steps - 1 = {num_steps - 1}")
-        max_start = max(0, num_steps // 2 - sde_window) if sde_window_max_start is None else sde_window_max_start
-        if not 0 <= max_start <= num_steps - 1 - sde_window:
-            raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {num_steps - 1 - sde_window}]")
-        start = int(torch.randint(0, max_start + 1, (1,), generator=window_generator))
-        return window_selection(num_steps, batch_size, start, sde_window)
-
-    k = num_trained_steps(num_steps, timestep_fraction, fraction_of)
-    if selection == "first":
+    k = num_trained_steps(num_steps, rule.timestep_fraction, rule.fraction_of)
+    if rule.selection == "first":
         trained[:, :k] = True
     else:
         if sample_generators is not None and len(sample_generators) != batch_size:
@@ -437,24 +487,3 @@ def select_steps(
             g = sample_generators[b] if sample_generators is not None else None
             trained[b, torch.randperm(num_steps - 1, generator=g)[:k]] = True
     return StepSelection(stochastic=torch.ones(num_steps, dtype=torch.bool), trained=trained)
-
-
-def select_steps_for(
-    cfg: SampleConfig,
-    batch_size: int,
-    *,
-    window_generator: torch.Generator | None,
-    sample_generators: Sequence[torch.Generator] | None,
-) -> StepSelection:
-    """:func:`select_steps` with the sampler's settings from ``cfg``."""
-    return select_steps(
-        cfg.num_steps,
-        batch_size,
-        timestep_fraction=cfg.timestep_fraction,
-        fraction_of=cfg.timestep_fraction_of,
-        selection=cfg.timestep_selection,
-        sde_window=cfg.sde_window,
-        sde_window_max_start=cfg.sde_window_max_start,
-        window_generator=window_generator,
-        sample_generators=sample_generators,
-    )

@@ -4,7 +4,8 @@ buffers, and the inputs of their cost models.
 A schedule decides these things and nothing else:
   * ``track_grad(i)`` / ``grad_micro_batch`` / ``rows_tracked(i)``: which rollout steps run with autograd on, in
     which micro-batches, for which rows;
-  * ``on_step(step)``: what to do with each SDE step of the rollout (store it, keep its graph, or backpropagate it);
+  * ``on_step(step)``: what to do with each SDE step of the rollout, a ``lean.sampling.transition.Transition``
+    (store what the algorithm reads of it, keep its graph, or backpropagate it);
   * ``finish(advantages, optimizer_step)``: turn the advantages into gradients in ``param.grad`` and call
     ``optimizer_step()`` (which syncs the gradients across processes, clips, steps the optimizer) once per update;
   * ``finish_rows(rows, advantages)`` (group layout, ``lean.parallel.layout``): the trajectories ``rows`` are scored and
@@ -17,6 +18,7 @@ reports, from the step costs ``lean.plan.cost.probe`` measures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,11 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.algorithms import Algorithm, StepLoss
+from lean.algorithms import Algorithm
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PhaseTimer
-from lean.sampling.rollout import StepOutput, reference_mean
+from lean.sampling.rollout import Sampler, reference_mean
 from lean.sampling.sde import StepSelection
+from lean.sampling.transition import Transition
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -58,6 +61,11 @@ class IterationContext:
         """Time and count the FLOPs of a named part of the work (backward, recompute_forward, ...)."""
         with self.timer(name), self.tally.region(name):
             yield
+
+    @functools.cached_property
+    def sampler(self) -> Sampler:
+        """The run's sampler on the iteration's grid."""
+        return Sampler(self.cfg.sample, self.sigmas)
 
     @property
     def batch(self) -> int:
@@ -94,34 +102,14 @@ class IterationContext:
         choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose advantage is 0)."""
         return self.algorithm.kept_samples(targets)
 
-    def on_policy_loss(self, step: StepOutput, ref_mean: torch.Tensor | None, targets: torch.Tensor) -> StepLoss:
-        """The algorithm's loss terms of a step whose graph is the rollout's own (Retain, Reweight): the ratio is
-        exp(log p - stopgrad(log p)) = 1, its gradient that of log p; ``targets`` of the step's rows."""
-        return self.algorithm.step_loss(
-            step.index,
-            step.log_prob,
-            step.log_prob.detach(),
-            targets,
-            mean=step.mean,
-            std=step.std,
-            ref_mean=ref_mean,
-            old_mean=step.mean.detach(),
-        )
-
-    def reference_mean(self, step: StepOutput) -> torch.Tensor | None:
-        """The reference policy's transition mean at the step's x_i (None when the regulariser is off)."""
+    def with_reference(self, step: Transition) -> Transition:
+        """The step with the reference policy's transition mean at its x_i, for the KL term (the step itself when the
+        regulariser is off)."""
         if self.algorithm.kl_weight == 0:
-            return None
+            return step
         with self.region("reference_forward"):
-            return reference_mean(
-                self.policy,
-                step.sample,
-                step.index,
-                self.emb.index(step.rows),
-                self.cfg.sample,
-                self.sigmas,
-                step.next_sample,
-            )
+            ref_mean = reference_mean(self.policy, self.sampler, step, self.emb.index(step.rows))
+        return dataclasses.replace(step, ref_mean=ref_mean)
 
 
 OptimizerStep = Callable[[], dict]
@@ -217,7 +205,7 @@ class Schedule:
             return self.track_rows
         return trained if self.track_rows is None else trained & self.track_rows
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         raise NotImplementedError
 
     def on_finished(self, rows: slice, final: torch.Tensor) -> None:

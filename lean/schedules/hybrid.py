@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from lean.algorithms import StepLoss
-from lean.sampling.rollout import StepOutput
+from lean.sampling.transition import Transition
 from lean.schedules.base import IterationContext, OptimizerStep
 from lean.schedules.recompute import Recompute, first_update_rows, rows_mask
 
@@ -60,7 +60,7 @@ class LaterUpdates:
             return self.first_size
         return kept[self.first.to(kept.device)].sum().clamp_min(1)
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         self.recompute.on_step(step)
 
     def run(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> tuple[list[StepLoss], dict]:

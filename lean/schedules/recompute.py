@@ -1,7 +1,8 @@
 """Recompute: the FlowGRPO / DanceGRPO baseline.
 
-Rollout (no gradients anywhere) stores, for every stochastic step i of every sample, x_i, x_{i+1} and
-log p_old(x_{i+1} | x_i). After rewards and advantages A are known, the update loop recomputes every trained step with
+Rollout (no gradients anywhere) stores, for every stochastic step i of every sample, x_i, x_{i+1} and what the
+algorithm's loss reads of the rollout's step (``Algorithm.reads``: log p_old(x_{i+1} | x_i); GRPO-Guard's the old
+mean too). After rewards and advantages A are known, the update loop recomputes every trained step with
 gradients:
 
     for epoch in 1..num_inner_epochs:                      # off-policy when > 1
@@ -37,7 +38,8 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.config.registry import Registry
-from lean.sampling.rollout import StepOutput, iteration_generator, policy_step, reference_mean
+from lean.sampling.rollout import iteration_generator, policy_step
+from lean.sampling.transition import RECOMPUTE_INPUTS, Transition
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
 if TYPE_CHECKING:
@@ -68,15 +70,11 @@ RECOMPUTE_FORWARD, LATER_UPDATE_FORWARD = "recompute_forward", "update_forward"
 
 @dataclass
 class Terms:
-    """Loss terms recomputed in one forward: trajectories ``rows`` at step(s) ``steps`` (an int, or one per row)."""
+    """Loss terms recomputed in one forward: the stored ``step`` of some trajectories (its ``rows`` on the device or
+    a contiguous slice, its ``index`` an int or one per row), with the fields the algorithm reads."""
 
-    rows: torch.Tensor | slice  # on the device, or a contiguous slice
-    steps: int | torch.Tensor
-    x: torch.Tensor  # x_i
-    next_x: torch.Tensor  # x_{i+1}, as sampled
-    old_log_prob: torch.Tensor  # log p_old(x_{i+1} | x_i) from the rollout
+    step: Transition
     weight: float | torch.Tensor  # of each term in the objective: 1/(N K), 0 for a step the row does not train
-    old_mean: torch.Tensor | None = None  # the rollout's transition mean, where the algorithm reads it
 
 
 def shuffled(t: TrainConfig, iteration: int, count: int, epoch: int) -> torch.Tensor:
@@ -143,10 +141,9 @@ class Recompute(Schedule):
         before the rollout."""
         super().__init__(ctx)
         self.split_first = splits_first(ctx.cfg, hybrid)
-        self.samples: dict[int, torch.Tensor] = {}  # step i -> x_i [B, ...]
-        self.next_samples: dict[int, torch.Tensor] = {}
-        self.old_log_probs: dict[int, torch.Tensor] = {}
-        self.old_means: dict[int, torch.Tensor] | None = {} if ctx.algorithm.uses_old_mean else None
+        # what each trained step's recompute starts from and what the algorithm's loss reads of the rollout's step
+        self.fields = RECOMPUTE_INPUTS + tuple(sorted(ctx.algorithm.reads))
+        self.stored: dict[int, dict[str, torch.Tensor]] = {}  # step i -> field -> its value of every row [B, ...]
         # ratio r = p_theta / p_old of every (sample, step) term its update computed (1 where none was), on the device:
         # on-policy r is 1 up to rounding, and the certificate reports how often rounding alone made the clip bind
         self.ratios = torch.ones(ctx.steps.trained.shape, dtype=torch.float64, device=ctx.sigmas.device)
@@ -154,25 +151,21 @@ class Recompute(Schedule):
     def track_grad(self, i: int) -> bool:
         return False
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         if not self.any_trained[step.index]:
             return  # never trained: nothing to store
-        i, rows, batch = step.index, step.rows, self.ctx.batch
-        if i not in self.samples:
-            self.samples[i] = step.sample.new_empty((batch, *step.sample.shape[1:]))
-            self.next_samples[i] = torch.empty_like(self.samples[i])
-            self.old_log_probs[i] = step.log_prob.new_empty(batch)
-            if self.old_means is not None:
-                self.old_means[i] = step.mean.new_empty((batch, *step.mean.shape[1:]))
-        self.samples[i][rows] = step.sample
-        self.next_samples[i][rows] = step.next_sample
-        self.old_log_probs[i][rows] = step.log_prob.detach()
-        if self.old_means is not None:
-            self.old_means[i][rows] = step.mean.detach()
+        if step.index not in self.stored:
+            self.stored[step.index] = {
+                name: getattr(step, name).new_empty((self.ctx.batch, *getattr(step, name).shape[1:]))
+                for name in self.fields
+            }
+        for name, store in self.stored[step.index].items():
+            store[step.rows] = getattr(step, name).detach()
 
-    def _gather(self, store: dict[int, torch.Tensor], rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """x[b] at step steps[b] for each sample b of ``rows`` (host-side ids; views of the stored device tensors)."""
-        return torch.stack([store[int(t)][int(b)] for b, t in zip(rows, steps)])
+    def _gather(self, name: str, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Field ``name`` of each sample b of ``rows`` at its step steps[b] (host-side ids; views of the stored device
+        tensors)."""
+        return torch.stack([self.stored[int(t)][name][int(b)] for b, t in zip(rows, steps)])
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx = self.ctx
@@ -225,12 +218,9 @@ class Recompute(Schedule):
                     on_device = rows.to(device)
                     for j in range(ctx.steps_per_sample):
                         steps = torch.stack([trained_steps[int(b)][j] for b in rows])
-                        x = self._gather(self.samples, rows, steps)
-                        nxt = self._gather(self.next_samples, rows, steps)
-                        old = torch.stack([self.old_log_probs[int(s)][int(b)] for b, s in zip(rows, steps)])
-                        weight = 1.0 / (len(chunk) * ctx.steps_per_sample)
-                        old_mean = None if self.old_means is None else self._gather(self.old_means, rows, steps)
-                        update.append(Terms(on_device, steps.to(device), x, nxt, old, weight, old_mean))
+                        stored = {name: self._gather(name, rows, steps) for name in self.fields}
+                        step = Transition(index=steps.to(device), rows=on_device, **stored)
+                        update.append(Terms(step, 1.0 / (len(chunk) * ctx.steps_per_sample)))
                 yield update
 
     def _batches_like_rollout(self, kept: torch.Tensor | None, n: int | torch.Tensor) -> Iterator[list[Terms]]:
@@ -239,53 +229,22 @@ class Recompute(Schedule):
         rollout's to the last bit where the kernels are deterministic."""
         ctx, size = self.ctx, self.ctx.cfg.train.rollout_batch_size
         update = []
-        for i in sorted(self.samples):
+        for i in sorted(self.stored):
             for start in range(0, ctx.batch, size):
                 rows = slice(start, min(start + size, ctx.batch))
-                update.append(
-                    Terms(
-                        rows,
-                        i,
-                        self.samples[i][rows],
-                        self.next_samples[i][rows],
-                        self.old_log_probs[i][rows],
-                        ctx.term_weights(rows, i, n, kept),
-                        None if self.old_means is None else self.old_means[i][rows],
-                    )
-                )
+                stored = {name: value[rows] for name, value in self.stored[i].items()}
+                update.append(Terms(Transition(index=i, rows=rows, **stored), ctx.term_weights(rows, i, n, kept)))
         yield update
 
     def _backward(self, terms: Terms, advantages: torch.Tensor, joint_cfg: bool, region: str) -> StepLoss:
         """Recompute the terms' log-probs with gradients (timed and counted as ``region``), the algorithm's loss, and
         its backward."""
-        ctx = self.ctx
-        emb = ctx.emb.index(terms.rows)
+        ctx, rows = self.ctx, terms.step.rows
+        emb = ctx.emb.index(rows)
         with ctx.region(region):
-            _, log_prob, mean, std = policy_step(
-                ctx.policy,
-                terms.x,
-                terms.steps,
-                emb,
-                ctx.cfg.sample,
-                ctx.sigmas,
-                next_sample=terms.next_x,
-                joint_cfg=joint_cfg,
-            )
-        ref = None
-        if ctx.algorithm.kl_weight:
-            with ctx.region("reference_forward"):
-                ref = reference_mean(ctx.policy, terms.x, terms.steps, emb, ctx.cfg.sample, ctx.sigmas, terms.next_x)
-        loss = ctx.algorithm.step_loss(
-            terms.steps,
-            log_prob,
-            terms.old_log_prob,
-            advantages[terms.rows],
-            mean=mean,
-            std=std,
-            ref_mean=ref,
-            old_mean=terms.old_mean,
-        )
-        self.ratios[terms.rows, terms.steps] = loss.ratio.detach().double()
+            step = policy_step(ctx.policy, ctx.sampler, terms.step, emb, joint_cfg=joint_cfg)
+        loss = ctx.algorithm.step_loss(ctx.with_reference(step), advantages[rows])
+        self.ratios[rows, step.index] = loss.ratio.detach().double()
         with ctx.region("backward"):
             (terms.weight * loss.total(ctx.algorithm.kl_weight)).sum().backward()
         return loss

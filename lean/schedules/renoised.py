@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms import CleanSampleAlgorithm, StepLoss, loss_stats
-from lean.sampling.rollout import StepOutput, renoise_generator, velocity
+from lean.sampling.rollout import renoise_generator, velocity
+from lean.sampling.transition import Transition
 from lean.schedules.base import IterationContext, OptimizerStep, Schedule
 from lean.schedules.recompute import LATER_UPDATE_FORWARD, RECOMPUTE_FORWARD, Recompute, _chunks, update_order
 
@@ -110,7 +111,7 @@ class Renoised(Schedule):
     def track_grad(self, i: int) -> bool:
         return False
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         return  # the rollout's steps train nothing here
 
     def on_finished(self, rows: slice, final: Tensor) -> None:

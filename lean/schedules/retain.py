@@ -41,7 +41,8 @@ import torch
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
 from lean.parallel.sharding import is_sharded
-from lean.sampling.rollout import StepOutput, row_ids
+from lean.sampling.rollout import row_ids
+from lean.sampling.transition import Transition
 from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
 from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
@@ -59,7 +60,7 @@ class Retain(Schedule):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.kept: list[tuple[StepOutput, torch.Tensor | None]] = []  # (step with its graph, reference mean)
+        self.kept: list[Transition] = []  # the tracked steps with their graphs (and the reference's means)
         self.losses = []  # every backpropagated step's loss terms, for the stats
         self.provisional_stats: list[tuple[slice, StepLoss]] = []  # (rows, terms) backpropagated with Â
         self.unscaled = False  # an early finish under skip_zero_advantage used N = 1 (N is known only at the end)
@@ -81,15 +82,15 @@ class Retain(Schedule):
         buffers = TrajectoryBuffers(params, ctx.finish_unit)
         return buffers, PerSampleGrads(ctx.policy, params, buffers)
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         if self.later is not None:
             self.later.on_step(step)
         if step.log_prob.requires_grad:
-            self.kept.append((step, self.ctx.reference_mean(step)))
+            self.kept.append(self.ctx.with_reference(step))
 
     def _take(self, rows: slice) -> list:
         """Remove and return the kept steps of the rows ``rows`` (whole micro-batches)."""
-        inside = [rows.start <= int(row_ids(step.rows)[0]) < rows.stop for step, _ in self.kept]
+        inside = [rows.start <= int(row_ids(step.rows)[0]) < rows.stop for step in self.kept]
         taken = [e for e, yes in zip(self.kept, inside) if yes]
         self.kept = [e for e, yes in zip(self.kept, inside) if not yes]
         return taken
@@ -105,13 +106,13 @@ class Retain(Schedule):
         entries = self._take(rows)
         # one backward per set of tracked rows (a rollout micro-batch, or the rows of it that train a step)
         by_rows: dict[tuple[int, ...], list] = {}
-        for step, ref in entries:
-            by_rows.setdefault(tuple(row_ids(step.rows).tolist()), []).append((step, ref))
+        for step in entries:
+            by_rows.setdefault(tuple(row_ids(step.rows).tolist()), []).append(step)
         for ids, mine in sorted(by_rows.items()):
             policy, kl = 0.0, 0.0
-            for step, ref in mine:
+            for step in mine:
                 provisional = torch.full_like(step.log_prob, PROVISIONAL_ADVANTAGE)  # one per row of the step
-                loss = ctx.on_policy_loss(step, ref, provisional)
+                loss = ctx.algorithm.step_loss(step, provisional)
                 weights = ctx.term_weights(step.rows, step.index, ctx.batch)
                 policy = policy + (weights * loss.policy).sum()
                 if loss.kl is not None:
@@ -165,8 +166,8 @@ class Retain(Schedule):
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
         ctx, total = self.ctx, 0.0
-        for step, ref in entries:
-            loss = ctx.on_policy_loss(step, ref, advantages[step.rows])
+        for step in entries:
+            loss = ctx.algorithm.step_loss(step, advantages[step.rows])
             weights = ctx.term_weights(step.rows, step.index, n, kept)
             total = total + (weights * loss.total(ctx.algorithm.kl_weight)).sum()
             self.losses.append(loss)

@@ -57,7 +57,8 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
-from lean.sampling.rollout import StepOutput, row_ids
+from lean.sampling.rollout import row_ids
+from lean.sampling.transition import Transition
 from lean.schedules.base import (
     IterationCosts,
     OptimizerStep,
@@ -126,20 +127,20 @@ class Reweight(Schedule):
         per_trajectory = self.policy_buffers.nbytes + (self.kl_buffers.nbytes if self.kl_buffers else 0)
         return (per_trajectory + sum(b.numel() * b.element_size() for b in flat)) / 2**20
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         if self.later is not None:
             self.later.on_step(step)
         if not step.log_prob.requires_grad:
             return
         ctx = self.ctx
-        ref = ctx.reference_mean(step)
-        loss = ctx.on_policy_loss(step, ref, self.provisional[step.rows])
+        step = ctx.with_reference(step)  # the rollout's own step: its old values are its own, the ratio is 1
+        loss = ctx.algorithm.step_loss(step, self.provisional[step.rows])
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
             self._per_trajectory_backward(
-                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=ref is not None
+                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=step.ref_mean is not None
             )
-            if ref is not None:
+            if step.ref_mean is not None:
                 kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 if self.kl_buffers is not None:
                     self._per_trajectory_backward(kl_loss, step.rows, self.kl_buffers, retain_graph=False)

@@ -29,6 +29,7 @@ from lean.parallel.sharding import FSDP, full, full_state_dict
 from lean.plan.cost import with_schedule
 from lean.run.optimizer import capture_synced_grads
 from lean.sampling.rollout import velocity
+from lean.sampling.transition import Transition
 from lean.schedules import (
     BASELINE,
     LEAN_SCHEDULES,
@@ -73,23 +74,18 @@ def compare(
     }
 
 
-@dataclass
-class RecordedStep:
-    index: int
-    rows: slice
-    sample: torch.Tensor  # x_i
-    next_sample: torch.Tensor  # x_{i+1}
-
-
 class StepRecorder:
-    """An ``on_step`` hook keeping x_i and x_{i+1} of every SDE step: the trajectories a float64 reference gradient
-    is computed on (:meth:`Float64Reference.gradient` skips the steps no sample trains)."""
+    """An ``on_step`` hook keeping x_i and x_{i+1} of every SDE step (a transition without its graph): the
+    trajectories a float64 reference gradient is computed on (:meth:`Float64Reference.gradient` skips the steps no
+    sample trains)."""
 
     def __init__(self):
-        self.steps: list[RecordedStep] = []
+        self.steps: list[Transition] = []
 
-    def __call__(self, step) -> None:
-        self.steps.append(RecordedStep(step.index, step.rows, step.sample, step.next_sample))
+    def __call__(self, step: Transition) -> None:
+        self.steps.append(
+            Transition(index=step.index, rows=step.rows, sample=step.sample, next_sample=step.next_sample)
+        )
 
 
 class Float64Reference:
@@ -129,7 +125,7 @@ class Float64Reference:
         self,
         trainable: list[torch.Tensor],
         batch,
-        recorded: list[RecordedStep],
+        recorded: list[Transition],
         advantages: torch.Tensor,
         mask: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
@@ -196,7 +192,7 @@ class Float64Reference:
         self.world.reduce_gradients_(grads)
         return [g.view_as(p) for g, p in zip(grads.split([p.numel() for p in self.params]), self.params)]
 
-    def forward_error(self, trainable: list[torch.Tensor], batch, recorded: list[RecordedStep]) -> float:
+    def forward_error(self, trainable: list[torch.Tensor], batch, recorded: list[Transition]) -> float:
         """How far the run's own precision moves the model: max |v - v_64| / max |v_64| of the velocity at the first
         recorded step (the scale of the rounding every gradient computed in this precision inherits)."""
         step, policy = recorded[0], self.policy

@@ -36,8 +36,8 @@ from lean.config.dtypes import dtype_name
 from lean.observe.metrics import PeakMemory, SavedBytes
 from lean.run.iteration import IterationPipeline, LocalBatch, Rollout
 from lean.run.optimizer import capture_synced_grads
-from lean.sampling.rollout import StepOutput
 from lean.sampling.sde import StepSelection
+from lean.sampling.transition import Transition
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, IterationContext, Schedule
 from lean.tools.equivalence import compare, passes, tolerance
 from lean.train import Trainer
@@ -70,7 +70,7 @@ class TrajectoryRecorder(Schedule):
         self.steps: dict[int, dict[str, Tensor]] = {}
         self.saved_bytes: dict[int, int] = defaultdict(int)
 
-    def on_step(self, step: StepOutput) -> None:
+    def on_step(self, step: Transition) -> None:
         self.saved_bytes[step.index] += self.saved.take()
         if not self.any_trained[step.index]:
             return
@@ -182,8 +182,13 @@ def replay_rollout(pipeline: IterationPipeline, schedule: str, trajectory: Mappi
     rows = torch.arange(len(samples))
     for i in sorted(int(k.split(".")[1]) for k in trajectory if k.startswith("x.")):
         sched.on_step(
-            StepOutput(
-                i, rows, trajectory[f"x.{i}"], trajectory[f"x_next.{i}"], trajectory[f"log_prob.{i}"], None, None
+            Transition(
+                index=i,
+                rows=rows,
+                sample=trajectory[f"x.{i}"],
+                next_sample=trajectory[f"x_next.{i}"],
+                log_prob=trajectory[f"log_prob.{i}"],
+                old_log_prob=trajectory[f"log_prob.{i}"],
             )
         )
     return Rollout(batch, ctx, sched, trajectory["final"], trajectory["rewards"])
@@ -195,7 +200,7 @@ def rerun_rollout(
     """The rollout again, in this process, with the schedule's hooks; and how far it is from the persisted one."""
     log_probs: dict[int, Tensor] = {}
 
-    def record(step: StepOutput) -> None:
+    def record(step: Transition) -> None:
         if f"log_prob.{step.index}" in trajectory:
             log_probs.setdefault(step.index, torch.empty_like(trajectory[f"log_prob.{step.index}"]))
             log_probs[step.index][step.rows] = step.log_prob.detach().to(log_probs[step.index].dtype)

@@ -41,8 +41,8 @@ from lean.models.scheduler import time_shift
 from lean.models.spec import SCALE_SHIFT
 from lean.rewards import compute_rewards
 from lean.sampling.options import SampleConfig
-from lean.sampling.rollout import rollout, sample_generator
-from lean.sampling.sde import STEP_SELECTIONS, select_steps_for, sigma_schedule
+from lean.sampling.rollout import RolloutPlan, Sampler, rollout, sample_generator
+from lean.sampling.sde import STEP_SELECTIONS, StepRule, select_steps, sigma_schedule
 from lean.workbench.data import make_dataset, vocabulary
 
 
@@ -186,22 +186,20 @@ def sample_reward(
     sample_cfg = dataclasses.replace(sample_cfg, shift=shift)
     pairs = [(i, k) for i in range(len(prompts)) for k in range(samples_per_prompt)]
     gens = [sample_generator(seed, 0, i, i, k) for i, k in pairs]  # one group per prompt
-    steps = select_steps_for(
-        dataclasses.replace(
-            sample_cfg, timestep_selection=STEP_SELECTIONS.default, sde_window=0, sde_window_max_start=None
+    steps = select_steps(
+        StepRule.of(
+            dataclasses.replace(
+                sample_cfg, timestep_selection=STEP_SELECTIONS.default, sde_window=0, sde_window_max_start=None
+            )
         ),
         len(gens),
         window_generator=torch.Generator().manual_seed(seed),
         sample_generators=gens,
     )
     names = [prompts[i] for i, _ in pairs]
+    sampler = Sampler(sample_cfg, sigma_schedule(sample_cfg.num_steps, shift, sample_cfg.sigma_grid))
     final = rollout(
-        policy,
-        policy.encode_prompts(names),
-        gens,
-        steps,
-        sample_cfg,
-        sigma_schedule(sample_cfg.num_steps, shift, sample_cfg.sigma_grid),
+        policy, RolloutPlan(sampler=sampler, emb=policy.encode_prompts(names), generators=gens, steps=steps)
     )
     total, _ = compute_rewards(reward_weights, policy.decode(final), names)
     return total.mean().item()
