@@ -35,13 +35,21 @@ SHARED_FIXTURE_MODULES = {
     "test_train",
 }
 # Run first, so that the two workers end together: the smoke pipeline's group (minutes on one worker), then the
-# modules of long multi-process and meta-device tests.
+# modules of long multi-process and meta-device tests, then the other groups; the single tests last, the small units
+# that fill whichever worker is free.
 LONG_FIRST = ("smoke", "test_layout", "test_certificate", "test_sharding", "test_sequence_parallel", "test_distributed")
 
 
 def _group(item) -> str | None:
     marker = item.get_closest_marker("xdist_group")
     return (marker.kwargs.get("name") or marker.args[0]) if marker else None
+
+
+def pytest_configure(config):
+    # pytest-xdist hands out the groups with the most tests first (--loadscope-reorder, its default): the smoke
+    # group's 8 tests then waited behind a dozen module groups (minutes) and ended the run alone. Keep the order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
@@ -54,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
         for i, name in enumerate(LONG_FIRST):
             if _group(item) == name or item.module.__name__ == name:
                 return i
-        return len(LONG_FIRST)
+        return len(LONG_FIRST) + (_group(item) is None)
 
     items.sort(key=rank)  # stable: the order within a rank is pytest's
 

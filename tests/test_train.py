@@ -1,12 +1,10 @@
 """`lean train` end to end on CPU: both families, float64, the outputs a run must write."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import lean_here, tiny
 from safetensors.torch import load_file
 
 from lean.train import train
@@ -62,27 +60,11 @@ def test_training_changes_the_adapter_and_learns_direction(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_cli_train_default_params(tmp_path):
-    """The README's `lean train` with a params file and overrides."""
+    """The README's `lean train` with a params file and overrides (the CLI in this process: `python -m lean.cli` starts
+    in tests/test_config.py and test_reliability.py)."""
     params = tmp_path / "params.yaml"
     params.write_text("train:\n  iterations: 1\n  prompts_per_iteration: 2\n  group_size: 2\nsample:\n  num_steps: 3\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lean.cli",
-            "train",
-            "--params",
-            str(params),
-            "--set",
-            "train.schedule=auto",
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    lean_here("train", "--params", str(params), "--set", "train.schedule=auto", "--out", str(tmp_path / "out"))
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["auto"]["choice"] in ("retain", "reweight") and metrics["schedule"] == metrics["auto"]["choice"]
 

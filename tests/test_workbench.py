@@ -217,6 +217,10 @@ def copy_repository(dst: Path) -> None:
     git = ["git", "-c", "user.email=smoke@lean", "-c", "user.name=smoke"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "smoke"]):
         subprocess.run(git + cmd, cwd=dst, check=True, capture_output=True)
+    # byte-compiled once, as `make install` does for the checkout: the copy has no __pycache__ (git and DVC ignore
+    # it), and under PYTHONDONTWRITEBYTECODE each of the pipeline's ~30 processes would compile lean/ again
+    compile_sources = [sys.executable, "-m", "compileall", "-q", "-j", "0", "lean", "pipelines"]
+    subprocess.run(compile_sources, cwd=dst, check=True, capture_output=True)
 
 
 def rest(url: str, path: str, body: dict | None = None) -> dict:
