@@ -9,6 +9,7 @@ import pytest
 
 from lean.config import MOVED
 from lean.config.presets import PRESETS
+from lean.config.sections import OPTIONS
 from lean.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and dotted.count(".") < 1:
             flat.update(flatten(value, f"{dotted}."))
-        elif isinstance(value, dict) and dotted.split(".")[-1] in ("mixgrpo", "nft", "dpo"):
+        elif isinstance(value, dict) and dotted in OPTIONS:  # a registered group (algorithm.mixgrpo, ...)
             flat.update(flatten(value, f"{dotted}."))
         else:
             flat[dotted] = value
