@@ -1,16 +1,12 @@
-"""The one error of configuration and the checks the sections share.
-
-Every error is a :class:`ConfigError` whose message is one line naming the key, the value and what is allowed (a
-did-you-mean where a name is close); the CLI prints it and exits with status 2. A field that names something (a
-schedule, a model family, ...) is a :func:`choice` of the registry of that kind (``lean.config.registry.CATALOG``),
-read through :func:`lean.config.registry.catalog`, so this module imports no owner of the names.
+"""The one error of configuration and the checks the sections share. A :class:`ConfigError` is one line naming the
+key, the value and what is allowed (the CLI prints it and exits with status 2). A field that names something (a
+schedule, a model family, ...) is a :func:`choice` of its kind's registry, read through ``catalog``: no owner imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +46,7 @@ def check_fraction(key: str, value: float) -> None:
 
 
 def prompts_of_file(key: str, path: str) -> list[str]:
-    """``lean.config.prompts.read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
+    """``read_prompts(path)``; a missing, empty or malformed file is a config error of ``key``."""
     try:
         return read_prompts(path)
     except (OSError, ValueError) as err:
@@ -58,16 +54,12 @@ def prompts_of_file(key: str, path: str) -> list[str]:
 
 
 def choice(kind: str, default: str | None = None, *, also: tuple[str, ...] = ()) -> Any:
-    """A field whose value is a name of the registry of ``kind`` (``lean.config.registry.CATALOG``) or one of ``also``;
-    its default is ``default``, or None: the registry's own (its first name, so a name is spelled in its owner only)."""
+    """A field naming an entry of the registry of ``kind`` (or one of ``also``); without ``default``, the registry's
+    first (so a name is spelled in its owner only)."""
     metadata = {"registry": kind, "also": also}
     if default is not None:
         return dataclasses.field(default=default, metadata=metadata)
-    return dataclasses.field(default_factory=functools.partial(_registry_default, kind), metadata=metadata)
-
-
-def _registry_default(kind: str) -> str:
-    return catalog(kind).default
+    return dataclasses.field(default_factory=lambda: catalog(kind).default, metadata=metadata)
 
 
 def choices(section: Any, prefix: str) -> None:

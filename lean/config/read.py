@@ -1,12 +1,9 @@
 """Reading a run's configuration: ``params.yaml`` + ``--preset`` + a stage's ``run:`` + ``--set`` -> a typed
-:class:`~lean.config.sections.RunConfig` (:func:`read_config`; ``lean.configure.load_config`` validates it).
-
-Each value is checked against its field's annotation (:func:`_coerce`); an unknown key is a one-line
-:class:`ConfigError` with a did-you-mean, a key that moved one naming its new place (``lean.config.moved.MOVED``).
-"""
+:class:`~lean.config.sections.RunConfig` (:func:`read_config`), each value checked against its field's annotation."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,63 +21,48 @@ from lean.config.plugins import PLUGINS, import_plugins, load_entry_points
 from lean.config.presets import PRESETS
 from lean.config.sections import SECTIONS, RunConfig, options_type
 
-# A scalar annotation -> the Python types it takes (a bool is no number here; ints widen to floats), the message else.
-SCALARS = {
+# An annotation -> the Python types its values take (a bool is no number; ints widen to floats), the message else.
+KINDS = {
     bool: ((bool,), "must be true or false"),
     int: ((int,), "must be an integer"),
     float: ((int, float), "must be a number"),
     str: ((str,), "must be a string"),
+    list: ((list,), "must be a list"),
+    dict: ((dict,), "must be a mapping"),
 }
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp`` (ints widen to floats, nothing else)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
+    """``value`` checked against the annotation ``tp`` (ints widen to floats, nothing else converts); a section's key
+    that moved names its new place (:data:`~lean.config.moved.MOVED`)."""
+    kind, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if kind in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         return _coerce(key, value, next(a for a in args if a is not type(None)))
-    if tp in SCALARS:
-        kinds, allowed = SCALARS[tp]
-        if not isinstance(value, kinds) or (tp is not bool and isinstance(value, bool)):
-            raise ConfigError(key, value, allowed)
-        if tp is float and not math.isfinite(float(value)):
-            raise ConfigError(key, value, "must be a finite number")
-        return float(value) if tp is float else value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(key, value, "must be a list")
-        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(key, value, "must be a mapping")
-        return {_coerce(f"{key} key", k, args[0]): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):  # a section, or an entry of one (reward.models.<name>)
+    if dataclasses.is_dataclass(kind):  # a section, or an entry of one (reward.models.<name>)
         value = {} if value is None else value
         if not isinstance(value, dict):
             raise ConfigError(key, value, "must be a mapping of keys")
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(kind)
         for k, v in value.items():
-            if f"{key}.{k}" in MOVED:
-                raise ConfigError(f"{key}.{k}", v, f"moved to {MOVED[f'{key}.{k}']}")
+            if moved := MOVED.get(f"{key}.{k}"):
+                raise ConfigError(f"{key}.{k}", v, f"moved to {moved}")
             if k not in hints:
                 raise ConfigError(f"{key}.{k}", v, "unknown key" + suggest(k, hints))
-        return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
-    raise TypeError(f"unsupported annotation {tp} for {key}")
-
-
-def _parse_scalar(text: str) -> Any:
-    """``--set k=v`` values are YAML scalars/flow collections: 1, 0.5, true, null, [a, b]."""
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
+        return kind(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
+    if kind not in KINDS:
+        raise TypeError(f"unsupported annotation {tp} for {key}")
+    allowed_types, allowed = KINDS[kind]
+    if not isinstance(value, allowed_types) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(key, value, allowed)
+    if kind is list:
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if kind is dict:
+        return {_coerce(f"{key} key", k, args[0]): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+    if kind is float and not math.isfinite(float(value)):
+        raise ConfigError(key, value, "must be a finite number")
+    return float(value) if kind is float else value
 
 
 def _check_section(name: str, value: Any, where: str = "") -> None:
@@ -89,23 +71,29 @@ def _check_section(name: str, value: Any, where: str = "") -> None:
 
 
 def apply_override(tree: dict, assignment: str) -> None:
-    """Apply one dotted override ``section.key=value`` to a raw config tree in place."""
+    """Apply one dotted override ``section.key=value`` (or ``plugins=[...]``) to a raw config tree in place; the
+    value is a YAML scalar or flow collection (1, 0.5, true, null, [a, b])."""
     if "=" not in assignment:
         raise ConfigError(assignment, None, "an override must look like section.key=value")
     dotted, text = assignment.split("=", 1)
     parts = dotted.strip().split(".")
     if parts != [PLUGINS]:
         _check_section(parts[0], text)
-    if dotted.strip() == PLUGINS:
-        tree[PLUGINS] = _parse_scalar(text)
-        return
-    if len(parts) < 2:
-        raise ConfigError(dotted, text, "name a key inside the section, e.g. train.lr=1e-4")
-    node = tree.setdefault(parts[0], {}) or {}
-    tree[parts[0]] = node
-    for p in parts[1:-1]:
-        node = node.setdefault(p, {})
-    node[parts[-1]] = _parse_scalar(text)
+        if len(parts) < 2:
+            raise ConfigError(dotted, text, "name a key inside the section, e.g. train.lr=1e-4")
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        value = text  # as written
+    else:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+    node = tree
+    for part in parts[:-1]:
+        node[part] = node.get(part) or {}
+        node = node[part]
+    node[parts[-1]] = value
 
 
 def apply_run_section(tree: dict, run: Any, where: str) -> None:
@@ -119,28 +107,24 @@ def apply_run_section(tree: dict, run: Any, where: str) -> None:
         _check_section(section, keys, f"{where}.")
         if not isinstance(keys, Mapping):
             raise ConfigError(f"{where}.{section}", keys, "must be a mapping of keys")
-        node = tree.setdefault(section, {}) or {}
-        tree[section] = {**node, **keys}
+        tree[section] = {**(tree.get(section) or {}), **keys}
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
     """``top`` over ``base``, merging nested sections (but never ``reward.weights``: a preset's reward replaces)."""
     out = dict(base)
     for k, v in top.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "weights":
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
+        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "weights"
+        out[k] = _deep_merge(out[k], v) if merge else v
     return out
 
 
 def read_params(path: str | os.PathLike) -> dict:
     """The whole params file: the run sections and the stages' own sections (``bench``, ``prepare``, ...)."""
-    path = Path(path)
-    if not path.exists():
+    if not Path(path).exists():
         raise ConfigError("--params", str(path), "file does not exist")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError("--params", str(path), f"not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(tree, dict):
@@ -156,26 +140,23 @@ def read_config(
     stage: str | None = None,
     variant: str | None = None,
 ) -> RunConfig:
-    """The run config, typed but not yet validated (``lean.configure.load_config`` validates it). Layers, each on
-    top of the one before: the run sections of ``params`` (or ``tree``), the preset, the ``stage`` section's
-    ``run:`` mapping of ``params`` (then its ``<variant>.run:``, a second run of the stage), the ``--set``
-    overrides. The plugins (``lean.config.plugins``: the entry points, then the top-level ``plugins:`` list of those
-    layers) are imported before the sections are read, so their names and options are registered."""
+    """The run config, typed but not yet validated (``lean.configure.load_config`` validates it). Layers, each on top
+    of the one before: the run sections of ``params`` (or ``tree``), the preset, the ``stage`` section's ``run:`` of
+    ``params`` (then its ``<variant>.run:``), the ``--set`` overrides. The plugins (entry points, then the layers'
+    ``plugins:`` list) are imported before the sections are read, so their names and options are registered."""
     whole = read_params(params) if params is not None else {}
-    load_entry_points()  # before the sections are read: a plugin registers its names and options
+    load_entry_points()
     raw = dict(tree) if tree is not None else {k: v for k, v in whole.items() if k in SECTIONS or k == PLUGINS}
     if preset is not None:
         if preset not in PRESETS:
-            raise ConfigError(
-                "--preset", preset, "unknown preset" + suggest(preset, PRESETS) + f"; known: {', '.join(PRESETS)}"
-            )
+            known = f"; known: {', '.join(PRESETS)}"
+            raise ConfigError("--preset", preset, "unknown preset" + suggest(preset, PRESETS) + known)
         raw = _deep_merge(raw, yaml.safe_load(PRESETS[preset].read_text()) or {})
     raw = _deep_merge({}, raw)
     if stage is not None:
         apply_run_section(raw, (whole.get(stage) or {}).get("run"), f"{stage}.run")
         if variant is not None:
-            section = ((whole.get(stage) or {}).get(variant) or {}).get("run")
-            apply_run_section(raw, section, f"{stage}.{variant}.run")
+            apply_run_section(raw, ((whole.get(stage) or {}).get(variant) or {}).get("run"), f"{stage}.{variant}.run")
     for item in overrides:
         apply_override(raw, item)
     import_plugins(raw.pop(PLUGINS, None) or [])

@@ -1,11 +1,6 @@
-"""One registry per kind of name.
-
-Schedules, algorithms, model families, dtypes, SDE kinds, sigma grids, rewards and presets are each named in exactly
-one module, the one that owns them, as a :class:`Registry`, which also enters the :data:`CATALOG` under its kind.
-Config validation (through :func:`catalog`, so ``lean.config`` imports no owner), CLI ``choices``, the benchmark's
-order and the notebooks read the names from there, so adding a schedule (or a family, a reward, ...) is one new file
-plus one registry line.
-"""
+"""One registry per kind of name (schedules, algorithms, model families, dtypes, rewards, presets, ...), each in the
+one module that owns the names and entered in :data:`CATALOG`: configuration (through :func:`catalog`, importing no
+owner), the CLI and the notebooks read the names there, so a new schedule is one new file plus one registry line."""
 
 from __future__ import annotations
 
@@ -21,10 +16,10 @@ class Registry(dict[str, T], Generic[T]):
     """``name -> what the name stands for``, in registration order; the first name is the default."""
 
     def __init__(self, kind: str, entries: Iterable[tuple[str, T]] = ()):
-        super().__init__(entries)
-        self.kind = kind  # what the names name ("schedule", "model family", ...), for messages
         if kind in CATALOG:
             raise ValueError(f"a registry of {kind}s exists already")
+        super().__init__(entries)
+        self.kind = kind  # what the names name ("schedule", "model family", ...), for messages
         CATALOG[kind] = self
 
     @property
@@ -54,7 +49,7 @@ class Registry(dict[str, T], Generic[T]):
 
 
 def catalog(kind: str) -> Registry:
-    """The registry of ``kind`` (configuration reads its names through this, importing no owner itself)."""
+    """The registry of ``kind``; a ``LookupError`` if its owner is not imported yet."""
     if kind not in CATALOG:
         raise LookupError(f"no registry of {kind}s: the module that owns them is not imported (lean.configure does)")
     return CATALOG[kind]

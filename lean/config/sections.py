@@ -1,15 +1,9 @@
-"""The run's sections, assembled from what their owners register: :class:`RunConfig`, :func:`register_options`.
+"""The run's sections, assembled from what their owners register (:func:`register_options`).
 
-A dataclass of options is registered under a dotted key: a section of the run (``model``: ``lean.models.options``
-registers its ``ModelConfig``) or a nested group inside a registered one (``algorithm.mixgrpo``: MixGRPO's window,
-declared in ``lean/algorithms/mixgrpo.py``; a reward's or a family's own group under ``reward.<name>`` or
-``model.<name>``). The type of a key is its registered dataclass with every group registered below it added as a
-nested field (``dataclasses.make_dataclass``), built when the config is read, so a new algorithm with options touches
-its own file only. The run itself is key ``""``: :class:`RunConfig` with the sections as fields.
-
-An assembled type is cached per composition and its instances pickle (and deep-copy) by value: the receiving
-process rebuilds the same type from the groups' own classes, which import (and register) their owners.
-"""
+A dataclass is registered at a key: a section (``model``) or a group nested in a registered one (``algorithm.mixgrpo``,
+declared in ``lean/algorithms/mixgrpo.py``), so a new algorithm with options touches its own file only. The type of a
+key (:func:`options_type`; the run's is ``""``) is its dataclass with the groups below it as nested fields, cached per
+composition; its instances pickle by value (the receiver rebuilds the type from the groups' own classes)."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ ORDER = ("model", "sample", "reward", "algorithm", "train", "parallel", "eval")
 
 @dataclasses.dataclass
 class RunConfig:
-    """A run's configuration: one attribute per registered section (``cfg.model.family``, ``cfg.train.lr``, ...).
-    Its instances are of :func:`options_type` ``("")``, this class with the sections as fields."""
+    """A run's configuration: one attribute per registered section (``cfg.model.family``, ``cfg.train.lr``, ...)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -44,8 +37,8 @@ def register_options(key: str):
     def add(cls: type[T]) -> type[T]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"options {key!r}: {cls.__name__} is not a dataclass")
-        known = OPTIONS.get(key)
-        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        known = OPTIONS.get(key, cls)  # the same class again (its module reloaded) replaces it
+        if (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"options {key!r} are registered twice ({known.__module__}, {cls.__module__})")
         OPTIONS[key] = cls
         return cls
@@ -54,36 +47,32 @@ def register_options(key: str):
 
 
 def _groups(key: str) -> list[str]:
-    """The names of the options registered directly below ``key`` (sections in :data:`ORDER` for the run)."""
+    """The names registered directly below ``key`` (for the run's ``""``: the sections, in :data:`ORDER`)."""
     prefix = f"{key}." if key else ""
     names = [k[len(prefix) :] for k in OPTIONS if k.startswith(prefix) and "." not in k[len(prefix) :]]
-    if not key:
-        names.sort(key=lambda name: ORDER.index(name) if name in ORDER else len(ORDER))
-    return names
+    return names if key else sorted(names, key=lambda name: ORDER.index(name) if name in ORDER else len(ORDER))
 
 
 def options_type(key: str = "") -> type:
     """The dataclass of ``key`` with its registered groups as nested fields (the registered class itself if none)."""
-    base = RunConfig if not key else OPTIONS[key]
     groups = tuple((name, options_type(f"{key}.{name}" if key else name)) for name in _groups(key))
-    return _assemble(key, base, groups)
+    return _assemble(key, OPTIONS[key] if key else RunConfig, groups)
 
 
 @functools.cache
 def _assemble(key: str, base: type, groups: tuple[tuple[str, type], ...]) -> type:
     if not groups:
         return base
-    taken = {f.name for f in dataclasses.fields(base)} & {name for name, _ in groups}
-    if taken:
-        raise ValueError(f"options {key!r}: groups {sorted(taken)} clash with fields of {base.__name__}")
     names = tuple(name for name, _ in groups)
+    if taken := sorted({f.name for f in dataclasses.fields(base)} & set(names)):
+        raise ValueError(f"options {key!r}: groups {taken} clash with fields of {base.__name__}")
 
     def validate(self, *key_arg: str) -> None:
-        """The base's own checks, then each group's (``validate("<key>.<group>")``)."""
+        """The base's own checks, then each group's (``validate("<key>.<group>")``; a section's takes no key)."""
         if hasattr(base, "validate"):
             base.validate(self, *key_arg)
         prefix = key_arg[0] if key_arg else key
-        for name in names:  # a section of the run validates itself with no key
+        for name in names:
             getattr(self, name).validate(*([f"{prefix}.{name}"] if prefix else []))
 
     def reduce(self) -> tuple:
@@ -96,7 +85,7 @@ def _assemble(key: str, base: type, groups: tuple[tuple[str, type], ...]) -> typ
 
 
 def _rebuild(key: str, base: type, names: tuple[str, ...], values: dict[str, Any]) -> Any:
-    """An assembled instance from its values: the type of the groups the values hold (unpickled: registered)."""
+    """An assembled instance from its values (unpickled, the groups' own classes have registered again)."""
     return _assemble(key, base, tuple((name, type(values[name])) for name in names))(**values)
 
 
