@@ -92,8 +92,27 @@ def test_the_module_graph_is_acyclic(annotations):
 # What the config package's modules may import from lean: each other (the mechanism, the run-level sections, the
 # registry and the leaf modules). The domain modules declare and register their sections and own their cross-section
 # rules (lean.configure).
-MECHANISM = ("__init__", "checks", "sections", "read", "moved", "plugins", "registry")  # lean/config/<name>.py
-MECHANISM_LINES = 300  # physical lines (wc -l), docstrings, comments and blank lines included
+MECHANISM = ("checks", "sections", "read", "moved", "plugins")  # lean/config/<name>.py; __init__ re-exports them
+MECHANISM_LINES = 300  # the mechanism's code lines (docstrings, comments and blank lines not counted)
+
+
+def code_lines(path: Path) -> int:
+    """Lines of ``path`` that hold code: not blank, not a comment, not inside a docstring."""
+    tree = ast.parse(path.read_text())
+    doc = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+        ):
+            doc.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = path.read_text().splitlines()
+    return sum(
+        1 for i, line in enumerate(lines, 1) if line.strip() and not line.strip().startswith("#") and i not in doc
+    )
 
 
 def test_configuration_is_at_the_bottom():
@@ -106,10 +125,10 @@ def test_configuration_is_at_the_bottom():
 
 
 def test_the_mechanism_is_small():
-    """The mechanism (exports, errors and checks, the section registry, reading, moved keys, plugins, the name
-    registries) is small; the sections live with their owners (lean.config.run_sections holds the run-level ones)."""
-    lines = {name: len((PACKAGE / "config" / f"{name}.py").read_text().splitlines()) for name in MECHANISM}
-    assert sum(lines.values()) < MECHANISM_LINES, lines
+    """The mechanism (errors and checks, the section registry, reading, moved keys, plugins) is small; the sections
+    live with their owners (lean.config.run_sections holds the run-level ones)."""
+    total = sum(code_lines(PACKAGE / "config" / f"{name}.py") for name in MECHANISM)
+    assert total < MECHANISM_LINES, total
 
 
 # lean's packages (and root modules) from the bottom up: a module imports only from its own layer and the ones below.
