@@ -225,7 +225,7 @@ def test_resume_guard_names_what_changed_and_ignores_the_run_length():
     longer = load_config(None, ["optimizer.lr=1e-4", "train.iterations=50", "train.out=elsewhere", "train.threads=2"])
     assert config_changes(saved, longer) == []
     changed = load_config(None, ["optimizer.lr=3e-4", "train.group_size=8"])
-    assert config_changes(saved, changed) == ["train.group_size: 4 -> 8", "optimizer.lr: 0.0001 -> 0.0003"]
+    assert config_changes(saved, changed) == ["optimizer.lr: 0.0001 -> 0.0003", "train.group_size: 4 -> 8"]
 
 
 def test_a_broken_pretrained_folder_is_one_config_error(tmp_path):

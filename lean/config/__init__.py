@@ -5,7 +5,7 @@ The mechanism only, at the bottom of the house: it imports no domain module (``t
     checks.py        ConfigError, suggest, check_*, choice/choices (fields named by a registry), prompts_of_file
     sections.py      RunConfig and register_options: the sections and their nested option groups, as registered
     read.py          read_params, read_config: files, presets, a stage's run:, --set overrides, type coercion
-    moved.py         MOVED: a key that moved answers with its new place
+    moved.py         MOVED: a key that moved answers with its new place; relocated: an old tree at the new places
     plugins.py       entry points and the config's plugins: list
     run_sections.py  train, optimizer, ema, checkpoint, eval: their owners (lean.run, lean.train, ...) sit above
     registry.py, dtypes.py, prompts.py, presets/: the registries, the dtypes, prompt files, the recipes
