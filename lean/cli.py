@@ -41,7 +41,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--params",
         default=None,
-        help="YAML file with model/sample/reward/train/eval sections (default: ./params.yaml if it exists)",
+        help="YAML file with the run's sections (model, sample, train, ...; default: ./params.yaml if it exists)",
     )
     p.add_argument("--preset", default=None, help="named recipe from lean/config/presets, applied on top of --params")
     p.add_argument(

@@ -9,7 +9,7 @@ For each eval prompt p (``eval.prompts``, default the training prompts) and samp
     reward = Σ_name w_name r_name(images, prompts)     the run's ``reward.weights``
 
 The loop is the rollout's own (``lean.sampling.rollout.rollout``) with a step selection that marks no step stochastic,
-under the weights the caller swaps in (``TrainState.ema_swapped_in``: the EMA ones with ``train.ema`` and
+under the weights the caller swaps in (``TrainState.ema_swapped_in``: the EMA ones with ``ema.enabled`` and
 ``eval.use_ema``). With the same weights two evaluations give the same images, so the grids of a run show what
 training changed and nothing else.
 

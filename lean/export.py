@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lean.config import ConfigError, RunConfig
+from lean.config.moved import relocated
 from lean.configure import load_config
 from lean.models.build import DEVICE_INIT_SIZE, build_policy, lora_config
 from lean.models.footprint import meta_transformer
@@ -221,7 +222,7 @@ def run_config(run: str | Path) -> RunConfig:
     path = Path(run) / "config.json"
     if not path.is_file():
         raise ConfigError("--run", str(run), "has no config.json: not the output folder of lean train")
-    tree = json.loads(path.read_text())
+    tree = relocated(json.loads(path.read_text()))  # written before a key moved: at its new place
     for section in ("train", "eval"):
         part = tree.get(section, {})
         if not (part.get("prompts_file") and Path(part["prompts_file"]).is_file()):
@@ -233,7 +234,7 @@ def run_weights(run: str | Path, ema: bool) -> Path:
     """The run's trained parameters: ``lora.safetensors``, or ``lora_ema.safetensors`` with ``ema``."""
     path = Path(run) / (RUN_EMA_WEIGHTS if ema else RUN_WEIGHTS)
     if not path.is_file():
-        why = "has no lora_ema.safetensors (the run had train.ema: false)" if ema else f"has no {RUN_WEIGHTS}"
+        why = "has no lora_ema.safetensors (the run had ema.enabled: false)" if ema else f"has no {RUN_WEIGHTS}"
         raise ConfigError("--run", str(run), why)
     return path
 

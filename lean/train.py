@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from lean import checkpoint, export
 from lean.algorithms import ALGORITHMS
 from lean.config import SECTIONS, ConfigError, RunConfig
+from lean.config.moved import relocated
 from lean.evaluation import Evaluator
 from lean.observe import tracking
 from lean.observe.metrics import FlopTally, median
@@ -42,7 +43,7 @@ class Trainer:
         self.world = world or init_world(cfg.train.dist_timeout_s, cfg.parallel.sequence_parallel)
         self.pipeline = build_pipeline(cfg, self.world)
         self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
-        self.state = TrainState(self.policy.trainable_parameters(), cfg.train, self.world)
+        self.state = TrainState(self.policy.trainable_parameters(), cfg.optimizer, cfg.ema, self.world)
         self.state.snapshot = self.pipeline.snapshot  # checkpointed with the weights
 
     @property
@@ -226,7 +227,7 @@ class Training:
         evaluate(self.trainer, self.evaluator, iteration, self.run, self.evaluations)
 
     def checkpoint_due(self, it: int) -> bool:
-        every = self.cfg.train.save_every
+        every = self.cfg.checkpoint.every
         return bool(every) and (it + 1) % every == 0
 
     def save_checkpoint(self, it: int) -> None:
@@ -298,15 +299,15 @@ def save_checkpoint(
         "tracking_run_id": run_id,
         "config": cfg.to_dict(),
     }
-    return checkpoint.save(folder, it, state, keep=cfg.train.keep_checkpoints)
+    return checkpoint.save(folder, it, state, keep=cfg.checkpoint.keep)
 
 
 RESUMABLE_CHANGES = frozenset(
     {
         "train.iterations",
         "train.out",
-        "train.save_every",
-        "train.keep_checkpoints",
+        "checkpoint.every",
+        "checkpoint.keep",
         "train.dist_timeout_s",
         "train.threads",
         "reward.remote",
@@ -318,8 +319,9 @@ RESUMABLE_CHANGES = frozenset(
 
 def config_changes(saved: dict, cfg: RunConfig) -> list[str]:
     """``key: saved -> now`` for every dotted key (outside :data:`RESUMABLE_CHANGES`) whose value differs. A section
-    or key the saved config lacks (written before it existed) ran with its default."""
-    now = cfg.to_dict()
+    or key the saved config lacks (written before it existed) ran with its default; a key that moved since is compared
+    at its new place (``lean.config.moved.relocated``)."""
+    saved, now = relocated(saved), cfg.to_dict()
     changes = []
     for section in sorted(set(saved) | set(now)):
         default = dataclasses.asdict(SECTIONS[section]()) if section in SECTIONS else {}
@@ -374,7 +376,7 @@ def evaluate(
     trainer: Trainer, evaluator: Evaluator | None, iteration: int, run: tracking.Run, evaluations: list[dict]
 ) -> None:
     """The evaluation of ``iteration`` when it is due and not done yet (a resumed run has the earlier ones): with
-    the EMA weights when ``train.ema`` and ``eval.use_ema``; its row appended to ``evaluations`` and
+    the EMA weights when ``ema.enabled`` and ``eval.use_ema``; its row appended to ``evaluations`` and
     ``<out>/eval.csv``, logged to MLflow at step ``iteration`` with its grid (a stepped image, ``eval_grid``) and
     its folder (artifacts ``eval/<iteration>/``). With ``eval.noise_seeds`` the row of iteration 0 (the base
     model) also holds ``eval_reward_noise_std`` (``Evaluator.noise_std``), which the checkpoints keep with it."""
@@ -468,7 +470,7 @@ class TrainedWeights:
     """What ``lean train`` exports, as whole tensors on the main process (``trained_weights``)."""
 
     params: dict  # keyed as Policy.lora_state_dict
-    ema: dict | None  # the same keys, with train.ema
+    ema: dict | None  # the same keys, with ema.enabled
     base_sha256: str | None  # a random base's fingerprint (lean.export.base_fingerprint), where it can be rebuilt
 
 
@@ -490,7 +492,7 @@ def write_outputs(
     weights: TrainedWeights,
 ) -> None:
     """metrics.csv (one row per iteration), metrics.json (the summary), lora.safetensors, config.json; with
-    ``train.ema`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
+    ``ema.enabled`` also lora_ema.safetensors (the EMA weights, keyed as lora.safetensors); the diffusers LoRA folders
     ``lora/`` (``lora_ema/``) and a random base's fingerprint (``lean.export.write_run_exports``). With evaluations,
     the summary has the eval reward of each (``eval_reward_mean`` at ``eval_iterations``), the first, the last,
     ``eval_reward_gain`` = last - first and, with ``eval.noise_seeds``, the base model's ``eval_reward_noise_std``."""

@@ -10,7 +10,7 @@ stage's to measure.
     python -m pipelines.train --schedule retain [--recipe] ...   # one run, in this process (what each child runs)
 
 Writes, per run (``<schedule>`` or ``recipe-<schedule>``), OUT/<run>/metrics.json, metrics.csv (one row per
-iteration: the reward curve), lora.safetensors (with train.ema also lora_ema.safetensors), rollout.safetensors,
+iteration: the reward curve), lora.safetensors (with ema.enabled also lora_ema.safetensors), rollout.safetensors,
 config.json, train.log (the child's output), and the evaluations (``rl.run.eval``): eval.csv (one row per
 evaluation: the eval-reward curve) and eval/<iteration>/ (images, grid, samples.csv). With evaluation off, eval.csv
 is its header alone and eval/ is empty: the stage's declared outputs exist either way, and the report says there is

@@ -18,7 +18,12 @@ BAD = [
     ("sample.timestep_fraction=0", "sample.timestep_fraction"),
     ("sample.sde_window=20", "sample.sde_window"),
     ("algorithm.clip_range=0", "algorithm.clip_range"),
-    ("train.lr=fast", "train.lr"),
+    ("optimizer.lr=fast", "optimizer.lr"),
+    ("optimizer.adam_beta2=1", "optimizer.adam_beta2"),
+    ("ema.decay=1.5", "ema.decay"),
+    ("ema.every=0", "ema.every"),
+    ("checkpoint.every=-1", "checkpoint.every"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
     ("model.family=sdxl", "model.family"),
     ("model.dtype=float8", "model.dtype"),
     ("model.resolution=30", "model.resolution"),
@@ -76,9 +81,9 @@ def test_world_size_must_divide_the_batch():
 
 
 def test_typed_sections_and_overrides():
-    cfg = load_config(None, ["model.family=wan", "train.lr=3e-4", "sample.cfg=false"])
+    cfg = load_config(None, ["model.family=wan", "optimizer.lr=3e-4", "sample.cfg=false"])
     assert isinstance(cfg, RunConfig)
-    assert cfg.model.family == "wan" and cfg.train.lr == 3e-4 and cfg.sample.cfg is False
+    assert cfg.model.family == "wan" and cfg.optimizer.lr == 3e-4 and cfg.sample.cfg is False
 
 
 def test_params_file_and_unknown_section(tmp_path):
@@ -124,6 +129,12 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_built(capsys):
         ("train.layout=group", "parallel.layout"),
         ("model.sequence_parallel=2", "parallel.sequence_parallel"),
         ("model.overlap=flash", "parallel.overlap"),
+        ("train.lr=3e-4", "optimizer.lr"),
+        ("train.max_grad_norm=2.0", "optimizer.max_grad_norm"),
+        ("train.ema=true", "ema.enabled"),
+        ("train.ema_decay=0.5", "ema.decay"),
+        ("train.save_every=2", "checkpoint.every"),
+        ("train.keep_checkpoints=3", "checkpoint.keep"),
     ],
 )
 def test_a_moved_key_names_its_new_place(override, new):
@@ -140,6 +151,25 @@ def test_a_moved_key_in_a_params_file_names_its_new_place(tmp_path):
     path.write_text("train:\n  shard: fsdp\n")
     with pytest.raises(ConfigError, match=r"^config error: train.shard='fsdp': moved to parallel.shard$"):
         load_config(path)
+
+
+def test_a_config_written_before_keys_moved_reads_at_their_new_places():
+    """A run's config.json or a checkpoint's config from before a move (``lean export --run``, ``--resume``)."""
+    from lean.config.moved import relocated
+    from lean.train import config_changes
+
+    before = {"train": {"iterations": 5, "lr": 3e-4, "ema": True, "save_every": 2}, "model": {"overlap": "sliced"}}
+    now = {"train": {"iterations": 5}, "optimizer": {"lr": 3e-4}, "ema": {"enabled": True}, "checkpoint": {"every": 2}}
+    assert relocated(before) == {**now, "model": {}, "parallel": {"overlap": "sliced"}}
+    assert before["train"]["lr"] == 3e-4  # a copy
+    cfg = load_config(tree=relocated(before))
+    assert (cfg.optimizer.lr, cfg.ema.enabled, cfg.checkpoint.every, cfg.parallel.overlap) == (3e-4, True, 2, "sliced")
+    assert relocated(cfg.to_dict()) == cfg.to_dict()  # nothing moved: the same tree
+    saved = cfg.to_dict()  # as a checkpoint before the move held it: no optimizer, ema and checkpoint sections
+    saved["train"] |= {"lr": saved.pop("optimizer")["lr"], "ema": saved.pop("ema")["enabled"], "save_every": 2}
+    del saved["checkpoint"]
+    assert config_changes(saved, cfg) == []
+    assert config_changes(saved | {"train": saved["train"] | {"lr": 1e-4}}, cfg) == ["optimizer.lr: 0.0001 -> 0.0003"]
 
 
 def test_a_schedule_that_cannot_run_the_algorithm_exactly_is_refused(monkeypatch):

@@ -25,7 +25,7 @@ def meta_pipeline(*overrides: str) -> tuple[IterationPipeline, TrainState]:
     cfg = tiny("reward.weights={jpeg_compressibility: 1.0}", *overrides)  # a reward computed from downloaded pixels
     world = World(device=META)
     pipeline = build_pipeline(cfg, world)
-    return pipeline, TrainState(pipeline.policy.trainable_parameters(), cfg.train, world)
+    return pipeline, TrainState(pipeline.policy.trainable_parameters(), cfg.optimizer, cfg.ema, world)
 
 
 def test_the_check_catches_what_cuda_refuses():

@@ -6,7 +6,7 @@ from helpers import tiny
 from safetensors.torch import load_file
 
 from lean import checkpoint
-from lean.config import TrainConfig
+from lean.config.run_sections import EMAConfig, OptimizerConfig
 from lean.parallel.distributed import World
 from lean.run.optimizer import TrainState, ema_decay
 from lean.train import Trainer, train
@@ -34,8 +34,8 @@ def test_train_state_follows_the_schedule(warmup, repeats):
     """100 AdamW steps on two tensors: the EMA equals the lerps of the schedule recomputed here, each update applied
     ``repeats`` times to the same weights (FlowGRPO: once per training micro-batch)."""
     params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.float64)) for shape in ((4, 3), (5,))]
-    cfg = TrainConfig(ema=True, ema_decay=0.95, ema_every=3, ema_warmup=warmup, ema_repeats=repeats, lr=1e-2)
-    state = TrainState(list(zip(["a", "b"], params)), cfg, World())
+    ema = EMAConfig(enabled=True, decay=0.95, every=3, warmup=warmup, repeats=repeats)
+    state = TrainState(list(zip(["a", "b"], params)), OptimizerConfig(lr=1e-2), ema, World())
     expected = [p.detach().clone() for p in params]
     gen = torch.Generator().manual_seed(0)
     for s in range(1, 101):
@@ -53,7 +53,7 @@ def test_train_state_follows_the_schedule(warmup, repeats):
     assert set(state.ema_state_dict()) == {"a", "b"}
 
 
-EMA_RUN = ("train.ema=true", "train.ema_every=1", "train.ema_warmup=true", "train.lr=1e-2", "train.save_every=1")
+EMA_RUN = ("ema.enabled=true", "ema.every=1", "ema.warmup=true", "optimizer.lr=1e-2", "checkpoint.every=1")
 
 
 @pytest.mark.timeout(300)

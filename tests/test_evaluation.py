@@ -90,11 +90,11 @@ def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
     tracking.reset()
     tracking.configure(enabled=True, experiment="lean-test-eval")
     try:
-        train(tiny(*EVAL, *FASTER, "train.save_every=1", "eval.noise_seeds=2"), out="out")
+        train(tiny(*EVAL, *FASTER, "checkpoint.every=1", "eval.noise_seeds=2"), out="out")
         saved = checkpoint.latest(Path("out/checkpoints"))["eval_history"]
         assert [row["iteration"] for row in saved] == [0, 1] and saved[0]["eval_reward_noise_std"] > 0
         train(
-            tiny(*EVAL, *FASTER, "train.save_every=1", "eval.noise_seeds=2", "train.iterations=2"),
+            tiny(*EVAL, *FASTER, "checkpoint.every=1", "eval.noise_seeds=2", "train.iterations=2"),
             out="out",
             resume=True,
         )
@@ -165,7 +165,7 @@ def test_the_base_models_noise_std_over_eval_seeds(tmp_path):
 def test_fixed_noise_and_the_ema_weights(tmp_path):
     """The same weights give the same images at every evaluation; after a step with EMA the evaluation sees the EMA
     weights (lean train's evaluate), which differ from the trained ones, and the trained ones are back after it."""
-    cfg = tiny(*EVAL, *FASTER, "train.ema=true", "train.ema_every=1", "train.lr=1e-2")
+    cfg = tiny(*EVAL, *FASTER, "ema.enabled=true", "ema.every=1", "optimizer.lr=1e-2")
     trainer = Trainer(cfg, World())
     evaluator = Evaluator(trainer.pipeline, tmp_path)
     first = evaluator.evaluate(0)

@@ -24,10 +24,10 @@ from lean.train import train
 ATOL = 1e-5  # float32
 RUN = [
     "sample.num_steps=2",
-    "train.ema=true",
+    "ema.enabled=true",
     "model.lora_rank=4",
     "model.lora_alpha=3",
-    "train.lr=1.0",  # one step that moves the eval images visibly
+    "optimizer.lr=1.0",  # one step that moves the eval images visibly
 ]  # alpha / r = 0.75
 EVAL = [  # evaluations (iterations 0 and 1) of two prompts whose settings all differ from sample.* and the pipeline's
     "eval.every=1",

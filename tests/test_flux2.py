@@ -283,7 +283,7 @@ def test_cli_schedules_certificate_export_and_sample(family, built, tmp_path, mo
         "train.train_batch_size=4",
         "sample.num_steps=3",
         "train.iterations=1",
-        "train.lr=0.1",
+        "optimizer.lr=0.1",
     ]
     for schedule in ("recompute", "retain", "reweight"):
         args = [a for s in [*sets, f"train.schedule={schedule}"] for a in ("--set", s)]

@@ -62,8 +62,8 @@ def test_half_precision_keeps_float32_masters_grads_and_optimizer_state(tmp_path
     assert v.dtype == torch.bfloat16  # computed in bfloat16, as x is
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
-    cfg = tiny("train.ema=true", "train.ema_every=1").train
-    state = TrainState(policy.trainable_parameters(), cfg, World())
+    cfg = tiny("ema.enabled=true", "ema.every=1")
+    state = TrainState(policy.trainable_parameters(), cfg.optimizer, cfg.ema, World())
     state.step()
     moments = [t for s in state.optimizer.state.values() for k, t in s.items() if k != "step"]
     assert len(moments) == 2 * len(params) and all(t.dtype == torch.float32 for t in moments)
@@ -108,7 +108,8 @@ def test_an_update_below_bfloat16_resolution_moves_the_master():
         lora_b.fill_(0.05)
     before = lora_b.detach().clone()
     _loss(policy)[1].backward()
-    state = TrainState(policy.trainable_parameters(), tiny("train.lr=1e-6", "train.weight_decay=0").train, World())
+    cfg = tiny("optimizer.lr=1e-6", "optimizer.weight_decay=0")
+    state = TrainState(policy.trainable_parameters(), cfg.optimizer, cfg.ema, World())
     state.step()  # AdamW's first step moves each weight by lr * g / (|g| + eps): 1e-6 where g is not ~0
     moved = (lora_b.detach() - before).abs()
     assert moved.max() == pytest.approx(1e-6, rel=0.05), name

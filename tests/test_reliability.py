@@ -28,7 +28,7 @@ RUN = [
     "--set",
     "train.iterations=12",  # a tiny iteration takes ~0.1 s: enough of them that a stop lands mid-run
     "--set",
-    "train.save_every=1",
+    "checkpoint.every=1",
     "--set",
     "train.rollout_batch_size=1",
 ]
@@ -67,9 +67,9 @@ def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path, uninterrup
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     # A changed objective is refused before anything is built, naming the key; --force takes it.
-    changed = [*cmd, "--out", str(killed), "--resume", "--set", "train.lr=2e-4", "--set", "train.iterations=13"]
+    changed = [*cmd, "--out", str(killed), "--resume", "--set", "optimizer.lr=2e-4", "--set", "train.iterations=13"]
     refused = subprocess.run(changed, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "train.lr: " in refused.stderr and "-> 0.0002" in refused.stderr
+    assert refused.returncode == 2 and "optimizer.lr: " in refused.stderr and "-> 0.0002" in refused.stderr
     assert "train.iterations" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
 
@@ -78,7 +78,11 @@ def test_sigterm_stops_at_the_next_safe_point_with_a_checkpoint_then_resume_is_b
     """What a scheduler's preemption does: SIGTERM mid-run, a checkpoint after the current iteration, exit 143 with
     one line; --resume ends with the weights of a run that was never stopped."""
     stopped = tmp_path / "stopped"
-    cmd = [*TRAIN, "--set", "train.save_every=0"]  # only the stop writes a checkpoint (save_every changes no result)
+    cmd = [
+        *TRAIN,
+        "--set",
+        "checkpoint.every=0",
+    ]  # only the stop writes a checkpoint (checkpoint.every changes no result)
     proc = subprocess.Popen([*cmd, "--out", str(stopped)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("lean train:")  # set up; the first iteration starts
     time.sleep(1.0)
@@ -217,11 +221,11 @@ def test_resume_guard_names_what_changed_and_ignores_the_run_length():
     from lean.configure import load_config
     from lean.train import config_changes
 
-    saved = load_config(None, ["train.lr=1e-4"]).to_dict()
-    longer = load_config(None, ["train.lr=1e-4", "train.iterations=50", "train.out=elsewhere", "train.threads=2"])
+    saved = load_config(None, ["optimizer.lr=1e-4"]).to_dict()
+    longer = load_config(None, ["optimizer.lr=1e-4", "train.iterations=50", "train.out=elsewhere", "train.threads=2"])
     assert config_changes(saved, longer) == []
-    changed = load_config(None, ["train.lr=3e-4", "train.group_size=8"])
-    assert config_changes(saved, changed) == ["train.group_size: 4 -> 8", "train.lr: 0.0001 -> 0.0003"]
+    changed = load_config(None, ["optimizer.lr=3e-4", "train.group_size=8"])
+    assert config_changes(saved, changed) == ["optimizer.lr: 0.0001 -> 0.0003", "train.group_size: 4 -> 8"]
 
 
 def test_a_broken_pretrained_folder_is_one_config_error(tmp_path):

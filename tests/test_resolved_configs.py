@@ -51,8 +51,10 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def moved(flat: dict) -> dict:
-    """The keys of a config written before a move, at their new places."""
-    return {MOVED.get(key, key): value for key, value in flat.items()}
+    """The keys of a config written before a move, at their new places (each its own: none lost to another's)."""
+    at_new_places = {MOVED.get(key, key): value for key, value in flat.items()}
+    assert len(at_new_places) == len(flat), "two keys moved to one place"
+    return at_new_places
 
 
 def test_every_preset_is_in_the_record():

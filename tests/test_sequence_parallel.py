@@ -147,7 +147,7 @@ def test_sharded_velocity_and_gradients_equal_one_process(family, world, full_fi
 
 
 SMALL = ["train.prompts_per_iteration=2", "train.group_size=2", "sample.num_steps=4", "train.dist_timeout_s=60"]
-SMALL += ["model.dtype=float64", "algorithm.beta=0.04", "train.iterations=2", "train.lr=1e-3"]
+SMALL += ["model.dtype=float64", "algorithm.beta=0.04", "train.iterations=2", "optimizer.lr=1e-3"]
 
 
 def _train(out: Path, values: list[str], processes: int = 1) -> dict[str, torch.Tensor]:

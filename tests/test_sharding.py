@@ -69,9 +69,9 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     """Weights, gradients and AdamW state sharded over 2 processes: the same trained weights and EMA as 1 unsharded
     process (float64, 1e-10), with an evaluation whose shares are uneven (3 samples on 2 processes), checkpoints
     of whole tensors and a resume from one of them."""
-    cfg = [*SMALL, "model.full_finetune=true", f"train.schedule={schedule}", "train.lr=1e-3"]
-    cfg += ["train.ema=true", "train.ema_every=1", "eval.every=2", "eval.num_steps=2", "eval.samples_per_prompt=1"]
-    cfg += ["eval.prompts=[a red circle, a green square, a blue circle]", "train.save_every=1"]
+    cfg = [*SMALL, "model.full_finetune=true", f"train.schedule={schedule}", "optimizer.lr=1e-3"]
+    cfg += ["ema.enabled=true", "ema.every=1", "eval.every=2", "eval.num_steps=2", "eval.samples_per_prompt=1"]
+    cfg += ["eval.prompts=[a red circle, a green square, a blue circle]", "checkpoint.every=1"]
     one, two = tmp_path / "one", tmp_path / "two"
     lean_here("train", *_sets([*cfg, "train.iterations=3"]), "--out", str(one))
     sharded = [*cfg, "parallel.shard=fsdp"]

@@ -216,7 +216,7 @@ def test_resumed_training_continues_its_run_and_logs_each_step_once(monkeypatch)
     from lean.train import train
 
     tracking.configure(enabled=True, experiment="lean-test-resume")
-    cfg = tiny("train.iterations=4", "train.schedule=retain", "train.save_every=1")
+    cfg = tiny("train.iterations=4", "train.schedule=retain", "checkpoint.every=1")
     save = checkpoint.save
 
     def killed_at_2(folder, iteration, state, keep):

@@ -33,7 +33,7 @@ def test_train_writes_metrics_and_lora(tmp_path, family):
     assert metrics["flops_by_region"]["recompute_forward"] > 0 and metrics["flops_by_region"]["backward"] > 0
     lora = load_file(tmp_path / "run" / "lora.safetensors")
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
-    assert not (tmp_path / "run" / "lora_ema.safetensors").exists()  # only with train.ema (tests/test_ema.py)
+    assert not (tmp_path / "run" / "lora_ema.safetensors").exists()  # only with ema.enabled (tests/test_ema.py)
     assert (tmp_path / "run" / "metrics.csv").read_text().count("\n") == 3
 
 
@@ -53,7 +53,7 @@ def test_float64_end_to_end(family, schedule, tmp_path):
 @pytest.mark.timeout(240)
 def test_training_changes_the_adapter_and_learns_direction(tmp_path):
     """Two updates move the LoRA weights; the logged loss equals -mean(A) on-policy (ratio 1)."""
-    history = train(tiny("train.iterations=2", "train.schedule=retain", "train.lr=1e-3"), out=str(tmp_path))
+    history = train(tiny("train.iterations=2", "train.schedule=retain", "optimizer.lr=1e-3"), out=str(tmp_path))
     assert all(abs(h["ratio_mean"] - 1) < 1e-6 for h in history)
     assert history[-1]["grad_norm"] > 0
 

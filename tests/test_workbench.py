@@ -100,7 +100,8 @@ def test_stage_config_layers(tmp_path):
     params.write_text(
         yaml.safe_dump(
             {
-                "train": {"lr": 1e-4, "iterations": 3},
+                "train": {"iterations": 3},
+                "optimizer": {"lr": 1e-4},
                 "reward": {"weights": {"color_match": 1.0}},
                 "rl": {
                     "run": {
@@ -113,7 +114,7 @@ def test_stage_config_layers(tmp_path):
         )
     )
     cfg = stage_config(params, "rl", schedule="reweight")
-    assert cfg.train.iterations == 7 and cfg.train.lr == 1e-4 and cfg.train.schedule == "reweight"
+    assert cfg.train.iterations == 7 and cfg.optimizer.lr == 1e-4 and cfg.train.schedule == "reweight"
     assert cfg.train.prompts == ["a red circle on a white background"]
     assert cfg.reward.weights == {"position_match": 1.0}  # a mapping value replaces, never merges
     assert stage_config(params).train.iterations == 3

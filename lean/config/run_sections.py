@@ -1,10 +1,12 @@
-"""The run-level sections every layer reads: ``train`` (the loop, the batch shape, the optimizer, EMA, checkpoints
-and faults) and ``eval`` (evaluation during ``lean train``).
+"""The run-level sections every layer reads: ``train`` (the loop: schedule, batch shape, prompts, faults),
+``optimizer`` (AdamW and gradient clipping), ``ema`` (the moving average of the trained weights), ``checkpoint``
+(when and how many) and ``eval`` (evaluation during ``lean train``).
 
 They live in the config package, beside the mechanism but not in it, because they have no owner below
-``lean.configure`` that it could import: the loop that reads them is ``lean.run`` and ``lean.train``, above it. Every
-other section is declared by its owner and registered there (``lean.models.options``, ``lean.sampling.options``,
-``lean.rewards.options``, ``lean.algorithms.options``, ``lean.parallel.options``).
+``lean.configure`` that it could import: the loop that reads them is ``lean.run``, ``lean.train`` and
+``lean.checkpoint``, above it. Every other section is declared by its owner and registered there
+(``lean.models.options``, ``lean.sampling.options``, ``lean.rewards.options``, ``lean.algorithms.options``,
+``lean.parallel.options``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ ON_NONFINITE = ("abort", "skip")
 @register_options("train")
 @dataclass
 class TrainConfig:
-    """The run loop: schedule, iterations, batches, optimizer, EMA, checkpoints and faults."""
+    """The run loop: schedule, iterations, batches, prompts, seed, output and faults."""
 
     schedule: str = choice("schedule", also=(AUTO,))
     """Update schedule: a name of ``lean.schedules.SCHEDULES``, or auto (the fastest predicted schedule that fits
@@ -70,26 +72,6 @@ class TrainConfig:
     """Recompute's update forwards: update (FlowGRPO's: shuffled samples, train_batch_size) | rollout (the rollout's
     own micro-batches and CFG batch, so on-policy the ratio is exactly 1 where kernels are deterministic)."""
     num_inner_epochs: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    ema: bool = False
-    """Keep an exponential moving average of the trained weights (written as ``lora_ema.safetensors``)."""
-    ema_decay: float = 0.9
-    ema_every: int = 8
-    """Update the EMA every N optimizer steps (FlowGRPO's ``update_step_interval``)."""
-    ema_warmup: bool = False
-    """FlowGRPO's EMA schedule (flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
-    ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
-    ``(s + 1) % ema_every == 0`` the decay is ``min((1 + s) / (10 + s), ema_decay)``. false: ``ema_decay`` after every
-    ``ema_every``-th step. See ``lean.run.optimizer.ema_decay``."""
-    ema_repeats: int = 1
-    """Each EMA update is applied this many times (decay^r): FlowGRPO calls its EMA once per training micro-batch, so
-    an update repeats gradient_accumulation_steps times (scripts/train_sd3.py at 879042c: :959-960 in the micro-batch
-    loop)."""
     memory_budget_mb: float | None = None
     """For schedule auto (and a check of retain): default, what the device has."""
     seed: int = 42
@@ -103,9 +85,6 @@ class TrainConfig:
     dist_timeout_s: float | None = None
     """Every process-group operation fails after this instead of hanging; default 60 s on CPU (gloo), 30 minutes
     on GPUs (NCCL: checkpoint writes and uneven model loading can hold a rank for minutes)."""
-    save_every: int = 0
-    """Checkpoint every N iterations into <out>/checkpoints (0: off)."""
-    keep_checkpoints: int = 2
     on_nonfinite: str = ON_NONFINITE[0]
     """What a non-finite reward, log-prob, loss or gradient does: abort | skip (undo the iteration)."""
     threads: int | None = None
@@ -120,12 +99,6 @@ class TrainConfig:
             "train_batch_size",
             "optimizer_steps_per_iteration",
             "num_inner_epochs",
-            "ema_every",
-            "ema_repeats",
-            "keep_checkpoints",
-            "lr",
-            "max_grad_norm",
-            "adam_eps",
         ):
             check_positive(f"train.{key}", getattr(self, key))
         for key in ("dist_timeout_s", "threads"):
@@ -135,10 +108,6 @@ class TrainConfig:
             raise ConfigError(
                 "train.group_size", self.group_size, "must be >= 2 (advantages are relative to the group)"
             )
-        for key in ("weight_decay", "save_every"):
-            check_positive(f"train.{key}", getattr(self, key), strict=False)
-        for key in ("adam_beta1", "adam_beta2", "ema_decay"):
-            check_fraction(f"train.{key}", getattr(self, key))
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
@@ -171,6 +140,69 @@ class TrainConfig:
         self.optimizer_steps_per_iteration = 1
 
 
+@register_options("optimizer")
+@dataclass
+class OptimizerConfig:
+    """AdamW and the gradient clipping of each optimizer step (``lean.run.optimizer.TrainState``)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+    def validate(self) -> None:
+        for key in ("lr", "max_grad_norm", "adam_eps"):
+            check_positive(f"optimizer.{key}", getattr(self, key))
+        check_positive("optimizer.weight_decay", self.weight_decay, strict=False)
+        for key in ("adam_beta1", "adam_beta2"):
+            check_fraction(f"optimizer.{key}", getattr(self, key))
+
+
+@register_options("ema")
+@dataclass
+class EMAConfig:
+    """An exponential moving average of the trained weights, updated after optimizer steps
+    (``lean.run.optimizer.TrainState``)."""
+
+    enabled: bool = False
+    """Keep an exponential moving average of the trained weights (written as ``lora_ema.safetensors``)."""
+    decay: float = 0.9
+    """Each update: ``ema <- decay * ema + (1 - decay) * weights``."""
+    every: int = 8
+    """Update the EMA every N optimizer steps (FlowGRPO's ``update_step_interval``)."""
+    warmup: bool = False
+    """FlowGRPO's EMA schedule (flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
+    ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
+    ``(s + 1) % every == 0`` the decay is ``min((1 + s) / (10 + s), decay)``. false: ``decay`` after every
+    ``every``-th step. See ``lean.run.optimizer.ema_decay``."""
+    repeats: int = 1
+    """Each EMA update is applied this many times (decay^r): FlowGRPO calls its EMA once per training micro-batch, so
+    an update repeats gradient_accumulation_steps times (scripts/train_sd3.py at 879042c: :959-960 in the micro-batch
+    loop)."""
+
+    def validate(self) -> None:
+        for key in ("every", "repeats"):
+            check_positive(f"ema.{key}", getattr(self, key))
+        check_fraction("ema.decay", self.decay)
+
+
+@register_options("checkpoint")
+@dataclass
+class CheckpointConfig:
+    """Checkpoints of a run for ``lean train --resume`` (``lean.checkpoint``)."""
+
+    every: int = 0
+    """Checkpoint every N iterations into <out>/checkpoints (0: off)."""
+    keep: int = 2
+    """The newest checkpoints kept; older ones are deleted."""
+
+    def validate(self) -> None:
+        check_positive("checkpoint.every", self.every, strict=False)
+        check_positive("checkpoint.keep", self.keep)
+
+
 @register_options("eval")
 @dataclass
 class EvalConfig:
@@ -195,7 +227,7 @@ class EvalConfig:
     batch_size: int = 8
     """Samples per rollout, decode and reward call, per process."""
     use_ema: bool = True
-    """With ``train.ema``: evaluate the EMA weights (those of ``lora_ema.safetensors``); false: the trained ones."""
+    """With ``ema.enabled``: evaluate the EMA weights (those of ``lora_ema.safetensors``); false: the trained ones."""
     noise_seeds: int = 0
     """The base model's evaluation (iteration 0) is repeated with this many eval seeds (``seed``, ``seed + 1``, ...;
     no files written) and ``eval_reward_noise_std`` is the unbiased std of their mean eval rewards: how much the eval

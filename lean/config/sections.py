@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 OPTIONS: dict[str, type] = {}  # "model", "algorithm.mixgrpo", ... -> its dataclass, in registration order
 # The order sections are read, checked and written in (config.json, MLflow); a section not listed follows these.
-ORDER = ("model", "sample", "reward", "algorithm", "train", "parallel", "eval")
+ORDER = ("model", "sample", "reward", "algorithm", "train", "optimizer", "ema", "checkpoint", "parallel", "eval")
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from lean.config.run_sections import EMAConfig, OptimizerConfig
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.parallel.distributed import World
 from lean.parallel.sharding import full, is_sharded, like, local_mb
@@ -23,17 +24,22 @@ from lean.schedules.base import flat_grad, set_grads
 class TrainState:
     """The trainable parameters, their AdamW state and EMA copy, and the number of optimizer steps taken."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], train_cfg, world: World):
-        t = train_cfg
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        optimizer: OptimizerConfig,
+        ema: EMAConfig,
+        world: World,
+    ):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        o = optimizer
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+            self.params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay
         )
-        self.ema = [p.detach().clone() for p in self.params] if t.ema else None
-        self.ema_decay, self.ema_every, self.ema_warmup = t.ema_decay, t.ema_every, t.ema_warmup
-        self.ema_repeats = t.ema_repeats
-        self.max_grad_norm = t.max_grad_norm
+        self.max_grad_norm = o.max_grad_norm
+        self.ema = [p.detach().clone() for p in self.params] if ema.enabled else None
+        self.ema_options = ema  # the decay schedule (ema_decay) and its repeats
         self.world = world
         self.sharded = any(is_sharded(p) for p in self.params)  # FSDP full fine-tune (lean.parallel.sharding)
         self.steps = 0
@@ -66,23 +72,24 @@ class TrainState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        decay = ema_decay(self.steps, self.ema_decay, self.ema_every, self.ema_warmup)
+        options = self.ema_options
+        decay = ema_decay(self.steps, options.decay, options.every, options.warmup)
         if self.ema is not None and decay is not None:
-            with torch.no_grad():  # applied ema_repeats times to the same weights: e <- p + decay^r (e - p)
+            with torch.no_grad():  # applied ema.repeats times to the same weights: e <- p + decay^r (e - p)
                 for e, p in zip(self.ema, self.params):
-                    e.lerp_(p, 1 - decay**self.ema_repeats)
+                    e.lerp_(p, 1 - decay**options.repeats)
         return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
 
     def ema_state_dict(self) -> dict[str, Tensor] | None:
         """A copy of the EMA weights keyed as the trainable parameters (``Policy.lora_state_dict``'s keys), whole
-        (gathered when sharded: then every process must call it), or None without ``train.ema``."""
+        (gathered when sharded: then every process must call it), or None without ``ema.enabled``."""
         return None if self.ema is None else {n: full(e).detach().clone() for n, e in zip(self.names, self.ema)}
 
     @contextlib.contextmanager
     def ema_swapped_in(self, use_ema: bool = True) -> Iterator[bool]:
         """Inside the block the trainable parameters hold the EMA weights (copied in place, so the policy's
         forward reads them), and their own values again after it; yields whether it swapped (``use_ema`` and
-        ``train.ema`` on). The evaluation's weights (``lean.evaluation``)."""
+        ``ema.enabled``). The evaluation's weights (``lean.evaluation``)."""
         if not use_ema or self.ema is None:
             yield False
             return
@@ -146,7 +153,7 @@ def ema_decay(step: int, decay: float, every: int, warmup: bool) -> float | None
 
     FlowGRPO calls ``ema.step`` once per training micro-batch (scripts/train_sd3.py:954-955 sit in the ``for i,
     sample`` loop), so each update is applied ``gradient_accumulation_steps`` times to the same weights (2 in its SD3
-    recipes, 6 in FLUX's, 1 in Wan's): ``train.ema_repeats``, which :class:`TrainState` applies as the decay's power.
+    recipes, 6 in FLUX's, 1 in Wan's): ``ema.repeats``, which :class:`TrainState` applies as the decay's power.
     """
     if not warmup:
         return decay if step % every == 0 else None

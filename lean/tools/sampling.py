@@ -18,7 +18,7 @@ steps on its UniPC scheduler's own grid). A folder without the file leaves the p
 
 The noise: prompt k (file order) starts from the noise lean's evaluation draws for eval prompt k, sample 0, at eval
 seed ``seed`` (:func:`noise_generator`; default the run's ``eval.seed``). With the run's eval prompts in order and no
-options, image k is the run's ``eval/<iteration>/p<k>_s00.png`` of the same weights (the EMA ones with ``train.ema``
+options, image k is the run's ``eval/<iteration>/p<k>_s00.png`` of the same weights (the EMA ones with ``ema.enabled``
 and ``eval.use_ema``: ``lora_ema/``, ``lean export --ema``) to 1/255 for FLUX and SD3 in float32
 (``tests/test_export.py``): the pipeline runs CFG as two one-row forwards and feeds the transformer
 (1000 sigma) / 1000, the evaluation one [uncond, cond] batch and sigma, which round differently in the last bits.

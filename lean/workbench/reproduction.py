@@ -50,6 +50,8 @@ PARAM_SECTIONS = (
     "sample",
     "reward",
     "train",
+    "optimizer",
+    "ema",
     "eval",
     "prepare",
     "method",
