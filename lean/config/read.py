@@ -80,7 +80,7 @@ def apply_override(tree: dict, assignment: str) -> None:
     if parts != [PLUGINS]:
         _check_section(parts[0], text)
         if len(parts) < 2:
-            raise ConfigError(dotted, text, "name a key inside the section, e.g. train.lr=1e-4")
+            raise ConfigError(dotted, text, "name a key inside the section, e.g. train.iterations=3")
     try:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:

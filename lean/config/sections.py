@@ -21,7 +21,7 @@ ORDER = ("model", "sample", "reward", "algorithm", "train", "optimizer", "ema", 
 
 @dataclasses.dataclass
 class RunConfig:
-    """A run's configuration: one attribute per registered section (``cfg.model.family``, ``cfg.train.lr``, ...)."""
+    """A run's configuration: one attribute per registered section (``cfg.model.family``, ``cfg.optimizer.lr``, ...)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
