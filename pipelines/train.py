@@ -32,7 +32,7 @@ from pathlib import Path
 from lean.algorithms import ALGORITHMS
 from lean.observe.outputs import write_csv
 from lean.schedules import SCHEDULE_CHOICES, SCHEDULES
-from lean.workbench.side_by_side import RunFailed, run_side_by_side
+from lean.workbench.side_by_side import RunFailed, parallel_runs, run_side_by_side
 from lean.workbench.stage import begin_stage, stage_config
 
 EVAL_COLUMNS = ["iteration", "eval_reward_mean", "eval_reward_std"]  # the header of an eval.csv without evaluations
@@ -102,9 +102,10 @@ def train_side_by_side(params: str, pretrained: str | None, out: Path, algorithm
     """Every run as a child process of this module, ``workbench.parallel_runs`` at once."""
     tree = begin_stage(params)
     named = runs(tree, out, algorithms_out)
-    jobs = (tree.get("workbench") or {}).get("parallel_runs", len(named))
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
-        raise SystemExit(f"train: workbench.parallel_runs={jobs!r}: must be a whole number >= 1 (runs at once)")
+    try:
+        jobs = parallel_runs(tree, default=len(named))
+    except ValueError as err:
+        raise SystemExit(f"train: {err}") from None
     commands = {name: child_command(params, run, pretrained) for name, run in named.items()}
     logs = {name: run.out / "train.log" for name, run in named.items()}
     print(f"train: {', '.join(named)} side by side, {jobs} at once (logs: <run>/train.log)", flush=True)

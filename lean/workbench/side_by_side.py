@@ -26,6 +26,14 @@ class RunFailed(RuntimeError):
     """A child run exited non-zero: its name, status and the tail of its log."""
 
 
+def parallel_runs(tree: Mapping, default: int) -> int:
+    """How many runs a stage starts at once: params.yaml's ``workbench.parallel_runs`` (``default`` without one)."""
+    jobs = (tree.get("workbench") or {}).get("parallel_runs", default)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"workbench.parallel_runs={jobs!r}: must be a whole number >= 1 (runs at once)")
+    return jobs
+
+
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
