@@ -57,7 +57,7 @@ MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN a
 
 def read_rows(schedule: str, name: str, stage: str = "train") -> list[dict]:
     """A run's CSV (metrics.csv, eval.csv) as numbers; no rows when the file is missing (a run without evaluation).
-    The ``train`` stage's runs are its schedules; ``stage="algorithms"``: the train_algorithm stage's runs."""
+    ``stage``: the folder under outputs: ``train`` (the schedules' runs), ``algorithms`` (the algorithms')."""
     path = Path(outputs) / stage / schedule / name
     if not path.exists():
         return []
@@ -223,7 +223,7 @@ if evaluated and recipe_runs:
 # %% [markdown]
 # ## The algorithms side by side
 #
-# The `train_algorithm` stage ran each algorithm of `lean/algorithms/` on the same task, from the same base, with the
+# The `train` stage also ran each algorithm of `lean/algorithms/` on the same task, from the same base, with the
 # same prompts, samples per iteration and evaluation (`rl.run`, with each algorithm's own keys from
 # `rl.<algorithm>.run`): GRPO-Guard and MixGRPO with Retain (exact for them), DiffusionNFT and online DPO with their own
 # update on re-noised clean samples. GRPO is the `train` stage's Retain run. The x axis is each run's own training CPU

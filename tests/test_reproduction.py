@@ -65,7 +65,7 @@ def run_figures(vae_mse=0.108, eval_gain=0.230, rel_grad_diff=3.8e-7, curve_shif
             "eval_reward_gain": eval_gain,
             "eval_reward_noise_std": 0.020,
         }
-    for name in ("grpo_guard", "mixgrpo", "nft", "dpo"):  # the train_algorithm stage's runs
+    for name in ("grpo_guard", "mixgrpo", "nft", "dpo"):  # the train stage's algorithm runs
         files[f"algorithms/{name}/metrics.json"] = {"eval_reward_gain": 0.21, "eval_reward_noise_std": 0.018}
     return files
 

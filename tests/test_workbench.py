@@ -28,6 +28,8 @@ from lean.workbench.stage import stage_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+ALGORITHM_RUNS = tuple(PARAMS["rl"]["algorithms"])  # the train stage's algorithm runs (the smoke keeps the list)
 STAGES = (
     "prepare",
     "rollout",
@@ -391,6 +393,9 @@ def test_dvc_repro_end_to_end(smoke):
         assert key in report, key
     for schedule in ("recompute", "retain", "reweight"):  # evaluated at 0, 1 and 2: the images of each
         assert sorted(os.listdir(outputs / "train" / schedule / "eval")) == ["0", "1", "2"]
+    for algorithm in ALGORITHM_RUNS:  # the same stage's pool ran each algorithm, with its own log
+        assert sorted(os.listdir(outputs / "algorithms" / algorithm / "eval")) == ["0", "1", "2"]
+        assert f"train[{algorithm}]: reward" in (outputs / "algorithms" / algorithm / "train.log").read_text()
     assert "max_rel_grad_diff_retain" in smoke["metrics_show"]  # `dvc metrics show` reads the stages' metrics
 
 
@@ -409,6 +414,8 @@ def test_pipeline_runs_arrive_in_the_mlflow_server(smoke):
     assert by_name["bench[retain]"][0]["mlflow.parentRunId"]  # nested: one child per schedule
     assert by_name["train[reweight]"][0]["lean.schedule"] == "reweight"
     assert "reward_mean" in by_name["train[reweight]"][1]
+    nft = by_name["train[nft:recompute]"][0]  # an algorithm's run: the train stage's too
+    assert nft["lean.stage"] == "train" and nft["lean.algorithm"] == "nft"
     assert "max_rel_grad_diff_reweight" in by_name["notebook[equivalence]"][1]
     assert "overlap_exposed_ms_flash" in by_name["notebook[overlap]"][1]
 
@@ -447,13 +454,30 @@ def test_git_keeps_exactly_the_uncached_outputs():
     assert all(p in ignored for p in undeclared)
 
 
+def test_the_train_stage_declares_every_run_it_starts():
+    """dvc.yaml lists the train stage's outputs by hand (a stage's outs cannot loop over a param): every run that
+    pipelines/train.py starts from params.yaml (schedules, recipe, algorithms) is declared, and no other."""
+    from pipelines.train import runs
+
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    declared = {
+        next(iter(e)) if isinstance(e, dict) else e for kind in ("outs", "metrics", "plots") for e in stage[kind]
+    }
+    started = {str(run.out) for run in runs(PARAMS, Path("outputs/train"), Path("outputs/algorithms")).values()}
+    assert {str(Path(path).parent) for path in declared} == started
+    for folder in started:
+        assert {f"{folder}/{name}" for name in ("metrics.json", "metrics.csv", "eval.csv", "eval")} <= declared
+    assert "--out outputs/train" in stage["cmd"] and "--algorithms-out outputs/algorithms" in stage["cmd"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.xdist_group("smoke")  # the session's smoke pipeline, built once on this worker
 def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
     """After a repro is committed (as main is, with dvc.lock and the uncached figures), a `dvc exp run --temp`
     experiment appears in `dvc exp show` beside the baseline with its metrics, and `dvc metrics diff` / `dvc plots diff`
-    compare the baseline with it."""
+    compare the baseline with it. The experiment changes a param of a cheap stage (the advantage stage's: rollout, which
+    lists the same section, reruns before it): what is compared is DVC's, not the stage's."""
     repo = smoke["repo"]
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "LEAN_TRACKING": "0"}
     env.pop("DVC_ROOT", None)
@@ -462,9 +486,10 @@ def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
         subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
     tracked = subprocess.run(["git", "ls-files", "outputs"], cwd=repo, capture_output=True, text=True).stdout
     assert "outputs/train/retain/metrics.json" in tracked and "lora.safetensors" not in tracked
-    name, iterations = "iterations-1", 1  # the smoke baseline runs 2
-    run = ["exp", "run", "--temp", "-n", name, "-S", f"rl.run.train.iterations={iterations}", "train"]
-    dvc(repo, *run, env=env, timeout=300)
+    name = "global-std"  # the advantages over the whole batch's reward std instead of each group's
+    run = ["exp", "run", "--temp", "-n", name, "-S", "algorithm.global_std=true", "advantage"]
+    out = dvc(repo, *run, env=env, timeout=300).stdout
+    assert "Running stage 'advantage'" in out and "Running stage 'train'" not in out
     shown = json.loads(dvc(repo, "exp", "show", "--json", env=env, timeout=120).stdout)
     baseline = shown[0]
     assert baseline["rev"] == "workspace" or baseline.get("experiments") is not None
@@ -473,10 +498,12 @@ def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
     }
     assert name in experiments
     params, metrics = experiments[name]["params"]["params.yaml"]["data"], experiments[name]["metrics"]
-    assert params["rl"]["run"]["train"]["iterations"] == iterations
-    assert "final_reward_mean" in metrics["outputs/train/retain/metrics.json"]["data"]
-    assert "passes" in json.dumps(metrics["outputs/equivalence/metrics.json"]["data"])  # the baseline's, carried
+    assert params["algorithm"]["global_std"] is True
+    assert "advantage_std" in metrics["outputs/advantage/metrics.json"]["data"]
+    assert "final_reward_mean" in metrics["outputs/train/retain/metrics.json"]["data"]  # the baseline's, carried
+    assert "passes" in json.dumps(metrics["outputs/equivalence/metrics.json"]["data"])
     diff = json.loads(dvc(repo, "metrics", "diff", "HEAD", name, "--json", env=env, timeout=120).stdout)
-    assert "outputs/train/retain/metrics.json" in diff
+    assert "advantage_abs_max" in diff["outputs/advantage/metrics.json"]  # another std: other advantages
+    assert "outputs/train/retain/metrics.json" not in diff  # unchanged: not rerun
     plots = dvc(repo, "plots", "diff", "HEAD", name, "--json", "--split", env=env, timeout=120).stdout
-    assert "outputs/train/retain/metrics.csv" in plots
+    assert "outputs/advantage/samples.csv" in plots

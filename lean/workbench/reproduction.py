@@ -82,8 +82,8 @@ FAMILIES = {
     "reward_mean": ("train", "the training-reward curve's mean over the iterations"),
     "reward_last10": ("train", "the training-reward curve's mean over its last 10 iterations"),
     "reward_curves_max_diff": ("train", "largest gap between a schedule's reward curve and the baseline's"),
-    "algorithm_eval_reward_gain": ("train_algorithm", "eval reward after an algorithm's run minus the base's"),
-    "algorithm_gain_over_noise": ("train_algorithm", "an algorithm's eval gain in units of the eval-noise std"),
+    "algorithm_eval_reward_gain": ("train", "eval reward after an algorithm's run minus the base's"),
+    "algorithm_gain_over_noise": ("train", "an algorithm's eval gain in units of the eval-noise std"),
     "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
     "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
     "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
@@ -230,7 +230,7 @@ def _largest_gap(curves: Mapping[str, list[float]]) -> float:
 
 
 def _algorithm_run_figures(outputs: Path, found: FigureSet) -> None:
-    """The algorithms side by side: GRPO's is the train stage's Retain run, the others train_algorithm@<algorithm>'s."""
+    """The algorithms side by side: GRPO's is the train stage's Retain run, the others its runs of rl.algorithms."""
     runs = {ALGORITHMS.default: outputs / "train" / GRPO_RUN}
     runs.update({p.name: p for p in sorted((outputs / "algorithms").glob("*")) if p.is_dir()})
     for name, folder in runs.items():

@@ -2,10 +2,11 @@
 
 DVC runs its stages one after another, and each workbench run uses one torch thread (tiny models are overhead-bound,
 ``workbench.threads``), so on a 2-core machine one core idles through the RL runs. The ``train`` stage therefore starts
-its three schedules' runs as child processes of its own: three single-threaded runs on two cores take about 1.5 run
-lengths instead of 3. Each child writes its own log; a failure stops the others and shows the failed log's tail. The
-runs are independent (same base, same seed, no communication): sharing the cores changes their timings, not their
-numbers. SIGTERM (what schedulers send) reaches every child.
+every RL run (the schedules', the recipe's, the algorithms') as child processes of its own, one pool: three
+single-threaded runs on two cores take about 1.5 run lengths instead of 3, and a pool drains (leaves a core idle) once,
+at its end. Each child writes its own log; a failure stops the others and shows the failed log's tail. The runs are
+independent (same base, same seed, no communication): sharing the cores changes their timings, not their numbers.
+SIGTERM (what schedulers send) reaches every child.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ TAIL_LINES = 40  # of a failed child's log
 
 class RunFailed(RuntimeError):
     """A child run exited non-zero: its name, status and the tail of its log."""
+
+
+def parallel_runs(tree: Mapping, default: int) -> int:
+    """How many runs a stage starts at once: params.yaml's ``workbench.parallel_runs`` (``default`` without one)."""
+    jobs = (tree.get("workbench") or {}).get("parallel_runs", default)
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"workbench.parallel_runs={jobs!r}: must be a whole number >= 1 (runs at once)")
+    return jobs
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
