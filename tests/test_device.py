@@ -55,13 +55,15 @@ def test_an_iteration_never_mixes_devices(case, schedule):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_the_rollout_loop_never_waits_for_the_device(schedule):
-    """The host syncs of a rollout do not grow with its steps: none inside the loop."""
+    """The host syncs of a rollout do not grow with its steps: none inside the loop. Rollouts of 3 and 5 steps (a
+    first, middle and last step each; a sync per step, or per middle step, would differ by 2): on the meta device an
+    op costs milliseconds of Python, so every step counts."""
     counts = {}
-    for steps in (4, 8):
+    for steps in (3, 5):
         pipeline, _ = meta_pipeline(f"sample.num_steps={steps}", "algorithm.beta=0.04")
         batch = pipeline.local_batch(0)
         ctx = pipeline.context(batch, pipeline.embed(batch))
         with DeviceCheck(record_where=True) as check:
             pipeline.rollout(batch, ctx, SCHEDULES[schedule](ctx))
         counts[steps] = (sum(check.syncs.values()), check.where)
-    assert counts[4][0] == counts[8][0], counts[8][1]
+    assert counts[3][0] == counts[5][0], counts[5][1]

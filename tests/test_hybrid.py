@@ -1,7 +1,8 @@
 """Hybrid schedules (``lean.schedules.hybrid``): with several optimizer steps per rollout, Retain and Reweight take the
 first update from the rollout's graphs and recompute the later ones, and end every iteration with Recompute's
 weights (float64, 1e-10 relative), on the published recipes shrunk to a CPU, in both layouts, on 1 and 2 processes
-(FlowGRPO's Wan recipe runs the same code as its SD3 one: video changes nothing here)."""
+(FlowGRPO's Wan recipe runs the same code as its SD3 one: video changes nothing here). The runs sample 4 steps
+(STEPS): how a hybrid splits the updates and which rows it tracks do not depend on the recipes' 6 to 20."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lean.schedules.recompute import first_update_rows
 
 TOLERANCE = 1e-10
 FLOAT64 = ["model.dtype=float64"]
+STEPS = ["sample.num_steps=4"]  # the SDE, grid, window and step selection of each recipe, on fewer steps
 # The colourless prompt's group scores 0 throughout (color_match): its advantages are 0, and FlowGRPO's filter drops it
 ZERO_GROUP = ["train.prompts=[a red circle on a white background, plain]"]
 # 4 groups, one of them all zero: an update keeps 3 of its 4 samples, whose 1/N (4 / 3) float32 would round
@@ -61,10 +63,12 @@ def _trained(cfg, schedule: str, iterations: int = 2) -> tuple[list[torch.Tensor
     ],
 )
 def test_hybrids_end_every_iteration_with_recomputes_weights(name, extra):
-    start, reference = _trained(tiny_preset(name, *FLOAT64, *extra, *SPLIT_FIRST), "recompute")
+    """Two iterations of Retain and of Reweight (their first update from the rollout's graphs, the later ones
+    recomputed) end each case's run with Recompute's weights, to 1e-10 in float64."""
+    start, reference = _trained(tiny_preset(name, *FLOAT64, *STEPS, *extra, *SPLIT_FIRST), "recompute")
     assert any(not torch.equal(a, b) for a, b in zip(start, reference))
     for schedule in ("retain", "reweight"):
-        _, weights = _trained(tiny_preset(name, *FLOAT64, *extra, f"train.schedule={schedule}"), schedule)
+        _, weights = _trained(tiny_preset(name, *FLOAT64, *STEPS, *extra, f"train.schedule={schedule}"), schedule)
         assert max(_rel(w, r) for w, r in zip(weights, reference)) < TOLERANCE, schedule
 
 
@@ -112,7 +116,7 @@ def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path, name, ex
     """Two processes, each with half of every update: DanceGRPO's sharded recipe, and FlowGRPO's SD3 one with a group
     of zero advantages (each process filters its own share of every update)."""
     sets = [*tiny_preset_sets(name), *FLOAT64, *extra, "train.prompts_per_iteration=4", "train.iterations=2"]
-    sets += ["sample.num_steps=4", "train.dist_timeout_s=60"]
+    sets += [*STEPS, "train.dist_timeout_s=60"]
     runs = {}
     for schedule in ("recompute", "retain", "reweight"):
         reference = SPLIT_FIRST if schedule == "recompute" else []
@@ -130,7 +134,7 @@ def test_the_certificate_compares_the_first_update():
     from lean.tools.equivalence import passes, run_equivalence
 
     # zero_advantage_order auto: the hybrids' order; 4 groups, one of zero advantages, so the first update keeps some
-    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *FOUR_GROUPS, "train.prompts_per_iteration=4")
+    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *STEPS, *FOUR_GROUPS, "train.prompts_per_iteration=4")
     report = run_equivalence(cfg, reference=True)
     assert passes(report, cfg.model.torch_dtype)
     for schedule in ("recompute", "retain", "reweight"):
@@ -170,7 +174,7 @@ def test_auto_weighs_only_the_schedules_that_run_the_recipe_exactly():
 def test_the_zero_advantage_order_changes_the_updates():
     """With a group of zero advantages the two orders train different updates (the cases above drop samples), and
     each hybrid update averages over the kept samples it holds."""
-    sets = ["flowgrpo-sd3", *FLOAT64, *ZERO_GROUP]
+    sets = ["flowgrpo-sd3", *FLOAT64, *STEPS, *ZERO_GROUP]
     _, filtered = _trained(tiny_preset(*sets, "algorithm.zero_advantage_order=filter_then_split"), "recompute", 1)
     _, split = _trained(tiny_preset(*sets, *SPLIT_FIRST), "recompute", 1)
     assert max(_rel(a, b) for a, b in zip(filtered, split)) > 1e-6
@@ -182,7 +186,7 @@ def test_bench_recipe_measures_both_forms_and_marks_what_auto_takes(tmp_path):
     schedules against their bound, exactly one row per form marked as ``auto``'s choice, and flat metrics for DVC."""
     from lean.tools.bench.schedules import FORMS, BenchOptions, bench_recipe, recipe_metrics
 
-    cfg = tiny_preset("flowgrpo-flux", "sample.num_steps=4")
+    cfg = tiny_preset("flowgrpo-flux", *STEPS)
     report = bench_recipe(cfg, str(tmp_path), BenchOptions(repeats=1, warmup=0, cores=0, flops=False))
     rows = report["table"]
     assert [(r["form"], r["schedule"]) for r in rows] == [(f, s) for f in FORMS for s in ("recompute", *LEAN)]

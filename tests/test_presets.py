@@ -43,6 +43,17 @@ def on_policy(name: str, *overrides: str):
     return tiny_preset(name, "train.optimizer_steps_per_iteration=1", *overrides)
 
 
+def assert_preset_sigma_grid(trainer, name: str) -> None:
+    """The Trainer samples on the preset's sigma grid (``sample.sigma_grid``) at its shift (resolved: 3, or FLUX's
+    dynamic e^mu at 32 px = 16 tokens). Checked on the Trainers the recipe tests below build for every preset."""
+    from lean.sampling.sde import sigma_schedule
+
+    s = trainer.cfg.sample  # sample.shift resolved
+    assert s.shift == pytest.approx(3.0 if name != "flowgrpo-flux" else math.exp(0.5 + 0.65 * (16 - 256) / 3840))
+    expected = sigma_schedule(s.num_steps, s.shift, s.sigma_grid)
+    assert torch.equal(trainer.pipeline.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
+
+
 def test_presets_ship_with_a_source_for_every_value():
     assert set(PRESETS + IMAGE_MODEL_PRESETS) <= set(KNOWN_PRESETS)
     for name in PRESETS + IMAGE_MODEL_PRESETS:
@@ -357,11 +368,12 @@ def test_recompute_runs_the_off_policy_recipe(name):
     """Two iterations as published: S optimizer steps per rollout, all but the first off-policy. In float64 an
     on-policy ratio is 1 to rounding (< 1e-15); here the later chunks are scored by a policy that has already moved.
     On 6 sampling steps, the fewest that FlowGRPO-Fast's window (3 steps from 0 to 2) allows: the recipes' 6 to 25
-    change nothing of this and cost up to 4x the time."""
+    change nothing of this and cost up to 4x the time. The Trainer samples on the preset's sigma grid."""
     from lean.train import Trainer
 
     cfg = tiny_preset(name, "model.dtype=float64", "sample.num_steps=6")
     trainer = Trainer(cfg)
+    assert_preset_sigma_grid(trainer, name)
     start = [p.detach().clone() for p in trainer.params]
     rows = [trainer.iteration(it, "recompute").metrics for it in range(2)]
     assert trainer.state.steps == 2 * cfg.train.optimizer_steps_per_iteration
@@ -373,9 +385,12 @@ def test_recompute_runs_the_off_policy_recipe(name):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CLEAN_SAMPLE_PRESETS)
 def test_clean_sample_recipes_train_and_refuse_the_lean_schedules_in_one_line(name):
+    """Two iterations of the recipe under Recompute on the preset's sigma grid move the adapter; a Lean schedule is
+    refused in one line."""
     from lean.train import Trainer
 
     trainer = Trainer(tiny_preset(name, "model.dtype=float64"))
+    assert_preset_sigma_grid(trainer, name)
     start = [p.detach().clone() for p in trainer.params]
     rows = [trainer.iteration(it, "recompute").metrics for it in range(2)]
     assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["policy_loss"]) for r in rows)
@@ -383,18 +398,6 @@ def test_clean_sample_recipes_train_and_refuse_the_lean_schedules_in_one_line(na
     with pytest.raises(ConfigError, match=r"train\.schedule='retain'.*re-noised") as err:
         load_config(None, ["train.schedule=retain"], preset=name)
     assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("name", PRESETS)
-def test_trainer_uses_the_preset_sigma_grid(name):
-    from lean.sampling.sde import sigma_schedule
-    from lean.train import Trainer
-
-    trainer = Trainer(tiny_preset(name))
-    s = trainer.cfg.sample  # sample.shift resolved
-    assert s.shift == pytest.approx(3.0 if name != "flowgrpo-flux" else math.exp(0.5 + 0.65 * (16 - 256) / 3840))
-    expected = sigma_schedule(s.num_steps, s.shift, s.sigma_grid)
-    assert torch.equal(trainer.pipeline.sigmas.cpu(), expected), f"Trainer ignores sample.sigma_grid={s.sigma_grid}"
 
 
 @pytest.mark.timeout(120)
@@ -411,9 +414,13 @@ def test_retain_and_reweight_are_exact_on_the_on_policy_variant(name):
 
 @pytest.mark.timeout(180)
 def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
+    """`lean train --preset` runs the recipe under Recompute, refuses FlowGRPO's filter order under a Lean schedule in
+    one message that names the on-policy form, and runs that form (1 prompt x 2 samples per rollout, 2 iterations).
+    The README's quick run at 32 px, 2 samples per prompt and 4 steps: what the CLI does does not depend on them."""
     from lean.cli import main
 
-    args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
+    quick = [*QUICK, "model.resolution=32", "train.group_size=2", "sample.num_steps=4"]
+    args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in quick for a in ("--set", kv))]
     assert main([*args, "--out", str(tmp_path / "recompute")]) == 0
     refused = ["--set", "train.schedule=retain", "--set", "algorithm.zero_advantage_order=filter_then_split"]
     assert main([*args, *refused, "--out", str(tmp_path / "refused")]) == 2
@@ -424,7 +431,7 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
         metrics = json.loads((tmp_path / run / "metrics.json").read_text())
         assert metrics["schedule"] == run and math.isfinite(metrics["final_reward_mean"])
         assert json.loads((tmp_path / run / "config.json").read_text())["model"]["family"] == "sd3"
-    config = json.loads((tmp_path / "retain" / "config.json").read_text())["train"]  # QUICK: 2 prompts, 1 iteration
+    config = json.loads((tmp_path / "retain" / "config.json").read_text())["train"]  # quick: 2 prompts, 1 iteration
     assert (config["prompts_per_iteration"], config["iterations"], config["optimizer_steps_per_iteration"]) == (1, 2, 1)
     assert len(json.loads((tmp_path / "retain" / "metrics.json").read_text())["reward_mean"]) == 2
 

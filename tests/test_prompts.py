@@ -63,11 +63,15 @@ def test_a_folder_is_refused(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_cli_trains_a_preset_on_a_prompt_file(tmp_path, capsys):
+    """`lean train --preset` refuses a missing prompt file in one config error before writing anything, and trains on
+    a present one, recording its prompts and path. The README's quick run at 32 px, 2 samples per prompt and 4 steps:
+    reading the prompts does not depend on them."""
     from lean.cli import main
 
     path = tmp_path / "train.txt"
     path.write_text(TXT)
-    args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in QUICK for a in ("--set", kv))]
+    quick = [*QUICK, "model.resolution=32", "train.group_size=2", "sample.num_steps=4"]
+    args = ["train", "--preset", "flowgrpo-sd3", *(a for kv in quick for a in ("--set", kv))]
     assert main([*args, "--set", f"train.prompts_file={tmp_path / 'nope.txt'}", "--out", str(tmp_path / "bad")]) == 2
     assert "config error: train.prompts_file=" in capsys.readouterr().err and not (tmp_path / "bad").exists()
     assert main([*args, "--set", f"train.prompts_file={path}", "--out", str(tmp_path / "run")]) == 0

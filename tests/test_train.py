@@ -21,20 +21,37 @@ METRIC_KEYS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory):
+    """``train`` of ``tiny(family, schedule, 2 iterations)``, once per (family, schedule) the module asks for (the
+    FLUX Recompute run is read by two tests): returns (its history, its folder)."""
+    runs = {}
+
+    def run(family: str, schedule: str):
+        if (family, schedule) not in runs:
+            cfg = tiny(f"model.family={family}", f"train.schedule={schedule}", "train.iterations=2")
+            out = tmp_path_factory.mktemp(f"{family}_{schedule}")
+            runs[family, schedule] = (train(cfg, out=str(out)), out)
+        return runs[family, schedule]
+
+    return run
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", ["flux", "wan"])
-def test_train_writes_metrics_and_lora(tmp_path, family):
-    history = train(tiny(f"model.family={family}", "train.iterations=2"), out=str(tmp_path / "run"))
+def test_train_writes_metrics_and_lora(two_iterations, family):
+    """Two iterations write metrics.json with every key (FLOPs by region), metrics.csv, and a finite LoRA."""
+    history, run = two_iterations(family, "recompute")
     assert len(history) == 2
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
     for key in METRIC_KEYS:
         assert key in metrics, key
     assert len(metrics["reward_mean"]) == 2 and metrics["flops_per_iteration"] > 0
     assert metrics["flops_by_region"]["recompute_forward"] > 0 and metrics["flops_by_region"]["backward"] > 0
-    lora = load_file(tmp_path / "run" / "lora.safetensors")
+    lora = load_file(run / "lora.safetensors")
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
-    assert not (tmp_path / "run" / "lora_ema.safetensors").exists()  # only with ema.enabled (tests/test_ema.py)
-    assert (tmp_path / "run" / "metrics.csv").read_text().count("\n") == 3
+    assert not (run / "lora_ema.safetensors").exists()  # only with ema.enabled (tests/test_ema.py)
+    assert (run / "metrics.csv").read_text().count("\n") == 3
 
 
 @pytest.mark.timeout(240)
@@ -51,9 +68,10 @@ def test_float64_end_to_end(family, schedule, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_training_changes_the_adapter_and_learns_direction(tmp_path):
-    """Two updates move the LoRA weights; the logged loss equals -mean(A) on-policy (ratio 1)."""
-    history = train(tiny("train.iterations=2", "train.schedule=retain", "optimizer.lr=1e-3"), out=str(tmp_path))
+def test_training_changes_the_adapter_and_learns_direction(two_iterations):
+    """Two Retain updates, each on-policy (ratio 1, so the logged loss is -mean(A)), with a nonzero gradient (the run
+    the FLOPs test below reads too)."""
+    history, _ = two_iterations("flux", "retain")
     assert all(abs(h["ratio_mean"] - 1) < 1e-6 for h in history)
     assert history[-1]["grad_norm"] > 0
 
@@ -89,7 +107,7 @@ def test_a_prompt_drawn_twice_gives_two_different_groups():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["recompute", "retain", "reweight"])
-def test_flops_counted_in_the_first_iteration_equal_an_extra_iterations(schedule, tmp_path):
+def test_flops_counted_in_the_first_iteration_equal_an_extra_iterations(two_iterations, schedule):
     """`lean train` counts FLOPs during its first iteration; the numbers are those of the extra, undone iteration
     it used to run after the loop (``count_iteration_flops`` at the last iteration), and the counted iteration's
     times stay out of the summary's medians."""
@@ -98,8 +116,8 @@ def test_flops_counted_in_the_first_iteration_equal_an_extra_iterations(schedule
     from lean.train import Trainer, count_iteration_flops, needed_flops
 
     cfg = tiny(f"train.schedule={schedule}", "train.iterations=2")
-    train(cfg, out=str(tmp_path))
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    _, run = two_iterations("flux", schedule)
+    metrics = json.loads((run / "metrics.json").read_text())
     trainer = Trainer(cfg)  # the previous procedure: the run's iterations, then one more under the counter
     for it in range(cfg.train.iterations):
         trainer.iteration(it, schedule)
@@ -107,7 +125,7 @@ def test_flops_counted_in_the_first_iteration_equal_an_extra_iterations(schedule
     assert metrics["flops_by_region"] == expected and expected["backward"] > 0
     assert metrics["flops_per_iteration"] == sum(expected.values())
     assert metrics["flops_needed_per_iteration"] == needed_flops(expected)
-    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
     assert [r["flops_counted"] for r in rows] == ["1", ""]
     assert metrics["time_iteration_s"] == float(rows[1]["time_iteration_s"])
 

@@ -405,10 +405,14 @@ def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict
     if model is None:
         model = meta_transformer(family_spec(m.family), m.size)
         if not m.full_finetune:
+            from accelerate import init_empty_weights  # local: accelerate's import takes seconds
             from peft import get_peft_model  # local: peft imports transformers (seconds)
 
             model.requires_grad_(False)
-            model = get_peft_model(model, lora_config(m))
+            # the adapter on the meta device too, and not initialised: only its shapes are counted (420M factors of
+            # Qwen-Image's were drawn on the CPU)
+            with init_empty_weights():
+                model = get_peft_model(model, dataclasses.replace(lora_config(m), init_lora_weights=False))
     total = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)  # the base's weights
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dtype = DTYPES[m.dtype]
