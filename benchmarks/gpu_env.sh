@@ -10,16 +10,19 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ] && { [ "$HAS_SMI" = 0 ] || .venv/bin/python -c \
       'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }; then PY=.venv/bin/python; fi
 fi
-TORCH_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo none)
+# One interpreter start for every torch figure below (an `import torch` costs seconds on a busy CPU)
+TORCH=$("$PY" -c 'import torch; c = torch.cuda.is_available()
+print(int(c), torch.cuda.device_count() if c else 0, torch.__version__, torch.version.cuda)' 2>/dev/null || echo none)
+read -r TORCH_CUDA TORCH_GPUS TORCH_VERSION TORCH_VERSION_CUDA <<< "$TORCH"
 if [ "$TORCH_CUDA" = none ]; then
   echo "$(basename "$0"): $PY has no torch: install a CUDA build first (python3 -m pip install torch)" >&2; exit 2
 fi
 if [ "$HAS_SMI" = 1 ] && [ "$TORCH_CUDA" = 0 ]; then
-  echo "$(basename "$0"): a GPU is present but $PY's torch $("$PY" -c 'import torch; print(torch.__version__)')" \
+  echo "$(basename "$0"): a GPU is present but $PY's torch $TORCH_VERSION" \
        "cannot use it (a CPU build?): install a CUDA build (python3 -m pip install --force-reinstall torch)" >&2
   exit 3
 fi
-GPUS=${GPUS:-$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')}
+GPUS=${GPUS:-$TORCH_GPUS}
 if [ "${NEED_GPU:-0}" = 1 ] && [ "$GPUS" -eq 0 ]; then
   echo "$(basename "$0"): no CUDA GPU visible: nothing to measure here (the CPU benchmarks are" \
        "\`lean bench schedules\` and \`lean bench overlap\`)" >&2
@@ -32,4 +35,4 @@ if ! "$PY" -c 'import importlib.metadata as m; m.version("lean")' >/dev/null 2>&
 fi
 export PYTHONUNBUFFERED=1
 if [ "$HAS_SMI" = 1 ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+echo "torch $TORCH_VERSION cuda $TORCH_VERSION_CUDA"

@@ -185,38 +185,31 @@ def test_gpu_script_picks_the_layout(gpus, expect):
         assert "need >= 2 GPUs" in out
 
 
+def _printing_rank(rank: int, world: int, port: int, env: dict, cwd: str, args: list[str], printed: str) -> None:
+    """``helpers.lean_ranks``' rank, what it prints written to ``printed.<rank>``."""
+    import contextlib
+
+    from helpers import _lean_rank
+
+    with open(f"{printed}.{rank}", "w") as out, contextlib.redirect_stdout(out):
+        _lean_rank(rank, world, port, env, cwd, args)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_runs_on_two_gloo_processes(tmp_path):
-    # Through the CLI: each rank of the re-launch runs `python -m lean.cli bench overlap ...`.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lean.cli",
-            "bench",
-            "overlap",
-            "--nproc",
-            "2",
-            "--quick",
-            "--ops",
-            "mlp.fc1,mlp.fc2",
-            "--repeats",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=220,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exposed" in proc.stdout and "timeline model vs measured latency" in proc.stdout
-    assert "The model against published figures" in proc.stdout
+    """``lean bench overlap`` on two gloo ranks as ``lean launch`` starts them (forked from the preloaded server,
+    ``helpers.lean_ranks``: seconds of imports less per process); the re-launch's argv is the test above, the launch
+    through Accelerate the smoke's overlap stage's (tests/test_workbench.py) and tests/test_distributed.py's."""
+    from helpers import spawn
+
+    args = ["bench", "overlap", "--nproc", "2", "--quick", "--ops", "mlp.fc1,mlp.fc2", "--repeats", "2"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    printed = tmp_path / "printed"
+    spawn(_printing_rank, 2, env, os.getcwd(), [*args, "--out", str(tmp_path)], str(printed), deadline_s=220)
+    stdout = (tmp_path / "printed.0").read_text()
+    assert "exposed" in stdout and "timeline model vs measured latency" in stdout
+    assert "The model against published figures" in stdout
     summary = json.loads((tmp_path / "overlap.json").read_text())
     assert summary["world"] == 2 and summary["backend"] == "gloo"
     cases = {(r["op"].split()[0], r["method"]) for r in summary["results"]}

@@ -41,7 +41,9 @@ one config line naming the nearest row that does (fewest settings changed, then 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import json
 import weakref
 from collections.abc import Callable
 
@@ -404,10 +406,34 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
     return report
 
 
+# The config keys a count does not read: the plan's rows vary them (a config differing only there counts the same)
+ROW_ONLY = {"train": ("schedule",), "parallel": ("layout",)}
+_COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
+
+
+def count_key(cfg, gpus: int, degrees: list[int], flops_per_s: float) -> tuple:
+    """What :func:`count_degrees` depends on: the config (less :data:`ROW_ONLY`), the GPUs, the degrees and the
+    FLOP/s."""
+    settings = cfg.to_dict()
+    for section, keys in ROW_ONLY.items():
+        settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
+    return json.dumps(settings, sort_keys=True, default=repr), gpus, tuple(degrees), flops_per_s
+
+
 def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
     """Per sequence-parallel degree, the probe's figures with checkpointing off and on (:func:`counted`), each pass's
     exposed all-to-all time added. The family's own Ulysses code is installed once and each degree swaps its
-    :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size."""
+    :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size. A count is pure and the
+    slowest part of a plan: kept per :func:`count_key`, so that a second plan of a config in one process (``lean
+    plan`` after :func:`meta_plan`, a notebook's re-run) reuses it."""
+    key = count_key(inp.cfg, gpus, degrees, flops_per_s)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_degrees(inp, gpus, degrees, flops_per_s)
+    return copy.deepcopy(_COUNTS[key])
+
+
+def _count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
+    """:func:`count_degrees`, counted."""
     decodes = {}
     count = lambda at: meta_probe(at, flops_per_s, decodes)  # noqa: E731
     sp, out = None, {}
