@@ -16,7 +16,17 @@ composes their cross-section rules and validates.
 """
 
 from lean.config import dtypes
-from lean.config.checks import AUTO, ConfigError, check_choice, prompts_of_file, suggest
+from lean.config.checks import (
+    AUTO,
+    ConfigError,
+    check_choice,
+    check_fraction,
+    check_positive,
+    choice,
+    choices,
+    prompts_of_file,
+    suggest,
+)
 from lean.config.moved import MOVED
 from lean.config.read import read_config, read_params
 from lean.config.run_sections import DEFAULT_PROMPTS, TrainConfig
@@ -24,4 +34,5 @@ from lean.config.sections import SECTIONS, RunConfig, options_type, register_opt
 
 __all__ = ["AUTO", "ConfigError", "DEFAULT_PROMPTS", "MOVED", "SECTIONS", "RunConfig", "TrainConfig", "dtypes"]
 __all__ += ["check_choice", "options_type", "prompts_of_file", "read_config", "read_params", "register_options"]
-__all__ += ["suggest"]
+# what a component's options (in lean or in a plugin) declare and check their fields with
+__all__ += ["suggest", "check_fraction", "check_positive", "choice", "choices"]
