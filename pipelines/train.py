@@ -3,7 +3,7 @@ schedule (``rl.run``); the runs of ``rl.recipe`` (the recipe whose on-policy for
 rollout, ``recipe-<schedule>``); and each algorithm of ``rl.algorithms`` on the same task (``rl.<algorithm>.run`` on
 ``rl.run``: its name, its schedule, what it needs to learn at this budget; GRPO's run among them is the ``retain``
 run). Each is ``lean.train.train``, which logs every iteration to MLflow when tracking is on. The runs are independent
-and single-threaded, so they run as child processes of one pool (``workbench.parallel_runs`` at once,
+and single-threaded, so they run as forked children of one pool (``workbench.parallel_runs`` at once,
 ``lean.workbench.side_by_side``): one pool keeps the cores busy until its last run, where a stage per group of runs
 would drain the pool once per group. Their wall-clock times share the cores; each iteration also records its process
 CPU time (``cpu_iteration_s``), which the training notebook's time to reward counts; speed is the
@@ -25,11 +25,13 @@ there is nothing to show.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from lean.algorithms import ALGORITHMS
+from lean.models.build import import_components
+from lean.observe import tracking
 from lean.observe.outputs import write_csv
 from lean.schedules import SCHEDULE_CHOICES, SCHEDULES
 from lean.workbench.side_by_side import RunFailed, parallel_runs, run_side_by_side
@@ -73,16 +75,6 @@ def runs(tree: dict, out: Path, algorithms_out: Path) -> dict[str, RLRun]:
     return named
 
 
-def child_command(params: str, run: RLRun, pretrained: str | None) -> list[str]:
-    """The command line of ``run`` in a child process of this module."""
-    if run.algorithm is not None:
-        one = ["--algorithm", run.algorithm]
-    else:
-        one = ["--schedule", run.schedule] + (["--recipe"] if run.variant == RECIPE else [])
-    command = [sys.executable, "-m", "pipelines.train", *one, "--params", params, "--out", str(run.out)]
-    return command + (["--pretrained", pretrained] if pretrained else [])
-
-
 def train_one(params: str, run: RLRun, pretrained: str | None) -> None:
     """One run, in this process."""
     from lean.train import train  # here: the side-by-side parent starts processes and never trains
@@ -99,17 +91,21 @@ def train_one(params: str, run: RLRun, pretrained: str | None) -> None:
 
 
 def train_side_by_side(params: str, pretrained: str | None, out: Path, algorithms_out: Path) -> None:
-    """Every run as a child process of this module, ``workbench.parallel_runs`` at once."""
+    """Every run as a forked child of this process, ``workbench.parallel_runs`` at once: the parent imports what a
+    run builds with (and MLflow when tracking), then forks, so that no child imports it again."""
     tree = begin_stage(params)
     named = runs(tree, out, algorithms_out)
     try:
         jobs = parallel_runs(tree, default=len(named))
     except ValueError as err:
         raise SystemExit(f"train: {err}") from None
-    commands = {name: child_command(params, run, pretrained) for name, run in named.items()}
+    import_components(stage_config(params, "rl", pretrained=pretrained).model.family)
+    tracking.import_client()
+    commands = {name: partial(train_one, params, run, pretrained) for name, run in named.items()}
     logs = {name: run.out / "train.log" for name, run in named.items()}
     print(f"train: {', '.join(named)} side by side, {jobs} at once (logs: <run>/train.log)", flush=True)
-    try:
+    try:  # the store made ready in a child of its own: the parent opens no connection that its forks would share
+        run_side_by_side({"store": tracking.ready_store}, {"store": out / "store.log"}, jobs=1)
         run_side_by_side(commands, logs, jobs)
     except RunFailed as err:
         raise SystemExit(f"train: {err}") from None

@@ -43,6 +43,15 @@ def component_classes(spec: FamilySpec, name: str) -> tuple[type, type | None]:
     return getattr(module, component.model_class), (getattr(module, config_class) if config_class else None)
 
 
+def import_components(family: str) -> None:
+    """Import what building ``family`` imports (its components' libraries, peft: seconds of CPU), building nothing: a
+    process that forks its runs pays the imports once (``lean.workbench.side_by_side``)."""
+    spec = family_spec(family)
+    for name in spec.components:
+        component_classes(spec, name)
+    import peft  # noqa: F401  (LoRA)
+
+
 def build_runtime(spec: FamilySpec, transformer_config, vae_config, model_cfg: ModelConfig) -> FamilyRuntime:
     """The family's runtime for the run's geometry (``model.resolution``, ``num_frames``, ``width``) from the
     (first) denoiser's and the VAE's configs."""

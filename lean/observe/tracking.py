@@ -79,6 +79,19 @@ def enabled() -> bool:
     return os.environ.get("LEAN_TRACKING", "").lower() in ("1", "true", "yes", "on")
 
 
+def import_client() -> None:
+    """Import MLflow now when tracking is on (seconds), opening nothing: a process that forks its runs pays it once."""
+    if enabled():
+        import mlflow  # noqa: F401
+
+
+def ready_store() -> None:
+    """When tracking is on, create the store's tables and the experiment now: runs that start together would race to
+    (MLflow's migration of a new sqlite store fails in all but one of them)."""
+    if enabled():
+        _client()
+
+
 def repo_root() -> Path:
     """``$DVC_ROOT``, else the git top level of the cwd, else the cwd."""
     if os.environ.get("DVC_ROOT"):
