@@ -95,7 +95,7 @@ class DPO(CleanSampleAlgorithm):
     def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
         t, how = cfg.train, cfg.algorithm.reward_combination
         if how != "sum":
-            return "algorithm.reward_combination", how, "dpo ranks each group by the weighted sum of its rewards: needs sum"
+            return "algorithm.reward_combination", how, "dpo ranks a group by its weighted reward sum: needs sum"
         if t.group_size < 2:
             return "train.group_size", t.group_size, "dpo pairs two samples of a group: needs >= 2"
         ranks = (world_size or 1) // cfg.parallel.sequence_parallel  # data-parallel ranks: each holds P / ranks groups
