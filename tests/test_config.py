@@ -36,6 +36,11 @@ BAD = [
     ("train.iterations=2.5", "train.iterations"),
     ("sample.cfg=maybe", "sample.cfg"),
     ("sample.guidance_embed=3.5", "sample.guidance_embed"),
+    ("sample.sde_window_start=2", "sample.sde_window_start"),  # no window
+    ("sample.sde_window=2 ; sample.sde_window_start=8", "sample.sde_window_start"),  # past num_steps - 1 - window
+    ("algorithm.reward_combination=mean", "algorithm.reward_combination"),
+    ("algorithm.reward_combination=gdpo ; algorithm.global_std=true", "algorithm.global_std"),
+    ("algorithm.name=dpo ; algorithm.reward_combination=per_reward", "algorithm.reward_combination"),
 ]
 
 

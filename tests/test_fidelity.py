@@ -17,6 +17,12 @@ XueZeyue/DanceGRPO at 15cc71d):
       advantages, torch's std + 1e-8 (:477-490); the clamped advantage and clipped loss (:533-547)
   G1  scripts/train_sd3_GRPO_Guard.py (flow_grpo 2e2f712, GRPO-Guard)  RatioNorm (:915-919, its shift averaged over
       the micro-batch and the latent), the clipped loss divided by -dt (:931-932), the KL added after (:934-937)
+  M1  Tencent-Hunyuan/MixGRPO e5cdd6a fastvideo/train_grpo_flux.py:429-456  advantage_aggr: each reward's use_group
+      advantage (torch's unbiased std + 1e-8), weighted and summed
+  X1  X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/advantage/advantage_processor.py:451-470 (GDPO): each reward's
+      (r - mean) / max(np.std, 1e-6) per group, weighted, summed, then (c - mean) / max(np.std, 1e-6) over the batch
+  Q1  flow_grpo 9745241 (zhtmike mirror) qwenimage_pipeline_with_logprob.py:138-141  random.seed(process_index), then
+      the window start randint(0, num_steps // 2 - window); train_qwenimage.py:657-669 passes no process_index
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import random
 
 import numpy as np
 import pytest
@@ -50,6 +57,9 @@ TOY_REWARDS = torch.tensor([0.61, 0.55, 0.58, 0.20, 0.31, 0.22, 0.50, 0.50, 0.50
 # before the update (train_flux.py does not); DanceGRPO does not. The constant is exact in binary: a mean with a
 # rounding residue would leave the published advantage at ~1e-12 instead of 0, and the sample in.
 DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan", "grpo-guard-sd3"}  # + G1 :825-846
+DROPS_ZERO_ADVANTAGE |= {"flowgrpo-kontext"}  # train_flux_kontext.py:765-786 at 9745241, as train_sd3.py:801-822
+MIXGRPO = {"mixgrpo-flux", "mixgrpo-flash-flux"}  # M1: each reward normalised in its group, then summed
+GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-grpo-wan22"}  # X1
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
@@ -138,10 +148,40 @@ def published_step(v, x, x_next, sigmas, j, cfg):
     return mean, log_p.mean(dim=dims), std, std
 
 
+def published_per_reward(rewards: np.ndarray, weights: list[float], groups: np.ndarray) -> np.ndarray:
+    """M1: sum_k w_k (r_k - mean_g r_k) / (torch's unbiased std_g r_k + 1e-8), the groups in any order; ``rewards``
+    [N, R] (float64: the script's float32 widened)."""
+    merged = np.zeros(rewards.shape[0])
+    for k, weight in enumerate(weights):
+        advantages = np.zeros(rewards.shape[0])
+        for g in np.unique(groups):
+            r = rewards[groups == g, k]
+            advantages[groups == g] += (r - r.mean()) / (torch.tensor(r).std().item() + 1e-8)
+        merged += advantages * weight
+    return merged
+
+
+def published_gdpo(rewards: np.ndarray, weights: list[float], groups: np.ndarray) -> np.ndarray:
+    """X1: c = sum_k w_k (r_k - mean_g r_k) / max(np.std_g r_k, 1e-6), then (c - mean c) / max(np.std c, 1e-6)."""
+    per_reward = []
+    for k, weight in enumerate(weights):
+        advantages = np.zeros(rewards.shape[0])
+        for g in np.unique(groups):
+            r = rewards[groups == g, k]
+            advantages[groups == g] = (r - np.mean(r)) / max(np.std(r), 1e-6)
+        per_reward.append(advantages * weight)
+    combined = np.sum(per_reward, axis=0)
+    return (combined - np.mean(combined)) / max(float(np.std(combined)), 1e-6)
+
+
 def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, global_std: bool) -> np.ndarray:
     """F4 (FlowGRPO): numpy's population std + 1e-4, per prompt or over the batch; D1 (DanceGRPO): torch's unbiased
     std + 1e-8 per group; U1 (UniRL rollout_resp.py:318-325): the group's mean, torch's unbiased std of the whole
-    rollout + 1e-8."""
+    rollout + 1e-8; X1 (Flow-Factory's GDPO) and M1 (MixGRPO) of the one reward."""
+    if preset in GDPO:
+        return published_gdpo(rewards[:, None], [1.0], groups)
+    if preset in MIXGRPO:
+        return published_per_reward(rewards[:, None], [1.0], groups)
     out = np.empty_like(rewards)
     for g in np.unique(groups):
         r = rewards[groups == g]
@@ -215,7 +255,7 @@ def lean_update(policy, cfg, sigmas, x, x_next, old_log_p, old_mean, rewards, j)
     schedule = Recompute(ctx)
     rollout_step = Transition(index=j, rows=slice(0, n), sample=x, next_sample=x_next)
     schedule.on_step(dataclasses.replace(rollout_step, old_log_prob=old_log_p, old_mean=old_mean))
-    advantages = algorithm.targets(rewards, GROUPS).to(x.dtype)
+    advantages = algorithm.targets(rewards, GROUPS, rewards[:, None]).to(x.dtype)  # one reward, weight 1
     stats = schedule.finish(advantages, lambda: {})
     loss = stats["policy_loss"] + cfg.algorithm.beta * stats.get("kl", 0.0)
     return loss, policy.theta.grad
@@ -435,3 +475,118 @@ def test_dance_rollout_shares_x0_and_decodes_the_prediction():
     with torch.no_grad():
         v = pipeline.policy.velocity(x, pipeline.sigmas[last], rolled.ctx.emb)
     torch.testing.assert_close(rolled.final, (x - pipeline.sigmas[last] * v).to(x.dtype))
+
+
+# ---------------------------------------------------------------- how rewards combine (M1, X1)
+
+
+def two_rewards_with_constant_groups() -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rewards [48, 2] of 6 groups of 8 in shuffled order: group 0 constant in both rewards, group 1 in the
+    first, group 2 in the second (dyadic constants: every summation order gives their mean exactly, as it would not
+    for most constants, where both sources divide a rounding residue by their eps)."""
+    g = torch.Generator().manual_seed(3)
+    groups = torch.arange(6).repeat_interleave(8)[torch.randperm(48, generator=g)]
+    rewards = torch.rand(48, 2, generator=g, dtype=torch.float64)
+    rewards[groups == 0] = torch.tensor([0.75, 0.25], dtype=torch.float64)
+    rewards[groups == 1, 0] = 0.5
+    rewards[groups == 2, 1] = 1.0
+    return rewards, groups
+
+
+@pytest.mark.parametrize("preset", sorted(MIXGRPO | GDPO))
+def test_reward_combination_equals_the_sources(preset):
+    """M1 (MixGRPO: per_reward) and X1 (Flow-Factory: gdpo) on two weighted rewards with constant groups, through
+    the preset's own targets: equal to 1e-12 after the clamp; a group constant in both rewards gets exactly 0."""
+    cfg = load_config(preset=preset)
+    weights = {"color_match": 0.7, "jpeg_compressibility": 0.3}
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, weights=weights))
+    components, groups = two_rewards_with_constant_groups()
+    total = components @ torch.tensor(list(weights.values()), dtype=torch.float64)
+    lean = build_algorithm(cfg, None).targets(total, groups, components)
+    published = (published_gdpo if preset in GDPO else published_per_reward)(
+        components.numpy(), list(weights.values()), groups.numpy()
+    )
+    clip = cfg.algorithm.adv_clip_max
+    np.testing.assert_allclose(lean.numpy(), np.clip(published, -clip, clip), rtol=0, atol=1e-12)
+    assert (lean[groups == 0] == 0).all() and (lean[groups != 0] != 0).all()
+    summed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, reward_combination="sum"))
+    assert (build_algorithm(summed, None).targets(total, groups) - lean).abs().max() > 0.1  # what the key changes
+
+
+def test_gdpo_with_one_reward_is_the_group_advantage_over_its_batch_std():
+    """The issue's case: one reward, a quarter of the groups constant: GDPO = the population-normalised group
+    advantage / sqrt(3/4), 1.155 times it."""
+    g = torch.Generator().manual_seed(4)
+    groups = torch.arange(8).repeat_interleave(4)
+    rewards = torch.rand(32, generator=g, dtype=torch.float64)
+    rewards[groups < 2] = 0.5
+    cfg = load_config(preset="flowfactory-grpo-flux2-klein")  # one reward (PickScore), gdpo
+    gdpo = build_algorithm(cfg, None).targets(rewards, groups, rewards[:, None])
+    np.testing.assert_allclose(
+        gdpo.numpy(), published_gdpo(rewards[:, None].numpy(), [1.0], groups.numpy()), atol=1e-12
+    )
+    r, ids = rewards.numpy(), groups.numpy()
+    plain = np.array([(r[n] - r[ids == ids[n]].mean()) / max(r[ids == ids[n]].std(), 1e-6) for n in range(len(r))])
+    np.testing.assert_allclose(gdpo.numpy(), plain / math.sqrt(3 / 4), atol=1e-12)
+
+
+# ---------------------------------------------------------------- Qwen-Image's window (Q1), Kontext's filter (F2b)
+
+
+def source_qwen_image_window_start(num_steps: int, window: int, process_index: int = 0) -> int:
+    """Q1: random.seed(process_index) then random.randint(0, num_steps // 2 - window), as each rollout of
+    train_qwenimage.py draws it (a fresh ``random.Random(seed)`` draws what the re-seeded global one does)."""
+    return random.Random(process_index).randint(0, num_steps // 2 - window)
+
+
+def test_qwen_image_window_is_the_sources_at_every_iteration():
+    """Over 50 iterations the stochastic and trained steps of every sample are the source's: 3 and 4 of 10."""
+    from helpers import tiny_preset
+
+    from lean.run.iteration import select_local_steps
+
+    cfg = tiny_preset("flowgrpo-qwen-image")
+    s, samples = cfg.sample, [(0, 0, 0), (0, 0, 1), (1, 1, 0), (1, 1, 1)]
+    window = set()
+    for iteration in range(50):
+        start = source_qwen_image_window_start(s.num_steps, s.sde_window)
+        window.add(tuple(range(start, start + s.sde_window)))
+        steps = select_local_steps(cfg, iteration, samples, None)
+        assert torch.equal(steps.trained, steps.stochastic.expand(len(samples), -1))
+        assert tuple(torch.nonzero(steps.stochastic).flatten().tolist()) == (start, start + 1)
+    assert window == {(3, 4)}
+    drawn = load_config(None, ["sample.sde_window_start=null"], preset="flowgrpo-qwen-image")
+    starts = {select_local_steps(drawn, i, samples, None).window_start for i in range(50)}
+    assert starts == {0, 1, 2, 3}  # null: drawn at each iteration, as Flow-GRPO-Fast
+
+
+@pytest.mark.timeout(120)
+def test_qwen_image_rollouts_train_steps_3_and_4():
+    """A tiny flowgrpo-qwen-image run's rollouts at two iterations take their SDE (trained) steps at 3 and 4 only."""
+    from helpers import tiny_preset
+
+    from lean.schedules import SCHEDULES
+    from lean.tools.equivalence import StepRecorder
+    from lean.train import Trainer
+
+    pipeline = Trainer(tiny_preset("flowgrpo-qwen-image")).pipeline
+    for iteration in (0, 1):
+        recorder = StepRecorder()
+        rolled = pipeline.roll_out(iteration, SCHEDULES["recompute"], on_step=recorder)
+        assert sorted({step.index for step in recorder.steps}) == [3, 4]
+        assert torch.nonzero(rolled.batch.steps.trained.any(dim=0)).flatten().tolist() == [3, 4]
+
+
+def test_kontext_drops_zero_advantage_samples_as_train_sd3():
+    """F2b: train_sd3.py:801-822 keeps the samples whose advantages, summed in absolute value over the trained steps,
+    are not 0 (train_flux_kontext.py:765-786 the same); flowgrpo-kontext keeps the same ones, with flowgrpo-sd3's
+    filter keys (lean does not pad the kept samples with random dropped ones, docs/coming-from-flowgrpo.md)."""
+    sd3, kontext = (load_config(preset=p) for p in ("flowgrpo-sd3", "flowgrpo-kontext"))
+    for key in ("skip_zero_advantage", "all_zero_advantage", "zero_advantage_order"):
+        assert getattr(kontext.algorithm, key) == getattr(sd3.algorithm, key)
+    algorithm = build_algorithm(kontext, None)
+    kept, count = algorithm.kept_samples(algorithm.targets(TOY_REWARDS, GROUPS))
+    published = published_advantages(TOY_REWARDS.numpy(), GROUPS.numpy(), "flowgrpo-kontext", global_std=True)
+    trained_steps = 5  # int(6 x 0.99), the advantage repeated over them (train_flux_kontext.py:709)
+    mask = np.abs(np.repeat(published[:, None], trained_steps, axis=1)).sum(axis=1) != 0
+    assert kept.tolist() == mask.tolist() and int(count) == mask.sum() == 6

@@ -32,6 +32,10 @@ CASES = {
         "sample.sde_kind=dance",
         "sample.cfg=false",
     ],
+    "per-reward": [  # MixGRPO's combination is a group's own: its groups still finish early
+        "algorithm.reward_combination=per_reward",
+        "reward.weights={color_match: 0.7, jpeg_compressibility: 0.3}",
+    ],
     "skip-zero-advantage": [  # the colourless prompt's group scores 0: its samples leave the update, KL terms too
         "algorithm.skip_zero_advantage=true",
         "algorithm.beta=0.04",
@@ -91,6 +95,30 @@ def test_units_are_finished_with_the_whole_batchs_advantages(micro_batch):
     )
     assert all(torch.equal(a[rows].cpu(), whole[rows]) for rows, a in handed)
     pipeline.finish(rolled, advantages, trainer.state.step)
+
+
+@pytest.mark.timeout(120)
+def test_gdpo_finishes_after_the_rollout_with_the_batchs_advantages():
+    """gdpo renormalises over the whole batch: the group layout finishes nothing early (as under global_std), the
+    advantages are the targets of every reward's gathered values, and every schedule gives Recompute's gradient."""
+    two = ["reward.weights={color_match: 0.7, jpeg_compressibility: 0.3}", "algorithm.reward_combination=gdpo"]
+    cfg = tiny(*GROUPS, "train.train_batch_size=8", "parallel.layout=group", *two)
+    assert resolve_layout(cfg, 1) == "group" and finish_unit(cfg, 1) is None
+    trainer = Trainer(cfg)
+    trainer.policy.perturb_lora_(0.02, torch.Generator().manual_seed(0))
+    start, pipeline = trainer.state.state_dict(), trainer.pipeline
+    rolled = pipeline.roll_out(0, SCHEDULES["recompute"])
+    rewards, advantages = pipeline.advantages(rolled)
+    parts = torch.stack([rolled.parts[name] for name in cfg.reward.weights], dim=1)
+    whole = pipeline.algorithm.targets(rewards, rolled.batch.group_ids(), parts)[rolled.batch.local]
+    assert torch.equal(advantages.cpu(), whole) and whole.abs().sum() > 0
+    grads = {}
+    for schedule in ("recompute", "retain", "reweight"):
+        trainer.state.load_state_dict(start)
+        grads[schedule] = one_update(trainer, schedule).grads
+    for schedule, got in grads.items():
+        diff = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, grads["recompute"]))
+        assert diff <= 1e-10, (schedule, diff)
 
 
 def most_groups_retain_holds(trainer: Trainer) -> int:

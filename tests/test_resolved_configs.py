@@ -22,8 +22,23 @@ RESOLVED = json.loads((ROOT / "tests" / "data" / "resolved_configs.json").read_t
 ADDED_EDITING: dict[str, object] = {}  # FLUX.2 editing: reference images
 CHANGED_EDITING: dict[tuple[str, str], tuple[object, object]] = {}
 
-ADDED_ADVANTAGES: dict[str, object] = {}  # how rewards become advantages; the SDE window's start; filters
-CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {}
+ADDED_ADVANTAGES: dict[str, object] = {  # how rewards become advantages; the SDE window's start; filters
+    "algorithm.reward_combination": "sum",  # the weighted sum normalised, as before; per_reward / gdpo for presets
+    "sample.sde_window_start": None,  # drawn at every iteration, as before; fixed for Qwen-Image's re-seeded draw
+}
+CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
+    # MixGRPO: multi_reward_mix="advantage_aggr" (finetune_flux_grpo_MixGRPO{,_Flash}.sh:62, train_grpo_flux.py:429-456)
+    ("mixgrpo-flux", "algorithm.reward_combination"): ("sum", "per_reward"),
+    ("mixgrpo-flash-flux", "algorithm.reward_combination"): ("sum", "per_reward"),
+    # Flow-Factory: advantage_aggregation 'gdpo' in each example (advantage_processor.py:451-470 at a0b2bc5)
+    ("flowfactory-grpo-flux2", "algorithm.reward_combination"): ("sum", "gdpo"),
+    ("flowfactory-grpo-flux2-klein", "algorithm.reward_combination"): ("sum", "gdpo"),
+    ("flowfactory-grpo-wan22", "algorithm.reward_combination"): ("sum", "gdpo"),
+    # qwenimage_pipeline_with_logprob.py:138-141 re-seeds with process_index 0: randint(0, 3) = 3 at every rollout
+    ("flowgrpo-qwen-image", "sample.sde_window_start"): (None, 3),
+    # train_flux_kontext.py:765-786 drops the zero-advantage samples, as train_sd3.py:801-822
+    ("flowgrpo-kontext", "algorithm.skip_zero_advantage"): (False, True),
+}
 
 ADDED_FLOWFACTORY: dict[str, object] = {}  # Flow-Factory's EMA schedule, LoRA init, trajectory dtype; documentation
 CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {}

@@ -17,6 +17,7 @@ from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.algorithms.grpo_guard import GRPOGuard
 from lean.algorithms.mixgrpo import MixGRPO
 from lean.algorithms.nft import NFT
+from lean.algorithms.reward_combination import REWARD_COMBINATIONS
 from lean.config import ConfigError
 from lean.config.registry import Registry
 
@@ -59,6 +60,7 @@ __all__ = [
     "FACTS",
     "KL_FORMS",
     "ALL_ZERO_ADVANTAGES",
+    "REWARD_COMBINATIONS",
     "ROLLOUTS",
     "STD_ESTIMATORS",
     "Algorithm",

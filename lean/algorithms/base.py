@@ -100,6 +100,7 @@ class Algorithm:
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm
         self.sample = cfg.sample
+        self.reward_weights = tuple(cfg.reward.weights.values())  # w_k of the reward columns, in reward.weights order
         # [num_steps + 1]: the rollout's grid, on the device (float64 for the reference); None: targets only
         self.sigmas = sigmas
 
@@ -148,8 +149,16 @@ class Algorithm:
         """The share of the rollout's samples the update trains (DPO: a pair of each group), for ``lean plan``."""
         return 1.0
 
-    def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """Every sample's target [N] (float64) from the rewards [N] of the whole batch (all processes)."""
+    @property
+    def reads_reward_components(self) -> bool:
+        """Whether :meth:`targets` needs each reward's values, not only their weighted sum
+        (``algorithm.reward_combination``)."""
+        return self.cfg.reward_combination != "sum"
+
+    def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
+        """Every sample's target [N] (float64) from the weighted rewards [N] of the whole batch (all processes) and,
+        where :attr:`reads_reward_components`, each reward's unweighted values ``components`` [N, R] (columns in
+        ``reward.weights`` order)."""
         raise NotImplementedError
 
     @property

@@ -93,7 +93,9 @@ class DPO(CleanSampleAlgorithm):
 
     @classmethod
     def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
-        t = cfg.train
+        t, how = cfg.train, cfg.algorithm.reward_combination
+        if how != "sum":
+            return "algorithm.reward_combination", how, "dpo ranks a group by its weighted reward sum: needs sum"
         if t.group_size < 2:
             return "train.group_size", t.group_size, "dpo pairs two samples of a group: needs >= 2"
         ranks = (world_size or 1) // cfg.parallel.sequence_parallel  # data-parallel ranks: each holds P / ranks groups
@@ -121,7 +123,7 @@ class DPO(CleanSampleAlgorithm):
     def trained_share(self) -> float:
         return 2 / self.group_size
 
-    def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
         return best_and_worst(rewards.double(), group_ids)
 
     def units(self, targets: Tensor, group_ids: Tensor) -> Tensor:

@@ -57,11 +57,12 @@ def group_advantages(
     clip: float | None = None,
     eps: float = 1e-4,
     std_estimator: str = "population",
+    eps_floor: bool = False,
 ) -> Tensor:
     """``A_n = clamp((r_n − mean_{g(n)}) / (std + eps), −clip, clip)`` as float64 [N].
 
     ``std`` is the ``std_estimator`` std (``STD_ESTIMATORS``) of the sample's group, or of all N rewards with
-    ``global_std``.
+    ``global_std``; with ``eps_floor`` the divisor is ``max(std, eps)`` instead (Flow-Factory's).
     Groups may differ in size and be interleaved in any order. A group whose rewards are all equal gets exactly 0
     (not a rounding residue of its mean divided by ``eps``).
     """
@@ -76,7 +77,8 @@ def group_advantages(
         std = r.std(unbiased=unbiased).expand_as(r)
     else:
         std = _group_std(r, inverse, count, mean, std_estimator)[inverse]
-    advantages = torch.where(_constant(r, inverse, count)[inverse], 0.0, centered / (std + eps))
+    divisor = std.clamp_min(eps) if eps_floor else std + eps
+    advantages = torch.where(_constant(r, inverse, count)[inverse], 0.0, centered / divisor)
     return advantages if clip is None else advantages.clamp(-clip, clip)
 
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY, Algorithm, StepLoss
-from lean.algorithms.groups import group_advantages
+from lean.algorithms.reward_combination import combined_advantages
 from lean.config.registry import Registry
 from lean.sampling.rollout import Sampler, policy_step, reference_mean
 from lean.sampling.sde import SQRT_DT_KINDS
@@ -113,11 +113,8 @@ class GRPO(Algorithm):
     def kl_weight(self) -> float:
         return self.cfg.beta
 
-    def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        a = self.cfg
-        return group_advantages(
-            rewards, group_ids, global_std=a.global_std, clip=a.adv_clip_max, eps=a.adv_eps, std_estimator=a.adv_std
-        )
+    def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
+        return combined_advantages(self.cfg, rewards, group_ids, components, self.reward_weights)
 
     @property
     def drops_samples(self) -> bool:

@@ -27,9 +27,9 @@ The objective is GRPO's (``lean.algorithms.grpo``) on the window's steps, with t
 
 (the script divides by its gradient accumulation count and len(window), over one sample per forward: the same
 1/(N K) per update). Its advantages are computed per reward model and summed with the models' weights before the
-clamp (:429-456, ``multi_reward_mix: advantage_aggr``); lean's targets normalise the weighted sum of the rewards (its
-``reward_aggr``), which is the same with one reward. Its KL term (:583, kl_coeff 0 in every script) is a squared
-log-ratio, not GRPO's; lean's ``algorithm.beta`` stays 0 in the presets.
+clamp (:429-456, ``multi_reward_mix: advantage_aggr``): the presets' ``algorithm.reward_combination: per_reward``
+(``lean.algorithms.reward_combination``; ``sum`` is its ``reward_aggr``). Its KL term (:583, kl_coeff 0 in every script)
+is a squared log-ratio, not GRPO's; lean's ``algorithm.beta`` stays 0 in the presets.
 
 Why Retain and Reweight stay exact: inside the window the steps are GRPO's on-policy SDE steps (ratio identically 1,
 loss linear in A); the ODE steps outside it carry no trained term. The certificate (``lean equivalence``) checks it

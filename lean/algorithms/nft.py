@@ -56,7 +56,7 @@ from torch import Tensor
 
 from lean.algorithms.base import StepLoss
 from lean.algorithms.clean_samples import CleanSampleAlgorithm, Velocities, per_sample_mean, renoise
-from lean.algorithms.groups import group_advantages
+from lean.algorithms.reward_combination import combined_advantages
 from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
 from lean.config.sections import register_options
@@ -111,11 +111,8 @@ class NFT(CleanSampleAlgorithm):
     def untracked_forwards_per_term(self) -> int:
         return 1 + (1 if self.kl_weight else 0)  # the old policy's, and the KL's reference
 
-    def targets(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        a = self.cfg
-        return group_advantages(
-            rewards, group_ids, global_std=a.global_std, clip=a.adv_clip_max, eps=a.adv_eps, std_estimator=a.adv_std
-        )
+    def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
+        return combined_advantages(self.cfg, rewards, group_ids, components, self.reward_weights)
 
     def optimality(self, targets: Tensor) -> Tensor:
         """r = clip(1/2 + clip(A, -C, C) / (2 C), 0, 1) [B]."""

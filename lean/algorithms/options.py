@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lean.config.checks import AUTO, check_positive, choice, choices
+from lean.config.checks import AUTO, ConfigError, check_positive, choice, choices
 from lean.config.sections import register_options
 
 
@@ -30,6 +30,11 @@ class AlgorithmConfig:
     DanceGRPO: unbiased)."""
     adv_eps: float = 1e-4
     """A = (r - mean) / (std + adv_eps) (FlowGRPO 1e-4, DanceGRPO 1e-8)."""
+    reward_combination: str = choice("reward combination")
+    """How several rewards become one advantage: a name of ``lean.algorithms.REWARD_COMBINATIONS`` (sum: the weighted
+    sum is normalised, FlowGRPO; per_reward: each reward is normalised, then weighted and summed, MixGRPO; gdpo: as
+    per_reward with std floored at 1e-6, then renormalised over the batch, Flow-Factory). The same with one reward
+    but for gdpo's renormalisation (``lean/algorithms/reward_combination.py``)."""
     beta: float = 0.0
     """KL weight against the reference policy (adapter off)."""
     kl_form: str = choice("KL form")
@@ -55,3 +60,12 @@ class AlgorithmConfig:
             check_positive(f"algorithm.{key}", getattr(self, key))
         for key in ("adv_eps", "beta"):
             check_positive(f"algorithm.{key}", getattr(self, key), strict=False)
+        if self.reward_combination == "gdpo" and self.global_std:
+            raise ConfigError(
+                "algorithm.global_std", True, "gdpo normalises by each group's std, then the batch's: set false"
+            )
+
+    @property
+    def batch_wide(self) -> bool:
+        """Whether a sample's advantage depends on rewards outside its group (the batch's std)."""
+        return self.global_std or self.reward_combination == "gdpo"

@@ -13,8 +13,9 @@ The global batch of an iteration is P prompt groups x G samples, in group order.
     auto    group where it applies (W divides P, the rollout micro-batches do not straddle groups), else slice.
 
 With W | P the two layouts give a process the same samples; what differs is the finishing unit. With
-``algorithm.global_std`` every advantage depends on the whole batch's std, so nothing can finish before the last group
-is scored: the group layout then finishes at the end, as slice does (``finish_unit`` is None).
+``algorithm.global_std`` or ``algorithm.reward_combination: gdpo`` every advantage depends on the whole batch's std, so
+nothing can finish before the last group is scored: the group layout then finishes at the end, as slice does
+(``finish_unit`` is None).
 
 The finishing unit: the rows a rollout micro-batch completes. With micro-batches of m samples and groups of G, a
 micro-batch of m = c G completes c groups, and m dividing G completes one group every G / m micro-batches.
@@ -79,10 +80,10 @@ def resolve_layout(cfg: RunConfig, world_size: int) -> str:
 
 def finish_unit(cfg: RunConfig, world_size: int) -> int | None:
     """Rows each early finish covers (whole groups, a multiple of G or G itself), or None when the process finishes
-    its whole batch after the rollout (slice layout, ``algorithm.global_std``, or one unit that is the whole local
-    batch)."""
+    its whole batch after the rollout (slice layout, advantages that need the whole batch: ``algorithm.global_std``,
+    gdpo, or one unit that is the whole local batch)."""
     t = cfg.train
-    if resolve_layout(cfg, world_size) != "group" or cfg.algorithm.global_std:
+    if resolve_layout(cfg, world_size) != "group" or cfg.algorithm.batch_wide:
         return None
     local, m = _local_and_micro_batch(t, world_size)
     unit = m if m % t.group_size == 0 else t.group_size

@@ -60,6 +60,11 @@ def merge_shares(mine: ScoredBatch, every: list[tuple]) -> ScoredBatch:
     )
 
 
+def joined_parts(batches: list[ScoredBatch]) -> dict[str, Tensor]:
+    """Each reward's component over ``batches``, in row order."""
+    return {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
+
+
 ScoreFn = Callable[[Tensor, list[str]], ScoredBatch]
 
 
@@ -118,11 +123,13 @@ class RolloutScoring:
             return batch
         return batch.result() if isinstance(batch, Future) else self.score(*batch)
 
-    def rewards(self) -> Tensor | None:
-        """The rewards of every micro-batch so far (float64, row order), waiting for them; None if a reward failed
-        (``collect`` then returns the error with the images)."""
+    def rewards(self) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """The rewards of every micro-batch so far (float64, row order) and each reward's component, waiting for
+        them; None if a reward failed (``collect`` then returns the error with the images)."""
         batches = self._resolve()
-        return None if any(b.error is not None for b in batches) else torch.cat([b.rewards for b in batches])
+        if any(b.error is not None for b in batches):
+            return None
+        return torch.cat([b.rewards for b in batches]), joined_parts(batches)
 
     def _resolve(self) -> list[ScoredBatch]:
         try:
@@ -138,7 +145,7 @@ class RolloutScoring:
         batches = self._resolve()
         error = next((b.error for b in batches if b.error is not None), None)
         rewards = None if error is not None else torch.cat([b.rewards for b in batches])
-        parts = {} if error is not None else {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
+        parts = {} if error is not None else joined_parts(batches)
         shares = [b.images for b in batches if len(b.images)]  # a split decode's share may be empty
         images = torch.cat(shares) if shares else torch.zeros(0)
         busy_s, decode_s = sum(b.seconds for b in batches), sum(b.decode_s for b in batches)

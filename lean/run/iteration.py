@@ -418,21 +418,32 @@ class IterationPipeline:
         device for the loss. The units finished during the rollout (group layout) keep the advantages they were
         finished with, and only the rows after them (a last unit shorter than the others: whole groups) are computed
         here, from their own rewards. When nothing finished early, the targets need the whole batch: a group may
-        straddle processes (slice layout), ``algorithm.global_std`` takes every reward's std."""
+        straddle processes (slice layout), ``algorithm.global_std`` takes every reward's std. Each reward's values
+        are gathered too where the targets read them (``algorithm.reward_combination``)."""
         batch, finished = rollout.batch, rollout.finished
         with rollout.ctx.timer("advantage"):
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
+            parts = self.reward_components(rollout.parts)
             if finished is None:
-                advantages = self.algorithm.targets(rewards, batch.group_ids())[batch.local]
+                every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
+                advantages = self.algorithm.targets(rewards, batch.group_ids(), every)[batch.local]
             else:
                 advantages, rest = finished.advantages.clone(), slice(finished.rows, len(batch.prompts))
                 if rest.start < rest.stop:
-                    mine = rewards[batch.local]
-                    advantages[rest] = self.algorithm.targets(mine[rest], batch.local_group_ids()[rest])
+                    mine, ids = rewards[batch.local], batch.local_group_ids()
+                    own = None if parts is None else parts[rest]
+                    advantages[rest] = self.algorithm.targets(mine[rest], ids[rest], own)
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {batch.iteration}")
         return rewards, advantages.to(self.world.device)
+
+    def reward_components(self, parts: dict[str, Tensor]) -> Tensor | None:
+        """Each reward's values [B, R] (float64, columns in ``reward.weights`` order) where the algorithm's targets
+        read them, else None."""
+        if not self.algorithm.reads_reward_components:
+            return None
+        return torch.stack([parts[name].to(torch.float64) for name in self.cfg.reward.weights], dim=1)
 
     def finish(self, rollout: Rollout, advantages: Tensor, optimizer_step: OptimizerStep) -> dict:
         """The schedule's update from this process's advantages; it calls ``optimizer_step`` once per update."""
@@ -501,11 +512,13 @@ class IterationPipeline:
         with ctx.timer("update"):
             schedule.unit_rolled_out(rows)
         with ctx.timer("reward_exposed"):
-            rewards = scoring.rewards()  # rows [0, rows.stop)
-        if rewards is None:
+            scored = scoring.rewards()  # rows [0, rows.stop)
+        if scored is None:
             return
         with ctx.timer("advantage"):
-            finished.advantages[rows] = self.algorithm.targets(rewards[rows], batch.local_group_ids()[rows])
+            rewards, parts = scored[0][rows], self.reward_components(scored[1])
+            own = None if parts is None else parts[rows]
+            finished.advantages[rows] = self.algorithm.targets(rewards, batch.local_group_ids()[rows], own)
         with ctx.timer("update"):
             schedule.finish_rows(rows, finished.advantages.to(self.world.device))
         finished.rows = rows.stop

@@ -54,6 +54,9 @@ class SampleConfig:
     """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
     sde_window_max_start: int | None = None
     """The window starts in [0, this]; default: it stays in the first half."""
+    sde_window_start: int | None = None
+    """The window's first step, the same at every iteration (FlowGRPO's Qwen-Image pipeline re-seeds its draw with a
+    process index the script never passes); None: drawn uniformly in [0, sde_window_max_start] at each iteration."""
     tail_solver: str = choice("ODE solver")
     """The solver of the deterministic steps after the last SDE step: a name of ``lean.sampling.sde.ODE_SOLVERS``
     (euler, or MixGRPO-Flash's dpmsolver++). The steps before it are Euler steps either way."""
@@ -110,4 +113,10 @@ class SampleConfig:
                 "sample.sde_window_max_start",
                 self.sde_window_max_start,
                 f"must be in [0, num_steps - 1 - sde_window = {last_start}]",
+            )
+        if self.sde_window_start is not None and not (self.sde_window and 0 <= self.sde_window_start <= last_start):
+            raise ConfigError(
+                "sample.sde_window_start",
+                self.sde_window_start,
+                f"needs sample.sde_window > 0 and must be in [0, num_steps - 1 - sde_window = {last_start}]",
             )

@@ -421,10 +421,11 @@ class StepRule:
     ``"random"`` (DanceGRPO) the first ``K`` entries of ``randperm(num_steps−1)`` of each sample's stream.
 
     With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
-    ``[0, sde_window_max_start]``; steps ``s..s+w−1`` are stochastic and trained for every sample, all others are ODE
-    steps; ``timestep_fraction`` and ``selection`` are ignored then. The default ``sde_window_max_start =
-    max(0, num_steps // 2 − w)`` keeps the window in the first half of the schedule (steps ``< num_steps // 2``) where
-    it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤ num_steps − 1`` so the last step is never in the window.
+    ``[0, sde_window_max_start]``, or is ``sde_window_start`` at every iteration when set; steps ``s..s+w−1`` are
+    stochastic and trained for every sample, all others are ODE steps; ``timestep_fraction`` and ``selection`` are
+    ignored then. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first half
+    of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤
+    num_steps − 1`` so the last step is never in the window.
     """
 
     num_steps: int
@@ -433,6 +434,7 @@ class StepRule:
     selection: str = "first"
     sde_window: int = 0
     sde_window_max_start: int | None = None
+    sde_window_start: int | None = None
 
     @classmethod
     def of(cls, cfg: SampleConfig) -> StepRule:
@@ -444,18 +446,22 @@ class StepRule:
             selection=cfg.timestep_selection,
             sde_window=cfg.sde_window,
             sde_window_max_start=cfg.sde_window_max_start,
+            sde_window_start=cfg.sde_window_start,
         )
 
 
 def _drawn_window(rule: StepRule, batch_size: int, generator: torch.Generator | None) -> StepSelection:
-    """The window of ``rule`` (``sde_window > 0``) at a start drawn with ``generator`` (the global RNG when None)."""
+    """The window of ``rule`` (``sde_window > 0``) at its fixed start, else at one drawn with ``generator`` (the
+    global RNG when None)."""
     n, w = rule.num_steps, rule.sde_window
     if w > n - 1:
         raise ValueError(f"sde_window={w}: must be <= num_steps - 1 = {n - 1}")
     max_start = max(0, n // 2 - w) if rule.sde_window_max_start is None else rule.sde_window_max_start
     if not 0 <= max_start <= n - 1 - w:
         raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {n - 1 - w}]")
-    start = int(torch.randint(0, max_start + 1, (1,), generator=generator))
+    start = rule.sde_window_start
+    if start is None:
+        start = int(torch.randint(0, max_start + 1, (1,), generator=generator))
     return window_selection(n, batch_size, start, w)
 
 

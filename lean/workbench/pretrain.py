@@ -189,7 +189,11 @@ def sample_reward(
     steps = select_steps(
         StepRule.of(
             dataclasses.replace(
-                sample_cfg, timestep_selection=STEP_SELECTIONS.default, sde_window=0, sde_window_max_start=None
+                sample_cfg,
+                timestep_selection=STEP_SELECTIONS.default,
+                sde_window=0,
+                sde_window_max_start=None,
+                sde_window_start=None,
             )
         ),
         len(gens),
