@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from lean.config.run_sections import EMAConfig, OptimizerConfig
+from lean.config.run_sections import EMA_UNITS, EMAConfig, OptimizerConfig
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.parallel.distributed import World
 from lean.parallel.sharding import full, is_sharded, like, local_mb
 from lean.run.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
+
+OPTIMIZER_STEP, ITERATION = EMA_UNITS  # what ema.every counts
 
 
 class TrainState:
@@ -72,14 +74,14 @@ class TrainState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        if self.ema_options.unit == "optimizer_step":
+        if self.ema_options.unit == OPTIMIZER_STEP:
             self._update_ema(self.steps)
         return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
 
     def end_iteration(self) -> None:
         """After an iteration's last optimizer step: the EMA update of ``ema.unit: iteration`` (Flow-Factory's
         ``ema_step(step=self.epoch)`` after its update, src/flow_factory/trainers/grpo.py:87-91 at a0b2bc5)."""
-        if self.ema_options.unit == "iteration":
+        if self.ema_options.unit == ITERATION:
             self._update_ema(self.iteration)
 
     def _update_ema(self, count: int) -> None:
@@ -151,7 +153,7 @@ class TrainState:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-EMA_FIRST_COUNT = {"optimizer_step": 1, "iteration": 0}  # ema.unit -> the count t after its first unit
+EMA_FIRST_COUNT = {OPTIMIZER_STEP: 1, ITERATION: 0}  # ema.unit -> the count t after its first unit
 
 
 def ema_decay(step: int, decay: float, every: int, warmup: bool, first: int = 1) -> float | None:
