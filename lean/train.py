@@ -59,11 +59,14 @@ class Trainer:
         progress: Callable[[int], None] | None = None,
         measure_memory: bool = True,
     ) -> IterationResult:
-        """One GRPO iteration with the named schedule, applied to the trainable state."""
+        """One GRPO iteration with the named schedule, applied to the trainable state (and its EMA, when
+        ``ema.unit`` counts iterations)."""
         self.state.iteration = iteration
-        return self.pipeline.run(
+        result = self.pipeline.run(
             iteration, schedule, self.state.step, tally=tally, progress=progress, measure_memory=measure_memory
         )
+        self.state.end_iteration()
+        return result
 
     def plan_input(self) -> PlanInput:
         """What ``lean plan`` needs of this run (a fresh local batch of iteration 0)."""

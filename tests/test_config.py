@@ -22,6 +22,7 @@ BAD = [
     ("optimizer.adam_beta2=1", "optimizer.adam_beta2"),
     ("ema.decay=1.5", "ema.decay"),
     ("ema.every=0", "ema.every"),
+    ("ema.unit=epoch", "ema.unit"),
     ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep=0", "checkpoint.keep"),
     ("model.family=sdxl", "model.family"),

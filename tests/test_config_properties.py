@@ -58,7 +58,7 @@ KEYS = {
         "dist_timeout_s",
     ],
     "optimizer": ["lr", "weight_decay", "adam_beta1", "adam_eps", "max_grad_norm"],
-    "ema": ["enabled", "decay", "every", "warmup", "repeats"],
+    "ema": ["enabled", "decay", "every", "unit", "warmup", "repeats"],
     "checkpoint": ["every", "keep"],
     "reward": ["weights"],
     "eval": ["every", "prompts", "prompts_file", "samples_per_prompt", "num_steps", "guidance_scale", "batch_size"],

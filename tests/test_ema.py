@@ -29,6 +29,40 @@ def test_warmup_decay_sequence_is_flowgrpos():
     assert ema_decay(87, 0.9, 8, True) == 0.9
 
 
+def test_iteration_unit_counts_flow_factorys_epochs():
+    """ema.unit=iteration: t is the iteration's index from 0 (Flow-Factory's epoch, trainers/grpo.py:89); with or
+    without the warm-up the EMA updates after the iterations t with (t + 1) % every == 0 (ema/ema.py:107)."""
+    for every in (1, 4):
+        for t in range(200):
+            fires = (t + 1) % every == 0
+            assert ema_decay(t, 0.9, every, True, first=0) == (min((1 + t) / (10 + t), 0.9) if fires else None)
+            assert ema_decay(t, 0.9, every, False, first=0) == (0.9 if fires else None)
+    assert ema_decay(3, 0.9, 4, True, first=0) == 4 / 13 and ema_decay(83, 0.9, 4, True, first=0) == 0.9
+
+
+def test_trainer_updates_an_iteration_ema_after_the_iterations_last_step():
+    """Two optimizer steps per iteration, ema.every=1 counting iterations: ``Trainer.iteration`` moves the EMA once,
+    after both steps (its pipeline stands in here: two AdamW steps), by the warm-up decay of iteration 0 (1/10)."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))]
+    ema = EMAConfig(enabled=True, every=1, unit="iteration", warmup=True)
+    trainer = Trainer.__new__(Trainer)
+    trainer.state = TrainState([("a", params[0])], OptimizerConfig(lr=1e-2), ema, World())
+    seen = []
+
+    class TwoSteps:
+        def run(self, iteration, schedule, step, **_):
+            for _ in range(2):
+                params[0].grad = torch.ones_like(params[0])
+                step()
+                seen.append(trainer.state.ema[0].clone())
+
+    trainer.pipeline = TwoSteps()
+    start = params[0].detach().clone()
+    trainer.iteration(0, "recompute")
+    assert trainer.state.steps == 2 and all(torch.equal(e, start) for e in seen)  # not moved between the steps
+    torch.testing.assert_close(trainer.state.ema[0], start + (1 - 1 / 10) * (params[0].detach() - start))
+
+
 @pytest.mark.parametrize("warmup,repeats", [(True, 1), (False, 1), (True, 2)])
 def test_train_state_follows_the_schedule(warmup, repeats):
     """100 AdamW steps on two tensors: the EMA equals the lerps of the schedule recomputed here, each update applied

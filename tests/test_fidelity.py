@@ -590,3 +590,82 @@ def test_kontext_drops_zero_advantage_samples_as_train_sd3():
     trained_steps = 5  # int(6 x 0.99), the advantage repeated over them (train_flux_kontext.py:709)
     mask = np.abs(np.repeat(published[:, None], trained_steps, axis=1)).sum(axis=1) != 0
     assert kept.tolist() == mask.tolist() and int(count) == mask.sum() == 6
+# Flow-Factory (X-GenGroup/Flow-Factory at a0b2bc5): FF1 src/flow_factory/ema/ema_utils.py:38-52 power_warmup_decay,
+# min(d, (1 + t) / (warmup_steps + t)), warmup_steps 10 by default (:158); FF2 ema/ema.py:102-127 step: an update when
+# (t + 1) % update_step_interval == 0, ema <- decay ema + (1 - decay) param; FF3 trainers/grpo.py:85-91: each epoch's
+# gradient_step_per_epoch optimizer steps, then ema_step(step=epoch), epoch counted from 0; FF4 models/abc.py:899-904,
+# :929-935 every LoRA LoraConfig(init_lora_weights="gaussian"): peft's A ~ N(0, (1/r)^2), B = 0.
+FLOWFACTORY_EMA = {  # the published ema_decay, ema_update_interval (t2i.yaml:71-72, default.yaml:72-73, t2v.yaml:84-85)
+    "flowfactory-grpo-flux2": (0.9, 4),
+    "flowfactory-grpo-flux2-klein": (0.9, 4),
+    "flowfactory-grpo-wan22": (0.9, 4),
+}
+
+
+def flowfactory_ema(params_per_step: list[list[np.ndarray]], decay: float, interval: int, steps_per_epoch: int):
+    """FF1-FF3 in float64: the EMA after every optimizer step, from the weights after each step."""
+    ema = [p.copy() for p in params_per_step[0]]  # cloned from the initial weights (ema.py:72-73)
+    after = []
+    for s, params in enumerate(params_per_step[1:], start=1):
+        epoch, last = (s - 1) // steps_per_epoch, s % steps_per_epoch == 0
+        if last and (epoch + 1) % interval == 0:
+            d = min(decay, (1 + epoch) / (10 + epoch))
+            ema = [d * e + (1 - d) * p for e, p in zip(ema, params)]
+        after.append([e.copy() for e in ema])
+    return after
+
+
+@pytest.mark.parametrize("preset", list(FLOWFACTORY_EMA))
+def test_flowfactory_ema_is_its_source_schedule_step_by_step(preset):
+    """The preset's EMA (``lean.run.optimizer.TrainState``, driven as ``Trainer.iteration`` drives it) equals FF1-FF3
+    after every one of 200 optimizer steps (100 iterations: the decay reaches 0.9 at iteration 83): which steps
+    update, and by how much."""
+    from lean.parallel.distributed import World
+    from lean.run.optimizer import TrainState
+
+    cfg = load_config(preset=preset)
+    steps_per_epoch = cfg.train.optimizer_steps_per_iteration * cfg.train.num_inner_epochs
+    assert steps_per_epoch == 2  # gradient_step_per_epoch = 2 (t2i.yaml:60, default.yaml:61, t2v.yaml:72)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64)) for shape in ((3, 4), (5,))]
+    state = TrainState(list(zip(["a", "b"], params)), cfg.optimizer, cfg.ema, World())
+    weights, lean_ema = [[p.detach().numpy().copy() for p in params]], []
+    for iteration in range(100):
+        state.iteration = iteration
+        for _ in range(steps_per_epoch):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            state.step()
+            if state.steps % steps_per_epoch == 0:
+                state.end_iteration()  # Trainer.iteration, after the pipeline's last step
+            weights.append([p.detach().numpy().copy() for p in params])
+            lean_ema.append([e.numpy().copy() for e in state.ema])
+    published = flowfactory_ema(weights, *FLOWFACTORY_EMA[preset], steps_per_epoch)
+    for s, (mine, theirs) in enumerate(zip(lean_ema, published, strict=True)):
+        for m, t in zip(mine, theirs):
+            np.testing.assert_allclose(m, t, rtol=0, atol=1e-12, err_msg=f"{preset} after optimizer step {s + 1}")
+    assert not np.array_equal(published[-1][0], weights[0][0])  # the fixture updates the EMA
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("preset", ["flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein"])
+def test_flowfactory_lora_starts_from_peft_gaussian(preset):
+    """FF4: every A of the preset's adapter is drawn from N(0, (1/r)^2) (a Kolmogorov-Smirnov test against that
+    law, and its standard deviation to 2%), every B is 0."""
+    from scipy import stats
+
+    from lean.models import build_policy
+
+    cfg = load_config(preset=preset)
+    model = dataclasses.replace(cfg.model, size="tiny", resolution=32, dtype="float32", text_max_length=8)
+    net = build_policy(model, ["a prompt"]).denoisers[0]
+    a = (
+        torch.cat([m.weight.flatten() for n, m in net.named_modules() if n.endswith("lora_A.default")])
+        .detach()
+        .double()
+    )
+    b = [m.weight for n, m in net.named_modules() if n.endswith("lora_B.default")]
+    std = 1 / cfg.model.lora_rank
+    assert a.numel() > 10_000 and all(torch.count_nonzero(w) == 0 for w in b)
+    assert abs(a.std().item() / std - 1) < 0.02
+    assert stats.kstest(a.numpy(), stats.norm(scale=std).cdf).pvalue > 1e-3

@@ -168,3 +168,16 @@ def test_float64_scope_keeps_float64_in_its_own_thread_only():
     worker.join(10)
     assert seen == {"own": torch.float64, "other": torch.float32}
     assert x.float().dtype == torch.float32  # nothing left behind
+
+
+def test_a_float16_trajectory_stays_float16_under_bfloat16_only():
+    """sample.latent_dtype=float16 (Flow-Factory's latent_storage_dtype): float16 under a bfloat16 model (not the
+    float32 promote_types would give); a float32 or float64 run keeps its own precision."""
+    from lean.config.dtypes import storage_dtype
+
+    assert storage_dtype("float16", torch.bfloat16) == torch.float16
+    assert storage_dtype("bfloat16", torch.float16) == torch.bfloat16
+    assert storage_dtype("float16", torch.float32) == torch.float32
+    assert storage_dtype("float16", torch.float64) == torch.float64
+    assert storage_dtype("float32", torch.bfloat16) == torch.float32
+    assert storage_dtype("model", torch.bfloat16) == torch.bfloat16

@@ -40,8 +40,25 @@ CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
     ("flowgrpo-kontext", "algorithm.skip_zero_advantage"): (False, True),
 }
 
-ADDED_FLOWFACTORY: dict[str, object] = {}  # Flow-Factory's EMA schedule, LoRA init, trajectory dtype; documentation
-CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {}
+ADDED_FLOWFACTORY: dict[str, object] = {  # Flow-Factory's EMA schedule, LoRA init, trajectory dtype; documentation
+    "ema.unit": "optimizer_step",  # what ema.every counts: optimizer steps as before, or iterations (Flow-Factory)
+}
+# Flow-Factory at a0b2bc5: every LoRA gaussian (models/abc.py:899-904, :929-935); trajectories stored in fp16
+# (hparams/training_args.py:245-252, now expressible under bf16); the EMA's warm-up decay min(0.9, (1 + t) / (10 + t))
+# with t the epoch, every 4 epochs (ema/ema_utils.py:38-52, trainers/grpo.py:87-91): one epoch is one iteration.
+_FLOWFACTORY_FLUX2 = {
+    "model.lora_init": ("kaiming", "gaussian"),
+    "sample.latent_dtype": ("model", "float16"),
+    "ema.unit": ("optimizer_step", "iteration"),
+    "ema.warmup": (False, True),
+}
+CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {
+    **{("flowfactory-grpo-flux2", key): values for key, values in _FLOWFACTORY_FLUX2.items()},
+    **{("flowfactory-grpo-flux2-klein", key): values for key, values in _FLOWFACTORY_FLUX2.items()},
+    ("flowfactory-grpo-wan22", "sample.latent_dtype"): ("float32", "float16"),  # was float16 widened to float32
+    ("flowfactory-grpo-wan22", "ema.every"): (8, 4),  # 4 iterations, was its 8 optimizer steps
+    ("flowfactory-grpo-wan22", "ema.unit"): ("optimizer_step", "iteration"),
+}
 
 ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY}
 CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY}

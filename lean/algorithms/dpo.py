@@ -4,7 +4,9 @@ Source: github.com/yifan123/flow_grpo, commit ac4c86e: scripts/train_sd3_dpo.py 
 flow_grpo/stat_tracking.py ("stat_tracking"). Wallace et al. 2023 (Diffusion-DPO), arXiv:2311.12908.
 
 Rollout: the run's SDE sampler (the script :619-631, FlowGRPO's SDE at every step, CFG 4.5), by the reference
-weights (:618; ``algorithm.dpo.sample_from``); only the final latents x_0 are kept (:652).
+weights (:618; ``algorithm.dpo.sample_from``); only the final latents x_0 are kept, which is what Diffusion-DPO
+ranks (the script's ``latents[-1]`` at :652 keeps the batch's last trajectory instead, a slip: the dpo-sd3 preset's
+header).
 
 Pairs: in every prompt group the best sample is chosen (w) and the worst rejected (l), the first index on a tie; a
 group whose rewards are all equal still gives the pair (w, l) = (its second, its first sample)

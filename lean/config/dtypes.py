@@ -36,6 +36,16 @@ def or_model(name: str, model: torch.dtype) -> torch.dtype:
     return model if name == MODEL_DTYPE else torch.promote_types(DTYPES[name], model)
 
 
+def storage_dtype(name: str, model: torch.dtype) -> torch.dtype:
+    """``sample.latent_dtype``'s precision: :func:`or_model`'s, except that a half precision named under a
+    half-precision model is kept as named (Flow-Factory stores a bfloat16 run's trajectory in float16, its
+    ``latent_storage_dtype``), where ``promote_types`` would widen the pair to float32. A float32 or float64 run
+    stays at its own precision."""
+    if name != MODEL_DTYPE and DTYPES[name] in HALF and model in HALF:
+        return DTYPES[name]
+    return or_model(name, model)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The registry name of a torch dtype (``torch.float64 -> "float64"``)."""
     for name, value in DTYPES.items():

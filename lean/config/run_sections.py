@@ -38,6 +38,8 @@ DEFAULT_PROMPTS = [
 
 
 ON_NONFINITE = ("abort", "skip")
+# what ema.every counts, and the count the warm-up reads (lean.run.optimizer.ema_decay)
+EMA_UNITS = ("optimizer_step", "iteration")
 
 
 @register_options("train")
@@ -171,12 +173,19 @@ class EMAConfig:
     decay: float = 0.9
     """Each update: ``ema <- decay * ema + (1 - decay) * weights``."""
     every: int = 8
-    """Update the EMA every N optimizer steps (FlowGRPO's ``update_step_interval``)."""
+    """Update the EMA every N units (``unit``; FlowGRPO's ``update_step_interval``, Flow-Factory's
+    ``ema_update_interval``)."""
+    unit: str = EMA_UNITS[0]
+    """What ``every`` counts, and what the warm-up's t is: ``optimizer_step`` (FlowGRPO: t = the optimizer steps
+    taken, from 1) or ``iteration`` (Flow-Factory: after an iteration's last optimizer step, t = the iteration's
+    index, from 0: its ``ema_step(step=self.epoch)`` before ``epoch += 1``, src/flow_factory/trainers/grpo.py:89-91
+    at a0b2bc5). See ``lean.run.optimizer.ema_decay``."""
     warmup: bool = False
-    """FlowGRPO's EMA schedule (flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
-    ``global_step += 1`` in scripts/train_sd3.py:952-955): after optimizer step s (counted from 1) with
-    ``(s + 1) % every == 0`` the decay is ``min((1 + s) / (10 + s), decay)``. false: ``decay`` after every
-    ``every``-th step. See ``lean.run.optimizer.ema_decay``."""
+    """The warm-up schedule of both sources (FlowGRPO at ac4c86e: flow_grpo/ema.py:33-37 and :45, called right after
+    ``global_step += 1`` in scripts/train_sd3.py:952-955; Flow-Factory's default ``ema_decay_schedule: power``,
+    src/flow_factory/ema/ema_utils.py:38-52 and ema.py:102-113 at a0b2bc5): after unit t with ``(t + 1) % every ==
+    0`` the decay is ``min((1 + t) / (10 + t), decay)``, t as ``unit`` says. false: ``decay`` after every
+    ``every``-th unit. See ``lean.run.optimizer.ema_decay``."""
     repeats: int = 1
     """Each EMA update is applied this many times (decay^r): FlowGRPO calls its EMA once per training micro-batch, so
     an update repeats gradient_accumulation_steps times (scripts/train_sd3.py at 879042c: :959-960 in the micro-batch
@@ -186,6 +195,7 @@ class EMAConfig:
         for key in ("every", "repeats"):
             check_positive(f"ema.{key}", getattr(self, key))
         check_fraction("ema.decay", self.decay)
+        check_choice("ema.unit", self.unit, EMA_UNITS)
 
 
 @register_options("checkpoint")

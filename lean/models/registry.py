@@ -38,7 +38,7 @@ LORA_INITS: Registry[str | bool] = Registry(
     "LoRA initialisation",
     [  # name -> peft's init_lora_weights
         ("kaiming", True),  # A kaiming-uniform, B = 0 (peft's default; DanceGRPO)
-        ("gaussian", "gaussian"),  # A ~ N(0, 1/r), B = 0 (FlowGRPO's scripts)
+        ("gaussian", "gaussian"),  # A ~ N(0, (1/r)^2), B = 0 (FlowGRPO's scripts, every Flow-Factory LoRA)
     ],
 )
 

@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from lean.config.run_sections import EMAConfig, OptimizerConfig
+from lean.config.run_sections import EMA_UNITS, EMAConfig, OptimizerConfig
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.parallel.distributed import World
 from lean.parallel.sharding import full, is_sharded, like, local_mb
 from lean.run.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
+
+OPTIMIZER_STEP, ITERATION = EMA_UNITS  # what ema.every counts
 
 
 class TrainState:
@@ -72,13 +74,24 @@ class TrainState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        if self.ema_options.unit == OPTIMIZER_STEP:
+            self._update_ema(self.steps)
+        return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
+
+    def end_iteration(self) -> None:
+        """After an iteration's last optimizer step: the EMA update of ``ema.unit: iteration`` (Flow-Factory's
+        ``ema_step(step=self.epoch)`` after its update, src/flow_factory/trainers/grpo.py:87-91 at a0b2bc5)."""
+        if self.ema_options.unit == ITERATION:
+            self._update_ema(self.iteration)
+
+    def _update_ema(self, count: int) -> None:
+        """The EMA update after unit ``count`` of ``ema.unit`` (:func:`ema_decay`), if one is due."""
         options = self.ema_options
-        decay = ema_decay(self.steps, options.decay, options.every, options.warmup)
+        decay = ema_decay(count, options.decay, options.every, options.warmup, EMA_FIRST_COUNT[options.unit])
         if self.ema is not None and decay is not None:
             with torch.no_grad():  # applied ema.repeats times to the same weights: e <- p + decay^r (e - p)
                 for e, p in zip(self.ema, self.params):
                     e.lerp_(p, 1 - decay**options.repeats)
-        return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
 
     def ema_state_dict(self) -> dict[str, Tensor] | None:
         """A copy of the EMA weights keyed as the trainable parameters (``Policy.lora_state_dict``'s keys), whole
@@ -140,23 +153,32 @@ class TrainState:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def ema_decay(step: int, decay: float, every: int, warmup: bool) -> float | None:
-    """The EMA decay applied after optimizer step ``step`` (counted from 1: the steps taken, this one included), or
-    None when the EMA is not updated after it.
+EMA_FIRST_COUNT = {OPTIMIZER_STEP: 1, ITERATION: 0}  # ema.unit -> the count t after its first unit
 
-    * ``warmup`` false: ``decay`` after every ``every``-th step (steps every, 2 every, ...).
-    * ``warmup`` true: FlowGRPO's ``EMAModuleWrapper`` (line numbers of flow_grpo at ac4c86e: flow_grpo/ema.py:33-37
-      ``get_current_decay``, :45 the interval), which its scripts call as ``ema.step(params, global_step)`` after
-      ``global_step += 1`` (scripts/train_sd3.py:952-955): the decay ``min((1 + step) / (10 + step), decay)`` after
-      the steps where ``(step + 1) % every == 0``. With every=8 and decay=0.9: 8/17 after step 7, 16/25 after step
-      15, ..., 80/89 after step 79, 0.9 from step 87 on.
+
+def ema_decay(step: int, decay: float, every: int, warmup: bool, first: int = 1) -> float | None:
+    """The EMA decay applied after the unit counted ``step`` (``first`` for the first unit), or None when the EMA is
+    not updated after it. ``ema.unit: optimizer_step``: the optimizer steps taken, this one included (``first`` 1,
+    FlowGRPO's ``global_step``); ``iteration``: the iteration's index (``first`` 0, Flow-Factory's ``epoch``).
+
+    * ``warmup`` false: ``decay`` after every ``every``-th unit (the units every, 2 every, ...).
+    * ``warmup`` true: the schedule both sources' ``EMAModuleWrapper`` computes from the count they pass it: the decay
+      ``min((1 + step) / (10 + step), decay)`` after the units where ``(step + 1) % every == 0``. FlowGRPO (line
+      numbers of flow_grpo at ac4c86e: flow_grpo/ema.py:33-37 ``get_current_decay``, :45 the interval) is called as
+      ``ema.step(params, global_step)`` after ``global_step += 1`` (scripts/train_sd3.py:952-955): with every=8 and
+      decay=0.9, 8/17 after step 7, 16/25 after step 15, ..., 80/89 after step 79, 0.9 from step 87 on. Flow-Factory
+      (a0b2bc5: src/flow_factory/ema/ema_utils.py:38-52 ``power_warmup_decay`` with its default warmup_steps 10,
+      ema.py:102-113) is called with the epoch, counted from 0, after the epoch's update (trainers/grpo.py:87-91):
+      with every=4 and decay=0.9, 4/13 after iteration 3, 8/17 after 7, ..., 0.9 from iteration 83 on. The same
+      formula on counts that start one apart: FlowGRPO's warm-up updates one step before its plain schedule would,
+      Flow-Factory's at the same units.
 
     FlowGRPO calls ``ema.step`` once per training micro-batch (scripts/train_sd3.py:954-955 sit in the ``for i,
     sample`` loop), so each update is applied ``gradient_accumulation_steps`` times to the same weights (2 in its SD3
     recipes, 6 in FLUX's, 1 in Wan's): ``ema.repeats``, which :class:`TrainState` applies as the decay's power.
     """
     if not warmup:
-        return decay if step % every == 0 else None
+        return decay if (step - first + 1) % every == 0 else None
     if (step + 1) % every:
         return None
     return min((1 + step) / (10 + step), decay)

@@ -72,9 +72,11 @@ class SampleConfig:
 
     latent_dtype: str = choice("dtype", MODEL_DTYPE, also=(MODEL_DTYPE,))
     """Precision of the trajectory x_0..x_N, stored for the update and fed to each step (the network sees it cast to
-    ``model.dtype``), at least ``model.dtype``'s: a name of ``lean.config.dtypes.DTYPES``, or ``model``. DanceGRPO and
-    FlowGRPO's SD3 and Wan scripts keep it in float32 (their SDE step returns float32); FlowGRPO's FLUX script casts it
-    back to bf16 every step."""
+    ``model.dtype``): a name of ``lean.config.dtypes.DTYPES``, or ``model``; at least ``model.dtype``'s, except that
+    float16 under a bfloat16 model stays float16 (``lean.config.dtypes.storage_dtype``). DanceGRPO and FlowGRPO's SD3
+    and Wan scripts keep it in float32 (their SDE step returns float32); FlowGRPO's FLUX script casts it back to bf16
+    every step; Flow-Factory stores it in float16 (its ``latent_storage_dtype`` default, each step's sample rounded to
+    it before its log-prob)."""
 
     def validate(self) -> None:
         """The fields alone; which SDE kind runs on which grid is ``lean.sampling.sde.check_config``'s."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lean.config.dtypes import or_model
+from lean.config.dtypes import storage_dtype
 from lean.config.registry import Registry
 from lean.sampling.sde import (
     EULER,
@@ -298,7 +298,7 @@ def rollout(policy, plan: RolloutPlan, hooks: RolloutHooks | None = None) -> tor
     hooks = hooks or RolloutHooks()
     # every sample's first draw, before any step's; kept at the sampler's precision (sample.latent_dtype)
     x = policy.init_latents(
-        plan.init_generators or plan.generators, or_model(plan.sampler.cfg.latent_dtype, policy.dtype)
+        plan.init_generators or plan.generators, storage_dtype(plan.sampler.cfg.latent_dtype, policy.dtype)
     )
     loop = RolloutLoop(policy, plan, hooks)
     batch = x.shape[0]
