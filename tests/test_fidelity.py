@@ -590,6 +590,8 @@ def test_kontext_drops_zero_advantage_samples_as_train_sd3():
     trained_steps = 5  # int(6 x 0.99), the advantage repeated over them (train_flux_kontext.py:709)
     mask = np.abs(np.repeat(published[:, None], trained_steps, axis=1)).sum(axis=1) != 0
     assert kept.tolist() == mask.tolist() and int(count) == mask.sum() == 6
+
+
 # Flow-Factory (X-GenGroup/Flow-Factory at a0b2bc5): FF1 src/flow_factory/ema/ema_utils.py:38-52 power_warmup_decay,
 # min(d, (1 + t) / (warmup_steps + t)), warmup_steps 10 by default (:158); FF2 ema/ema.py:102-127 step: an update when
 # (t + 1) % update_step_interval == 0, ema <- decay ema + (1 - decay) param; FF3 trainers/grpo.py:85-91: each epoch's
