@@ -13,7 +13,7 @@ import torch
 from helpers import lean_here, tiny_preset_sets
 
 from lean.config import ConfigError
-from lean.config.prompts import read_prompts, reference_pixels
+from lean.config.prompts import read_prompts, reference_image, reference_pixels
 from lean.configure import load_config
 from lean.models import EDIT_PROMPTS, Guidance, build_policy, build_scheduler, time_shift
 from lean.models.options import ModelConfig
@@ -68,7 +68,7 @@ def test_edits_match_the_pipeline_called_with_image(family, tmp_path):
 def test_edit_mode_rules():
     """FLUX.2 generates from text by default and edits when its prompts carry images or ``model.edit`` is set (then,
     without a prompt file, the bundled set); a mixed or contradicting setting is refused in one line."""
-    assert load_config(None, ["model.family=flux2_klein"]).train.prompts[0].__class__ is str
+    assert all(reference_image(p) is None for p in load_config(None, ["model.family=flux2_klein"]).train.prompts)
     cfg = load_config(None, ["model.family=flux2_klein", "model.edit=true", "model.resolution=64"])
     assert cfg.train.prompts == EDITS
     cfg = load_config(
@@ -101,7 +101,7 @@ def test_reference_resolution_resizes_the_original_once(tmp_path):
 
 
 KLEIN = "flowfactory-grpo-flux2-klein"
-TINY = [*tiny_preset_sets(KLEIN), "model.reference_resolution=64", "train.iterations=1", "model.lora_rank=4"]
+TINY = [*tiny_preset_sets(KLEIN), "train.iterations=1", "model.lora_rank=4"]  # references at 64 px
 
 
 @pytest.mark.timeout(300)
