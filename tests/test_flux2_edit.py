@@ -83,6 +83,7 @@ def test_edit_mode_rules():
         (["model.family=flux", "model.edit=true"], "takes no reference image"),
         (["model.family=flux", "model.reference_resolution=64"], "takes no reference image"),
         (["model.family=flux2_klein", "model.reference_resolution=40"], "multiple of 16"),
+        (["model.family=qwen_image_edit", "model.reference_resolution=64"], "encodes references at its own side"),
         (["model.family=flux2_klein", "model.edit=true"], "at least 64 px; these would be 32 px"),
     ]
     for sets, message in refusals:

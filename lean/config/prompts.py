@@ -110,3 +110,9 @@ def reference_pixels(prompt: str, size: int, lanczos: bool = False):
     with Image.open(path) as image:
         pixels = np.asarray(image.convert("RGB").resize((size, size), resample), dtype=np.float32) / 255.0
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+
+
+def conditioning_pixels(prompt: str, resolution: int, reference_resolution: int | None):
+    """The reference of an edit as a run conditions on it: at ``model.reference_resolution``, resized once with
+    Lanczos, where set; else at the run's ``resolution`` with FlowGRPO's bicubic (:func:`reference_pixels`)."""
+    return reference_pixels(prompt, reference_resolution or resolution, lanczos=reference_resolution is not None)

@@ -202,10 +202,14 @@ def _check_sides(m: ModelConfig, family: FamilySpec) -> None:
             )
 
 
+def _editing_families() -> list[str]:
+    return [n for n, f in FAMILIES.items() if f.reference_images]
+
+
 def _check_edit_keys(m: ModelConfig, family: FamilySpec, editing_run: bool) -> None:
     """``model.edit`` and ``model.reference_resolution`` suit the family; an edit's reference is as large as the
     family's pipeline takes."""
-    editing = [n for n, f in FAMILIES.items() if f.reference_images]
+    editing = _editing_families()
     if m.edit and not family.reference_images:
         raise ConfigError(
             "model.edit", m.edit, f"{family.display_name} takes no reference image ({', '.join(editing)} do)"
@@ -216,6 +220,9 @@ def _check_edit_keys(m: ModelConfig, family: FamilySpec, editing_run: bool) -> N
         )
     if m.reference_resolution is not None and not family.reference_images:
         raise ConfigError("model.reference_resolution", m.reference_resolution, f"{m.family} takes no reference image")
+    if m.reference_resolution is not None and (own := family.sizes[m.size].reference_resolution) is not None:
+        why = f"{family.pipeline} encodes references at its own side ({own} px at size {m.size})"
+        raise ConfigError("model.reference_resolution", m.reference_resolution, why)
     side = m.reference_resolution or family.sizes[m.size].reference_resolution or m.resolution
     if editing_run and side < family.min_reference_side:
         raise ConfigError(
@@ -229,7 +236,7 @@ def _check_prompts(cfg: RunConfig, family: FamilySpec) -> None:
     """The edit keys suit the family (:func:`_check_edit_keys`); an edit run's prompts each carry a reference image,
     another run's carry none."""
     m = cfg.model
-    editing = [n for n, f in FAMILIES.items() if f.reference_images]
+    editing = _editing_families()
     editing_run = edits(m, cfg.train.prompts)
     _check_edit_keys(m, family, editing_run)
     prompt_sets = [("train.prompts_file", cfg.train.prompts_file, cfg.train.prompts)]

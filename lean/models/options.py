@@ -62,9 +62,10 @@ class ModelConfig:
     Qwen-Image-Edit always edit; FLUX.2 and FLUX.2 [klein], whose pipelines take an optional ``image=``, edit when the
     prompts carry images); true: edit (without a prompt file, lean's bundled recolouring set); false: text to image."""
     reference_resolution: int | None = None
-    """The square side in pixels an edit's reference image is encoded at (Flow-Factory's ``condition_image_size``; a
-    multiple of 16). None: the family's own (Qwen-Image-Edit's pipeline: 1024 at the published size), else
-    ``model.resolution`` (FlowGRPO resizes references to the run's resolution)."""
+    """The square side in pixels an edit's reference image is resized to (once, Lanczos) and encoded at (Flow-Factory's
+    ``condition_image_size``; a multiple of 16); not for Qwen-Image-Edit, whose pipeline fixes its own (1024 at the
+    published size). None: that family's own side, else ``model.resolution`` (FlowGRPO resizes references to the
+    run's resolution, bicubic)."""
 
     def validate(self) -> None:
         """The fields alone; what depends on the family is ``lean.models.check_config``'s."""

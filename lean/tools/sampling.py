@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from lean.config import ConfigError
 from lean.config.dtypes import DTYPES
-from lean.config.prompts import read_prompts, reference_image, reference_pixels
+from lean.config.prompts import conditioning_pixels, read_prompts, reference_image
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE, expert_weight_name
 from lean.models.checks import pipeline_family, pretrained_problem
@@ -314,10 +314,10 @@ def reference_arguments(pipe, prompt: str, resolution: int, reference_resolution
 
     if reference_image(prompt) is None:
         return {}
-    pixels = reference_pixels(prompt, reference_resolution or resolution, lanczos=reference_resolution is not None)
+    pixels = conditioning_pixels(prompt, resolution, reference_resolution)
     args = {"image": Image.fromarray(to_uint8(pixels.permute(1, 2, 0)).numpy())}
     if "_auto_resize" in inspect.signature(pipe.__call__).parameters:
-        args.update(_auto_resize=False, max_area=resolution**2)
+        args.update(_auto_resize=False, max_area=pixels.shape[-1] ** 2)
     return args
 
 
