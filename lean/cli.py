@@ -238,6 +238,12 @@ def _sample_command(sub) -> None:
     p.add_argument(
         "--shift-terminal", type=float, default=None, help=f"with --sigma-grid: its terminal stretch (default: {run})"
     )
+    p.add_argument(
+        "--reference-resolution",
+        type=int,
+        default=None,
+        help=f"edits: the square side the reference image is resized to, Lanczos (default: {run}, else --resolution)",
+    )
     p.add_argument("--dtype", default=None, help="precision (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default=None, help="default: cuda if there is a GPU, else cpu")
 

@@ -120,7 +120,8 @@ def sampling_settings(cfg: RunConfig) -> dict:
     ``lean.tools.sampling.SampleOptions`` (``lean sample``'s options) that make the family's diffusers pipeline draw the
     same: ``num_steps`` (``eval.num_steps`` or ``sample.num_steps``), ``resolution`` (``model.resolution``),
     ``num_frames`` (video: ``model.num_frames``), ``shift`` (``sample.shift`` as the run resolved it, static),
-    ``sigma_grid`` (``sample.sigma_grid``), ``shift_terminal`` (as resolved), ``seed`` (``eval.seed``) and the
+    ``sigma_grid`` (``sample.sigma_grid``), ``shift_terminal`` (as resolved), ``seed`` (``eval.seed``),
+    ``reference_resolution`` (edits: ``model.reference_resolution``) and the
     guidance: with ``sample.cfg`` CFG at ``eval.guidance_scale`` (or ``sample.guidance_scale``), which is FLUX's
     ``true_cfg_scale`` (its guidance embedding then sees 1.0, as lean feeds it) and the ``guidance_scale`` of SD3 and
     Wan; without it no CFG (``guidance_scale`` 1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as
@@ -153,6 +154,7 @@ def sampling_settings(cfg: RunConfig) -> dict:
         "sigma_grid": s.sigma_grid,
         "shift_terminal": s.shift_terminal,
         "negative_prompt": s.negative_prompt if s.cfg and s.negative_prompt else None,
+        "reference_resolution": m.reference_resolution,
     }
 
 

@@ -31,11 +31,18 @@ def tiny(*overrides: str) -> RunConfig:
 
 
 def tiny_preset_sets(name: str) -> list[str]:
-    """The ``--set`` values that shrink the preset ``name`` to a CPU batch (:func:`tiny_preset`)."""
+    """The ``--set`` values that shrink the preset ``name`` to a CPU batch (:func:`tiny_preset`); an edit preset's
+    own reference side (``model.reference_resolution``) to 64 px, the smallest the FLUX.2 pipelines take."""
+    import yaml
+
+    from lean.config.presets import PRESETS
+
+    edits = (yaml.safe_load(PRESETS[name].read_text()).get("model") or {}).get("reference_resolution") is not None
     return [
         "model.size=tiny",
         "model.dtype=float32",
         "model.resolution=32",
+        *(["model.reference_resolution=64"] if edits else []),
         "model.text_max_length=8",
         "model.num_frames=5",
         "train.prompts_per_iteration=2",

@@ -165,6 +165,7 @@ def test_exports_carry_the_runs_sampling_settings(run, tmp_path):
         "shift": shift,
         "sigma_grid": "euler",
         "shift_terminal": None,  # FLUX.1's scheduler has no terminal stretch
+        "reference_resolution": None,  # no edits
         "negative_prompt": None,  # the empty prompt
     }
     assert sampling_settings(run_config(run)) == expected

@@ -29,12 +29,13 @@ POLICY_CONTRACT = [
 
 
 def family_prompts(family: str) -> list[str]:
-    """The prompts a family's checks condition on: lean's default text prompts, or for an editing family the bundled
-    recolouring set (instructions with reference images)."""
+    """The prompts a family's checks condition on: lean's default text prompts, or for an edit-only family the bundled
+    recolouring set (instructions with reference images; FLUX.2's edits are tests/test_flux2_edit.py's)."""
     from lean.config.prompts import read_prompts
     from lean.models import EDIT_PROMPTS, family_spec
 
-    return read_prompts(EDIT_PROMPTS) if family_spec(family).reference_images else DEFAULT_PROMPTS
+    spec = family_spec(family)
+    return read_prompts(EDIT_PROMPTS) if spec.reference_images and not spec.reference_optional else DEFAULT_PROMPTS
 
 
 def inputs(policy, batch: int = B, seed: int = 0):

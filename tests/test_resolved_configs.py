@@ -19,8 +19,33 @@ RESOLVED = json.loads((ROOT / "tests" / "data" / "resolved_configs.json").read_t
 # Deliberate changes since the record, each with its reason (issue #41: every preset made its source's run). ADDED_*:
 # a key a section gained, "section.key" -> its default (every config has it, at that value unless CHANGED_* says
 # otherwise). CHANGED_*: (config name, "section.key") -> (value before, value now). One pair of tables per area.
-ADDED_EDITING: dict[str, object] = {}  # FLUX.2 editing: reference images
-CHANGED_EDITING: dict[tuple[str, str], tuple[object, object]] = {}
+# FLUX.2 editing: reference images. model.edit (None: as the family and the prompts say, today's behaviour) and
+# model.reference_resolution (None: the family's own side, today's); Flow-Factory's klein example edits
+# (default.yaml:10, every row of sharegpt4o_image_mini has an "image"; condition_image_size 384, default.yaml:52), so
+# its preset edits, without a prompt file lean's bundled recolouring set (as the Kontext presets)
+ADDED_EDITING: dict[str, object] = {"model.edit": None, "model.reference_resolution": None}
+_KLEIN = "flowfactory-grpo-flux2-klein"
+_BUNDLED_EDITS = [
+    {"prompt": p, "image": f"lean/data/edits/images/{k}.png"}
+    for k, p in enumerate(
+        [
+            "a red circle on a white background",
+            "a green square on a black background",
+            "a blue triangle on a magenta background",
+            "a yellow circle on a cyan background",
+            "a white square on a red background",
+            "a black triangle on a green background",
+            "a magenta circle on a blue background",
+            "a cyan square on a yellow background",
+        ]
+    )
+]
+CHANGED_EDITING: dict[tuple[str, str], tuple[object, object]] = {
+    (_KLEIN, "model.edit"): (None, True),
+    (_KLEIN, "model.reference_resolution"): (None, 384),
+    (_KLEIN, "train.prompts_file"): (None, "lean/data/edits/train_metadata.jsonl"),
+    (_KLEIN, "train.prompts"): (RESOLVED["params.yaml"]["train"]["prompts"], _BUNDLED_EDITS),
+}
 
 ADDED_ADVANTAGES: dict[str, object] = {  # how rewards become advantages; the SDE window's start; filters
     "algorithm.reward_combination": "sum",  # the weighted sum normalised, as before; per_reward / gdpo for presets

@@ -93,10 +93,12 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     return prompts
 
 
-def reference_pixels(prompt: str, size: int):
+def reference_pixels(prompt: str, size: int, lanczos: bool = False):
     """The reference image of an :class:`ImagePrompt` as ``[3, size, size]`` float32 in [0, 1]: RGB, resized to the
-    run's square resolution as FlowGRPO's edit scripts do (``ref_image.resize((resolution, resolution))``, PIL's
-    default bicubic filter). Raises ``ValueError`` for a text prompt."""
+    square ``size`` as FlowGRPO's edit scripts resize it to the run's resolution (``ref_image.resize((resolution,
+    resolution))``, PIL's default bicubic filter), or with ``lanczos`` PIL's Lanczos filter (the FLUX.2 pipelines'
+    ``Flux2ImageProcessor._resize_to_target_area``, for ``model.reference_resolution``). Raises ``ValueError`` for a
+    text prompt."""
     import numpy as np
     import torch
     from PIL import Image  # local: this module is read by configuration, which needs neither
@@ -104,6 +106,13 @@ def reference_pixels(prompt: str, size: int):
     path = reference_image(prompt)
     if path is None:
         raise ValueError(f'prompt {str(prompt)!r} has no reference image (a .jsonl line with an "image" field)')
+    resample = Image.Resampling.LANCZOS if lanczos else None
     with Image.open(path) as image:
-        pixels = np.asarray(image.convert("RGB").resize((size, size)), dtype=np.float32) / 255.0
+        pixels = np.asarray(image.convert("RGB").resize((size, size), resample), dtype=np.float32) / 255.0
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+
+
+def conditioning_pixels(prompt: str, resolution: int, reference_resolution: int | None):
+    """The reference of an edit as a run conditions on it: at ``model.reference_resolution``, resized once with
+    Lanczos, where set; else at the run's ``resolution`` with FlowGRPO's bicubic (:func:`reference_pixels`)."""
+    return reference_pixels(prompt, reference_resolution or resolution, lanczos=reference_resolution is not None)

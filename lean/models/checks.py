@@ -132,14 +132,25 @@ def pipeline_family(folder: str | os.PathLike) -> str | None:
 
 
 def family_defaults(cfg: RunConfig) -> None:
-    """The family's own defaults, set before any rule runs: an editing family (``reference_images``) given lean's
-    default text prompts edits the bundled recolouring set (:data:`EDIT_PROMPTS`) instead."""
+    """The family's own defaults, set before any rule runs: a run that edits (:func:`edits`) given lean's default text
+    prompts edits the bundled recolouring set (:data:`EDIT_PROMPTS`) instead."""
     from lean.config import DEFAULT_PROMPTS, prompts_of_file  # local: lean.config imports no domain module
 
     t = cfg.train
-    if family_spec(cfg.model.family).reference_images and t.prompts_file is None and t.prompts == DEFAULT_PROMPTS:
+    if t.prompts_file is None and t.prompts == DEFAULT_PROMPTS and edits(cfg.model, []):
         t.prompts_file = str(EDIT_PROMPTS)
         t.prompts = prompts_of_file("train.prompts_file", t.prompts_file)
+
+
+def edits(m: ModelConfig, prompts: list[str]) -> bool:
+    """Whether the run edits: ``model.edit`` where set, else an edit-only family's always, and a family whose
+    reference image is optional (FLUX.2) when ``prompts`` (the training prompts) carry images."""
+    family = family_spec(m.family)
+    if m.edit is not None:
+        return m.edit
+    if not family.reference_optional:
+        return family.reference_images
+    return any(reference_image(p) is not None for p in prompts)
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -191,26 +202,66 @@ def _check_sides(m: ModelConfig, family: FamilySpec) -> None:
             )
 
 
+def _editing_families() -> list[str]:
+    return [n for n, f in FAMILIES.items() if f.reference_images]
+
+
+def _check_edit_keys(m: ModelConfig, family: FamilySpec, editing_run: bool) -> None:
+    """``model.edit`` and ``model.reference_resolution`` suit the family; an edit's reference is as large as the
+    family's pipeline takes."""
+    editing = _editing_families()
+    if m.edit and not family.reference_images:
+        raise ConfigError(
+            "model.edit", m.edit, f"{family.display_name} takes no reference image ({', '.join(editing)} do)"
+        )
+    if m.edit is False and family.reference_images and not family.reference_optional:
+        raise ConfigError(
+            "model.edit", m.edit, f"{family.display_name} only edits (its prompts carry reference images)"
+        )
+    if m.reference_resolution is not None and not family.reference_images:
+        raise ConfigError("model.reference_resolution", m.reference_resolution, f"{m.family} takes no reference image")
+    if m.reference_resolution is not None and (own := family.sizes[m.size].reference_resolution) is not None:
+        why = f"{family.pipeline} encodes references at its own side ({own} px at size {m.size})"
+        raise ConfigError("model.reference_resolution", m.reference_resolution, why)
+    side = m.reference_resolution or family.sizes[m.size].reference_resolution or m.resolution
+    if editing_run and side < family.min_reference_side:
+        raise ConfigError(
+            "model.reference_resolution",
+            m.reference_resolution,
+            f"{family.pipeline} takes references of at least {family.min_reference_side} px; these would be {side} px",
+        )
+
+
 def _check_prompts(cfg: RunConfig, family: FamilySpec) -> None:
-    """An editing family's prompts each carry a reference image; another family's carry none."""
+    """The edit keys suit the family (:func:`_check_edit_keys`); an edit run's prompts each carry a reference image,
+    another run's carry none."""
+    m = cfg.model
+    editing = _editing_families()
+    editing_run = edits(m, cfg.train.prompts)
+    _check_edit_keys(m, family, editing_run)
     prompt_sets = [("train.prompts_file", cfg.train.prompts_file, cfg.train.prompts)]
     if cfg.eval.prompts is not None:
         prompt_sets.append(("eval.prompts_file", cfg.eval.prompts_file, cfg.eval.prompts))
     for key, file, prompts in prompt_sets:
-        edits = sum(reference_image(p) is not None for p in prompts)
-        if family.reference_images and edits < len(prompts):
+        with_image = sum(reference_image(p) is not None for p in prompts)
+        if editing_run and with_image < len(prompts):
             raise ConfigError(
                 key,
                 file,
                 f"{family.display_name} edits reference images: every prompt needs one (a .jsonl prompt file whose "
-                f'lines carry an "image" path beside the "prompt"); {len(prompts) - edits} of {len(prompts)} have none',
+                f'lines carry an "image" path beside the "prompt"); {len(prompts) - with_image} of {len(prompts)} '
+                "have none",
             )
-        if edits and not family.reference_images:
-            editing = [n for n, f in FAMILIES.items() if f.reference_images]
+        if with_image and not editing_run:
+            cannot = (
+                f"model.family={m.family} cannot take"
+                if not family.reference_images
+                else "a text-to-image run (model.edit false, or training prompts without images) cannot take"
+            )
             raise ConfigError(
                 key,
                 file,
-                f"{edits} prompts carry a reference image, which model.family={cfg.model.family} cannot take "
+                f"{with_image} prompts carry a reference image, which {cannot} "
                 f"(editing families: {', '.join(editing)})",
             )
 

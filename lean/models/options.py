@@ -56,6 +56,16 @@ class ModelConfig:
     forward of the trained steps in time."""
     text_max_length: int = 16
     """T5 / UMT5 tokens per prompt."""
+    edit: bool | None = None
+    """Image editing: every prompt carries a reference image (a ``.jsonl`` prompt file whose lines have an ``image``)
+    that conditions its samples. None: as the family and the prompts say (the editing families Kontext and
+    Qwen-Image-Edit always edit; FLUX.2 and FLUX.2 [klein], whose pipelines take an optional ``image=``, edit when the
+    prompts carry images); true: edit (without a prompt file, lean's bundled recolouring set); false: text to image."""
+    reference_resolution: int | None = None
+    """The square side in pixels an edit's reference image is resized to (once, Lanczos) and encoded at (Flow-Factory's
+    ``condition_image_size``; a multiple of 16); not for Qwen-Image-Edit, whose pipeline fixes its own (1024 at the
+    published size). None: that family's own side, else ``model.resolution`` (FlowGRPO resizes references to the
+    run's resolution, bicubic)."""
 
     def validate(self) -> None:
         """The fields alone; what depends on the family is ``lean.models.check_config``'s."""
@@ -67,6 +77,10 @@ class ModelConfig:
             raise ConfigError("model.width", self.width, "must be a positive multiple of 16 (or null: square frames)")
         for key in ("num_frames", "lora_rank", "lora_alpha", "text_max_length"):
             check_positive(f"model.{key}", getattr(self, key))
+        if self.reference_resolution is not None and (self.reference_resolution <= 0 or self.reference_resolution % 16):
+            raise ConfigError(
+                "model.reference_resolution", self.reference_resolution, "must be a positive multiple of 16 (or null)"
+            )
         if self.lora_targets is not None and (not self.lora_targets or not all(self.lora_targets)):
             raise ConfigError("model.lora_targets", self.lora_targets, "name at least one module (or null)")
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lean.config.dtypes import DTYPES, HALF, master_dtype
-from lean.config.prompts import reference_image, reference_pixels
+from lean.config.prompts import conditioning_pixels, reference_image
 from lean.models.precision import float64_scope
 from lean.models.spec import FamilyRuntime, FamilySpec
 from lean.models.text import PromptEmbeds
@@ -152,6 +152,9 @@ class Policy(torch.nn.Module):
         # the square side an edit's reference is encoded at when the family's pipeline resizes it again
         # (Qwen-Image-Edit: 1024, Size.reference_resolution); None: resolution
         self.reference_resolution = spec.sizes[options.size].reference_resolution
+        # model.reference_resolution: the side the original reference is resized to, once (FLUX.2's condition-image
+        # size; refused where the size has its own side); None: the run's resolution
+        self.condition_size = options.reference_resolution
         self.negative_prompt = ""  # CFG's unconditional prompt: sample.negative_prompt, set before the first encode
         self.denoisers = torch.nn.ModuleList(parts.denoisers.values())
         self.vae = parts.vae
@@ -229,14 +232,15 @@ class Policy(torch.nn.Module):
         """An edit's conditioning: the instruction's text embedding (the image reaches the text encoder too where the
         family's does: Qwen-Image-Edit), the reference image's latent tokens (resized to the run's resolution, as
         FlowGRPO's edit scripts do, then to :attr:`reference_resolution` where the family's pipeline resizes it again:
-        Qwen-Image-Edit's VaeImageProcessor.resize, PIL's Lanczos filter), and as ``negative`` the same image under the
-        empty instruction: CFG keeps the reference in both branches, as the edit pipelines do."""
+        Qwen-Image-Edit's VaeImageProcessor.resize, PIL's Lanczos filter; with ``model.reference_resolution`` resized
+        to that side once, with Lanczos, as the FLUX.2 pipelines resize theirs), and as ``negative`` the same image
+        under the empty instruction: CFG keeps the reference in both branches, as the edit pipelines do."""
         from PIL import Image  # local: only edits need it
 
-        pixels = reference_pixels(prompt, self.resolution)
+        pixels = conditioning_pixels(prompt, self.resolution, self.condition_size)
         image = Image.fromarray((pixels.permute(1, 2, 0).numpy() * 255).round().astype("uint8"))
         side = self.reference_resolution
-        if side is not None and side != self.resolution:
+        if side is not None and side != self.resolution:  # model.reference_resolution is refused with a side
             image = image.resize((side, side), Image.Resampling.LANCZOS)
             pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
         reference = self.runtime.encode_reference(self.vae, (pixels[None] * 2 - 1).to(self.device, self.vae_dtype))

@@ -143,7 +143,13 @@ class FamilySpec:
     non_square: bool = False  # its runtime takes ``width=`` (model.width): frames of another width than height
     guidance_embed: bool = False  # a distilled-guidance embedding (FLUX.1-dev)
     sequence_parallel: bool = False  # ``runtime.shard_sequence`` is implemented
-    reference_images: bool = False  # conditioned on a reference image per prompt (editing: Kontext, Qwen-Image-Edit)
+    # conditioned on a reference image per prompt (editing: Kontext, Qwen-Image-Edit, FLUX.2 with model.edit)
+    reference_images: bool = False
+    # with reference_images: a prompt set may also be plain text, each prompt then conditioned on its image or none
+    # (the pipeline's image= is optional and the same weights generate and edit: FLUX.2's); else edits only
+    reference_optional: bool = False
+    # the smallest reference side the pipeline takes (Flux2ImageProcessor.check_image_input: 64 px); 0: any
+    min_reference_side: int = 0
     # true CFG rescaled to the conditional velocity's norm per token (QwenImagePipeline: v <- v * |v_c| / |v|)
     cfg_renorm: bool = False
     # the pipeline's CFG is ``true_cfg_scale`` against a ``negative_prompt`` (QwenImagePipeline), not ``guidance_scale``

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from lean.config import ConfigError
 from lean.config.dtypes import DTYPES
-from lean.config.prompts import read_prompts, reference_image, reference_pixels
+from lean.config.prompts import conditioning_pixels, read_prompts, reference_image
 from lean.evaluation import EVAL_STREAM
 from lean.export import LORA_DIR, LORA_WEIGHTS, SAMPLING_FILE, expert_weight_name
 from lean.models.checks import pipeline_family, pretrained_problem
@@ -89,6 +89,9 @@ class SampleOptions:
     shift_terminal: float | None = None
     """With ``sigma_grid``: the grid's terminal stretch (``sample.shift_terminal`` as the run resolved it,
     Qwen-Image's 0.02)."""
+    reference_resolution: int | None = None
+    """Edits: the square side the reference image is resized to (PIL's Lanczos) before the pipeline takes it
+    (``model.reference_resolution``); None: the image side (``resolution``, PIL's bicubic), as the run resized it."""
     dtype: str | None = None
     """Precision (a name of ``lean.config.dtypes.DTYPES``); None: bfloat16 on a GPU, float32 on the CPU."""
     device: str | None = None
@@ -97,7 +100,8 @@ class SampleOptions:
     def validate(self, family: str) -> None:
         if self.num_steps is not None and self.num_steps < 1:
             raise ConfigError("--num-steps", self.num_steps, "must be >= 1")
-        for flag, pixels in (("--resolution", self.resolution), ("--width", self.width)):
+        sides = (("--resolution", self.resolution), ("--width", self.width))
+        for flag, pixels in (*sides, ("--reference-resolution", self.reference_resolution)):
             if pixels is not None and (pixels < 16 or pixels % 16):
                 raise ConfigError(flag, pixels, "must be a positive multiple of 16")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -197,6 +201,7 @@ def describe(options: SampleOptions) -> str:
         "sigma_grid": "{} sigma grid",
         "shift_terminal": "stretched to {:.6g}",
         "negative_prompt": "negative prompt {!r}",
+        "reference_resolution": "references at {} px",
         "seed": "seed {}",
     }
     return ", ".join(text.format(getattr(options, k)) for k, text in names.items() if getattr(options, k) is not None)
@@ -299,19 +304,20 @@ def call_arguments(pipe, family: str, options: SampleOptions) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
-def reference_arguments(pipe, prompt: str, resolution: int) -> dict:
+def reference_arguments(pipe, prompt: str, resolution: int, reference_resolution: int | None = None) -> dict:
     """An edit's reference image for the pipeline call (``image``), resized to the square ``resolution`` as lean's
-    policy conditions on it. FluxKontextPipeline's own resizing is switched off: to its preferred resolutions
-    (``_auto_resize``, which FlowGRPO's Kontext sampler ignores) and to its 1024^2 area (``max_area``, FlowGRPO:
-    512^2 at 512 px). A text prompt: nothing."""
+    policy conditions on it (with ``reference_resolution``: to that side, Lanczos, as ``model.reference_resolution``
+    does; the FLUX.2 pipelines keep a square of at most 1024 px as it is). FluxKontextPipeline's own resizing is
+    switched off: to its preferred resolutions (``_auto_resize``, which FlowGRPO's Kontext sampler ignores) and to its
+    1024^2 area (``max_area``, FlowGRPO: 512^2 at 512 px). A text prompt: nothing."""
     from PIL import Image  # local: only edits need it
 
     if reference_image(prompt) is None:
         return {}
-    pixels = reference_pixels(prompt, resolution)
+    pixels = conditioning_pixels(prompt, resolution, reference_resolution)
     args = {"image": Image.fromarray(to_uint8(pixels.permute(1, 2, 0)).numpy())}
     if "_auto_resize" in inspect.signature(pipe.__call__).parameters:
-        args.update(_auto_resize=False, max_area=resolution**2)
+        args.update(_auto_resize=False, max_area=pixels.shape[-1] ** 2)
     return args
 
 
@@ -362,7 +368,8 @@ def sample(
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for k, prompt in enumerate(tqdm(prompts, desc="sample", unit="prompt")):
-        edit = reference_arguments(pipe, prompt, options.resolution or pipe.default_sample_size * pipe.vae_scale_factor)
+        side = options.resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        edit = reference_arguments(pipe, prompt, side, options.reference_resolution)
         result = pipe(prompt=str(prompt), generator=noise_generator(options.seed, k), **args, **edit)
         pixels = result.frames[0] if hasattr(result, "frames") else result.images[0]
         record = {"index": k, "prompt": str(prompt), "seed": options.seed, "file": write_sample(pixels, out, k)}

@@ -15,11 +15,25 @@ The pipeline draws its noise in the patchified layout ``[4C, h/2, w/2]`` and pac
 itself), and the guidance value g as g (also x 1000 inside). Decoding inverts the normalisation, the packing and the
 patchify before the VAE decoder (``Flux2Pipeline.__call__`` after its loop).
 
+Edits (``Flux2Pipeline`` / ``Flux2KleinPipeline`` with ``image=``; one reference image per prompt): the reference
+r, in [-1, 1], is encoded as the samples are decoded, inverted: the VAE latent distribution's mode
+(``sample_mode="argmax"``), patchified, BatchNorm-normalised and packed (``_encode_vae_image``,
+``prepare_image_latents``) into ``[N_r, 4C]`` tokens, at rotary ids (10, y, x, 0) (``_prepare_image_ids``: the k-th
+reference at t = 10 + 10k). The transformer sees ``[x; r]`` and ``[img_ids; ref_ids]`` and the velocity is its first N
+output tokens (the pipelines' ``noise_pred[:, : latents.size(1)]``); the text never sees the image (``encode_prompt``
+takes none; only Flux2Pipeline's optional caption upsampling, which lean does not run, does) and the dynamic shift
+counts the noisy tokens only (``image_seq_len = latents.shape[1]``). The reference is encoded once per prompt
+(``PromptEmbeds.reference``) and carries no gradient; CFG's negative branch keeps it (the pipelines concatenate it to
+both). Flow-Factory's FLUX.2 adapters condition alike (X-GenGroup/Flow-Factory a0b2bc5,
+src/flow_factory/models/flux/flux2_klein.py:776-798).
+
 The BatchNorm statistics are VAE buffers, not config values, so the runtime (built from configs) reads them from the
 VAE it is given (:meth:`decode`, :func:`normalise`); :meth:`latents_from_vae`, which gets no VAE, refuses.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -59,6 +73,15 @@ def unpack(x: Tensor, h: int, w: int) -> Tensor:
     """Inverse of :func:`pack` for an ``h x w`` token grid."""
     b, _, d = x.shape
     return x.permute(0, 2, 1).reshape(b, d, h, w)
+
+
+REFERENCE_TIME = 10  # the reference's rotary time id: Flux2Pipeline._prepare_image_ids' scale + scale * 0
+
+
+def grid_ids(t: int, h: int, w: int) -> Tensor:
+    """Rotary ids ``[h w, 4]`` of an ``h x w`` token grid at time id ``t``: token (y, x) -> (t, y, x, 0)."""
+    zero = torch.arange(1)
+    return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), zero)
 
 
 def bn_stats(vae, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,17 +151,26 @@ class Flux2:
         key = (text_len, device)
         if key not in self._ids:
             zero = torch.arange(1)
-            img = torch.cartesian_prod(zero, torch.arange(self.h), torch.arange(self.w), zero)
             txt = torch.cartesian_prod(zero, zero, zero, torch.arange(text_len))
-            self._ids[key] = (img.to(device), txt.to(device))
+            self._ids[key] = (grid_ids(0, self.h, self.w).to(device), txt.to(device))
         return self._ids[key]
 
+    def _reference_positions(self, tokens: int, device: torch.device) -> Tensor:
+        """Rotary ids of a square reference of ``tokens`` tokens (lean resizes every reference to a square)."""
+        side = math.isqrt(tokens)
+        return grid_ids(REFERENCE_TIME, side, side).to(device)
+
     def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
-        """Velocity ``[B, N, 4C]``; ``guidance_embed`` feeds the distilled-guidance embedder (1.0 when unset)."""
+        """Velocity ``[B, N, 4C]``; ``guidance_embed`` feeds the distilled-guidance embedder (1.0 when unset). An edit's
+        reference tokens (``emb.reference``) go beside the noisy ones; their outputs are dropped."""
         guidance = distilled_guidance(sigma, self.has_guidance, guidance_embed, "FLUX.2")
         img_ids, txt_ids = self._positions(emb.tokens.shape[1], x.device)
-        return transformer(
-            hidden_states=x,
+        hidden = x
+        if emb.reference is not None:
+            hidden = torch.cat([x, emb.reference.to(x.dtype)], dim=1)
+            img_ids = torch.cat([img_ids, self._reference_positions(emb.reference.shape[1], x.device)])
+        out = transformer(
+            hidden_states=hidden,
             encoder_hidden_states=emb.tokens,
             timestep=sigma,
             img_ids=img_ids,
@@ -146,6 +178,7 @@ class Flux2:
             guidance=guidance,
             return_dict=False,
         )[0]
+        return out[:, : x.shape[1]]
 
     def decode(self, vae, x: Tensor) -> Tensor:
         """Images in [-1, 1], ``[B, 3, H, W]``."""
@@ -156,7 +189,9 @@ class Flux2:
     splits_text = True  # joint attention over text and image tokens (were sequence parallelism implemented)
 
     def encode_reference(self, vae, pixels: Tensor) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
+        """``[B, 3, H, W]`` in [-1, 1] -> packed reference tokens ``[B, N_r, 4C]``: the VAE latent's mode, normalised
+        as the samples (``Flux2Pipeline._encode_vae_image``)."""
+        return normalise(vae, vae.encode(pixels, return_dict=False)[0].mode())
 
     def shard_sequence(self, net, sp: SequenceParallel) -> list:
         raise NotImplementedError(NO_SEQUENCE_PARALLEL)

@@ -55,6 +55,9 @@ SPEC = FamilySpec(
     block_lists=("transformer_blocks", "single_transformer_blocks"),  # 8 double-stream, then 48 single-stream
     guidance_embed=True,  # FLUX.2 [dev] is guidance-distilled: Flux2Pipeline's guidance_scale (4.0) is an embedding
     sequence_parallel=False,  # lean.models.flux2.model.NO_SEQUENCE_PARALLEL says why
+    reference_images=True,  # the pipeline's image=: edits (lean.models.flux2.model), one reference per prompt
+    reference_optional=True,  # ... or none: the same weights generate from text alone
+    min_reference_side=64,  # Flux2ImageProcessor.check_image_input(min_side_length=64)
     mu_rule=empirical_mu,
     chat_template=CHAT_TEMPLATE,
     block_counts=("num_layers", "num_single_layers"),  # double-stream blocks, then single-stream ones
