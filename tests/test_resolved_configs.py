@@ -63,6 +63,8 @@ CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
     ("flowgrpo-qwen-image", "sample.sde_window_start"): (None, 3),
     # train_flux_kontext.py:765-786 drops the zero-advantage samples, as train_sd3.py:801-822
     ("flowgrpo-kontext", "algorithm.skip_zero_advantage"): (False, True),
+    # train_qwenimage.py:466-467 casts the text encoder to fp32: prompt_embeds and so x_0..x_N are float32
+    ("flowgrpo-qwen-image", "sample.latent_dtype"): ("model", "float32"),
 }
 
 ADDED_FLOWFACTORY: dict[str, object] = {  # Flow-Factory's EMA schedule, LoRA init, trajectory dtype; documentation
