@@ -39,6 +39,7 @@ BAD = [
     ("sample.guidance_embed=3.5", "sample.guidance_embed"),
     ("sample.sde_window_start=2", "sample.sde_window_start"),  # no window
     ("sample.sde_window=2 ; sample.sde_window_start=8", "sample.sde_window_start"),  # past num_steps - 1 - window
+    ("sample.sde_window=2 ; sample.sde_window_min_start=9", "sample.sde_window_min_start"),  # past the max start
     ("algorithm.reward_combination=mean", "algorithm.reward_combination"),
     ("algorithm.reward_combination=gdpo ; algorithm.global_std=true", "algorithm.global_std"),
     ("algorithm.name=dpo ; algorithm.reward_combination=per_reward", "algorithm.reward_combination"),

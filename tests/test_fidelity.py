@@ -560,6 +560,24 @@ def test_qwen_image_window_is_the_sources_at_every_iteration():
     assert starts == {0, 1, 2, 3}  # null: drawn at each iteration, as Flow-GRPO-Fast
 
 
+@pytest.mark.parametrize(
+    "preset,sde_steps",
+    [
+        ("flowfactory-grpo-flux2", {1, 2, 3}),
+        ("flowfactory-grpo-flux2-klein", {1, 2}),
+        ("flowfactory-grpo-wan22", {1, 2, 3}),
+    ],
+)
+def test_flowfactory_window_starts_are_its_sde_steps(preset, sde_steps):
+    """Flow-Factory draws the SDE step from its sde_steps list (t2i.yaml:91, default.yaml:92, t2v.yaml:98 at a0b2bc5;
+    flow_match_euler_discrete.py:150-160), which starts at 1: over 200 iterations lean's drawn starts are exactly it."""
+    from lean.run.iteration import select_local_steps
+
+    cfg = load_config(None, preset=preset)
+    starts = {select_local_steps(cfg, i, [(0, 0, 0)], None).window_start for i in range(200)}
+    assert starts == sde_steps
+
+
 @pytest.mark.timeout(120)
 def test_qwen_image_rollouts_train_steps_3_and_4():
     """A tiny flowgrpo-qwen-image run's rollouts at two iterations take their SDE (trained) steps at 3 and 4 only."""

@@ -50,6 +50,7 @@ CHANGED_EDITING: dict[tuple[str, str], tuple[object, object]] = {
 ADDED_ADVANTAGES: dict[str, object] = {  # how rewards become advantages; the SDE window's start; filters
     "algorithm.reward_combination": "sum",  # the weighted sum normalised, as before; per_reward / gdpo for presets
     "sample.sde_window_start": None,  # drawn at every iteration, as before; fixed for Qwen-Image's re-seeded draw
+    "sample.sde_window_min_start": 0,  # drawn from step 0, as before; 1 for Flow-Factory's sde_steps lists
 }
 CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
     # MixGRPO: multi_reward_mix="advantage_aggr" (finetune_flux_grpo_MixGRPO{,_Flash}.sh:62, train_grpo_flux.py:429-456)
@@ -65,6 +66,10 @@ CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
     ("flowgrpo-kontext", "algorithm.skip_zero_advantage"): (False, True),
     # train_qwenimage.py:466-467 casts the text encoder to fp32: prompt_embeds and so x_0..x_N are float32
     ("flowgrpo-qwen-image", "sample.latent_dtype"): ("model", "float32"),
+    # Flow-Factory's sde_steps start at 1 (t2i.yaml:91, default.yaml:92, t2v.yaml:98 at a0b2bc5): never step 0
+    ("flowfactory-grpo-flux2", "sample.sde_window_min_start"): (0, 1),
+    ("flowfactory-grpo-flux2-klein", "sample.sde_window_min_start"): (0, 1),
+    ("flowfactory-grpo-wan22", "sample.sde_window_min_start"): (0, 1),
 }
 
 ADDED_FLOWFACTORY: dict[str, object] = {  # Flow-Factory's EMA schedule, LoRA init, trajectory dtype; documentation

@@ -54,6 +54,9 @@ class SampleConfig:
     """FlowGRPO-Fast: > 0 -> only a window of this many steps is stochastic (and trained)."""
     sde_window_max_start: int | None = None
     """The window starts in [0, this]; default: it stays in the first half."""
+    sde_window_min_start: int = 0
+    """The drawn window starts in [this, sde_window_max_start] (Flow-Factory draws from its sde_steps list, which starts
+    at 1); 0: from the first step. Needs a window drawn at each iteration (no ``sde_window_start``)."""
     sde_window_start: int | None = None
     """The window's first step, the same at every iteration (FlowGRPO's Qwen-Image pipeline re-seeds its draw with a
     process index the script never passes); None: drawn uniformly in [0, sde_window_max_start] at each iteration."""
@@ -116,9 +119,31 @@ class SampleConfig:
                 self.sde_window_max_start,
                 f"must be in [0, num_steps - 1 - sde_window = {last_start}]",
             )
+        if self.sde_window_min_start != 0:
+            self._check_window_min_start()
         if self.sde_window_start is not None and not (self.sde_window and 0 <= self.sde_window_start <= last_start):
             raise ConfigError(
                 "sample.sde_window_start",
                 self.sde_window_start,
                 f"needs sample.sde_window > 0 and must be in [0, num_steps - 1 - sde_window = {last_start}]",
             )
+
+    def _check_window_min_start(self) -> None:
+        """``sde_window_min_start`` bounds a drawn window's start from below: in [0, the max start]."""
+        if not self.sde_window or self.sde_window_start is not None:
+            raise ConfigError(
+                "sample.sde_window_min_start",
+                self.sde_window_min_start,
+                "needs sample.sde_window > 0 drawn at each iteration (sample.sde_window_start: null)",
+            )
+        max_start = window_max_start(self.num_steps, self.sde_window, self.sde_window_max_start)
+        if not 0 <= self.sde_window_min_start <= max_start:
+            raise ConfigError(
+                "sample.sde_window_min_start", self.sde_window_min_start, f"must be in [0, the max start {max_start}]"
+            )
+
+
+def window_max_start(num_steps: int, window: int, max_start: int | None) -> int:
+    """The last start a drawn window of ``window`` steps may take: ``max_start``, or by default
+    ``max(0, num_steps // 2 − window)`` (the window stays in the first half, as FlowGRPO-Fast)."""
+    return max(0, num_steps // 2 - window) if max_start is None else max_start

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lean.config import ConfigError
 from lean.config.registry import Registry
+from lean.sampling.options import window_max_start
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -421,11 +422,12 @@ class StepRule:
     ``"random"`` (DanceGRPO) the first ``K`` entries of ``randperm(num_steps−1)`` of each sample's stream.
 
     With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
-    ``[0, sde_window_max_start]``, or is ``sde_window_start`` at every iteration when set; steps ``s..s+w−1`` are
-    stochastic and trained for every sample, all others are ODE steps; ``timestep_fraction`` and ``selection`` are
-    ignored then. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first half
-    of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤
-    num_steps − 1`` so the last step is never in the window.
+    ``[sde_window_min_start, sde_window_max_start]`` (min 0 by default; Flow-Factory's sde_steps start at 1), or is
+    ``sde_window_start`` at every iteration when set; steps ``s..s+w−1`` are stochastic and trained for every sample,
+    all others are ODE steps; ``timestep_fraction`` and ``selection`` are ignored then. The default
+    ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first half of the schedule (steps ``<
+    num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤ num_steps − 1`` so the last step
+    is never in the window.
     """
 
     num_steps: int
@@ -435,6 +437,7 @@ class StepRule:
     sde_window: int = 0
     sde_window_max_start: int | None = None
     sde_window_start: int | None = None
+    sde_window_min_start: int = 0
 
     @classmethod
     def of(cls, cfg: SampleConfig) -> StepRule:
@@ -447,6 +450,7 @@ class StepRule:
             sde_window=cfg.sde_window,
             sde_window_max_start=cfg.sde_window_max_start,
             sde_window_start=cfg.sde_window_start,
+            sde_window_min_start=cfg.sde_window_min_start,
         )
 
 
@@ -456,12 +460,14 @@ def _drawn_window(rule: StepRule, batch_size: int, generator: torch.Generator | 
     n, w = rule.num_steps, rule.sde_window
     if w > n - 1:
         raise ValueError(f"sde_window={w}: must be <= num_steps - 1 = {n - 1}")
-    max_start = max(0, n // 2 - w) if rule.sde_window_max_start is None else rule.sde_window_max_start
+    max_start = window_max_start(n, w, rule.sde_window_max_start)
     if not 0 <= max_start <= n - 1 - w:
         raise ValueError(f"sde_window_max_start={max_start}: must be in [0, {n - 1 - w}]")
+    if not 0 <= rule.sde_window_min_start <= max_start:
+        raise ValueError(f"sde_window_min_start={rule.sde_window_min_start}: must be in [0, {max_start}]")
     start = rule.sde_window_start
     if start is None:
-        start = int(torch.randint(0, max_start + 1, (1,), generator=generator))
+        start = int(torch.randint(rule.sde_window_min_start, max_start + 1, (1,), generator=generator))
     return window_selection(n, batch_size, start, w)
 
 
