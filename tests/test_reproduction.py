@@ -146,7 +146,7 @@ def test_a_missing_figure_and_other_params_are_no_reproduction(tmp_path, referen
     params["train"]["a_new_key"] = 1  # only this run has it: listed, not a difference
     result = check(tmp_path, reference, run_figures(), params=params)
     assert not result["reproduced"] and result["outside_band"] == [] and result["params_match"] is False
-    assert result["params_differ"] == ["rl.run.train.iterations: 80 -> 2"]
+    assert result["params_differ"] == ["rl.run.train.iterations: 60 -> 2"]
     assert result["params_one_side"] == ["train.a_new_key: added"]
     assert "params differ" in result["verdict"]
 
@@ -290,7 +290,7 @@ def test_the_smoke_pipeline_reports_its_reproduction(tmp_path_factory):
     outputs = smoke["outputs"]
     result = json.loads((outputs / "report" / "reproduction.json").read_text())
     assert result["reproduced"] is False and result["params_match"] is False
-    assert any(d.startswith("rl.run.train.iterations: 80 -> 2") for d in result["params_differ"])
+    assert any(d.startswith("rl.run.train.iterations: 60 -> 2") for d in result["params_differ"])
     assert all(r["band"] for r in result["figures"] if r["value"] is not None)
     assert result["measured"]["bench"]["measured_here"] is True
     assert result["measured"]["overlap"]["measured_here"] is True
