@@ -59,19 +59,22 @@ class RLRun:
 
 
 def runs(tree: dict, out: Path, algorithms_out: Path) -> dict[str, RLRun]:
-    """Every run of the stage, name -> run, in the order they start: each schedule on ``rl.run`` (OUT/<schedule>),
-    each of ``rl.recipe.schedules`` on ``rl.recipe.run`` (OUT/recipe-<schedule>), then each of ``rl.algorithms`` on
-    ``rl.<algorithm>.run`` (ALGORITHMS_OUT/<algorithm>)."""
+    """Every run of the stage, name -> run, in the order they start: each of ``rl.algorithms`` on
+    ``rl.<algorithm>.run`` (ALGORITHMS_OUT/<algorithm>), each schedule on ``rl.run`` (OUT/<schedule>), then each of
+    ``rl.recipe.schedules`` on ``rl.recipe.run`` (OUT/recipe-<schedule>). The algorithms first: their costs differ
+    most (NFT's update runs three forwards a draw, the longest run), and a pool that starts its long runs first ends
+    on short ones, not on one long run alone on a core."""
     rl = tree.get("rl") or {}
-    named = {s: RLRun(out / s, s) for s in SCHEDULES}
-    for s in (rl.get(RECIPE) or {}).get("schedules") or []:
-        if s not in SCHEDULES:
-            raise SystemExit(f"train: rl.recipe.schedules: {s!r} is not one of {', '.join(SCHEDULES)}")
-        named[f"{RECIPE}-{s}"] = RLRun(out / f"{RECIPE}-{s}", s, RECIPE)
+    named = {}
     for a in rl.get("algorithms") or []:
         if a not in ALGORITHMS:
             raise SystemExit(f"train: rl.algorithms: {a!r} is not one of {', '.join(ALGORITHMS)}")
         named[a] = RLRun(algorithms_out / a, None, a)
+    named.update({s: RLRun(out / s, s) for s in SCHEDULES})
+    for s in (rl.get(RECIPE) or {}).get("schedules") or []:
+        if s not in SCHEDULES:
+            raise SystemExit(f"train: rl.recipe.schedules: {s!r} is not one of {', '.join(SCHEDULES)}")
+        named[f"{RECIPE}-{s}"] = RLRun(out / f"{RECIPE}-{s}", s, RECIPE)
     return named
 
 

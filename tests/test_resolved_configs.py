@@ -66,6 +66,8 @@ CHANGED_ADVANTAGES: dict[tuple[str, str], tuple[object, object]] = {
     ("flowgrpo-kontext", "algorithm.skip_zero_advantage"): (False, True),
     # train_qwenimage.py:466-467 casts the text encoder to fp32: prompt_embeds and so x_0..x_N are float32
     ("flowgrpo-qwen-image", "sample.latent_dtype"): ("model", "float32"),
+    # train_qwenimage_edit.py:472-473 likewise: the fp32 text encoder's embeddings set x_0's dtype (logprob.py:96-106)
+    ("flowgrpo-qwen-image-edit", "sample.latent_dtype"): ("model", "float32"),
     # Flow-Factory's sde_steps start at 1 (t2i.yaml:91, default.yaml:92, t2v.yaml:98 at a0b2bc5): never step 0
     ("flowfactory-grpo-flux2", "sample.sde_window_min_start"): (0, 1),
     ("flowfactory-grpo-flux2-klein", "sample.sde_window_min_start"): (0, 1),
