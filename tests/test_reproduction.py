@@ -54,6 +54,7 @@ def run_figures(vae_mse=0.108, eval_gain=0.230, rel_grad_diff=3.8e-7, curve_shif
             "overlap_exposed_ms_flash": 1.8,
             f"sp_time_iteration_s_{BASELINE}_compute_only": 3.05,
             **{f"sp_time_iteration_s_{s}_compute_only": 2.8 for s in LEAN_SCHEDULES},
+            "sp_decode_ratio": 0.39,  # parallel.split_decode over the SP group: each process's share of the decode
             "measured_on": HERE,
         },
     }
