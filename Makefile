@@ -2,9 +2,9 @@
 # Each creates ./.venv and installs everything it needs. On a machine without an NVIDIA GPU, torch comes as the
 # CPU build (pinned, so pip never pulls a multi-GB CUDA wheel); with `nvidia-smi` present, the normal CUDA build.
 # One resolve for everything, by uv where it installs (in parallel, byte-compiling on every core: 41 s against pip's
-# 128 s on 2 cores), with pip's own package sources (.ci/uv_args.py); by pip otherwise. Every installed module is
-# byte-compiled: where PYTHONDONTWRITEBYTECODE is set (this machine's environment) Python would otherwise recompile
-# every module in every process. compileall exits 1 on the few files that are not Python 3 source (templates, test
+# 128 s on 2 cores), with pip's own package sources (.ci/uv_args.py); by pip where uv does not install or resolve.
+# Every installed module is byte-compiled: where PYTHONDONTWRITEBYTECODE is set (this machine's environment) Python
+# would otherwise recompile every module in every process. compileall exits 1 on the few files that are not Python 3 source (templates, test
 # data of some packages), which nothing imports.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,9 +17,9 @@ TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo 
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	if $(BIN)/python -m pip install --quiet uv; then \
+	if $(BIN)/python -m pip install --quiet uv && \
 	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $$($(BIN)/python .ci/uv_args.py) \
-	    "$(TORCH)" -e ".[test,workbench]"; \
+	    "$(TORCH)" -e ".[test,workbench]"; then :; \
 	else \
 	  $(BIN)/python -m pip install --quiet --no-compile "$(TORCH)" -e ".[test,workbench]" && \
 	  { $(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true; }; \
