@@ -4,8 +4,8 @@
 # One resolve for everything, by uv where it installs (in parallel, byte-compiling on every core: 41 s against pip's
 # 128 s on 2 cores), with pip's own package sources (.ci/uv_args.py); by pip where uv does not install or resolve.
 # Every installed module is byte-compiled: where PYTHONDONTWRITEBYTECODE is set (this machine's environment) Python
-# would otherwise recompile every module in every process. compileall exits 1 on the few files that are not Python 3 source (templates, test
-# data of some packages), which nothing imports.
+# would otherwise recompile every module in every process. compileall exits 1 on the few files that are not Python 3
+# source (templates, test data of some packages), which nothing imports.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
