@@ -58,12 +58,18 @@ REWARD_COMBINATIONS: Registry[str] = Registry(
 GDPO_STD_FLOOR = 1e-6  # advantage_processor.py:463 and :259/:262 max(std, 1e-6)
 
 
-def gdpo_advantages(components: Tensor, weights: Sequence[float], group_ids: Tensor) -> Tensor:
-    """GDPO's unclipped advantages [N] of rewards ``components`` [N, R] (module docstring)."""
+def weighted_normalised(components: Tensor, weights: Sequence[float], group_ids: Tensor, **norm) -> Tensor:
+    """sum_k w_k norm_g(r_k) [N] (float64): each reward column of ``components`` [N, R] normalised in its group
+    (``group_advantages`` with ``norm``), weighted and summed."""
     combined = torch.zeros(components.shape[0], dtype=torch.float64)
     for k, weight in enumerate(weights):
-        normalised = group_advantages(components[:, k], group_ids, eps=GDPO_STD_FLOOR, eps_floor=True)
-        combined += normalised * weight
+        combined += group_advantages(components[:, k], group_ids, **norm) * weight
+    return combined
+
+
+def gdpo_advantages(components: Tensor, weights: Sequence[float], group_ids: Tensor) -> Tensor:
+    """GDPO's unclipped advantages [N] of rewards ``components`` [N, R] (module docstring)."""
+    combined = weighted_normalised(components, weights, group_ids, eps=GDPO_STD_FLOOR, eps_floor=True)
     std = combined.std(unbiased=False).clamp_min(GDPO_STD_FLOOR)
     return torch.where(combined == 0, 0.0, (combined - combined.mean()) / std)
 
@@ -90,9 +96,4 @@ def combined_advantages(
     components = components.to(torch.float64)
     if how == "gdpo":
         return gdpo_advantages(components, weights, group_ids).clamp(-clip, clip)
-    if how != "per_reward":
-        raise ValueError(f"reward_combination={how!r}: must be one of {', '.join(REWARD_COMBINATIONS)}")
-    advantages = torch.zeros_like(rewards, dtype=torch.float64)
-    for k, weight in enumerate(weights):
-        advantages += group_advantages(components[:, k], group_ids, **norm) * weight
-    return advantages.clamp(-clip, clip)
+    return weighted_normalised(components, weights, group_ids, **norm).clamp(-clip, clip)  # per_reward
