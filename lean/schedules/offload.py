@@ -17,12 +17,12 @@ the rollout and read once in the backward, in reverse order. :class:`SavedTensor
 What stays where it is (a :class:`Resident` record, counted apart): parameters and views of them (resident anyway;
 FSDP2 frees and re-gathers its unsharded parameters itself, so the same object must come back), and leaves (the
 caller's inputs: latents, prompt embeddings; they outlive the step). Everything moved has a ``grad_fn``: an activation
-of the tracked forward. A view is copied once however many ops save it (records are deduplicated by storage, offset,
-shape, strides and dtype), with its strides where it is dense (so the backward's kernels see the same layout and give
-the same bits).
+of the tracked forward. A view is copied once however many ops save it (records are deduplicated by the live storage,
+offset, shape, strides and dtype), with its strides: the copy holds the view's span of its storage, so the backward's
+kernels see the same layout and give the same bits.
 
-Bytes: moved = sum over distinct saved views v with a grad_fn of numel(v) x itemsize(v); each crosses the link once each
-way.
+Bytes: moved = sum over distinct saved views v with a grad_fn of span(v) x itemsize(v) (``numel`` for a dense view);
+each crosses the link once each way.
 """
 
 from __future__ import annotations
@@ -52,28 +52,27 @@ def stays_on_device(t: torch.Tensor) -> bool:
     return t.grad_fn is None or t.layout != torch.strided or t.numel() == 0
 
 
+def span(t: torch.Tensor) -> int:
+    """Elements of ``t``'s storage from its first element to its last, 1 + sum_d (size_d - 1) stride_d: what a copy
+    that keeps ``t``'s strides holds (``numel`` for a dense layout in any dimension order; less for an expanded view,
+    more for a strided slice)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
 def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes a copy of ``t`` moves: its :func:`span`."""
+    return span(t) * t.element_size()
 
 
-def dense_strides(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive slots in some order of its dimensions (its strides are a
-    permutation of a contiguous layout's), so a flat buffer of ``numel`` can hold it with the same strides."""
-    dims = sorted((d for d in range(t.dim()) if t.size(d) != 1), key=lambda d: t.stride(d))
-    expected = 1
-    for d in dims:
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
+def flat_span(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s :func:`span` as a 1-D view of its storage (from its storage offset)."""
+    return t.detach().as_strided((span(t),), (1,))
 
 
-def shaped_like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``flat`` (1-D, ``t.numel()`` elements of ``t.dtype``) viewed with ``t``'s shape, and its strides when they are
-    dense (:func:`dense_strides`), else contiguous."""
-    if dense_strides(t):
-        return flat.as_strided(t.shape, t.stride())
-    return flat.view(t.shape)
+def laid_out_like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``flat`` (1-D, :func:`span` elements of ``t.dtype``) viewed with ``t``'s shape and strides: the same layout, so
+    the backward's kernels take the same paths and round alike."""
+    return flat.as_strided(t.shape, t.stride())
 
 
 class PinnedArena:
@@ -98,7 +97,7 @@ class PinnedArena:
         return sum(c.numel() for c in self.chunks[: self.chunk]) + self.offset
 
     def take_like(self, t: torch.Tensor) -> torch.Tensor:
-        """Host memory for a copy of ``t``: its shape and dtype (and strides, where dense)."""
+        """Host memory for a copy of ``t``: its shape, dtype and strides (:func:`laid_out_like`)."""
         size = nbytes(t)
         while self.chunk < len(self.chunks) and self.offset + size > self.chunks[self.chunk].numel():
             self.chunk, self.offset = self.chunk + 1, 0
@@ -107,7 +106,7 @@ class PinnedArena:
         flat = self.chunks[self.chunk][self.offset : self.offset + size].view(t.dtype)
         self.offset += -(-size // ALIGN_BYTES) * ALIGN_BYTES
         self.high_water = max(self.high_water, self.taken_bytes)
-        return shaped_like(flat, t)
+        return laid_out_like(flat, t)
 
     def rewind(self) -> None:
         """Every copy taken is dead: start over at the first chunk."""
@@ -238,12 +237,12 @@ class SavedTensorOffload:
             return Moved(t, t.device, group)
         host = self.arena.take_like(t)
         if self.mode == "copy":
-            host.copy_(t)
+            flat_span(host).copy_(flat_span(t))
             return Moved(host, t.device, group)
         d2h, _ = self.streams
         d2h.wait_stream(torch.cuda.current_stream(t.device))  # the producer's writes first
         with torch.cuda.stream(d2h):
-            host.copy_(t, non_blocking=True)
+            flat_span(host).copy_(flat_span(t), non_blocking=True)
             stored = torch.cuda.Event()
             stored.record(d2h)
         self.in_flight.append((stored, t))
@@ -276,9 +275,9 @@ class SavedTensorOffload:
             self.stats.fetched_bytes += nbytes(record.host)
             with torch.cuda.stream(h2d):
                 h2d.wait_event(record.stored)
-                flat = torch.empty(record.host.numel(), dtype=record.host.dtype, device=record.device)
-                record.on_device = shaped_like(flat, record.host)
-                record.on_device.copy_(record.host, non_blocking=True)
+                flat = torch.empty(span(record.host), dtype=record.host.dtype, device=record.device)
+                flat.copy_(flat_span(record.host), non_blocking=True)
+                record.on_device = laid_out_like(flat, record.host)
                 record.fetched = torch.cuda.Event()
                 record.fetched.record(h2d)
 
