@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lean.schedules.offload import PinnedArena, SavedTensorOffload, flat_span, nbytes, span
+from lean.schedules.offload import Moved, PinnedArena, SavedTensorOffload, flat_span, nbytes, span
 
 HOST_MODES = ("count", "copy")
 
@@ -228,3 +228,26 @@ def test_a_tiny_flux_step_through_the_hooks():
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
     seen = offload.stats.moved_bytes + offload.stats.resident_bytes
     assert abs(seen - saved.take()) <= 0.1 * seen  # 642736 vs 641456 bytes: spans of views against whole storages
+
+
+def test_one_backward_over_several_steps_reads_them_in_reverse():
+    """What the prefetch rests on: one backward over independent steps' graphs (each from its own detached input, as
+    the rollout's) runs every node of the latest step before any of the step before it (the engine takes the highest
+    sequence number first), so the groups are read last first, each group in one run."""
+    model, x = Tiny(), torch.randn(4, 6)
+    offload, order = SavedTensorOffload("count"), []
+    read = offload.unpack
+
+    def unpack(record):
+        if isinstance(record, Moved) and (not order or order[-1] != record.group):
+            order.append(record.group)
+        return read(record)
+
+    offload.unpack = unpack
+    losses = []
+    for k in range(3):
+        with offload.saving():
+            losses.append(model(x * (k + 1))["loss"])
+        offload.close_group()
+    sum(losses).backward()
+    assert order == [2, 1, 0]

@@ -167,7 +167,7 @@ class SavedTensorOffload:
         self.prefetched: set[int] = set()  # cuda: groups whose copy back has started
         self.in_flight: list[tuple[object, torch.Tensor]] = []  # cuda: (event, original) until its copy is done
         self.in_flight_bytes = 0
-        self.live: dict[int, int] = {}  # storages of moved originals still alive: id -> bytes
+        self.live: dict[int, int] = {}  # storages of moved originals still alive: their key -> bytes
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if mode == "cuda" else None  # (d2h, h2d)
 
     @contextlib.contextmanager
@@ -181,6 +181,8 @@ class SavedTensorOffload:
         self.stats.groups += 1
         self.seen = {}
         self.groups.append([])
+        if self.streams is not None:  # originals whose copies are done go now, not at the next group's first pack
+            self._release_copied(wait=False)
 
     def reset(self) -> None:
         """After the backward: every record is dead; the arena starts over."""
@@ -224,6 +226,7 @@ class SavedTensorOffload:
                 record.fetched = True
                 self.stats.fetched_bytes += nbytes(record.host)
             return record.host
+        self._release_copied(wait=False)  # the rollout's last originals, before the backward allocates
         if record.fetched is None:  # read before any prefetch reached its group
             self.stats.demand_fetches += 1
             self._fetch(record.group)
