@@ -94,7 +94,14 @@ CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {
     ("flowfactory-grpo-wan22", "ema.unit"): ("optimizer_step", "iteration"),
 }
 
-ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY}
+ADDED_RETAIN: dict[str, object] = {  # issue #42: what Retain keeps and where (lean/schedules/retain.py)
+    "train.retain.steps": "all",
+    "train.retain.offload": "off",
+    "train.retain.host_memory_budget_mb": None,
+    "train.retain.host_link_gb_s": None,
+}
+
+ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_RETAIN}
 CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY}
 
 

@@ -39,7 +39,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if kind in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        return _coerce(key, value, next(a for a in args if a is not type(None)))
+        kinds, wanted = [a for a in args if a is not type(None)], []
+        for kind in kinds:  # the first that takes the value (train.retain.steps: an int, else a word)
+            try:
+                return _coerce(key, value, kind)
+            except ConfigError as err:
+                wanted.append(err.allowed.removeprefix("must be "))
+        raise ConfigError(key, value, "must be " + " or ".join(wanted))
     if dataclasses.is_dataclass(kind):  # a section, or an entry of one (reward.models.<name>)
         value = {} if value is None else value
         if not isinstance(value, dict):

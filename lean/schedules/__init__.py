@@ -13,7 +13,7 @@ from lean.parallel.sharding import FSDP
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
-from lean.schedules.retain import Retain
+from lean.schedules.retain import ALL_STEPS, OFF, Retain
 from lean.schedules.reweight import Reweight
 
 if TYPE_CHECKING:
@@ -151,6 +151,21 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     if cfg.parallel.shard == FSDP and (problem := fsdp_problem(cfg)):
         raise ConfigError("parallel.shard", cfg.parallel.shard, problem)
+    retain_options_problem(cfg)
+
+
+def retain_options_problem(cfg: RunConfig) -> None:
+    """``train.retain``'s keys other than their defaults configure Retain: refused in one line under a schedule that
+    keeps no graph."""
+    r, schedule = cfg.train.retain, cfg.train.schedule
+    if schedule in ("retain", AUTO):
+        return
+    why = "backpropagates each step at once and keeps no graph" if schedule == "reweight" else "keeps no graph"
+    for key, default in (("steps", ALL_STEPS), ("offload", OFF)):
+        if getattr(r, key) != default:
+            raise ConfigError(
+                f"train.retain.{key}", getattr(r, key), f"applies to train.schedule=retain; {schedule} {why}"
+            )
 
 
 __all__ = [

@@ -36,10 +36,13 @@ backward hides it, for (unit + 1) P of buffers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
+from lean.config import AUTO, ConfigError, check_choice, check_positive, register_options
 from lean.parallel.sharding import is_sharded
 from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
@@ -52,6 +55,46 @@ from lean.schedules.per_sample import (
     linear_owners,
     logged_with_true_targets,
 )
+
+ALL_STEPS = "all"  # train.retain.steps: every trained step's graph is kept (Retain as first published)
+OFF, HOST = "off", "host"  # train.retain.offload: the kept graphs wait on the device, or in pinned host memory
+OFFLOADS = (OFF, HOST)
+
+
+@register_options("train.retain")
+@dataclass
+class RetainOptions:
+    """What Retain keeps and where it keeps it (docs/design/retain-offload.md). The defaults are Retain as published:
+    every trained step's graph, on the device."""
+
+    steps: int | str = ALL_STEPS
+    """m: the trained steps per sample whose graphs are kept, the last m of each sample's; the others are recomputed
+    after the rewards as Recompute does, so the gradient is Recompute's for any m. all: every trained step (K); auto:
+    the largest m whose peak fits ``train.memory_budget_mb`` (``lean plan`` counts it)."""
+    offload: str = OFF
+    """Where the kept graphs wait for the backward: off (the device) | host (pinned host memory, copied on a side
+    stream as each step produces them, fetched back one step ahead of the backward: ``lean/schedules/offload.py``) |
+    auto (host where the device would not hold them, else off)."""
+    host_memory_budget_mb: float | None = None
+    """Host memory one process may pin for offloaded graphs; None: the available RAM x 0.9, shared by the node's
+    processes."""
+    host_link_gb_s: float | None = None
+    """Host link bandwidth per direction, GB/s, for the plan; None: measured on a CUDA device, else the GPU kind's
+    table value (``lean.plan.meta``)."""
+
+    def validate(self, prefix: str) -> None:
+        if isinstance(self.steps, str):
+            check_choice(f"{prefix}.steps", self.steps, (ALL_STEPS, AUTO))
+        elif self.steps < 1:
+            raise ConfigError(f"{prefix}.steps", self.steps, "keeps no graph: that is train.schedule=recompute")
+        check_choice(f"{prefix}.offload", self.offload, (*OFFLOADS, AUTO))
+        for key in ("host_memory_budget_mb", "host_link_gb_s"):
+            if getattr(self, key) is not None:
+                check_positive(f"{prefix}.{key}", getattr(self, key))
+
+    @property
+    def is_default(self) -> bool:
+        return self.steps == ALL_STEPS and self.offload == OFF
 
 
 class Retain(Schedule):
