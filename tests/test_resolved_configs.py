@@ -96,7 +96,7 @@ CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {
 
 ADDED_RETAIN: dict[str, object] = {  # issue #42: what Retain keeps and where (lean/schedules/retain.py)
     "train.retain.steps": "all",
-    "train.retain.offload": "off",
+    "train.retain.offload": "device",
     "train.retain.host_memory_budget_mb": None,
     "train.retain.host_link_gb_s": None,
 }

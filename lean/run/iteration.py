@@ -320,7 +320,7 @@ class IterationPipeline:
         rows = rows or slice(0, len(batch.prompts))
         unit = UnitHooks(rows, schedule, on_step, on_finished)
         weights = self.snapshot.swapped_in() if self.algorithm.rolls_out_snapshot else contextlib.nullcontext()
-        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights:
+        with ctx.timer("rollout"), ctx.tally.region("rollout_forward"), weights, schedule.saving():
             plan = RolloutPlan(
                 sampler=ctx.sampler,
                 emb=ctx.emb.index(rows),

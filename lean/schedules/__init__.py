@@ -13,7 +13,7 @@ from lean.parallel.sharding import FSDP
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
-from lean.schedules.retain import ALL_STEPS, OFF, Retain
+from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.schedules.reweight import Reweight
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def retain_options_problem(cfg: RunConfig) -> None:
     if schedule in ("retain", AUTO):
         return
     why = "backpropagates each step at once and keeps no graph" if schedule == "reweight" else "keeps no graph"
-    for key, default in (("steps", ALL_STEPS), ("offload", OFF)):
+    for key, default in (("steps", ALL_STEPS), ("offload", DEVICE)):
         if getattr(r, key) != default:
             raise ConfigError(
                 f"train.retain.{key}", getattr(r, key), f"applies to train.schedule=retain; {schedule} {why}"

@@ -205,6 +205,11 @@ class Schedule:
             return self.track_rows
         return trained if self.track_rows is None else trained & self.track_rows
 
+    def saving(self) -> contextlib.AbstractContextManager:
+        """Entered around the rollout: where the tensors autograd saves for the tracked forwards go (Retain's
+        offload: ``offload.py``). By default nothing changes."""
+        return contextlib.nullcontext()
+
     def on_step(self, step: Transition) -> None:
         raise NotImplementedError
 

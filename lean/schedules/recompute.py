@@ -194,6 +194,28 @@ class Recompute(Schedule):
             step_stats = optimizer_step()
         return losses, step_stats
 
+    def recompute_terms(
+        self, terms: torch.Tensor, advantages: torch.Tensor, n: int | torch.Tensor, kept: torch.Tensor | None
+    ) -> list[StepLoss]:
+        """The first update's loss terms restricted to ``terms`` (host bool [B, num_steps], among the trained
+        ones), recomputed and backpropagated with the weights 1/(n K) of the whole update, latest step first: the
+        steps Retain's partial retention did not keep (``retain.py``). No optimizer step. In lockstep every process
+        recomputes every local row of the same steps (the rows that do not train a step weigh 0), so the sharded
+        forwards match."""
+        ctx, size = self.ctx, self.ctx.cfg.train.train_batch_size
+        device, losses = ctx.sigmas.device, []
+        for i in sorted((i for i in self.stored if terms[:, i].any() or ctx.lockstep), reverse=True):
+            rows = torch.arange(ctx.batch) if ctx.lockstep else torch.nonzero(terms[:, i]).flatten()
+            for chunk in rows.split(size):
+                on_device = chunk.to(device)
+                weight = ctx.term_weights(on_device, i, n, kept) * terms[chunk, i].to(device, ctx.sigmas.dtype)
+                stored = {name: value[on_device] for name, value in self.stored[i].items()}
+                step = Transition(index=i, rows=on_device, **stored)
+                losses.append(
+                    self._backward(Terms(step, weight), advantages, joint_cfg=False, region=RECOMPUTE_FORWARD)
+                )
+        return losses
+
     def _shuffled_batches(self, kept: torch.Tensor | None, skip_first: bool = False) -> Iterator[list[Terms]]:
         """FlowGRPO's update: per inner epoch the local samples (the ``kept`` ones) in :func:`update_order`, split
         into one chunk per optimizer step, in micro-batches of train_batch_size; within one, the j-th trained step of

@@ -46,8 +46,17 @@ from lean.config import AUTO, ConfigError, check_choice, check_positive, registe
 from lean.parallel.sharding import is_sharded
 from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
-from lean.schedules.base import IterationCosts, OptimizerStep, Prediction, Schedule, set_grads, trainable
+from lean.schedules.base import (
+    IterationContext,
+    IterationCosts,
+    OptimizerStep,
+    Prediction,
+    Schedule,
+    set_grads,
+    trainable,
+)
 from lean.schedules.hybrid import later_updates
+from lean.schedules.offload import SavedTensorOffload, offload_mode
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
@@ -55,10 +64,11 @@ from lean.schedules.per_sample import (
     linear_owners,
     logged_with_true_targets,
 )
+from lean.schedules.recompute import Recompute
 
 ALL_STEPS = "all"  # train.retain.steps: every trained step's graph is kept (Retain as first published)
-OFF, HOST = "off", "host"  # train.retain.offload: the kept graphs wait on the device, or in pinned host memory
-OFFLOADS = (OFF, HOST)
+DEVICE, HOST = "device", "host"  # train.retain.offload: where the kept graphs wait (YAML reads a bare off as false)
+OFFLOADS = (DEVICE, HOST)
 
 
 @register_options("train.retain")
@@ -71,10 +81,10 @@ class RetainOptions:
     """m: the trained steps per sample whose graphs are kept, the last m of each sample's; the others are recomputed
     after the rewards as Recompute does, so the gradient is Recompute's for any m. all: every trained step (K); auto:
     the largest m whose peak fits ``train.memory_budget_mb`` (``lean plan`` counts it)."""
-    offload: str = OFF
-    """Where the kept graphs wait for the backward: off (the device) | host (pinned host memory, copied on a side
+    offload: str = DEVICE
+    """Where the kept graphs wait for the backward: device (no offload) | host (pinned host memory, copied on a side
     stream as each step produces them, fetched back one step ahead of the backward: ``lean/schedules/offload.py``) |
-    auto (host where the device would not hold them, else off)."""
+    auto (host where the device would not hold them, else device)."""
     host_memory_budget_mb: float | None = None
     """Host memory one process may pin for offloaded graphs; None: the available RAM x 0.9, shared by the node's
     processes."""
@@ -94,7 +104,7 @@ class RetainOptions:
 
     @property
     def is_default(self) -> bool:
-        return self.steps == ALL_STEPS and self.offload == OFF
+        return self.steps == ALL_STEPS and self.offload == DEVICE
 
 
 class Retain(Schedule):
@@ -110,8 +120,27 @@ class Retain(Schedule):
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows keep graphs (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows
-        # (per-trajectory buffers, their hooks) or None
-        self.provisional = self._provisional_buffers(ctx) if self.finishes_early else None
+        options = ctx.cfg.train.retain
+        # a hybrid's later updates store every trained step already: its Recompute recomputes the terms not kept
+        recompute = None if self.later is None else self.later.recompute
+        self.partial = partial_retention(ctx, options.steps, self.track_rows, recompute)
+        self.offload = SavedTensorOffload(offload_mode(ctx.sigmas.device)) if options.offload == HOST else None
+        # (per-trajectory buffers, their hooks) or None; an offloaded run's buffers would hold the inputs on the device
+        early = self.finishes_early and self.offload is None
+        self.provisional = self._provisional_buffers(ctx) if early else None
+
+    def saving(self):
+        return super().saving() if self.offload is None else self.offload.saving()
+
+    def track_grad(self, i: int) -> bool:
+        return super().track_grad(i) if self.partial is None else bool(self.partial.kept_steps[i])
+
+    def rows_tracked(self, i: int) -> torch.Tensor | None:
+        rows = super().rows_tracked(i)
+        if self.partial is None or self.ctx.lockstep:
+            return rows
+        kept = self.partial.kept[:, i]
+        return kept if rows is None else rows & kept
 
     @staticmethod
     def _provisional_buffers(ctx) -> tuple[TrajectoryBuffers, PerSampleGrads] | None:
@@ -128,7 +157,11 @@ class Retain(Schedule):
     def on_step(self, step: Transition) -> None:
         if self.later is not None:
             self.later.on_step(step)
+        elif self.partial is not None:
+            self.partial.recompute.on_step(step)
         if step.log_prob.requires_grad:
+            if self.offload is not None:  # the step's tracked forward is done: its saved tensors form one group
+                self.offload.close_group()
             self.kept.append(self.ctx.with_reference(step))
 
     def _take(self, rows: slice) -> list:
@@ -185,13 +218,19 @@ class Retain(Schedule):
         if kept is not None:  # N counts the kept samples of every group, known after the last one: scale then
             self.unscaled, n = True, 1
         self._backward(done, advantages, kept, n)
+        self._release_offloaded()
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         kept, n = self.ctx.kept_samples(advantages)
         if self.later is not None:  # the first update's (kept) samples
             n = self.later.first_count(kept)
+        offloaded = self._offload_stats()
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []
+        self._release_offloaded()
+        if self.partial is not None:  # the trained steps whose graphs were not kept, recomputed
+            recomputed, n_terms = self.partial.recomputed, 1 if self.unscaled else n
+            self.losses += self.partial.recompute.recompute_terms(recomputed, advantages, n_terms, kept)
         if self.unscaled:
             for p in trainable(self.ctx.policy):
                 if p.grad is not None:
@@ -204,7 +243,25 @@ class Retain(Schedule):
         if self.later is not None:
             recomputed, stats = self.later.run(advantages, optimizer_step)
             losses += recomputed
-        return {**loss_stats(losses, first), **stats}
+        return {**loss_stats(losses, first), **stats, **offloaded}
+
+    def _release_offloaded(self) -> None:
+        """Every kept graph has been backpropagated: the offload's records are dead, its arena starts over."""
+        if self.offload is not None and not self.kept:
+            self.offload.reset()
+
+    def _offload_stats(self) -> dict:
+        """What the offload moved this iteration (MiB per process) and what of it is still on the device."""
+        if self.offload is None:
+            return {}
+        stats, mib = self.offload.stats, 2.0**-20
+        return {
+            "offload_moved_mb": (stats.moved_bytes) * mib,
+            "offload_resident_mb": stats.resident_bytes * mib,
+            "offload_device_live_mb": self.offload.device_live_bytes() * mib,
+            "offload_host_mb": (self.offload.arena.high_water if self.offload.arena else 0) * mib,
+            "offload_groups": stats.groups,
+        }
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
@@ -230,3 +287,55 @@ class Retain(Schedule):
             memory += (c.local * c.held_fraction + 1) * c.trainable_mb
             score = max(c.score - c.k * (c.fb - c.f), 0.0)
         return Prediction(memory, (c.n - c.k) * c.f + c.k * c.fb + score + c.ref)
+
+
+class PartialRetention:
+    """Which trained terms keep their graphs and which are recomputed (``train.retain.steps`` = m < K).
+
+    Each sample keeps the last m of its trained steps T_b (L_b) and the others (R_b = T_b minus L_b) are recomputed
+    after the rewards by Recompute's code on those terms alone, at the same weights 1/(N K), before the one optimizer
+    step. The objective is a sum of per-term losses whose inputs are detached, so
+
+        grad L = sum_b sum_{j in L_b} w_bj grad l_bj  +  sum_b sum_{j in R_b} w_bj grad l_bj
+
+    the first sum from the rollout's graphs (ratio 1), the second recomputed at the same weights (ratio 1 up to
+    rounding): Recompute's gradient for every m (m = K is Retain, m = 0 Recompute). The last steps, because the
+    backward needs them first and their memory is m act h whatever the per-sample draw. In lockstep (a sharded policy:
+    every process runs the same forwards) the kept steps are the last m of the steps any process trains, for every
+    row, and the others are recomputed for every row (weight 0 where a row does not train the step).
+
+    ``kept``, ``recomputed``: host bool [B, num_steps], disjoint, their union the trained terms (of the first
+    update's rows in a hybrid); ``kept_steps`` [num_steps]: the steps the rollout tracks."""
+
+    def __init__(self, ctx: IterationContext, m: int, track_rows: torch.Tensor | None, recompute: Recompute | None):
+        trained = ctx.steps.trained.cpu()
+        if track_rows is not None:  # a hybrid: the first update's rows only
+            trained = trained & track_rows[:, None]
+        if ctx.lockstep:
+            shared = ctx.steps.grad_steps.cpu()
+            self.kept_steps = shared & (shared.flip(0).cumsum(0).flip(0) <= m)
+            self.kept = trained & self.kept_steps
+        else:
+            self.kept = trained & (trained.flip(1).cumsum(1).flip(1) <= m)  # at most m trained steps from it on
+            self.kept_steps = self.kept.any(0)
+        self.recomputed = trained & ~self.kept
+        if recompute is None:  # one that stores the recomputed steps' inputs during the rollout (Retain.on_step)
+            recompute = Recompute(ctx)
+            shared_steps = ctx.steps.grad_steps.cpu() & ~self.kept_steps
+            recompute.any_trained = shared_steps if ctx.lockstep else self.recomputed.any(0)
+        self.recompute = recompute
+
+
+def partial_retention(
+    ctx: IterationContext, steps: int | str, track_rows: torch.Tensor | None, recompute: Recompute | None
+) -> PartialRetention | None:
+    """The :class:`PartialRetention` of ``train.retain.steps`` = m, or None where every trained step is kept (all, or
+    m at least the steps a sample trains: K, in lockstep the steps any process trains). ``recompute``: a hybrid's
+    (it stores every trained step), else one of its own."""
+    if steps == ALL_STEPS:
+        return None
+    if steps == AUTO:
+        raise ConfigError("train.retain.steps", steps, "is resolved by lean train before the run (lean.plan.cost)")
+    if steps >= (int(ctx.steps.grad_steps.sum()) if ctx.lockstep else ctx.steps_per_sample):
+        return None
+    return PartialRetention(ctx, steps, track_rows, recompute)
