@@ -122,3 +122,14 @@ def test_two_sharded_processes_with_partial_offloaded_retention_end_with_recompu
         lean_ranks(2, "train", "--preset", "dancegrpo-flux", *args, "--out", str(tmp_path / name))
         runs[name] = load_file(tmp_path / name / "lora.safetensors")
     assert max(_rel(runs["retain"][k], runs["recompute"][k]) for k in runs["recompute"]) < TOLERANCE
+
+
+def test_an_offload_over_the_host_budget_stops_in_one_line():
+    """The arena grows in chunks of 256 MiB: a budget of 1 MiB is passed at the first saved activation."""
+    from lean.train import Trainer
+
+    cfg = tiny_preset("flowgrpo-sd3", *FLOAT64, *ON_POLICY, "train.schedule=retain", "train.retain.offload=host")
+    cfg.train.retain.host_memory_budget_mb = 1.0
+    with pytest.raises(ConfigError, match=r"need more than 1 MiB of host memory per process") as err:
+        Trainer(cfg).iteration(0, "retain")
+    assert "\n" not in str(err.value) and "train.retain.steps" in str(err.value)

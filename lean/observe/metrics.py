@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
 import resource
 import statistics
@@ -114,6 +115,19 @@ def device_memory_mb(device: torch.device) -> float:
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()
+
+
+def host_memory_mb() -> float | None:
+    """The RAM this process may still pin for offloaded tensors: the available RAM times :data:`MEMORY_MARGIN`, shared
+    by the node's processes (``LOCAL_WORLD_SIZE``, as torchrun and Accelerate set it); None where /proc/meminfo is
+    missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return int(info["MemAvailable"].split()[0]) / 1024 * MEMORY_MARGIN / max(local, 1)
 
 
 # glibc mallopt parameters

@@ -75,6 +75,14 @@ def laid_out_like(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
+class HostMemoryExceeded(MemoryError):
+    """The offloaded graphs would take more host memory than the process may pin."""
+
+    def __init__(self, needed: int, limit: float):
+        self.needed, self.limit = needed, limit
+        super().__init__(f"{needed / 2**20:.0f} MiB of host memory needed, {limit / 2**20:.0f} MiB allowed")
+
+
 class PinnedArena:
     """A bump allocator over chunks of host memory (pinned for CUDA copies), kept across iterations.
 
@@ -82,8 +90,8 @@ class PinnedArena:
     :meth:`take` hands out the next aligned bytes, :meth:`rewind` starts over. Unlike torch's pinned allocator it does
     not round a request up to a power of two, and it calls ``cudaHostAlloc`` only when it grows."""
 
-    def __init__(self, pinned: bool, chunk_bytes: int = CHUNK_BYTES):
-        self.pinned, self.chunk_bytes = pinned, chunk_bytes
+    def __init__(self, pinned: bool, chunk_bytes: int = CHUNK_BYTES, limit_bytes: float | None = None):
+        self.pinned, self.chunk_bytes, self.limit_bytes = pinned, chunk_bytes, limit_bytes
         self.chunks: list[torch.Tensor] = []  # uint8 buffers
         self.chunk, self.offset = 0, 0  # where the next take starts
         self.high_water = 0  # the most bytes taken between two rewinds
@@ -102,7 +110,10 @@ class PinnedArena:
         while self.chunk < len(self.chunks) and self.offset + size > self.chunks[self.chunk].numel():
             self.chunk, self.offset = self.chunk + 1, 0
         if self.chunk == len(self.chunks):
-            self.chunks.append(torch.empty(max(size, self.chunk_bytes), dtype=torch.uint8, pin_memory=self.pinned))
+            grown = max(size, self.chunk_bytes)
+            if self.limit_bytes is not None and self.capacity_bytes + grown > self.limit_bytes:
+                raise HostMemoryExceeded(self.capacity_bytes + grown, self.limit_bytes)
+            self.chunks.append(torch.empty(grown, dtype=torch.uint8, pin_memory=self.pinned))
         flat = self.chunks[self.chunk][self.offset : self.offset + size].view(t.dtype)
         self.offset += -(-size // ALIGN_BYTES) * ALIGN_BYTES
         self.high_water = max(self.high_water, self.taken_bytes)
@@ -152,13 +163,13 @@ class SavedTensorOffload:
     bytes whose device -> host copy may be in flight; beyond it the compute stream waits for the oldest copy (device
     memory stays bounded; None: unbounded, released as the copies complete)."""
 
-    def __init__(self, mode: str, window_bytes: int | None = None):
+    def __init__(self, mode: str, window_bytes: int | None = None, host_limit_bytes: float | None = None):
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"offload mode {mode!r}: one of {', '.join(OFFLOAD_MODES)}")
         if mode == "cuda" and not torch.cuda.is_available():
             raise ValueError("offload mode 'cuda' needs a CUDA device")
         self.mode, self.window_bytes = mode, window_bytes
-        self.arena = PinnedArena(pinned=mode == "cuda") if mode != "count" else None
+        self.arena = PinnedArena(mode == "cuda", limit_bytes=host_limit_bytes) if mode != "count" else None
         self.stats = OffloadStats()
         # this group's records by view, with a weak reference to the storage they were made from: an address alone
         # could be a freed original's, reused by a later tensor

@@ -36,6 +36,7 @@ backward hides it, for (unit + 1) P of buffers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ import torch
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import RATIO_ONE_ON_POLICY
 from lean.config import AUTO, ConfigError, check_choice, check_positive, register_options
+from lean.observe.metrics import host_memory_mb
 from lean.parallel.sharding import is_sharded
 from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
@@ -56,7 +58,7 @@ from lean.schedules.base import (
     trainable,
 )
 from lean.schedules.hybrid import later_updates
-from lean.schedules.offload import SavedTensorOffload, offload_mode
+from lean.schedules.offload import HostMemoryExceeded, SavedTensorOffload, offload_mode
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
@@ -124,13 +126,21 @@ class Retain(Schedule):
         # a hybrid's later updates store every trained step already: its Recompute recomputes the terms not kept
         recompute = None if self.later is None else self.later.recompute
         self.partial = partial_retention(ctx, options.steps, self.track_rows, recompute)
-        self.offload = SavedTensorOffload(offload_mode(ctx.sigmas.device)) if options.offload == HOST else None
+        self.offload = host_offload(options, ctx.sigmas.device) if options.offload == HOST else None
         # (per-trajectory buffers, their hooks) or None; an offloaded run's buffers would hold the inputs on the device
         early = self.finishes_early and self.offload is None
         self.provisional = self._provisional_buffers(ctx) if early else None
 
     def saving(self):
-        return super().saving() if self.offload is None else self.offload.saving()
+        return super().saving() if self.offload is None else self._offloading()
+
+    @contextlib.contextmanager
+    def _offloading(self):
+        try:
+            with self.offload.saving():
+                yield
+        except HostMemoryExceeded as err:  # raised in a pack hook, inside some forward of the rollout
+            raise refused_host_memory(err) from None
 
     def track_grad(self, i: int) -> bool:
         return super().track_grad(i) if self.partial is None else bool(self.partial.kept_steps[i])
@@ -287,6 +297,24 @@ class Retain(Schedule):
             memory += (c.local * c.held_fraction + 1) * c.trainable_mb
             score = max(c.score - c.k * (c.fb - c.f), 0.0)
         return Prediction(memory, (c.n - c.k) * c.f + c.k * c.fb + score + c.ref)
+
+
+def host_offload(options: RetainOptions, device: torch.device) -> SavedTensorOffload:
+    """The offload of ``train.retain.offload=host``, its arena bounded by ``host_memory_budget_mb`` (default: the
+    available RAM x 0.9 over the node's processes); past it the rollout stops with one line naming the keys."""
+    budget_mb = options.host_memory_budget_mb or host_memory_mb()
+    return SavedTensorOffload(offload_mode(device), host_limit_bytes=None if budget_mb is None else budget_mb * 2**20)
+
+
+def refused_host_memory(err: HostMemoryExceeded) -> ConfigError:
+    """The one-line refusal of an offload that outgrew the host budget."""
+    return ConfigError(
+        "train.retain.offload",
+        HOST,
+        f"the kept graphs need more than {err.limit / 2**20:.0f} MiB of host memory per process (train.retain."
+        "host_memory_budget_mb, default 90% of the available RAM over the node's processes): keep fewer steps "
+        "(train.retain.steps) or raise the budget",
+    )
 
 
 class PartialRetention:
