@@ -43,8 +43,9 @@ EVAL += ["--set", f"eval.prompts=[{', '.join(EVAL_PROMPTS)}]"]
 def test_two_processes_or_two_nodes_roll_out_the_same_trajectories(tmp_path, dtype, tol):
     one, two = tmp_path / "one", tmp_path / "two"
     lean_here("train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(one))
-    proc = _lean("launch", "-n", "2", "--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two))
-    assert "2 CPU processes, gloo" in proc.stderr
+    # two ranks forked from the preloaded server (helpers.lean_ranks); `lean launch -n 2` itself starts the jobs of
+    # tests/test_reliability.py, and `--nnodes 2` below
+    lean_ranks(2, "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two))
     a, b = load_file(one / "rollout.safetensors"), load_file(two / "rollout.safetensors")
     assert a["latents"].shape == b["latents"].shape
     assert (a["latents"] - b["latents"]).abs().max().item() < tol

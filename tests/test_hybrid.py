@@ -114,17 +114,24 @@ def test_the_rollout_tracks_only_the_first_updates_samples(micro_batch):
 )
 def test_hybrids_on_two_processes_end_with_recomputes_weights(tmp_path, name, extra):
     """Two processes, each with half of every update: DanceGRPO's sharded recipe, and FlowGRPO's SD3 one with a group
-    of zero advantages (each process filters its own share of every update)."""
+    of zero advantages (each process filters its own share of every update). Retain also with one kept step per
+    sample, offloaded (``train.retain``, tests/test_retain_offload.py): in DanceGRPO's lockstep the last of the steps
+    any process trains is kept and the others are recomputed for every row."""
     sets = [*tiny_preset_sets(name), *FLOAT64, *extra, "train.prompts_per_iteration=4", "train.iterations=2"]
     sets += [*STEPS, "train.dist_timeout_s=60"]
+    variants = {
+        "recompute": ["train.schedule=recompute", *SPLIT_FIRST],
+        "retain": ["train.schedule=retain"],
+        "reweight": ["train.schedule=reweight"],
+        "retain-1-host": ["train.schedule=retain", "train.retain.steps=1", "train.retain.offload=host"],
+    }
     runs = {}
-    for schedule in ("recompute", "retain", "reweight"):
-        reference = SPLIT_FIRST if schedule == "recompute" else []
-        args = [f"--set={value}" for value in [*sets, *reference, f"train.schedule={schedule}"]]
-        lean_ranks(2, "train", "--preset", name, *args, "--out", str(tmp_path / schedule))
-        runs[schedule] = load_file(tmp_path / schedule / "lora.safetensors")
-    for schedule in ("retain", "reweight"):
-        assert max(_rel(runs[schedule][k], runs["recompute"][k]) for k in runs["recompute"]) < TOLERANCE, schedule
+    for run, values in variants.items():
+        args = [f"--set={value}" for value in [*sets, *values]]
+        lean_ranks(2, "train", "--preset", name, *args, "--out", str(tmp_path / run))
+        runs[run] = load_file(tmp_path / run / "lora.safetensors")
+    for run in ("retain", "reweight", "retain-1-host"):
+        assert max(_rel(runs[run][k], runs["recompute"][k]) for k in runs["recompute"]) < TOLERANCE, run
 
 
 @pytest.mark.timeout(120)

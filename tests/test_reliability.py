@@ -209,6 +209,7 @@ def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
         line = proc.stdout.readline()
         assert line, seen[-2000:]
         seen += line
+    assert "lean launch: 2 CPU processes, gloo" in seen  # ACCELERATE_USE_CPU=1 + --multi_gpu: two ranks, not one
     ranks = {_rank_of(p): p for p in _children(proc.pid)}
     assert "1" in ranks, ranks
     os.kill(ranks["1"], signal.SIGKILL)

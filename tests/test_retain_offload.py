@@ -1,14 +1,14 @@
 """Retain at the published sizes (``train.retain``): the kept graphs offloaded to host memory through the saved-tensor
 hooks (``lean.schedules.offload``), and partial retention (the last m of each sample's K trained steps kept, the
 others recomputed after the rewards). Both end every iteration with Recompute's weights (float64, 1e-10 relative),
-for every m, with CFG and KL, per-sample step draws, both layouts, a hybrid and two sharded processes."""
+for every m, with CFG and KL, per-sample step draws, both layouts and a hybrid (two sharded processes:
+tests/test_hybrid.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import lean_ranks, tiny_preset, tiny_preset_sets
-from safetensors.torch import load_file
+from helpers import tiny_preset
 
 from lean.config import ConfigError
 from lean.schedules import Retain
@@ -107,21 +107,6 @@ def test_retain_options_are_refused_where_they_do_not_apply():
         tiny_preset("flowgrpo-sd3", "train.schedule=retain", "train.retain.steps=0")
     with pytest.raises(ConfigError, match="must be an integer or one of|must be one of all, auto"):
         tiny_preset("flowgrpo-sd3", "train.schedule=retain", "train.retain.steps=most")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_sharded_processes_with_partial_offloaded_retention_end_with_recomputes_weights(tmp_path):
-    """DanceGRPO's sharded recipe (FSDP: every process runs the same forwards) on two processes, m = 1 offloaded: the
-    kept steps are the last of the steps any process trains, the others recomputed for every row in lockstep."""
-    sets = [*tiny_preset_sets("dancegrpo-flux"), *FLOAT64, *ON_POLICY, "sample.num_steps=8", "algorithm.beta=0.01"]
-    sets += ["train.prompts_per_iteration=4", "train.iterations=2", "train.dist_timeout_s=60"]
-    runs = {}
-    for name, schedule in (("recompute", []), ("retain", ["train.retain.steps=1", "train.retain.offload=host"])):
-        args = [f"--set={value}" for value in [*sets, f"train.schedule={name}", *schedule]]
-        lean_ranks(2, "train", "--preset", "dancegrpo-flux", *args, "--out", str(tmp_path / name))
-        runs[name] = load_file(tmp_path / name / "lora.safetensors")
-    assert max(_rel(runs["retain"][k], runs["recompute"][k]) for k in runs["recompute"]) < TOLERANCE
 
 
 def test_an_offload_over_the_host_budget_stops_in_one_line():
