@@ -124,7 +124,7 @@ def retained_share(steps: int | str, trained: torch.Tensor) -> float:
     per_sample = trained.sum(1)
     if steps == ALL_STEPS:
         return 1.0
-    return (per_sample.clamp(max=steps).sum() / per_sample.sum().clamp(min=1)).item()
+    return int(per_sample.clamp(max=steps).sum()) / max(int(per_sample.sum()), 1)
 
 
 def speedup_bound(time_s: float, recompute_forward_s: float, removed: float = 1.0) -> float:
