@@ -54,6 +54,7 @@ from lean.sampling.sde import num_trained_steps  # noqa: E402
 from lean.schedules import BASELINE  # noqa: E402
 from lean.schedules.retain import ALL_STEPS, HOST, OFF  # noqa: E402
 from lean.tools.bench.schedules import (  # noqa: E402
+    RETAIN,
     BenchOptions,
     Subject,
     bench_config,
@@ -138,10 +139,10 @@ class Measured(Subject):
 
 VARIANTS = (  # Recompute, Retain on the device and offloaded, and both at m = K/2
     Variant(BASELINE),
-    Variant("retain"),
-    Variant("retain", offload=True),
-    Variant("retain", half=True),
-    Variant("retain", half=True, offload=True),
+    Variant(RETAIN),
+    Variant(RETAIN, offload=True),
+    Variant(RETAIN, half=True),
+    Variant(RETAIN, half=True, offload=True),
 )
 
 
@@ -185,9 +186,9 @@ def certificates() -> dict:
     for v in VARIANTS[1:]:
         cfg = v.config(base, k)
         report = run_equivalence(cfg, reference=False)
-        retain = report.get("retain", {})
+        retain = report.get(RETAIN, {})
         out[v.name(k)] = {
-            "passes": passes(report, cfg.model.torch_dtype),
+            "passes": RETAIN in report and passes(report, cfg.model.torch_dtype),  # run, and equal
             **{key: retain.get(key) for key in ("max_rel_grad_diff", "cosine", "max_rel_param_diff_after_step")},
         }
     return out
@@ -196,8 +197,8 @@ def certificates() -> dict:
 def plan_estimate(base: Subject, k: int, options: BenchOptions, budget_mb: float) -> float:
     """Print what will run with the plan's predicted peaks and times (the probe's, on this device); the seconds."""
     pred = base.prediction
-    t_rc, t_rt = pred[BASELINE]["time_iteration_s"], pred["retain"]["time_iteration_s"]
-    m_rc, m_rt = pred[BASELINE]["peak_memory_mb"], pred["retain"]["peak_memory_mb"]
+    t_rc, t_rt = pred[BASELINE]["time_iteration_s"], pred[RETAIN]["time_iteration_s"]
+    m_rc, m_rt = pred[BASELINE]["peak_memory_mb"], pred[RETAIN]["peak_memory_mb"]
     trained = base.plan_input.batch.steps.trained
     rounds = 1 + options.warmup + options.repeats  # the memory pass, then the rounds
     total = LINK_S + CERTIFICATE_S * (len(VARIANTS) - 1)
@@ -338,7 +339,7 @@ def run(args: argparse.Namespace, device_sets: tuple[str, ...]) -> dict:
     base = Measured.build(bench_config(PARAMS, sets)[0])
     base.plan()
     k, device = trained_steps(base.cfg), base.trainer.world.device
-    budget = args.budget_gb * 1024 if args.budget_gb else base.prediction["retain"]["peak_memory_mb"] / 2
+    budget = args.budget_gb * 1024 if args.budget_gb else base.prediction[RETAIN]["peak_memory_mb"] / 2
     estimate = plan_estimate(base, k, options, budget)
     if device.type == "cuda":
         options = fitted_repeats(estimate, options, args.max_minutes)

@@ -47,8 +47,10 @@ from lean.observe.provenance import machine
 from lean.parallel.distributed import pin_cores, set_threads
 from lean.plan.cost import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
-from lean.schedules.retain import ALL_STEPS, OFF
+from lean.schedules.retain import ALL_STEPS, OFF, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
+
+RETAIN = next(name for name, schedule in SCHEDULES.items() if schedule is Retain)  # the row train.retain configures
 
 PHASES = (
     "time_iteration_s",
@@ -113,7 +115,7 @@ def measured_retain(cfg: RunConfig) -> RunConfig:
     retain = cfg.train.retain
     if retain.steps == AUTO:
         raise ConfigError("train.retain.steps", AUTO, "lean bench schedules measures a given m: an integer or all")
-    if not retain.is_default and cfg.train.schedule not in ("retain", AUTO):
+    if not retain.is_default and cfg.train.schedule not in (RETAIN, AUTO):
         cfg.train.schedule = AUTO
     return cfg
 
@@ -201,8 +203,7 @@ class Subject:
                 "cores": len(cores),
                 "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
                 "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
-                "retain_steps": cfg.train.retain.steps,
-                "retain_offload": cfg.train.retain.offload,
+                **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
             },
             "peak_flops": peak,
             "peak_flops_source": peak_source,
@@ -244,7 +245,7 @@ class Subject:
                 entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
             result[s] = entry
         trainer.state.load_state_dict(self.state)
-        add_speedups(result, rows, {"retain": self.retained})
+        add_speedups(result, rows, {RETAIN: self.retained})
         return result
 
     @property
@@ -490,7 +491,7 @@ def retain_note(result: dict) -> str:
     if steps == ALL_STEPS and offload == OFF:
         return ""
     kept = "every" if steps == ALL_STEPS else f"the last {steps}"
-    share = result.get("retain", {}).get("removed_share", 1.0)
+    share = result.get(RETAIN, {}).get("removed_share", 1.0)
     return f"; retain keeps {kept} of {c['trained_steps_per_sample']} trained steps (q {share:.3f}), offload {offload}"
 
 
