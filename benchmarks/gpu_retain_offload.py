@@ -1,4 +1,6 @@
-"""Retain at a size that needs offload or partial retention (issue #42), on one CUDA GPU, in ~3 minutes (< 8).
+"""Retain at a size that needs offload or partial retention (issue #42), on one CUDA GPU (written without one: its
+GPU path has not run yet; the plan's estimate, printed first, is ~3 minutes on an H200, and past ``--max-minutes``
+it times fewer rounds).
 
 At FLUX.1-dev's block structure (``model.size=medium``: its double/single blocks at half width, 4 + 8 blocks, 512 px
 -> 1024 image tokens, bfloat16, 8 samples, 9 of 10 steps trained; the config of ``gpu_schedules.sh``) Retain keeps
@@ -24,8 +26,8 @@ variant at the tiny size (``lean.tools.equivalence``: its gradient and weights a
 Claims checked (exit 1 if one fails): every certificate passes; with offload the peak is below the same m's on the
 device. Writes OUT/retain_offload.json, OUT/retain_offload.md and OUT/measured.jsonl (each iteration as it ends).
 
-    source benchmarks/gpu_env.sh && "$PY" benchmarks/gpu_retain_offload.py [--out DIR] [--repeats 3] [--warmup 1]
-        [--budget-gb G] [--max-minutes 8] [--set KEY=VALUE ...]
+    NEED_GPU=1 bash -c 'source benchmarks/gpu_env.sh && "$PY" benchmarks/gpu_retain_offload.py [--out DIR]
+        [--repeats 3] [--warmup 1] [--budget-gb G] [--max-minutes 8] [--set KEY=VALUE ...]'
     python benchmarks/gpu_retain_offload.py --dry-run --out DIR    # the same code on the CPU, tiny size, seconds
                                                                    # (offload in copy mode; peaks not compared)
 """
