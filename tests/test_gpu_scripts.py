@@ -39,3 +39,33 @@ def test_a_cpu_torch_beside_a_gpu_is_refused(script, tmp_path):
     proc = run(script, tmp_path, PATH=f"{tmp_path}:{os.environ['PATH']}", DRY_RUN="1")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "cannot use it" in proc.stderr
+
+
+def test_the_retain_offload_check_runs_its_code_on_the_cpu_in_a_dry_run(tmp_path):
+    """benchmarks/gpu_retain_offload.py --dry-run: every variant measured at the tiny size (offload in copy mode),
+    the certificates pass, the peaks are not compared (the CPU's "host" is its device memory); without it and
+    without a GPU, a one-line refusal."""
+    import json
+
+    import torch
+
+    script = str(REPO / "benchmarks" / "gpu_retain_offload.py")
+    out = tmp_path / "out"
+    cmd = [sys.executable, script, "--dry-run", "--out", str(out), "--repeats", "1", "--warmup", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "estimated" in proc.stdout  # the plan and its estimate come first
+    result = json.loads((out / "retain_offload.json").read_text())
+    k = result["config"]["trained_steps"]
+    m = max(1, k // 2)
+    assert set(result["variants"]) == {"recompute", "retain", "retain_offload", f"retain_m{m}", f"retain_m{m}_offload"}
+    assert result["variants"][f"retain_m{m}"]["kept_share"] == m / k
+    assert 1 < result["variants"][f"retain_m{m}"]["speedup_bound"] < result["variants"]["retain"]["speedup_bound"]
+    assert all(holds for claim, holds in result["claims"].items() if claim.startswith("certificate"))
+    assert [holds for claim, holds in result["claims"].items() if claim.startswith("peak")] == [None, None]
+    assert result["host_link"]["h2d_gb_s"] > 0 and (out / "retain_offload.md").exists()
+    assert (out / "measured.jsonl").read_text().count("\n") == 5 * 2  # each variant's memory pass and timed round
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "gpu")], capture_output=True, text=True)
+        assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "gpu").exists()

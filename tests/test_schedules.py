@@ -195,6 +195,47 @@ def test_bench_config_is_the_bench_section_of_params(tmp_path):
         bench_config(params)
 
 
+def test_bench_takes_partial_retention_for_retains_row(tmp_path):
+    """`lean bench schedules --set train.retain.steps=m` (and offload): taken whatever train.schedule says, the bench
+    running every schedule; m must be given (auto's m is the plan's, and the bound needs it)."""
+    from lean.config import ConfigError
+    from lean.tools.bench.schedules import bench_config
+
+    cfg, _ = bench_config(ROOT / "params.yaml", ["train.retain.steps=3", "train.retain.offload=host"])
+    assert (cfg.train.retain.steps, cfg.train.retain.offload, cfg.train.schedule) == (3, "host", "auto")
+    cfg, _ = bench_config(ROOT / "params.yaml")  # defaults: the config as it was
+    assert cfg.train.retain.is_default and cfg.train.schedule == "recompute"
+    with pytest.raises(ConfigError, match="given m"):
+        bench_config(ROOT / "params.yaml", ["train.retain.steps=auto"])
+
+
+def test_partial_retentions_bound_lies_between_one_and_retains():
+    """bound = (n f + K fb) / ((n - m) f + K fb): Retain's at m = K, between 1 and it below, in the bench's terms
+    T / (T - q recompute_forward) with q = sum_b min(m, K_b) / sum_b K_b."""
+    import torch
+
+    from lean.tools.bench.schedules import add_speedups, retained_share, speedup_bound
+
+    trained = torch.zeros(3, 10, dtype=torch.bool)
+    trained[:2, :9], trained[2, 4:] = True, True  # K_b = 9, 9, 6
+    assert retained_share("all", trained) == retained_share(9, trained) == 1.0
+    assert retained_share(4, trained) == pytest.approx(12 / 24)
+    n, k, f, fb = 10, 9, 1.0, 3.0  # Recompute: n f + K fb, its recompute forward K f
+    for m in range(1, k + 1):
+        assert speedup_bound(n * f + k * fb, k * f, m / k) == pytest.approx((n * f + k * fb) / ((n - m) * f + k * fb))
+    rows = {
+        "recompute": [{"time_iteration_s": 37.0, "time_recompute_forward_s": 9.0, "cpu_iteration_s": 37.0}],
+        "retain": [{"time_iteration_s": 32.0, "cpu_iteration_s": 32.0}],
+        "reweight": [{"time_iteration_s": 30.0, "cpu_iteration_s": 30.0}],
+    }
+    whole, partial = {s: {} for s in rows}, {s: {} for s in rows}
+    add_speedups(whole, rows)
+    add_speedups(partial, rows, {"retain": 4 / 9})
+    assert whole["retain"]["speedup_bound"] == 37.0 / (37.0 - 9.0)  # today's bound, unchanged
+    assert 1 < partial["retain"]["speedup_bound"] < whole["retain"]["speedup_bound"]
+    assert partial["reweight"] == whole["reweight"]  # only Retain's row keeps part of the graphs
+
+
 def _retain_peak(rank: int, world: int, port: int, out: str) -> None:
     """Retain's measured peak and ``lean plan``'s prediction of it, in a process of its own: the live heap it reads
     holds nothing a test before it left behind in this worker (a busy worker once read a 50 MiB delta for 28)."""

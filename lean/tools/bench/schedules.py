@@ -11,13 +11,16 @@ Peak memory comes from one extra, untimed iteration per schedule before the time
 keeps freed pages during the timed rounds (``keep_freed_memory``), as the CUDA caching allocator does.
 
     speedup        = median T_iter(recompute) / median T_iter(schedule)
-    speedup_bound  = T_iter / (T_iter - recompute_forward), from Recompute's phases in this run: the speedup if
+    speedup_bound  = T_iter / (T_iter - q recompute_forward), from Recompute's phases in this run: the speedup if
                      removing what the Lean schedules remove were free. recompute_forward is the forward of the first
                      update (all of it on-policy; with several updates per rollout the later updates' forwards are
-                     ``update_forward``, which the hybrids run too). Nothing else is removed, and on one core
-                     (``cores: 1``, the default) nothing overlapped can run on hardware the others leave idle: the
-                     scoring thread and the backward share the core, as the decode, the rewards and the backward
-                     share one GPU. A speedup above its bound is then noise, not a result.
+                     ``update_forward``, which the hybrids run too); q is the share of its terms the schedule does not
+                     recompute: 1, but for Retain keeping the graphs of only the last m of each sample's K trained
+                     steps (``train.retain.steps``: partial retention) q = sum_b min(m, K_b) / sum_b K_b, the bound
+                     (n f + K fb) / ((n - m) f + K fb) of docs/design/retain-offload.md. Nothing else is removed, and
+                     on one core (``cores: 1``, the default) nothing overlapped can run on hardware the others leave
+                     idle: the scoring thread and the backward share the core, as the decode, the rewards and the
+                     backward share one GPU. A speedup above its bound is then noise, not a result.
     cpu_speedup    = the same ratio of process CPU time (every thread), beside wall time
     MFU            = FLOPs the algorithm needs (rollout, reference and decode forwards + backwards; no recompute)
                      / (T_iter x peak FLOP/s)
@@ -36,15 +39,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from lean.config import ConfigError, RunConfig, read_params
-from lean.configure import load_config, on_policy_form
+from lean.config import AUTO, ConfigError, RunConfig, read_config, read_params
+from lean.configure import on_policy_form, validate
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
 from lean.observe.outputs import JsonLines, write_json
 from lean.observe.provenance import machine
 from lean.parallel.distributed import pin_cores, set_threads
 from lean.plan.cost import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
+from lean.schedules.retain import ALL_STEPS, OFF, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
+
+RETAIN = next(name for name, schedule in SCHEDULES.items() if schedule is Retain)  # the row train.retain configures
 
 PHASES = (
     "time_iteration_s",
@@ -86,7 +92,10 @@ def bench_config(
     ``overrides``; ``options`` that are not None replace the section's repeats / warmup / threads."""
     has_params = params is not None and Path(params).exists()
     section = (read_params(params).get("bench") or {}) if has_params else {}
-    cfg = load_config(params if has_params else None, overrides, preset=preset, stage="bench" if has_params else None)
+    cfg = measured_retain(
+        read_config(params if has_params else None, overrides, preset=preset, stage="bench" if has_params else None)
+    )
+    validate(cfg)
     keys = ("repeats", "warmup", "threads", "cores", "flops")
     chosen = {k: (f"bench.{k}", section[k]) for k in keys if k in section}
     chosen.update({k: (f"--{k}", v) for k, v in options.items() if v is not None})  # the command line wins
@@ -97,6 +106,32 @@ def bench_config(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(name, value, f"must be an integer >= {low}")
     return cfg, BenchOptions(**{k: v for k, (_, v) in chosen.items()})
+
+
+def measured_retain(cfg: RunConfig) -> RunConfig:
+    """The bench runs every schedule whatever ``train.schedule`` names, so ``train.retain``'s keys (Retain's row:
+    partial retention, offload) are taken under any: ``train.schedule`` becomes auto, which admits them. Their m must
+    be given (an integer or all): the bound depends on it."""
+    retain = cfg.train.retain
+    if retain.steps == AUTO:
+        raise ConfigError("train.retain.steps", AUTO, "lean bench schedules measures a given m: an integer or all")
+    if not retain.is_default and cfg.train.schedule not in (RETAIN, AUTO):
+        cfg.train.schedule = AUTO
+    return cfg
+
+
+def retained_share(steps: int | str, trained: torch.Tensor) -> float:
+    """q: the share of the trained (sample, step) terms whose graphs Retain keeps, the last ``steps`` = m of each
+    sample's K_b (``trained`` [B, n] bool): sum_b min(m, K_b) / sum_b K_b; 1 for all."""
+    per_sample = trained.sum(1)
+    if steps == ALL_STEPS:
+        return 1.0
+    return int(per_sample.clamp(max=steps).sum()) / max(int(per_sample.sum()), 1)
+
+
+def speedup_bound(time_s: float, recompute_forward_s: float, removed: float = 1.0) -> float:
+    """Recompute's iteration time over itself less the share ``removed`` of its on-policy recompute forward."""
+    return time_s / (time_s - removed * recompute_forward_s)
 
 
 @dataclass
@@ -168,6 +203,7 @@ class Subject:
                 "cores": len(cores),
                 "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
                 "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
+                **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
             },
             "peak_flops": peak,
             "peak_flops_source": peak_source,
@@ -209,8 +245,13 @@ class Subject:
                 entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
             result[s] = entry
         trainer.state.load_state_dict(self.state)
-        add_speedups(result, rows)
+        add_speedups(result, rows, {RETAIN: self.retained})
         return result
+
+    @property
+    def retained(self) -> float:
+        """q of Retain's row (:func:`retained_share`) on the probed batch."""
+        return retained_share(self.cfg.train.retain.steps, self.plan_input.batch.steps.trained)
 
 
 def measured_config(cfg: RunConfig, options: BenchOptions) -> dict:
@@ -376,15 +417,18 @@ def timed_rounds(
     return rows
 
 
-def add_speedups(result: dict, rows: dict[str, list[dict]]) -> None:
+def add_speedups(result: dict, rows: dict[str, list[dict]], removed: dict[str, float] | None = None) -> None:
     """Each Lean schedule's speedup over the baseline, the analytic bound, and the ratio of the two: medians over the
     rounds of each round's ratio (the two iterations of a round ran next to each other, so a machine whose speed
-    drifts between rounds moves both), in wall and in CPU time."""
+    drifts between rounds moves both), in wall and in CPU time. ``removed``: per schedule, the share q of the
+    recompute forward it removes (default 1; Retain's under partial retention, :func:`retained_share`)."""
     base = rows[BASELINE]
-    bounds = [r["time_iteration_s"] / (r["time_iteration_s"] - r.get("time_recompute_forward_s", 0.0)) for r in base]
     for s in (s for s in LEAN_SCHEDULES if s in rows):
+        q = (removed or {}).get(s, 1.0)
+        bounds = [speedup_bound(r["time_iteration_s"], r.get("time_recompute_forward_s", 0.0), q) for r in base]
         pairs = list(zip(base, rows[s]))
         speedups = [b["time_iteration_s"] / r["time_iteration_s"] for b, r in pairs]
+        result[s]["removed_share"] = q
         result[s]["speedup"] = median(speedups)
         result[s]["speedup_bound"] = median(bounds)
         result[s]["speedup_vs_bound"] = median(x / bound for x, bound in zip(speedups, bounds))
@@ -418,7 +462,7 @@ def format_table(result: dict) -> str:
         f"{c['num_steps']} steps, cfg={c['cfg']}, uncond_grad={c.get('uncond_grad')}, beta={c['beta']}, "
         f"{c['samples_per_process']} samples/process x {c['world_size']} process(es) x {c.get('threads', '?')} "
         f"thread(s), median of {c['repeats']} (peak {result['peak_flops'] / 1e9:.1f} GFLOP/s, "
-        f"{result['peak_flops_source']})",
+        f"{result['peak_flops_source']}){retain_note(result)}",
         f"{'schedule':10} {'iter s':>8} {'plan s':>7} {'rollout s':>10} {'reward s':>9} {'hidden s':>9} "
         f"{'update s':>9} "
         f"{'peak MiB':>9} {'plan MiB':>9} "
@@ -438,6 +482,17 @@ def format_table(result: dict) -> str:
             f"{e.get('flops_per_iteration', nan) / 1e9:8.2f} {e.get('mfu', nan):6.3f} {e.get('hfu', nan):6.3f} {extra}"
         )
     return "\n".join(lines)
+
+
+def retain_note(result: dict) -> str:
+    """Retain's row under partial retention or offload (``train.retain``), in words; empty at its defaults."""
+    c = result["config"]
+    steps, offload = c.get("retain_steps", ALL_STEPS), c.get("retain_offload", OFF)
+    if steps == ALL_STEPS and offload == OFF:
+        return ""
+    kept = "every" if steps == ALL_STEPS else f"the last {steps}"
+    share = result.get(RETAIN, {}).get("removed_share", 1.0)
+    return f"; retain keeps {kept} of {c['trained_steps_per_sample']} trained steps (q {share:.3f}), offload {offload}"
 
 
 def recipe_metrics(report: dict) -> dict[str, float]:
