@@ -54,7 +54,7 @@ from lean.observe.outputs import write_json  # noqa: E402
 from lean.observe.provenance import machine  # noqa: E402
 from lean.sampling.sde import num_trained_steps  # noqa: E402
 from lean.schedules import BASELINE  # noqa: E402
-from lean.schedules.retain import ALL_STEPS, HOST, OFF  # noqa: E402
+from lean.schedules.retain import ALL_STEPS, DEVICE, HOST  # noqa: E402
 from lean.tools.bench.schedules import (  # noqa: E402
     RETAIN,
     BenchOptions,
@@ -127,7 +127,7 @@ class Variant:
     def config(self, cfg: RunConfig, k: int) -> RunConfig:
         """``cfg`` with this variant's ``train.retain`` keys, validated; a new config."""
         form = copy.deepcopy(cfg)
-        form.train.retain = replace(form.train.retain, steps=self.kept(k), offload=HOST if self.offload else OFF)
+        form.train.retain = replace(form.train.retain, steps=self.kept(k), offload=HOST if self.offload else DEVICE)
         validate(measured_retain(form))
         return form
 
@@ -270,7 +270,7 @@ def summary(name: str, subject: Subject, memory: dict, rows: dict, budget_mb: fl
     }
     reported = [key for key in OFFLOAD_METRICS if all(key in r for r in mine)]
     entry.update({key: median(r[key] for r in mine) for key in reported})
-    if subject.cfg.train.retain.offload != OFF and len(reported) < len(OFFLOAD_METRICS):
+    if subject.cfg.train.retain.offload != DEVICE and len(reported) < len(OFFLOAD_METRICS):
         entry["not_reported"] = [key for key in OFFLOAD_METRICS if key not in reported]
     return entry
 
@@ -308,7 +308,7 @@ def markdown(result: dict) -> str:
 
     for name, e in result["variants"].items():
         offload = [figure(e, k, s) for k, s in zip(OFFLOAD_METRICS, (1024, 1024, 1, 1, 1))]
-        if e["retain_offload"] == OFF:
+        if e["retain_offload"] == DEVICE:
             offload = ["-"] * len(OFFLOAD_METRICS)
         lines.append(
             f"| {name} | {e['peak_memory_mb'] / 1024:.2f} | {'yes' if e['fits_budget'] else 'no'} | "

@@ -54,8 +54,10 @@ def test_every_m_with_and_without_offload_ends_with_recomputes_weights():
     for variant, metrics in zip(variants, runs):
         offloaded = "train.retain.offload=host" in variant
         assert ("offload_moved_mb" in metrics[0]) == offloaded
-        if offloaded:  # copy mode on a CPU: every moved original freed as it was copied
-            assert metrics[0]["offload_moved_mb"] > 0 and metrics[0]["offload_device_live_mb"] == 0
+        if offloaded:  # copy mode on a CPU: every moved original freed as it was copied; each copy read back once
+            first = metrics[0]
+            assert first["offload_moved_mb"] > 0 and first["offload_device_live_mb"] == 0
+            assert first["offload_fetched_mb"] == first["offload_moved_mb"]
 
 
 @pytest.mark.timeout(240)

@@ -234,9 +234,10 @@ class Retain(Schedule):
         kept, n = self.ctx.kept_samples(advantages)
         if self.later is not None:  # the first update's (kept) samples
             n = self.later.first_count(kept)
-        offloaded = self._offload_stats()
+        held = self._offload_stats()  # before the backward: what is still on the device while the graphs wait
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []
+        offloaded = {**held, **self._offload_stats(fetched=True)}
         self._release_offloaded()
         if self.partial is not None:  # the trained steps whose graphs were not kept, recomputed
             recomputed, n_terms = self.partial.recomputed, 1 if self.unscaled else n
@@ -260,13 +261,17 @@ class Retain(Schedule):
         if self.offload is not None and not self.kept:
             self.offload.reset()
 
-    def _offload_stats(self) -> dict:
-        """What the offload moved this iteration (MiB per process) and what of it is still on the device."""
+    def _offload_stats(self, fetched: bool = False) -> dict:
+        """What the offload moved this iteration (MiB per process): before the backward, out and what of it is still
+        on the device; after it (``fetched``), what came back and how many groups the backward read before their
+        prefetch."""
         if self.offload is None:
             return {}
         stats, mib = self.offload.stats, 2.0**-20
+        if fetched:
+            return {"offload_fetched_mb": stats.fetched_bytes * mib, "offload_demand_fetches": stats.demand_fetches}
         return {
-            "offload_moved_mb": (stats.moved_bytes) * mib,
+            "offload_moved_mb": stats.moved_bytes * mib,
             "offload_resident_mb": stats.resident_bytes * mib,
             "offload_device_live_mb": self.offload.device_live_bytes() * mib,
             "offload_host_mb": (self.offload.arena.high_water if self.offload.arena else 0) * mib,

@@ -47,7 +47,7 @@ from lean.observe.provenance import machine
 from lean.parallel.distributed import pin_cores, set_threads
 from lean.plan.cost import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
-from lean.schedules.retain import ALL_STEPS, OFF, Retain
+from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
 RETAIN = next(name for name, schedule in SCHEDULES.items() if schedule is Retain)  # the row train.retain configures
@@ -487,8 +487,8 @@ def format_table(result: dict) -> str:
 def retain_note(result: dict) -> str:
     """Retain's row under partial retention or offload (``train.retain``), in words; empty at its defaults."""
     c = result["config"]
-    steps, offload = c.get("retain_steps", ALL_STEPS), c.get("retain_offload", OFF)
-    if steps == ALL_STEPS and offload == OFF:
+    steps, offload = c.get("retain_steps", ALL_STEPS), c.get("retain_offload", DEVICE)
+    if steps == ALL_STEPS and offload == DEVICE:
         return ""
     kept = "every" if steps == ALL_STEPS else f"the last {steps}"
     share = result.get(RETAIN, {}).get("removed_share", 1.0)
