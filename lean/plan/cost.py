@@ -55,6 +55,7 @@ from lean.sampling.transition import Transition
 from lean.schedules import (
     AUTO,
     LEAN_SCHEDULES,
+    RETAIN,
     SCHEDULES,
     IterationCosts,
     Prediction,
@@ -236,14 +237,23 @@ def iteration_costs(
         n_known=not cfg.algorithm.skip_zero_advantage,
         first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
         epochs=cfg.train.num_inner_epochs,
-        retained=min(r.steps, k) / k if isinstance((r := cfg.train.retain).steps, int) else 1.0,
-        offload=r.offload == HOST,
+        **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
         act_moved_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
-        # one group: a tracked step at one rollout micro-batch, of the rows held at once
-        act_group_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * min(probed, unit) / probed,
-        link_mb_s=r.host_link_gb_s * 1e9 / 2**20 if r.host_link_gb_s else link_mb_s,
-        host_budget_mb=r.host_memory_budget_mb or host_budget_mb,
     )
+
+
+def retain_terms(cfg: RunConfig, measured: dict, k: int, group_share: float, link_mb_s: float, host_mb: float) -> dict:
+    """:class:`IterationCosts`'s Retain terms: the run's kept share q = m / K and offload, one offload group (a
+    tracked step's moved bytes at one rollout micro-batch, ``group_share`` of it held), the link and host budget
+    (``train.retain``'s where set, else ``link_mb_s`` and ``host_mb``)."""
+    r = cfg.train.retain
+    return {
+        "retained": min(r.steps, k) / k if isinstance(r.steps, int) else 1.0,
+        "offload": r.offload == HOST,
+        "act_group_mb": measured.get("activation_moved_mb", measured["activation_mb"]) * group_share,
+        "link_mb_s": r.host_link_gb_s * 1e9 / 2**20 if r.host_link_gb_s else link_mb_s,
+        "host_budget_mb": r.host_memory_budget_mb or host_mb,
+    }
 
 
 def applicable_layouts(inp: PlanInput) -> list[str]:
@@ -367,7 +377,7 @@ def combinations(
                 if schedule not in exact or (shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule))):
                     continue
                 variants = [(ALL_STEPS, OFF, p)]  # the defaults, which the other schedules require
-                if schedule == "retain":  # the run's own train.retain, then the others
+                if schedule == RETAIN:  # the run's own train.retain, then the others
                     variants = [(*own_retain(inp.cfg, costs.k), p)]
                     variants += [v for v in retain_variants(costs, budget_mb) if v[:2] != variants[0][:2]]
                 for steps, offload, prediction in variants:
@@ -398,7 +408,7 @@ def own_retain(cfg: RunConfig, k: int) -> tuple[int | str, str]:
 
 def is_own_retain(row: dict, cfg: RunConfig) -> bool:
     """Whether a :func:`combinations` row is the run's own ``train.retain`` (every row of another schedule is)."""
-    return row["schedule"] != "retain" or (row["retain_steps"], row["offload"]) == own_retain(cfg, row["steps_trained"])
+    return row["schedule"] != RETAIN or (row["retain_steps"], row["offload"]) == own_retain(cfg, row["steps_trained"])
 
 
 def retain_variants(c: IterationCosts, budget_mb: float) -> list[tuple[int | str, str, Prediction]]:
@@ -507,10 +517,10 @@ def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Predic
     (:func:`retain_label`); with ``train.schedule=retain`` explicit, only those."""
     exact = {name: p for name, p in predict(costs).items() if name in runnable(cfg) or name == cfg.train.schedule}
     r = cfg.train.retain
-    if "retain" not in exact or AUTO not in (r.steps, r.offload):
+    if RETAIN not in exact or AUTO not in (r.steps, r.offload):
         return exact
-    del exact["retain"]
-    if cfg.train.schedule == "retain":
+    del exact[RETAIN]
+    if cfg.train.schedule == RETAIN:
         exact = {}
     k = costs.k
     for m in range(1, k + 1) if r.steps == AUTO else [k if r.steps == ALL_STEPS else min(r.steps, k)]:
@@ -520,7 +530,7 @@ def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Predic
     return exact
 
 
-RETAIN_LABEL = "retain:steps={steps}:offload={offload}"  # one Retain variant among auto's candidates
+RETAIN_LABEL = RETAIN + ":steps={steps}:offload={offload}"  # one Retain variant among auto's candidates
 
 
 def retain_label(steps: int | str, offload: str) -> str:
@@ -531,19 +541,19 @@ def retain_choice(choice: str, cfg: RunConfig) -> dict:
     """``choice`` (a schedule, or a :func:`retain_label`) as ``{"choice": schedule}`` with, where ``train.retain``
     has an ``auto`` key, the keys' resolved values (the defaults when the choice is not Retain)."""
     r = cfg.train.retain
-    if not choice.startswith("retain:"):
+    if not choice.startswith(f"{RETAIN}:"):
         if AUTO in (r.steps, r.offload):
             return {"choice": choice, "retain_steps": ALL_STEPS, "retain_offload": OFF}
         return {"choice": choice}
     _, steps, offload = (part.split("=")[-1] for part in choice.split(":"))
-    return {"choice": "retain", "retain_steps": steps if steps == ALL_STEPS else int(steps), "retain_offload": offload}
+    return {"choice": RETAIN, "retain_steps": steps if steps == ALL_STEPS else int(steps), "retain_offload": offload}
 
 
 def described_choice(decision: dict) -> str:
     """``auto``'s choice as printed: the schedule, with ``train.retain``'s resolved keys where it is Retain."""
-    if decision["choice"] != "retain" or "retain_steps" not in decision:
+    if decision["choice"] != RETAIN or "retain_steps" not in decision:
         return decision["choice"]
-    return f"retain (train.retain.steps={decision['retain_steps']}, offload={decision['retain_offload']})"
+    return f"{RETAIN} (train.retain.steps={decision['retain_steps']}, offload={decision['retain_offload']})"
 
 
 def with_retain(cfg: RunConfig, steps: int | str, offload: str) -> RunConfig:
@@ -650,7 +660,7 @@ def print_combinations(rows: list[dict], own: tuple[str, str, bool]) -> None:
 
 def retain_columns(row: dict) -> tuple[str, str]:
     """A row's (m, offload) as printed: ``all`` / m and off / host for Retain, ``-`` for the others."""
-    if row["schedule"] != "retain":
+    if row["schedule"] != RETAIN:
         return "-", "-"
     return str(row["retain_steps"]), row["offload"]
 

@@ -76,6 +76,7 @@ from lean.run.iteration import local_batch
 from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import sigma_schedule
 from lean.sampling.transition import Transition
+from lean.schedules import RETAIN
 
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
 ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
@@ -612,7 +613,7 @@ def print_meta_plan(cfg, r: dict) -> None:
             f"{'on' if best['gradient_checkpointing'] else 'off'}"
             + (
                 f", train.retain.steps={best['retain_steps']}, offload={best['offload']}"
-                if best["schedule"] == "retain"
+                if best["schedule"] == RETAIN
                 else ""
             )
         )
