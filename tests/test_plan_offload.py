@@ -72,6 +72,9 @@ def test_offloaded_graphs_leave_two_groups_on_the_device_and_the_rest_on_the_hos
     h2d = (groups - 1) * max(0.0, 1.0 - 1.0)  # a group's backward: (fb - f) / 2 = 1 s
     assert slow.exposed_transfer_s == pytest.approx(d2h + h2d)
     assert slow.time_iteration_s == pytest.approx(p.time_iteration_s + d2h + h2d)
+    # the moved bytes count each view's span, act each storage once: moved can be above act, nothing is left then
+    above = Retain.predict(dataclasses.replace(COSTS, offload=True, act_moved_mb=110.0, act_group_mb=55.0))
+    assert above.peak_memory_mb == 1000 + 2 * 55 + 30
 
 
 def test_the_rows_add_the_largest_m_that_fits_where_every_step_does_not():

@@ -271,6 +271,6 @@ def kept_graphs(c: IterationCosts, held: float, units: int) -> Prediction:
     boundary = units * max(0.0, copy - c.score / units)
     d2h = boundary + (groups - units) * max(0.0, copy - c.f * group / moved_mb)
     h2d = boundary + (groups - units) * max(0.0, copy - (c.fb - c.f) * group / moved_mb)
-    resident = held * (c.act_mb - moved_mb)
+    resident = held * max(c.act_mb - moved_mb, 0.0)  # moved counts views' spans, act storages: it can be above
     total = units * host
     return Prediction(resident + 2 * group, 0.0, host, total, total, d2h + h2d)
