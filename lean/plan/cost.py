@@ -22,7 +22,11 @@ the other shard setting is modelled from it (:func:`shard_variant`: what shardin
 (default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
 Recompute. When none fits, it takes the one predicted smallest; it chooses among the schedules that run the config
 exactly (``lean.schedules.runnable``). It logs the figures. With several optimizer steps per rollout, Retain and
-Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). The published sizes
+Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). Retain is predicted at the run's
+``train.retain`` (m of K steps kept, on the device or offloaded to host memory: ``Retain.predict``); the table adds its
+rows of other (m, offload) (:func:`retain_variants`), and where a ``train.retain`` key is ``auto``, ``auto`` weighs
+every (m, offload) it allows and sets the keys (:func:`exact_predictions`, :func:`retain_choice`; a row or choice
+fits only if its pinned host memory fits the host budget too). The published sizes
 are not built on a CPU: ``lean plan`` then reports the transformer's parameters and the memory its weights,
 trainable parameters and AdamW moments take, counted on the meta device (:func:`published_size`).
 """
