@@ -136,3 +136,28 @@ def test_train_start_resolves_the_auto_keys_into_the_runs_config():
         decision["retain_offload"],
     )
     assert trainer.cfg is trainer.pipeline.cfg and "auto" not in (retain.steps, retain.offload)
+
+
+def test_the_plans_bytes_are_what_the_hooks_pack_around_the_rollout():
+    """``offload_bytes`` (the plan's bytes moved each way) against the offload hooks in count mode around one
+    iteration's rollout (where ``Schedule.saving()`` goes), tiny FLUX in the group layout: the same to 1% (measured:
+    1370256 packed, 1370112 planned; DanceGRPO's tiny preset, per-sample draws in a hybrid: 3%)."""
+    from helpers import tiny
+
+    from lean.parallel.distributed import World
+    from lean.plan.cost import offload_bytes
+    from lean.train import Trainer
+
+    cfg = tiny("model.family=flux", "train.schedule=retain")
+    trainer, hooks = Trainer(cfg, World()), SavedTensorOffload("count")
+    rollout = trainer.pipeline.rollout
+
+    def hooked(*args, **kwargs):
+        with hooks.saving():
+            return rollout(*args, **kwargs)
+
+    trainer.pipeline.rollout = hooked
+    trainer.iteration(0, "retain", measure_memory=False)
+    planned = offload_bytes(cfg)
+    assert planned["d2h_bytes"] == planned["h2d_bytes"]
+    assert planned["d2h_bytes"] == pytest.approx(hooks.stats.moved_bytes, rel=0.01)
