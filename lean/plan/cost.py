@@ -510,7 +510,8 @@ def decide(inp: PlanInput) -> dict:
     check of an explicit Lean schedule, and ``train.retain``'s ``auto`` keys): ``choice`` is a schedule; for Retain
     (or ``auto`` keys) also ``retain_steps`` and ``retain_offload``, the keys' resolved values."""
     cfg, device = inp.cfg, inp.policy.device
-    costs = iteration_costs(inp, probe(inp), link_mb_s=host_link_mb_s(device), host_budget_mb=host_budget_mb(cfg))
+    link = host_link_mb_s(device) if cfg.train.retain.offload != OFF else float("inf")  # timed only where it matters
+    costs = iteration_costs(inp, probe(inp), link_mb_s=link, host_budget_mb=host_budget_mb(cfg))
     decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, device), costs.host_budget_mb)
     return {**decision, **retain_choice(decision["choice"], cfg)}
 
