@@ -434,7 +434,7 @@ def meta_plan(
 
 
 # The config keys a count does not read: the plan's rows vary them (a config differing only there counts the same)
-ROW_ONLY = {"train": ("schedule",), "parallel": ("layout",)}
+ROW_ONLY = {"train": ("schedule", "retain"), "parallel": ("layout",)}
 _COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
 
 
