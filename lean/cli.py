@@ -84,6 +84,12 @@ def _training_commands(sub) -> None:
     )
     p.add_argument("--gpus", type=int, default=8, help="with --gpu-mem-gb: the number of GPUs (processes)")
     p.add_argument("--mfu", type=float, default=None, help="with --gpu-mem-gb: the assumed model FLOP utilisation")
+    p.add_argument(
+        "--host-link",
+        choices=sorted(meta_plan.HOST_LINK_GB_S),
+        default=meta_plan.REFERENCE_HOST_LINK,
+        help="with --gpu-mem-gb: the GPU's host link for offloaded graphs (train.retain.host_link_gb_s overrides it)",
+    )
     _add_run_options(
         sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
     )
@@ -274,7 +280,9 @@ def _plan(args) -> int:
         raise ConfigError("--gpu-mem-gb", args.gpu_mem_gb, "must be positive")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu", args.mfu, "must be in (0, 1]: the share of the peak FLOP/s a step reaches")
-    meta_plan.meta_plan(cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, out=args.out)
+    meta_plan.meta_plan(
+        cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, args.out, args.host_link
+    )
     return 0
 
 

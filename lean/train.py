@@ -28,7 +28,7 @@ from lean.observe.metrics import FlopTally, median
 from lean.observe.outputs import numbers, write_csv, write_json
 from lean.parallel.distributed import World, init_world, set_threads
 from lean.parallel.sharding import FSDP, effective_shard
-from lean.plan.cost import PlanInput, decide, plan_input
+from lean.plan.cost import PlanInput, decide, described_choice, plan_input, with_retain
 from lean.run.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.run.optimizer import TrainState
 from lean.run.preemption import Preempted, StopOnSigterm
@@ -74,15 +74,21 @@ class Trainer:
 
 
 def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
-    """``auto`` -> a Lean schedule from the memory budget (``lean.plan.cost``). An explicit Lean schedule with a
-    ``train.memory_budget_mb`` is refused up front when its predicted peak exceeds the budget."""
+    """``auto`` -> a Lean schedule from the memory budget (``lean.plan.cost``), and ``train.retain``'s ``auto`` keys
+    -> the kept steps and offload of the fastest Retain variant that fits the device and host budgets (the run's
+    config takes them). An explicit Lean schedule with a ``train.memory_budget_mb`` is refused up front when its
+    predicted peak exceeds the budget."""
     t = trainer.cfg.train
-    if t.schedule == AUTO:  # each process times its own probe: they take the main process's choice
+    if t.schedule == AUTO or AUTO in (t.retain.steps, t.retain.offload):
+        # each process times its own probe: they take the main process's choice
         decision = trainer.world.main_value(decide(trainer.plan_input()))
+        if "retain_steps" in decision:  # train.retain's auto keys, resolved for the run's schedule
+            resolved = with_retain(trainer.cfg, decision["retain_steps"], decision["retain_offload"])
+            trainer.cfg = trainer.pipeline.cfg = resolved
         if trainer.world.is_main:
             print(
                 f"lean auto: {', '.join(f'{k} {v:.0f} MiB' for k, v in decision.items() if k.endswith('_mb'))} "
-                f"-> {decision['choice']}",
+                f"-> {described_choice(decision)}",
                 flush=True,
             )
         return decision["choice"], decision

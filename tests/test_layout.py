@@ -170,7 +170,7 @@ def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp
 
     # 2 groups of 4 in micro-batches of one group, as the README's bench memory table
     cfg = tiny("train.prompts_per_iteration=2", "train.group_size=4", "train.rollout_batch_size=4")
-    rows = plan(cfg)["combinations"]
+    rows = [r for r in plan(cfg)["combinations"] if (r["retain_steps"], r["offload"]) == ("all", "off")]  # as published
     assert {(r["layout"], r["shard"], r["gradient_checkpointing"]) for r in rows} == {
         (layout, "none", ck) for layout in ("group", "slice") for ck in (False, True)
     }  # one process: nothing to shard over
@@ -238,15 +238,26 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "counted on the meta device for 8 GPUs of 80 GB (24 samples per data-parallel rank" in out
     report = json.loads((tmp_path / "plan.json").read_text())
-    # 3 schedules x 2 layouts x 2 shards x checkpointing off/on
-    assert len(report["combinations"]) == 24 and report["published_size"]["transformer_parameters"] > 11e9
+    # 3 schedules x 2 layouts x 2 shards x checkpointing off/on, Retain's with its kept steps x offload
+    settings = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]) for r in report["combinations"]}
+    assert len(settings) == 24 and report["published_size"]["transformer_parameters"] > 11e9
     fits = {
-        (r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"])
+        (r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"], r["retain_steps"], r["offload"])
         for r in report["combinations"]
         if r["fits"]
     }
-    assert ("recompute", "group", "none", True) in fits  # DanceGRPO's own set-up (checkpointing on) fits 80 GB
-    assert ("retain", "slice", "none", False) not in fits  # 144 trajectory-steps of a 12B model's activations do not
+    assert ("recompute", "group", "none", True, "all", "off") in fits  # DanceGRPO's own set-up fits 80 GB
+    # 144 trajectory-steps of a 12B model's activations on the device do not; offloaded (or fewer kept) they do,
+    # each row with its host memory, bytes moved and exposed copy time, and its time beside Recompute's and Reweight's
+    assert ("retain", "slice", "none", False, "all", "off") not in fits
+    assert ("retain", "group", "fsdp", True, "all", "host") in fits
+    offloaded = [
+        r for r in report["combinations"] if r["schedule"] == "retain" and r["fits"] and r["offload"] == "host"
+    ]
+    assert all(
+        0 < r["host_mb"] <= report["assumed"]["host_budget_mb"] and r["d2h_mb"] == r["h2d_mb"] for r in offloaded
+    )
+    assert any(line.startswith("retain") and " host " in line and line.endswith("yes") for line in out.splitlines())
     assert report["fastest_fitting"]["time_iteration_s"] <= min(
         r["time_iteration_s"] for r in report["combinations"] if r["fits"]
     )
@@ -270,8 +281,18 @@ def test_plan_of_a_published_full_fine_tune_on_gpus(capsys, tmp_path):
     rows = json.loads((tmp_path / "plan.json").read_text())["combinations"]
     assert {r["shard"] for r in rows if r["fits"]} == {"fsdp"}
     assert not any(r["shard"] == "fsdp" and r["schedule"] == "reweight" for r in rows)  # refused: see fsdp_problem
+    # Retain's graphs on the device do not fit beside the sharded state; offloaded (or fewer of them) they do, faster
+    # than Recompute
+    fitting = {
+        (r["schedule"], r["gradient_checkpointing"], r["retain_steps"], r["offload"]): r for r in rows if r["fits"]
+    }
+    assert ("retain", True, "all", "off") not in fitting and ("retain", True, "all", "host") in fitting
+    assert (
+        fitting["retain", True, "all", "host"]["time_iteration_s"]
+        < fitting["recompute", True, "all", "off"]["time_iteration_s"]
+    )
     captured = capsys.readouterr()
-    assert "fastest that fits in 72 GiB: recompute" in captured.out
+    assert "fastest that fits in 72 GiB: retain" in captured.out and "offload=host" in captured.out
     refusal = captured.err.strip().splitlines()[-1]
     assert "over the 72 GiB budget" in refusal and "the nearest row that fits" in refusal
     assert "--set parallel.shard=fsdp" in refusal and "train.schedule" not in refusal.split("nearest")[1]

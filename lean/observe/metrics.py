@@ -229,17 +229,45 @@ class PeakMemory:
         return self.peak_mb - self.start_mb
 
 
+def stays_on_device(t: torch.Tensor) -> bool:
+    """Whether a saved tensor stays where it is when kept graphs are offloaded (``lean.schedules.offload``): a
+    parameter or a view of one (resident anyway; FSDP2 re-gathers its own), a leaf (an input the caller holds), a
+    sparse or empty tensor. What moves has a ``grad_fn``: an activation of the tracked forward."""
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        return True
+    return t.grad_fn is None or t.layout != torch.strided or t.numel() == 0
+
+
+def span(t: torch.Tensor) -> int:
+    """Elements of ``t``'s storage from its first element to its last, 1 + sum_d (size_d - 1) stride_d: what a copy
+    that keeps ``t``'s strides holds (``numel`` for a dense layout in any dimension order; less for an expanded view,
+    more for a strided slice)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes a copy of ``t`` moves: its :func:`span`."""
+    return span(t) * t.element_size()
+
+
 class SavedBytes:
-    """Bytes of the distinct storages autograd saves for backward while :meth:`watching`, counted between two
-    :meth:`take` calls (each storage once: views of one tensor share it)."""
+    """Bytes autograd saves for backward while :meth:`watching`, counted between two :meth:`take` calls: every
+    distinct storage once (views of one tensor share it), and apart the bytes an offload of the kept graphs would
+    move (:func:`stays_on_device` excluded; each distinct view's :func:`nbytes`, as the offload's hooks copy them).
+    The moved part is counted on the meta device too (``lean.plan.meta``)."""
 
     def __init__(self):
         self.pending: dict[int, int] = {}
+        self.moved: dict[tuple, int] = {}
 
     def _pack(self, tensor):
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+        if isinstance(tensor, torch.Tensor):
             storage = tensor.untyped_storage()
-            self.pending[storage.data_ptr()] = storage.nbytes()
+            if tensor.device.type != "meta":
+                self.pending[storage.data_ptr()] = storage.nbytes()
+            if not stays_on_device(tensor):  # the offload's record key: a view of a live storage
+                key = (storage._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                self.moved[key] = nbytes(tensor)
         return tensor
 
     @contextlib.contextmanager
@@ -247,10 +275,15 @@ class SavedBytes:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
 
-    def take(self) -> int:
-        total = sum(self.pending.values())
+    def take_split(self) -> tuple[int, int]:
+        """(every saved storage's bytes, the bytes an offload moves) since the last take; both restart."""
+        total, moved = sum(self.pending.values()), sum(self.moved.values())
         self.pending.clear()
-        return total
+        self.moved.clear()
+        return total, moved
+
+    def take(self) -> int:
+        return self.take_split()[0]
 
 
 # ---------------------------------------------------------------- FLOPs

@@ -22,7 +22,11 @@ the other shard setting is modelled from it (:func:`shard_variant`: what shardin
 (default: the device's memory); Recompute is among them, so it never takes a Lean schedule predicted slower than
 Recompute. When none fits, it takes the one predicted smallest; it chooses among the schedules that run the config
 exactly (``lean.schedules.runnable``). It logs the figures. With several optimizer steps per rollout, Retain and
-Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). The published sizes
+Reweight are predicted as the hybrids they run (``lean.schedules.hybrid``). Retain is predicted at the run's
+``train.retain`` (m of K steps kept, on the device or offloaded to host memory: ``Retain.predict``); the table adds its
+rows of other (m, offload) (:func:`retain_variants`), and where a ``train.retain`` key is ``auto``, ``auto`` weighs
+every (m, offload) it allows and sets the keys (:func:`exact_predictions`, :func:`retain_choice`; a row or choice
+fits only if its pinned host memory fits the host budget too). The published sizes
 are not built on a CPU: ``lean plan`` then reports the transformer's parameters and the memory its weights,
 trainable parameters and AdamW moments take, counted on the meta device (:func:`published_size`).
 """
@@ -30,6 +34,7 @@ trainable parameters and AdamW moments take, counted on the meta device (:func:`
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,9 +47,9 @@ from lean.config.dtypes import DTYPES, master_dtype
 from lean.models.build import lora_config
 from lean.models.footprint import meta_transformer
 from lean.models.registry import family_spec
-from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
+from lean.observe.metrics import MEMORY_MARGIN, PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
-from lean.parallel.distributed import init_world
+from lean.parallel.distributed import World, init_world
 from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
 from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
@@ -54,6 +59,7 @@ from lean.sampling.transition import Transition
 from lean.schedules import (
     AUTO,
     LEAN_SCHEDULES,
+    RETAIN,
     SCHEDULES,
     IterationCosts,
     Prediction,
@@ -65,6 +71,7 @@ from lean.schedules import (
 )
 from lean.schedules.per_sample import linear_owners
 from lean.schedules.recompute import first_update_rows
+from lean.schedules.retain import ALL_STEPS, DEVICE, HOST, OFFLOADS, Retain
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -154,12 +161,13 @@ def probe(inp: PlanInput) -> dict:
     saved = SavedBytes()
     with saved.watching():
         step(full, grad=True)()
-        activation = saved.take()
+        activation, moved = saved.take_split()
         step(one, grad=True)()
         activation_one = saved.take()
     result = {
         "batch": batch,
         "activation_mb": activation / 2**20,
+        "activation_moved_mb": moved / 2**20,  # what an offload of the kept graphs moves (parameters, leaves stay)
         "activation_one_mb": activation_one / 2**20,
         "t_forward": _timed(step(full)),
         "t_forward_backward": _timed(step(full, backward=True)),
@@ -178,9 +186,17 @@ def probe(inp: PlanInput) -> dict:
     return result
 
 
-def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -> IterationCosts:
+def iteration_costs(
+    inp: PlanInput,
+    measured: dict,
+    layout: str | None = None,
+    link_mb_s: float = float("inf"),
+    host_budget_mb: float = float("inf"),
+) -> IterationCosts:
     """The probe's figures scaled to one process's whole iteration (see :class:`IterationCosts`), in the run's
-    layout or in ``layout`` (``lean.parallel.layout``)."""
+    layout or in ``layout`` (``lean.parallel.layout``). Retain's kept share and offload are the run's
+    (``train.retain``; ``auto`` counts as all steps, on the device: :func:`retain_variants` tries the others); the
+    host link and host budget are ``train.retain``'s where set, else ``link_mb_s`` and ``host_budget_mb``."""
     cfg = inp.cfg
     laid_out = (
         cfg if layout is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
@@ -225,7 +241,23 @@ def iteration_costs(inp: PlanInput, measured: dict, layout: str | None = None) -
         n_known=not cfg.algorithm.skip_zero_advantage,
         first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
         epochs=cfg.train.num_inner_epochs,
+        **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
+        act_moved_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
     )
+
+
+def retain_terms(cfg: RunConfig, measured: dict, k: int, group_share: float, link_mb_s: float, host_mb: float) -> dict:
+    """:class:`IterationCosts`'s Retain terms: the run's kept share q = m / K and offload, one offload group (a
+    tracked step's moved bytes at one rollout micro-batch, ``group_share`` of it held), the link and host budget
+    (``train.retain``'s where set, else ``link_mb_s`` and ``host_mb``)."""
+    r = cfg.train.retain
+    return {
+        "retained": min(r.steps, k) / k if isinstance(r.steps, int) else 1.0,
+        "offload": r.offload == HOST,
+        "act_group_mb": measured.get("activation_moved_mb", measured["activation_mb"]) * group_share,
+        "link_mb_s": r.host_link_gb_s * 1e9 / 2**20 if r.host_link_gb_s else link_mb_s,
+        "host_budget_mb": r.host_memory_budget_mb or host_mb,
+    }
 
 
 def applicable_layouts(inp: PlanInput) -> list[str]:
@@ -327,31 +359,95 @@ def shard_probes(
 MEMORY_TERMS = ("base_mb", "activation_mb", "backward_transient_mb", "decode_mb")
 
 
-def combinations(inp: PlanInput, probes: dict[tuple[str, bool], dict]) -> list[dict]:
+def combinations(
+    inp: PlanInput,
+    probes: dict[tuple[str, bool], dict],
+    budget_mb: float = float("inf"),
+    link_mb_s: float = float("inf"),
+    host_budget_mb: float = float("inf"),
+) -> list[dict]:
     """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
     checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.schedules.fsdp_problem``) is
-    left out of the fsdp rows."""
+    left out of the fsdp rows. Retain has a row per :func:`retain_variants` (kept steps m x offload, against
+    ``budget_mb`` and the host budget), each row with its ``retain_steps`` and ``offload`` (the other schedules: the
+    defaults, which they require)."""
     rows, exact = [], algorithm_schedules(inp.cfg)  # the schedules that compute the algorithm's gradient
     for layout in applicable_layouts(inp):
         for (shard, checkpointing), measured in sorted(
             probes.items(), key=lambda kv: (SHARDS.names.index(kv[0][0]), kv[0][1])
         ):
-            for schedule, p in predict(iteration_costs(inp, measured, layout)).items():
-                if shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule)):
+            costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
+            for schedule, p in predict(costs).items():
+                if schedule not in exact or (shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule))):
                     continue
-                if schedule not in exact:
-                    continue
-                rows.append(
-                    {
-                        "schedule": schedule,
-                        "layout": layout,
-                        "shard": shard,
-                        "gradient_checkpointing": checkpointing,
-                        **vars(p),
-                        **{term: measured[term] for term in MEMORY_TERMS},
-                    }
-                )
+                variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
+                if schedule == RETAIN:  # the run's own train.retain, then the others
+                    variants = [(*own_retain(inp.cfg, costs.k), p)]
+                    variants += [v for v in retain_variants(costs, budget_mb) if v[:2] != variants[0][:2]]
+                for steps, offload, prediction in variants:
+                    rows.append(
+                        {
+                            "schedule": schedule,
+                            "layout": layout,
+                            "shard": shard,
+                            "gradient_checkpointing": checkpointing,
+                            "steps_trained": costs.k,
+                            "retain_steps": steps,
+                            "offload": offload,
+                            **vars(prediction),
+                            "host_fits": prediction.host_mb <= costs.host_budget_mb,
+                            **{term: measured[term] for term in MEMORY_TERMS},
+                        }
+                    )
     return rows
+
+
+def own_retain(cfg: RunConfig, k: int) -> tuple[int | str, str]:
+    """The run's ``train.retain`` as a row's (``retain_steps``, ``offload``) with K = ``k``: m >= K is ``all``, and
+    an ``auto`` key counts as its default (as :func:`iteration_costs` predicts it)."""
+    r = cfg.train.retain
+    steps = r.steps if isinstance(r.steps, int) and r.steps < k else ALL_STEPS
+    return steps, DEVICE if r.offload == AUTO else r.offload
+
+
+def is_own_retain(row: dict, cfg: RunConfig) -> bool:
+    """Whether a :func:`combinations` row is the run's own ``train.retain`` (every row of another schedule is)."""
+    return row["schedule"] != RETAIN or (row["retain_steps"], row["offload"]) == own_retain(cfg, row["steps_trained"])
+
+
+def retain_variants(c: IterationCosts, budget_mb: float) -> list[tuple[int | str, str, Prediction]]:
+    """Retain's (m, offload, prediction) rows: for each offload (off, host), every trained step kept (m = K, shown as
+    ``all``), and where that does not fit ``budget_mb`` and the host budget, the largest m < K that does (if any):
+    four rows at most."""
+    rows = []
+    for offload in OFFLOADS:
+        at = {
+            m: Retain.predict(dataclasses.replace(c, retained=m / c.k, offload=offload == HOST))
+            for m in range(1, c.k + 1)
+        }
+        rows.append((ALL_STEPS, offload, at[c.k]))
+        if not fits(at[c.k], c, budget_mb):
+            smaller = [m for m in range(c.k - 1, 0, -1) if fits(at[m], c, budget_mb)]
+            if smaller:
+                rows.append((smaller[0], offload, at[smaller[0]]))
+    return rows
+
+
+def fits(p: Prediction, c: IterationCosts, budget_mb: float) -> bool:
+    """Whether ``p`` fits the device budget and (what it offloads) the host budget of ``c``."""
+    return p.peak_memory_mb <= budget_mb and p.host_mb <= c.host_budget_mb
+
+
+def offload_bytes(cfg: RunConfig, measured: dict | None = None) -> dict:
+    """The plan's bytes that Retain's offload moves each way in one iteration of one process, for ``cfg`` at its
+    ``train.retain`` (steps, offload forced to host) on this machine: ``{"d2h_bytes", "h2d_bytes", "host_bytes"}``
+    (host: held at once), from :func:`probe` (or ``measured``, its figures). What ``tests`` compare with the
+    offload hooks' ``stats.moved_bytes`` and ``fetched_bytes``."""
+    pipeline = build_pipeline(cfg, World())
+    inp = plan_input(pipeline)
+    costs = dataclasses.replace(iteration_costs(inp, measured or probe(inp)), offload=True)
+    p = Retain.predict(costs)
+    return {"d2h_bytes": p.d2h_mb * 2**20, "h2d_bytes": p.h2d_mb * 2**20, "host_bytes": p.host_mb * 2**20}
 
 
 def predict(costs: IterationCosts) -> dict[str, Prediction]:
@@ -364,10 +460,11 @@ def prediction_table(costs: IterationCosts) -> dict:
     return {"steps_trained": costs.k, **{name: vars(p) for name, p in predict(costs).items()}}
 
 
-def choose(predictions: dict[str, Prediction], budget_mb: float) -> dict:
-    """``auto``: the schedule predicted fastest among those predicted to fit ``budget_mb`` (the baseline is one of
-    them: a Lean schedule predicted slower than it is never taken), else the one predicted smallest."""
-    fitting = [s for s in predictions if predictions[s].peak_memory_mb <= budget_mb]
+def choose(predictions: dict[str, Prediction], budget_mb: float, host_budget_mb: float = float("inf")) -> dict:
+    """``auto``: the schedule predicted fastest among those predicted to fit ``budget_mb`` and (what they offload)
+    ``host_budget_mb`` (the baseline is one of them: a Lean schedule predicted slower than it is never taken), else
+    the one predicted smallest."""
+    fitting = [s for s, p in predictions.items() if p.peak_memory_mb <= budget_mb and p.host_mb <= host_budget_mb]
     if fitting:
         choice = min(fitting, key=lambda s: predictions[s].time_iteration_s)
     else:
@@ -384,15 +481,90 @@ def budget_mb(cfg: RunConfig, device: torch.device) -> float:
     return cfg.train.memory_budget_mb or device_memory_mb(device)
 
 
+def host_budget_mb(cfg: RunConfig) -> float:
+    """Pinned host memory one process may take for offloaded graphs: ``train.retain.host_memory_budget_mb``, else the
+    available RAM x :data:`MEMORY_MARGIN` shared by the node's processes (``LOCAL_WORLD_SIZE``, torchrun's)."""
+    if cfg.train.retain.host_memory_budget_mb:
+        return cfg.train.retain.host_memory_budget_mb
+    with open("/proc/meminfo") as f:
+        available = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) / 1024
+    return available * MEMORY_MARGIN / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def host_link_mb_s(device: torch.device, mb: float = 256.0) -> float:
+    """MiB/s of a pinned host copy each way on a CUDA ``device`` (the slower direction, the median of 3 of ``mb``
+    MiB); on a CPU the "host" is the same memory: no link (inf)."""
+    if device.type != "cuda":
+        return float("inf")
+    host = torch.empty(int(mb * 2**20), dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty_like(host, device=device)
+    seconds = max(
+        _timed(lambda: on_device.copy_(host, non_blocking=True)),
+        _timed(lambda: host.copy_(on_device, non_blocking=True)),
+    )
+    return mb / max(seconds, 1e-9)
+
+
 def decide(inp: PlanInput) -> dict:
-    """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, and the
-    budget check of an explicit Lean schedule)."""
-    return choose(exact_predictions(inp.cfg, iteration_costs(inp, probe(inp))), budget_mb(inp.cfg, inp.policy.device))
+    """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, the budget
+    check of an explicit Lean schedule, and ``train.retain``'s ``auto`` keys): ``choice`` is a schedule; for Retain
+    (or ``auto`` keys) also ``retain_steps`` and ``retain_offload``, the keys' resolved values."""
+    cfg, device = inp.cfg, inp.policy.device
+    link = host_link_mb_s(device) if cfg.train.retain.offload != DEVICE else float("inf")  # timed only where it matters
+    costs = iteration_costs(inp, probe(inp), link_mb_s=link, host_budget_mb=host_budget_mb(cfg))
+    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, device), costs.host_budget_mb)
+    return {**decision, **retain_choice(decision["choice"], cfg)}
 
 
 def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Prediction]:
-    """:func:`predict` of the schedules that run ``cfg`` exactly (and of its own schedule): what ``auto`` weighs."""
-    return {name: p for name, p in predict(costs).items() if name in runnable(cfg) or name == cfg.train.schedule}
+    """:func:`predict` of the schedules that run ``cfg`` exactly (and of its own schedule): what ``auto`` weighs.
+    Where ``train.retain.steps`` or ``offload`` is ``auto``, Retain's entry is one per (m, offload) they allow
+    (:func:`retain_label`); with ``train.schedule=retain`` explicit, only those."""
+    exact = {name: p for name, p in predict(costs).items() if name in runnable(cfg) or name == cfg.train.schedule}
+    r = cfg.train.retain
+    if RETAIN not in exact or AUTO not in (r.steps, r.offload):
+        return exact
+    del exact[RETAIN]
+    if cfg.train.schedule == RETAIN:
+        exact = {}
+    k = costs.k
+    for m in range(1, k + 1) if r.steps == AUTO else [k if r.steps == ALL_STEPS else min(r.steps, k)]:
+        for offload in OFFLOADS if r.offload == AUTO else [r.offload]:
+            variant = dataclasses.replace(costs, retained=m / k, offload=offload == HOST)
+            exact[retain_label(ALL_STEPS if m == k else m, offload)] = Retain.predict(variant)
+    return exact
+
+
+RETAIN_LABEL = RETAIN + ":steps={steps}:offload={offload}"  # one Retain variant among auto's candidates
+
+
+def retain_label(steps: int | str, offload: str) -> str:
+    return RETAIN_LABEL.format(steps=steps, offload=offload)
+
+
+def retain_choice(choice: str, cfg: RunConfig) -> dict:
+    """``choice`` (a schedule, or a :func:`retain_label`) as ``{"choice": schedule}`` with, where ``train.retain``
+    has an ``auto`` key, the keys' resolved values (the defaults when the choice is not Retain)."""
+    r = cfg.train.retain
+    if not choice.startswith(f"{RETAIN}:"):
+        if AUTO in (r.steps, r.offload):
+            return {"choice": choice, "retain_steps": ALL_STEPS, "retain_offload": DEVICE}
+        return {"choice": choice}
+    _, steps, offload = (part.split("=")[-1] for part in choice.split(":"))
+    return {"choice": RETAIN, "retain_steps": steps if steps == ALL_STEPS else int(steps), "retain_offload": offload}
+
+
+def described_choice(decision: dict) -> str:
+    """``auto``'s choice as printed: the schedule, with ``train.retain``'s resolved keys where it is Retain."""
+    if decision["choice"] != RETAIN or "retain_steps" not in decision:
+        return decision["choice"]
+    return f"{RETAIN} (train.retain.steps={decision['retain_steps']}, offload={decision['retain_offload']})"
+
+
+def with_retain(cfg: RunConfig, steps: int | str, offload: str) -> RunConfig:
+    """``cfg`` with ``train.retain.steps=steps`` and ``train.retain.offload=offload``."""
+    retain = dataclasses.replace(cfg.train.retain, steps=steps, offload=offload)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, retain=retain))
 
 
 def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict:
@@ -438,16 +610,22 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     by_checkpointing = probe_checkpointing(inp)
     measured = by_checkpointing[cfg.model.gradient_checkpointing]
     link = link_speed(pipeline.world, shard_sizes(inp.policy).unit)
-    costs = iteration_costs(inp, measured)
-    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, pipeline.world.device))
+    device = pipeline.world.device
+    host = {"link_mb_s": host_link_mb_s(device), "host_budget_mb": host_budget_mb(cfg)}
+    costs = iteration_costs(inp, measured, **host)
+    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, device), costs.host_budget_mb)
+    decision = {**decision, **retain_choice(decision["choice"], cfg)}
     report = {
         "probe": measured,
         "layout": resolve_layout(cfg, inp.world_size),
         "prediction": prediction_table(costs),
         "link_mb_per_s": link,
-        "combinations": combinations(inp, shard_probes(inp, by_checkpointing, link)),
+        "host_link_mb_per_s": costs.link_mb_s,
+        "host_budget_mb": costs.host_budget_mb,
+        "combinations": combinations(inp, shard_probes(inp, by_checkpointing, link), decision["budget_mb"], **host),
         "budget_mb": decision["budget_mb"],
         "auto_choice": decision["choice"],
+        **{k: decision[k] for k in ("retain_steps", "retain_offload") if k in decision},
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
@@ -472,15 +650,24 @@ def print_published_size(cfg: RunConfig, r: dict) -> None:
 
 def print_combinations(rows: list[dict], own: tuple[str, str, bool]) -> None:
     """The :func:`combinations` table; * marks this run's (layout, shard, checkpointing), whose figures are measured
-    (the other shard's are modelled from them)."""
-    head = f"{'schedule':10} {'layout':7} {'shard':5} {'checkpointing':>13}"
-    print(f"{head} {'peak memory MiB':>16} {'time/iteration s':>17}")
+    (the other shard's are modelled from them). m: Retain's kept steps per sample; host: its offloaded graphs."""
+    head = f"{'schedule':10} {'layout':7} {'shard':5} {'checkpointing':>13} {'m':>3} {'offload':7}"
+    print(f"{head} {'peak memory MiB':>16} {'host MiB':>9} {'exposed s':>9} {'time/iteration s':>17}")
     for r in rows:
         mark = "*" if (r["layout"], r["shard"], r["gradient_checkpointing"]) == own else " "
+        m, offload = retain_columns(r)
         print(
             f"{r['schedule']:10} {r['layout']:7} {r['shard']:5} {'on' if r['gradient_checkpointing'] else 'off':>13} "
-            f"{r['peak_memory_mb']:16.1f} {r['time_iteration_s']:17.3f} {mark}"
+            f"{m:>3} {offload:7} {r['peak_memory_mb']:16.1f} {r['host_mb']:9.1f} {r['exposed_transfer_s']:9.3f} "
+            f"{r['time_iteration_s']:17.3f} {mark}"
         )
+
+
+def retain_columns(row: dict) -> tuple[str, str]:
+    """A row's (m, offload) as printed: ``all`` / m and off / host for Retain, ``-`` for the others."""
+    if row["schedule"] != RETAIN:
+        return "-", "-"
+    return str(row["retain_steps"]), row["offload"]
 
 
 def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:
@@ -502,7 +689,7 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
             continue
         why = "" if name in exact else f"  (not exact here: {schedule_problem(cfg, name)[0]})"
         print(f"{name:10} {p.peak_memory_mb:16.1f} {p.time_iteration_s:17.3f}{why}")
-    print(f"budget {decision['budget_mb']:.0f} MiB -> auto takes {decision['choice']}")
+    print(f"budget {decision['budget_mb']:.0f} MiB -> auto takes {described_choice(decision)}")
     t = cfg.train
     if (steps := t.optimizer_steps_per_iteration * t.num_inner_epochs) > 1:
         hybrids = [s for s in LEAN_SCHEDULES if s in exact]

@@ -58,7 +58,7 @@ from lean.models.build import build_policy
 from lean.models.footprint import transformer_blocks
 from lean.models.registry import family_spec
 from lean.models.sequence_parallel import base_model, enable, sequence_problem
-from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN
+from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN, SavedBytes
 from lean.observe.outputs import write_json
 from lean.parallel.overlap import sim
 from lean.parallel.overlap.p2p import SimulatedOverlap
@@ -69,15 +69,27 @@ from lean.plan.cost import (
     print_published_size,
     probe_checkpointing,
     published_size,
+    retain_columns,
     shard_probes,
 )
 from lean.run.iteration import local_batch
 from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import sigma_schedule
 from lean.sampling.transition import Transition
+from lean.schedules import RETAIN
 
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
 ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
+# Host link per direction, GB/s, for offloaded graphs (what a pinned cudaMemcpyAsync reaches, not the signalling rate;
+# docs/design/retain-offload.md). PCIe: x16 lanes at 16 / 32 GT/s, 128b/130b = 31.5 / 63 GB/s raw per direction (PCI-SIG
+# PCIe 4.0 / 5.0 base specifications), ~80% of it assumed after packet and protocol overhead (not measured here).
+# NVLink-C2C: 900 GB/s total bidirectional (NVIDIA, "NVIDIA Grace Hopper Superchip Architecture In-Depth", and the
+# GH200 whitepaper), 450 each way, the datasheet figure.
+HOST_LINK_GB_S = {"pcie4": 25.0, "pcie5": 50.0, "nvlink-c2c": 450.0}
+REFERENCE_HOST_LINK = "pcie5"  # REFERENCE_GPU's: an H100 / H200 SXM sits on PCIe Gen5 (A100: pcie4; GH200: nvlink-c2c)
+# Host memory assumed per node where train.retain.host_memory_budget_mb is not set: a DGX H100's 2 TiB for its 8 GPUs,
+# x MEMORY_MARGIN, shared by the node's processes
+HOST_RAM_PER_NODE_GB, GPUS_PER_NODE = 2048.0, 8
 DEFAULT_MFU = 0.35  # an assumed share of that peak a DiT step reaches; the times scale with 1 / mfu
 
 
@@ -260,9 +272,11 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
             p.grad = None
         return flops.get_total_flops(), kept, transient
 
+    saved = SavedBytes()  # of the kept bytes, those an offload moves (parameters and leaves stay)
     with fused_attention(), MetaMemory() as memory:
         f, _, _ = step(slice(0, batch), grad=False, backward=False, memory=memory)
-        fb, activation, transient = step(slice(0, batch), grad=True, backward=True, memory=memory)
+        with saved.watching():
+            fb, activation, transient = step(slice(0, batch), grad=True, backward=True, memory=memory)
         fb_one, activation_one, _ = step(slice(0, 1), grad=True, backward=True, memory=memory)
         rows = inp.decoded_rows(batch)  # a split decode: this process's share
         decode, decoded_flops = decode_counts(policy, x, rows, memory, {} if decodes is None else decodes)
@@ -271,6 +285,7 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
     return {
         "batch": batch,
         "activation_mb": activation / 2**20,
+        "activation_moved_mb": saved.take_split()[1] / 2**20,
         "activation_one_mb": activation_one / 2**20,
         "backward_transient_mb": transient / 2**20,
         "decode_mb": decode / 2**20,
@@ -362,17 +377,26 @@ def counted(inp: PlanInput, count: Callable[[PlanInput], dict]) -> dict[bool, di
     return by_checkpointing
 
 
-def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT_MFU, out: str | None = None) -> dict:
-    """Every schedule x layout x shard x sequence-parallel degree x checkpointing on ``gpus`` GPUs of
-    ``gpu_mem_gb``: predicted per-GPU peak memory (and its terms) and time per iteration, whether it fits, fastest
-    first; printed and returned (``out/plan.json``). Raises a ConfigError naming the nearest fitting row when the
-    config's own row does not fit."""
+def meta_plan(
+    cfg,
+    gpus: int = 8,
+    gpu_mem_gb: float = 80.0,
+    mfu: float = DEFAULT_MFU,
+    out: str | None = None,
+    host_link: str = REFERENCE_HOST_LINK,
+) -> dict:
+    """Every schedule x layout x shard x sequence-parallel degree x checkpointing (and Retain's kept steps x offload)
+    on ``gpus`` GPUs of ``gpu_mem_gb`` with a ``host_link`` (:data:`HOST_LINK_GB_S`): predicted per-GPU peak memory
+    (and its terms), host memory and time per iteration, whether it fits, fastest first; printed and returned
+    (``out/plan.json``). Raises a ConfigError naming the nearest fitting row when the config's own row does not
+    fit."""
     peak = GPU_PEAK_TFLOPS[REFERENCE_GPU][cfg.model.torch_dtype] * 1e12
     inp = meta_input(cfg, gpus)
     budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
+    host = host_side(cfg, gpus, host_link)
     degrees = sequence_degrees(inp, gpus)
     probes_by_degree = count_degrees(inp, gpus, [d for d, why in degrees.items() if why is None], peak * mfu)
-    rows = tabulate(inp, gpus, probes_by_degree, budget_mb)
+    rows = tabulate(inp, gpus, probes_by_degree, {"budget_mb": budget_mb, **host})
     fitting = [r for r in rows if r["fits"]]
     own_degree = cfg.parallel.sequence_parallel if cfg.parallel.sequence_parallel in probes_by_degree else 1
     report = {
@@ -385,6 +409,9 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
             "peak_tflops": peak / 1e12,
             "mfu": mfu,
             "allgather_gb_s": ALLGATHER_GB_S,
+            "host_link": host_link,
+            "host_link_gb_s": host["link_mb_s"] * 2**20 / 1e9,
+            "host_budget_mb": host["host_budget_mb"],
             "all_to_all_profile": sim.H100_SXM.name,
             "overlap": cfg.parallel.overlap,
         },
@@ -407,7 +434,7 @@ def meta_plan(cfg, gpus: int = 8, gpu_mem_gb: float = 80.0, mfu: float = DEFAULT
 
 
 # The config keys a count does not read: the plan's rows vary them (a config differing only there counts the same)
-ROW_ONLY = {"train": ("schedule",), "parallel": ("layout",)}
+ROW_ONLY = {"train": ("schedule", "retain"), "parallel": ("layout",)}
 _COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
 
 
@@ -447,17 +474,27 @@ def _count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: f
     return out
 
 
-def tabulate(inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budget_mb: float) -> list[dict]:
+def host_side(cfg, gpus: int, host_link: str) -> dict:
+    """The offload's link (MiB/s per direction) and host budget per process (MiB): ``train.retain``'s where set,
+    else :data:`HOST_LINK_GB_S` of ``host_link`` and :data:`HOST_RAM_PER_NODE_GB` x the margin over the node's GPUs."""
+    r = cfg.train.retain
+    link_gb_s = r.host_link_gb_s or HOST_LINK_GB_S[host_link]
+    per_process = HOST_RAM_PER_NODE_GB * 1024 * MEMORY_MARGIN / min(gpus, GPUS_PER_NODE)
+    return {"link_mb_s": link_gb_s * 1e9 / 2**20, "host_budget_mb": r.host_memory_budget_mb or per_process}
+
+
+def tabulate(inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budgets: dict) -> list[dict]:
     """Every row (:func:`lean.plan.cost.combinations` of each degree, fsdp modelled from the counted replica) with its
-    degree and whether it fits ``budget_mb``: the fitting rows first, fastest first, then the others, smallest first."""
+    degree and whether it fits ``budgets`` (``budget_mb`` per GPU; ``host_budget_mb`` per process for what it
+    offloads, over ``link_mb_s``): the fitting rows first, fastest first, then the others, smallest first."""
     link = ALLGATHER_GB_S * 1e9 / 2**20
     rows = []
     for degree, by_checkpointing in probes_by_degree.items():
         at = at_degree(inp, gpus, degree)
         probes = shard_probes(at, by_checkpointing, link, overlap=True, probed=SHARDS.default)
         rows += [
-            {**r, "sequence_parallel": degree, "fits": r["peak_memory_mb"] <= budget_mb}
-            for r in combinations(at, probes)
+            {**r, "sequence_parallel": degree, "fits": r["peak_memory_mb"] <= budgets["budget_mb"] and r["host_fits"]}
+            for r in combinations(at, probes, **budgets)
         ]
     return sorted(rows, key=lambda r: (not r["fits"], r["time_iteration_s"] if r["fits"] else r["peak_memory_mb"]))
 
@@ -468,6 +505,8 @@ SETTINGS = {  # a row's settings, as the config keys that choose them
     "shard": "parallel.shard",
     "sequence_parallel": "parallel.sequence_parallel",
     "gradient_checkpointing": "model.gradient_checkpointing",
+    "retain_steps": "train.retain.steps",
+    "offload": "train.retain.offload",
 }
 
 
@@ -481,6 +520,8 @@ def own_row(cfg, rows: list[dict], gpus: int) -> dict:
         "shard": effective_shard(cfg.parallel.shard, gpus),
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "retain_steps": cfg.train.retain.steps,
+        "offload": cfg.train.retain.offload,
     }
     changed = lambda r: sum(v != AUTO and r[k] != v for k, v in settings.items())  # noqa: E731
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (changed(r), r["time_iteration_s"]))
@@ -541,18 +582,25 @@ def print_meta_plan(cfg, r: dict) -> None:
         print("not tabulated: " + "; ".join(f"SP={d} ({why})" for d, why in skipped.items()))
     print(
         "Memory terms per GPU (GiB): resident = weights + trainable state (after sharding); step = activations one "
-        "tracked step keeps at the micro-batch; bwd = a backward's working set beyond them; decode = the VAE's"
+        "tracked step keeps at the micro-batch; bwd = a backward's working set beyond them; decode = the VAE's. "
+        f"Retain: m = trained steps per sample whose graphs are kept (the others recomputed), offload host = kept "
+        f"graphs in pinned host memory ({a['host_link']} at {a['host_link_gb_s']:g} GB/s each way, "
+        f"{a['host_budget_mb'] / 1024:.0f} GiB per process): host = held there, moved = each way per iteration, "
+        "exposed = copy time not hidden behind compute (in time/iter)"
     )
     print(
-        f"{'schedule':10} {'layout':6} {'shard':5} {'SP':>2} {'ckpt':>4} {'resident':>8} {'step':>6} {'bwd':>6} "
-        f"{'decode':>6} {'peak':>6} {'time/iter s':>11}  fits"
+        f"{'schedule':10} {'layout':6} {'shard':5} {'SP':>2} {'ckpt':>4} {'m':>3} {'offload':7} {'resident':>8} "
+        f"{'step':>6} {'bwd':>6} {'decode':>6} {'peak':>6} {'host':>6} {'moved':>6} {'exposed':>7} {'time/iter s':>11}"
+        "  fits"
     )
     for row in r["combinations"]:
+        m, offload = retain_columns(row)
         print(
             f"{row['schedule']:10} {row['layout']:6} {row['shard']:5} {row['sequence_parallel']:2d} "
-            f"{'on' if row['gradient_checkpointing'] else 'off':>4} {row['base_mb'] / 1024:8.1f} "
+            f"{'on' if row['gradient_checkpointing'] else 'off':>4} {m:>3} {offload:7} {row['base_mb'] / 1024:8.1f} "
             f"{row['activation_mb'] / 1024:6.2f} {row['backward_transient_mb'] / 1024:6.2f} "
-            f"{row['decode_mb'] / 1024:6.2f} {row['peak_memory_mb'] / 1024:6.1f} {row['time_iteration_s']:11.1f}  "
+            f"{row['decode_mb'] / 1024:6.2f} {row['peak_memory_mb'] / 1024:6.1f} {row['host_mb'] / 1024:6.1f} "
+            f"{row['d2h_mb'] / 1024:6.1f} {row['exposed_transfer_s']:7.2f} {row['time_iteration_s']:11.1f}  "
             f"{'yes' if row['fits'] else 'no'}"
         )
     best = r["fastest_fitting"]
@@ -563,4 +611,9 @@ def print_meta_plan(cfg, r: dict) -> None:
             f"fastest that fits in {r['budget_mb'] / 1024:.0f} GiB: {best['schedule']}, layout {best['layout']}, "
             f"shard {best['shard']}, sequence parallel {best['sequence_parallel']}, checkpointing "
             f"{'on' if best['gradient_checkpointing'] else 'off'}"
+            + (
+                f", train.retain.steps={best['retain_steps']}, offload={best['offload']}"
+                if best["schedule"] == RETAIN
+                else ""
+            )
         )

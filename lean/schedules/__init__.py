@@ -29,6 +29,7 @@ SCHEDULES: Registry[type[Schedule]] = Registry(
 )
 BASELINE = SCHEDULES.default
 LEAN_SCHEDULES = tuple(name for name in SCHEDULES if name != BASELINE)  # the ones that skip the recompute
+RETAIN = next(name for name, schedule in SCHEDULES.items() if schedule is Retain)  # whose graphs train.retain sets
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO)
 
 
@@ -180,6 +181,7 @@ __all__ = [
     "AUTO",
     "BASELINE",
     "LEAN_SCHEDULES",
+    "RETAIN",
     "SCHEDULES",
     "SCHEDULE_CHOICES",
     "IterationContext",

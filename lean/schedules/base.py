@@ -152,6 +152,16 @@ class IterationCosts:
     n_known: bool = True  # the update's sample count N is known before the rewards (not with skip_zero_advantage)
     first_share: float = 1.0  # s: the first update's share of the local batch (1/S with S updates per rollout)
     epochs: int = 1  # E: inner epochs (passes over the rollout's samples)
+    # Retain's kept graphs (train.retain, docs/design/retain-offload.md): q = m / K of each sample's trained steps
+    # keep their graphs (the others are recomputed), on the device or offloaded to host memory over a link of
+    # link_mb_s per direction; act_moved: of act, what an offload moves (parameters and leaves stay on the device);
+    # act_group: one offload group's moved bytes (a tracked step at one rollout micro-batch, of the rows held at once)
+    retained: float = 1.0
+    offload: bool = False
+    act_moved_mb: float | None = None  # None: all of act_mb
+    act_group_mb: float = 0.0
+    link_mb_s: float = float("inf")
+    host_budget_mb: float = float("inf")  # pinned host memory one process may take
 
     @property
     def later(self) -> bool:
@@ -174,6 +184,10 @@ class IterationCosts:
 class Prediction:
     peak_memory_mb: float
     time_iteration_s: float
+    host_mb: float = 0.0  # pinned host memory per process (offloaded graphs)
+    d2h_mb: float = 0.0  # bytes moved to the host per iteration (MiB), and back
+    h2d_mb: float = 0.0
+    exposed_transfer_s: float = 0.0  # the copies' time not hidden behind compute or scoring (in time_iteration_s)
 
 
 class Schedule:

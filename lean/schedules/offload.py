@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lean.observe.metrics import nbytes, span, stays_on_device
+
 OFFLOAD_MODES = ("count", "copy", "cuda")
 ALIGN_BYTES = 512  # host offsets aligned for the DMA engines (and for any dtype's view)
 CHUNK_BYTES = 256 * 2**20  # the arena grows by chunks of this, or of one larger tensor
@@ -42,26 +44,6 @@ def offload_mode(device: torch.device) -> str:
     """The mode that moves a ``device``'s tensors: ``cuda`` on a CUDA device, else ``copy`` (the host is the same
     memory)."""
     return "cuda" if device.type == "cuda" else "copy"
-
-
-def stays_on_device(t: torch.Tensor) -> bool:
-    """Whether a saved tensor is left in place: a parameter or a view of one, a leaf (an input the caller holds), a
-    sparse or empty tensor."""
-    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-        return True
-    return t.grad_fn is None or t.layout != torch.strided or t.numel() == 0
-
-
-def span(t: torch.Tensor) -> int:
-    """Elements of ``t``'s storage from its first element to its last, 1 + sum_d (size_d - 1) stride_d: what a copy
-    that keeps ``t``'s strides holds (``numel`` for a dense layout in any dimension order; less for an expanded view,
-    more for a strided slice)."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
-def nbytes(t: torch.Tensor) -> int:
-    """Bytes a copy of ``t`` moves: its :func:`span`."""
-    return span(t) * t.element_size()
 
 
 def flat_span(t: torch.Tensor) -> torch.Tensor:

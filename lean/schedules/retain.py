@@ -37,6 +37,7 @@ backward hides it, for (unit + 1) P of buffers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -292,16 +293,59 @@ class Retain(Schedule):
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
-        if c.later:  # a hybrid: graphs of the first update's share s, then Recompute's later updates
-            s, score = c.first_share, (c.score if c.score_at_end is None else c.score_at_end)
-            memory = c.base_mb + max(c.k * c.act_mb * s + max(c.decode_mb, c.transient_mb), c.later_update_mb)
-            return Prediction(memory, (c.n - c.k * s) * c.f + c.k * s * c.fb + score + s * c.ref + c.later_update_s)
-        memory = c.base_mb + c.k * c.act_mb * c.held_fraction + max(c.decode_mb, c.transient_mb)
-        score = c.score
-        if c.held_fraction < 1 and c.per_row_grads and c.n_known:  # the backward runs beside the scoring
+        """Peak and time with q = m / K of the trained steps kept (``c.retained``; the others recomputed after the
+        rewards), on the device or offloaded (``c.offload``, :func:`kept_graphs`):
+
+            time   = (n - K q s) f + K s fb + score + s ref [+ later updates] + exposed transfers
+            memory = base + max(kept + max(decode, transient), [q < 1 or later] Recompute's update peak)
+
+        s = the first update's share with several updates per rollout (a hybrid), else 1; kept = K q act h on the
+        device (h = the rows held at once: s, or one finishing unit / B)."""
+        q, s = c.retained, c.first_share if c.later else 1.0
+        score = (c.score if c.score_at_end is None else c.score_at_end) if c.later else c.score
+        held = c.k * q * (s if c.later else c.held_fraction)  # tracked steps' activations held at once, / act
+        kept = kept_graphs(c, held, units=1 if c.later else round(1 / c.held_fraction))
+        memory = kept.peak_memory_mb + max(c.decode_mb, c.transient_mb)
+        # the backward runs beside the scoring (group layout, every step kept on the device: the module docstring)
+        if not c.later and c.held_fraction < 1 and c.per_row_grads and c.n_known and q == 1 and not c.offload:
             memory += (c.local * c.held_fraction + 1) * c.trainable_mb
             score = max(c.score - c.k * (c.fb - c.f), 0.0)
-        return Prediction(memory, (c.n - c.k) * c.f + c.k * c.fb + score + c.ref)
+        if c.later or q < 1:  # the recomputed terms: Recompute's update, after the kept graphs are freed
+            memory = max(memory, c.later_update_mb)
+        time = (c.n - c.k * q * s) * c.f + c.k * s * c.fb + score + s * c.ref + (c.later_update_s if c.later else 0)
+        return dataclasses.replace(
+            kept, peak_memory_mb=c.base_mb + memory, time_iteration_s=time + kept.exposed_transfer_s
+        )
+
+
+def kept_graphs(c: IterationCosts, held: float, units: int) -> Prediction:
+    """What ``held`` tracked steps' activations (in units of ``c.act_mb``, per finishing unit; ``units`` of them per
+    iteration) cost beyond the base: device MiB (``peak_memory_mb``), host MiB, MiB moved each way and the exposed
+    copy seconds (``time_iteration_s`` left 0).
+
+    On the device: held act. Offloaded (``c.offload``), H = held act_moved per process on the host, and the device
+    holds the resident part (parameters' views, leaves) plus two groups of a = act_group: one copying while the next
+    is produced (in the backward: one backpropagated, one prefetched). Each group's copy, a / B at the link's B,
+    overlaps the next group's compute (f_g = f a / act_moved forward, b_g = (fb - f) a / act_moved backward); the
+    group at a unit's boundary overlaps the unit's scoring (score / units). With G = units H / a groups:
+
+        exposed D2H = units max(0, a/B - score/units) + (G - units) max(0, a/B - f_g)   (H2D: b_g for f_g)
+
+    The DMA engines run each direction on their own: the two do not add to each other's time, only to the step's."""
+    if not c.offload:
+        return Prediction(held * c.act_mb, 0.0)
+    moved_mb = c.act_mb if c.act_moved_mb is None else c.act_moved_mb
+    host = held * moved_mb
+    if host <= 0:
+        return Prediction(held * c.act_mb, 0.0)
+    group = min(c.act_group_mb or moved_mb, host)
+    groups, copy = units * host / group, group / c.link_mb_s
+    boundary = units * max(0.0, copy - c.score / units)
+    d2h = boundary + (groups - units) * max(0.0, copy - c.f * group / moved_mb)
+    h2d = boundary + (groups - units) * max(0.0, copy - (c.fb - c.f) * group / moved_mb)
+    resident = held * max(c.act_mb - moved_mb, 0.0)  # moved counts views' spans, act storages: it can be above
+    total = units * host
+    return Prediction(resident + 2 * group, 0.0, host, total, total, d2h + h2d)
 
 
 def host_offload(options: RetainOptions, device: torch.device) -> SavedTensorOffload:

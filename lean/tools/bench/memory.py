@@ -27,6 +27,7 @@ from lean.parallel.sharding import FSDP, effective_shard, shard_sizes
 from lean.plan.cost import (
     applicable_layouts,
     combinations,
+    is_own_retain,
     link_speed,
     probe_checkpointing,
     shard_probes,
@@ -133,7 +134,7 @@ def planned(trainer: Trainer, inp, shard: str) -> dict[Variant, dict]:
     return {
         (r["schedule"], r["layout"], r["gradient_checkpointing"]): r
         for r in combinations(inp, shard_probes(inp, probe_checkpointing(inp), link))
-        if r["shard"] == shard
+        if r["shard"] == shard and is_own_retain(r, inp.cfg)  # Retain as the run keeps its graphs
     }
 
 

@@ -45,7 +45,15 @@ from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, pea
 from lean.observe.outputs import JsonLines, write_json
 from lean.observe.provenance import machine
 from lean.parallel.distributed import pin_cores, set_threads
-from lean.plan.cost import budget_mb, choose, exact_predictions, iteration_costs, prediction_table, probe
+from lean.plan.cost import (
+    budget_mb,
+    choose,
+    exact_predictions,
+    iteration_costs,
+    prediction_table,
+    probe,
+    retain_choice,
+)
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
 from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
@@ -185,7 +193,7 @@ class Subject:
         costs = iteration_costs(self.plan_input, self.measured)
         self.prediction = prediction_table(costs)
         budget = budget_mb(self.cfg, self.trainer.world.device)
-        self.auto = choose(exact_predictions(self.cfg, costs), budget)["choice"]
+        self.auto = retain_choice(choose(exact_predictions(self.cfg, costs), budget)["choice"], self.cfg)["choice"]
 
     def result(self, rows: dict[str, list[dict]], options: BenchOptions, cores: list[int]) -> dict:
         """Medians of the timed ``rows`` per schedule, with memory, FLOPs, MFU/HFU, the plan's errors and the
