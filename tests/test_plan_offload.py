@@ -103,7 +103,7 @@ def test_auto_resolves_the_kept_steps_and_the_offload_among_every_schedule():
     none_fits = retain_choice(choose(predictions, 1.0, 0.0)["choice"], cfg)  # the smallest: Recompute, keys reset
     assert none_fits == {"choice": "recompute", "retain_steps": "all", "retain_offload": "device"}
     explicit = exact_predictions(tiny("train.schedule=retain", "train.retain.offload=auto"), costs)
-    assert set(explicit) == {"retain:steps=all:offload=off", "retain:steps=all:offload=host"}
+    assert set(explicit) == {"retain:steps=all:offload=device", "retain:steps=all:offload=host"}
 
 
 def test_saved_bytes_split_off_what_the_offload_moves():

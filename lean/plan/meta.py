@@ -77,6 +77,7 @@ from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import sigma_schedule
 from lean.sampling.transition import Transition
 from lean.schedules import RETAIN
+from lean.schedules.retain import OPTIONS_KEY as RETAIN_OPTIONS
 
 REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
 ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
@@ -434,7 +435,7 @@ def meta_plan(
 
 
 # The config keys a count does not read: the plan's rows vary them (a config differing only there counts the same)
-ROW_ONLY = {"train": ("schedule", "retain"), "parallel": ("layout",)}
+ROW_ONLY = {"train": ("schedule", RETAIN_OPTIONS.split(".")[1]), "parallel": ("layout",)}
 _COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
 
 

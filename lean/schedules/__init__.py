@@ -159,13 +159,13 @@ def retain_options_problem(cfg: RunConfig) -> None:
     """``train.retain``'s keys other than their defaults configure Retain: refused in one line under a schedule that
     keeps no graph."""
     r, schedule = cfg.train.retain, cfg.train.schedule
-    if schedule in ("retain", AUTO):
+    if schedule in (RETAIN, AUTO):
         return
     why = "backpropagates each step at once and keeps no graph" if schedule == "reweight" else "keeps no graph"
     for key, default in (("steps", ALL_STEPS), ("offload", DEVICE)):
         if getattr(r, key) != default:
             raise ConfigError(
-                f"train.retain.{key}", getattr(r, key), f"applies to train.schedule=retain; {schedule} {why}"
+                f"train.retain.{key}", getattr(r, key), f"applies to train.schedule={RETAIN}; {schedule} {why}"
             )
 
 

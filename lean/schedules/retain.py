@@ -74,7 +74,10 @@ DEVICE, HOST = "device", "host"  # train.retain.offload: where the kept graphs w
 OFFLOADS = (DEVICE, HOST)
 
 
-@register_options("train.retain")
+OPTIONS_KEY = "train.retain"  # where these options sit: a group of the train section
+
+
+@register_options(OPTIONS_KEY)
 @dataclass
 class RetainOptions:
     """What Retain keeps and where it keeps it (docs/design/retain-offload.md). The defaults are Retain as published:
