@@ -25,11 +25,25 @@ from lean.parallel.overlap import p2p
 from lean.rewards import options as reward_options
 from lean.sampling import options as sample_options
 from lean.sampling import rollout, sde
+from lean.sampling import tree as sample_tree
 
 # The modules that register the sections (lean.config.sections) and the registries the sections' choice fields name
 # (lean.config.registry.CATALOG): imported, they are filled.
 SECTION_OWNERS = (model_options, sample_options, reward_options, algorithm_options, run_sections, parallel_options)
-OWNERS = (algorithms, dtypes, layout, models, p2p, rewards, rollout, schedules, sde, sharding, *SECTION_OWNERS)
+OWNERS = (
+    algorithms,
+    dtypes,
+    layout,
+    models,
+    p2p,
+    rewards,
+    rollout,
+    schedules,
+    sde,
+    sharding,
+    sample_tree,
+    *SECTION_OWNERS,
+)
 
 Rule = Callable[[RunConfig, "int | None"], None]
 

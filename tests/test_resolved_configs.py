@@ -100,8 +100,14 @@ ADDED_RETAIN: dict[str, object] = {  # issue #42: what Retain keeps and where (l
     "train.retain.host_memory_budget_mb": None,
     "train.retain.host_link_gb_s": None,
 }
+# issue #43: tree rollouts (lean/sampling/tree.py); no branch point is the flat rollout
+ADDED_TREE: dict[str, object] = {
+    "sample.tree.branch_points": [],
+    "sample.tree.branching": 2,
+    "sample.tree.branch_noise_scale": 1.0,
+}
 
-ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_RETAIN}
+ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_RETAIN, **ADDED_TREE}
 CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY}
 
 

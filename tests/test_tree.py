@@ -1,0 +1,75 @@
+"""Tree rollouts' shape (``lean.sampling.tree``) and targets (``lean.algorithms.tree_targets``), against BranchGRPO's
+counts and hand arithmetic (docs/design/tree-rollouts.md, sections 1 and 2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lean.algorithms.tree_targets import depthwise_advantages, edge_targets, fused_rewards
+from lean.config import ConfigError
+from lean.configure import load_config
+from lean.sampling.tree import TreeShape
+
+BRANCHGRPO = TreeShape(num_steps=20, branch_points=(0, 3, 6, 9), branching=2)  # its launch script's tree
+
+
+def test_branchgrpos_tree_has_203_forwards_218_edges_and_16_leaves():
+    s = BRANCHGRPO
+    assert (s.forwards, s.total_edges, s.leaves) == (203, 218, 16)
+    assert [s.live(i) for i in (0, 1, 3, 4, 6, 7, 9, 10, 20)] == [1, 2, 2, 4, 4, 8, 8, 16, 16]
+    flat = TreeShape(num_steps=20)
+    assert (flat.forwards, flat.total_edges, flat.leaves, flat.is_flat) == (20, 20, 1, True)
+    assert 16 * flat.forwards == 320
+
+
+def test_parents_and_leaves_under_a_node_agree():
+    s = TreeShape(num_steps=5, branch_points=(1, 2), branching=3)
+    assert s.parent(0).tolist() == [0] and s.parent(1).tolist() == [0, 0, 0]
+    assert s.parent(2).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and s.parent(3).tolist() == list(range(9))
+    for i in range(s.num_steps):  # walking each leaf up: its node at step i is leaf // leaves_under(i)
+        for leaf in range(s.leaves):
+            row = leaf
+            for j in reversed(range(i, s.num_steps)):
+                row = int(s.parent(j)[row])
+            assert row == leaf // s.leaves_under(i)
+
+
+def test_mean_fusion_and_depthwise_advantages_by_hand():
+    s = TreeShape(num_steps=3, branch_points=(0, 1), branching=2)  # root -> 2 -> 4 -> 4 leaves
+    leaves = torch.tensor([[1.0, 3.0, 5.0, 11.0], [2.0, 2.0, 2.0, 2.0]])  # two trees; the second all equal
+    rewards = fused_rewards(s, leaves)
+    assert [r.shape[1] for r in rewards] == [1, 2, 4, 4]
+    assert rewards[0].tolist() == [[5.0], [2.0]] and rewards[1].tolist() == [[2.0, 8.0], [2.0, 2.0]]
+    advantages = depthwise_advantages(rewards)
+    assert advantages[0].tolist() == [[0.0], [0.0]]  # one node at the root
+    half = 1 / math.sqrt(2)  # two nodes: +-1/sqrt(2) whatever the gap (Bessel's std of two is |a - b| / sqrt(2))
+    assert advantages[1][0].tolist() == pytest.approx([-half, half], rel=1e-7)
+    std = torch.tensor([1.0, 3.0, 5.0, 11.0], dtype=torch.float64).std()
+    assert advantages[3][0].tolist() == pytest.approx(((leaves[0].double() - 5) / (std + 1e-8)).tolist())
+    assert advantages[3][1].tolist() == [0.0] * 4  # std below the floor
+    targets = edge_targets(s, advantages, clip=0.5)
+    assert [t.shape[1] for t in targets] == [2, 4, 4] and targets[0][0].tolist() == [-0.5, 0.5]
+
+
+def test_log_prob_softmax_fusion_weighs_children_by_their_edges():
+    s = TreeShape(num_steps=2, branch_points=(0,), branching=2)
+    leaves = torch.tensor([[1.0, 4.0]])
+    log_probs = [torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[-5.0, -1.0]])]  # step 1: no branch, unused
+    rewards = fused_rewards(s, leaves, "log_prob_softmax", log_probs)
+    assert rewards[1].tolist() == [[1.0, 4.0]] and rewards[0].tolist() == [[pytest.approx(0.25 * 1 + 0.75 * 4)]]
+
+
+def test_tree_options_resolve_and_refuse():
+    cfg = load_config(None, ["sample.num_steps=6", "sample.tree.branch_points=[0, 2]"])
+    assert cfg.sample.tree.shape(6) == TreeShape(6, (0, 2), 2) and load_config(None, []).sample.tree.branch_points == []
+    for bad, match in [
+        ("sample.tree.branch_points=[2, 2]", "must be increasing steps from 0"),
+        ("sample.tree.branching=1", "must be >= 2"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="at most sample.num_steps - 2 = 4"):
+        cfg.sample.tree.__class__(branch_points=[0, 5]).shape(6)
