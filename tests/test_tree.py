@@ -73,3 +73,72 @@ def test_tree_options_resolve_and_refuse():
             load_config(None, [bad])
     with pytest.raises(ConfigError, match="at most sample.num_steps - 2 = 4"):
         cfg.sample.tree.__class__(branch_points=[0, 5]).shape(6)
+
+
+def _rollout_of(pipeline, shape: TreeShape | None, hooks=None, kappa: float = 1.0, micro_batch: int | None = None):
+    """The pipeline's iteration-0 batch rolled out flat (``shape`` None) or as trees, from fresh random streams."""
+    from lean.sampling.rollout import RolloutPlan, Sampler, rollout
+    from lean.sampling.tree import tree_rollout
+
+    batch = pipeline.local_batch(0)
+    sampler = Sampler(pipeline.cfg.sample, pipeline.sigmas)
+    plan = RolloutPlan(sampler=sampler, emb=pipeline.embed(batch), generators=batch.generators, steps=batch.steps)
+    plan.micro_batch = micro_batch
+    with torch.no_grad():
+        if shape is None:
+            return rollout(pipeline.policy, plan, hooks)
+        return tree_rollout(pipeline.policy, plan, shape, hooks, kappa)
+
+
+@pytest.fixture(scope="module")
+def flux_pipeline():
+    from helpers import tiny_preset
+
+    from lean.train import Trainer
+
+    # DanceGRPO's x0-prediction decode and shared initial noise; its steps not drawn per sample (trees share nodes)
+    sets = ["model.dtype=float64", "sample.num_steps=6", "parallel.shard=none", "sample.timestep_selection=first"]
+    sets += ["train.group_size=4"]  # two groups of 4: two trees of 4 leaves below
+    return Trainer(tiny_preset("dancegrpo-flux", *sets)).pipeline
+
+
+def test_a_tree_without_branches_is_the_flat_rollout_draw_for_draw(flux_pipeline):
+    """Every leaf its own tree: the same forwards, noise and x0-prediction as the flat rollout, to the bit, in the
+    same micro-batches."""
+    for micro_batch in (None, 2):
+        flat = _rollout_of(flux_pipeline, None, micro_batch=micro_batch)
+        assert torch.equal(_rollout_of(flux_pipeline, TreeShape(6), micro_batch=micro_batch), flat)
+
+
+def test_a_tree_shares_its_prefix_and_runs_one_forward_per_node(flux_pipeline):
+    """Two trees of 4 leaves (b = 2 at steps 1 and 3): the leaves of a tree share x_0..x_1 and pairs share x_2..x_3;
+    the policy runs one forward per node (1 + 1 + 2 + 2 + 4 + 4 = 14 per tree, against 24 for 4 flat trajectories), and
+    each step's transitions are its edges, named by their first leaves."""
+    from lean.sampling.rollout import RolloutHooks
+
+    shape = TreeShape(6, (1, 3), 2)
+    policy = flux_pipeline.policy
+    forwards, seen = [], []
+    original = policy.velocity
+
+    def counted(x, *args, **kwargs):
+        forwards.append(x.shape[0])
+        return original(x, *args, **kwargs)
+
+    policy.velocity = counted
+    try:
+        hooks = __import__("lean.sampling.rollout", fromlist=["RolloutHooks"]).RolloutHooks(on_step=seen.append)
+        final = _rollout_of(flux_pipeline, shape, RolloutHooks(on_step=seen.append), kappa=4.0)
+    finally:
+        del policy.velocity
+    trees = len(flux_pipeline.local_batch(0).prompts) // shape.leaves
+    assert trees == 2 and final.shape[0] == 8 and torch.isfinite(final).all()
+    assert sum(forwards) == trees * shape.forwards == 2 * (1 + 1 + 2 + 2 + 4 + 4)
+    by_step = {s.index: s for s in seen}
+    assert by_step[0].rows.tolist() == [0, 4] and by_step[1].rows.tolist() == [0, 2, 4, 6]
+    assert by_step[3].rows.tolist() == list(range(8))
+    siblings = by_step[1]
+    assert torch.equal(siblings.sample[0], siblings.sample[1]) and not torch.equal(
+        siblings.next_sample[0], siblings.next_sample[1]
+    )
+    assert not torch.equal(final[0], final[4])  # two trees, two roots

@@ -19,11 +19,16 @@ For BranchGRPO's launch script (P = {0, 3, 6, 9}, n = 20, b = 2): 203 forwards a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from lean.config import ConfigError, check_positive, register_options
+from lean.config.dtypes import storage_dtype
+from lean.sampling.rollout import RolloutHooks, RolloutLoop, RolloutPlan, StepNoise, predicted_x0, velocity
+from lean.sampling.sde import compute_dtype, ode_step, sde_step_with_logprob
+from lean.sampling.transition import Transition
 
 
 @dataclass(frozen=True)
@@ -101,3 +106,114 @@ class TreeOptions:
                 f"a branch needs a step after it: at most sample.num_steps - 2 = {num_steps - 2}",
             )
         return TreeShape(num_steps, tuple(self.branch_points), self.branching)
+
+
+def tree_rollout(policy, plan: RolloutPlan, shape: TreeShape, hooks: RolloutHooks | None = None, kappa: float = 1.0):
+    """Roll out ``len(plan.generators) // shape.leaves`` trees (``plan.generators``: every leaf's stream, tree by tree;
+    a group is one tree); return what each leaf decodes [B, ...], as :func:`lean.sampling.rollout.rollout` does.
+
+    Each node runs one forward per step; at a step its edges are its children, sampled from the node's mean with the
+    edge's own noise: x'_e = mu_u + kappa_i std_i eps_e (kappa at a branch point, 1 elsewhere), scored under
+    N(mu_u, std_i^2) (BranchGRPO's ``flux_step_with_split``, :229-311). The velocity and x of each edge are its parent's
+    by index, so autograd keeps one graph per node with its children's log-prob terms on it.
+
+    Edges are named by a leaf: edge (i, c) of tree t by its first leaf t L + c L/live(i+1), which draws its noise
+    from that leaf's stream (the root's from its first leaf's, or ``plan.init_generators``). The transition handed to
+    ``hooks.on_step`` has those leaves as ``rows``, so a tree's edges sit on the local batch's [B, num_steps] grid at
+    (first leaf, step) and every schedule's per-row bookkeeping applies. Without branch points every leaf is a tree
+    and this is the flat rollout, draw for draw. Trees run in micro-batches of ``plan.micro_batch // L`` trees (at
+    least one), each through all its steps; a step is tracked for all its nodes (``hooks.track_grad``), in forwards
+    of ``plan.grad_micro_batch`` nodes."""
+    hooks = hooks or RolloutHooks()
+    leaves, batch = shape.leaves, len(plan.generators)
+    trees = batch // leaves
+    init = plan.init_generators or plan.generators
+    roots = policy.init_latents(
+        [init[t * leaves] for t in range(trees)], storage_dtype(plan.sampler.cfg.latent_dtype, policy.dtype)
+    )
+    steps = TreeSteps(policy, plan, hooks, shape, kappa)
+    target = None
+    per_micro_batch = max(1, (plan.micro_batch or batch) // leaves)
+    for first in range(0, trees, per_micro_batch):
+        tree_ids = torch.arange(first, min(first + per_micro_batch, trees))
+        done = steps.roll_out(roots[tree_ids], tree_ids)
+        target = done.new_empty((batch, *done.shape[1:])) if target is None else target
+        rows = slice(first * leaves, (first + len(tree_ids)) * leaves)
+        target[rows] = done
+        if hooks.on_finished is not None:
+            hooks.on_finished(rows, done)
+    return target
+
+
+class TreeSteps:
+    """The steps of :func:`tree_rollout`, a micro-batch of trees at a time."""
+
+    def __init__(self, policy, plan: RolloutPlan, hooks: RolloutHooks, shape: TreeShape, kappa: float):
+        self.loop = RolloutLoop(policy, plan, hooks)  # the grid, which steps are stochastic
+        self.policy, self.plan, self.hooks, self.shape, self.kappa = policy, plan, hooks, shape, kappa
+        if shape.num_steps != self.loop.num_steps:
+            raise ValueError(f"a tree over {shape.num_steps} steps on a grid of {self.loop.num_steps}")
+
+    def first_leaves(self, i: int, tree_ids: torch.Tensor) -> torch.Tensor:
+        """The first leaf of each node of step i (0 <= i <= n) of the trees ``tree_ids``, host ids, tree by tree."""
+        s = self.shape
+        return (tree_ids[:, None] * s.leaves + torch.arange(s.live(i))[None] * s.leaves_under(i)).flatten()
+
+    def edges(self, i: int, tree_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each edge's parent among the micro-batch's nodes of step i, its first leaf in the local batch), host ids
+        [trees x edges(i)], tree by tree."""
+        s = self.shape
+        parents = torch.arange(len(tree_ids))[:, None] * s.live(i) + s.parent(i)[None]
+        return parents.flatten(), self.first_leaves(i + 1, tree_ids)
+
+    def roll_out(self, roots: torch.Tensor, tree_ids: torch.Tensor) -> torch.Tensor:
+        """All steps of the trees ``tree_ids`` from their roots [trees, ...]; returns their leaves' decode target."""
+        loop, plan, hooks = self.loop, self.plan, self.hooks
+        x, x0 = roots, None
+        for i in range(loop.num_steps):
+            nodes = x.shape[0]
+            emb = plan.emb.index(self.first_leaves(i, tree_ids))  # each node's prompt: its tree's
+            tracked = loop.stochastic[i] and hooks.track_grad(i)
+            v = self.velocity(x, loop.grid[i], emb, nodes, tracked)
+            if i == loop.num_steps - 1 and plan.decode == "x0_prediction":
+                x0 = predicted_x0(v.detach(), x, loop.grid, i)
+            if not loop.stochastic[i]:
+                if i in self.shape.branch_points:
+                    raise ValueError(f"a branch at step {i}, an ODE step: a branch needs a stochastic step")
+                x = ode_step(v.detach(), x, loop.grid, i).to(x.dtype)
+            else:
+                x = self.branch(i, x, v, tree_ids)
+            if hooks.progress is not None:
+                hooks.progress(i)
+        return x if x0 is None else x0
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, emb, nodes: int, tracked: bool) -> torch.Tensor:
+        """The nodes' velocities: tracked in forwards of ``plan.grad_micro_batch`` nodes (one graph each), else one
+        forward without autograd."""
+        size = (self.plan.grad_micro_batch or nodes) if tracked else nodes
+        parts = []
+        for start in range(0, nodes, size):
+            rows = slice(start, min(start + size, nodes))
+            with torch.set_grad_enabled(tracked):
+                parts.append(velocity(self.policy, x[rows], sigma, emb.index(rows), self.plan.sampler.cfg))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def branch(self, i: int, x: torch.Tensor, v: torch.Tensor, tree_ids: torch.Tensor) -> torch.Tensor:
+        """Step i's edges from the nodes' (x, v): each child drawn from its parent's Gaussian, its transition handed to
+        ``on_step``; returns the children x_{i+1}, detached."""
+        parents, leaves = self.edges(i, tree_ids)
+        noise = StepNoise(
+            [self.plan.generators[int(leaf)] for leaf in leaves], tuple(x.shape[1:]), compute_dtype(x), x.device
+        )
+        scale = self.kappa if i in self.shape.branch_points else 1.0
+        on_device = parents.to(x.device)
+        sample = x[on_device]
+        with torch.set_grad_enabled(v.requires_grad):
+            nxt, log_prob, mean, std = sde_step_with_logprob(
+                self.plan.sampler.sde, v[on_device], sample, i, noise=scale * noise.take(i)
+            )
+        if self.hooks.on_step is not None:
+            step = Transition(index=i, rows=leaves, sample=sample, next_sample=nxt, log_prob=log_prob)
+            step = dataclasses.replace(step, mean=mean, std=std, sigmas=self.plan.sampler.sigmas)
+            self.hooks.on_step(step.on_policy())
+        return nxt.detach()
