@@ -127,7 +127,6 @@ def test_a_tree_shares_its_prefix_and_runs_one_forward_per_node(flux_pipeline):
 
     policy.velocity = counted
     try:
-        hooks = __import__("lean.sampling.rollout", fromlist=["RolloutHooks"]).RolloutHooks(on_step=seen.append)
         final = _rollout_of(flux_pipeline, shape, RolloutHooks(on_step=seen.append), kappa=4.0)
     finally:
         del policy.velocity
