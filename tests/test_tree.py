@@ -63,7 +63,7 @@ def test_log_prob_softmax_fusion_weighs_children_by_their_edges():
 
 
 def test_tree_options_resolve_and_refuse():
-    cfg = load_config(None, ["sample.num_steps=6", "sample.tree.branch_points=[0, 2]"])
+    cfg = load_config(None, ["sample.num_steps=6", "sample.tree.branch_points=[0, 2]", "algorithm.name=branch_grpo"])
     assert cfg.sample.tree.shape(6) == TreeShape(6, (0, 2), 2) and load_config(None, []).sample.tree.branch_points == []
     for bad, match in [
         ("sample.tree.branch_points=[2, 2]", "must be increasing steps from 0"),
@@ -141,3 +141,52 @@ def test_a_tree_shares_its_prefix_and_runs_one_forward_per_node(flux_pipeline):
         siblings.next_sample[0], siblings.next_sample[1]
     )
     assert not torch.equal(final[0], final[4])  # two trees, two roots
+
+
+TREE = ["algorithm.name=branch_grpo", "sample.num_steps=6", "sample.tree.branch_points=[0, 2]", "train.group_size=4"]
+TREE += ["train.prompts_per_iteration=2", "sample.timestep_selection=first"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_branch_grpo_on_a_tree_passes_the_certificate(family):
+    """BranchGRPO's depth-wise edge targets on a tree (b = 2 at steps 0 and 2: 4 leaves a tree), KL on: Retain's one
+    graph per node gives Recompute's gradient, both the float64 twin's; Reweight is refused in one line (a target per
+    edge)."""
+    from lean.tools.equivalence import passes, run_equivalence
+
+    cfg = load_config(
+        None, [f"model.family={family}", "model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04"]
+    )
+    report = run_equivalence(cfg, reference=True)
+    assert passes(report, cfg.model.torch_dtype)
+    assert report["reference"]["retain"]["max_rel_grad_diff"] < 1e-10
+    from lean.schedules import schedule_problem
+
+    assert "reweight" not in report and "one target per trajectory" in schedule_problem(cfg, "reweight")[2]
+
+
+def test_branch_grpos_targets_sit_on_each_edges_first_leaf():
+    from lean.algorithms import build_algorithm
+
+    cfg = load_config(None, ["model.size=tiny", *TREE, "algorithm.adv_clip_max=5"])
+    rewards = torch.tensor([1.0, 3.0, 5.0, 11.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    grid = build_algorithm(cfg, None).targets(rewards, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    half = 1 / math.sqrt(2)
+    assert grid[[0, 2], 0].tolist() == pytest.approx([-half, half])  # step 0 branches: two edges, depth 1
+    assert grid[[1, 3], 0].abs().sum() == 0  # no edge there
+    std = torch.tensor([1.0, 3.0, 5.0, 11.0], dtype=torch.float64).std()
+    assert grid[:4, 5].tolist() == pytest.approx(((rewards[:4] - 5) / (std + 1e-8)).tolist())  # the leaves' depth
+
+
+def test_trees_are_refused_where_they_do_not_apply():
+    for sets, match in [
+        (
+            ["sample.tree.branch_points=[0, 2]", "sample.num_steps=6"],
+            "has one target per sample; a tree's are per edge",
+        ),
+        (["algorithm.name=branch_grpo"], "BranchGRPO rolls out trees"),
+        ([*TREE, "train.group_size=8"], "a tree of this shape has 4 leaves"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, ["model.size=tiny", *sets])

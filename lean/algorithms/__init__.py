@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, Algorithm, StepLoss, loss_stats
+from lean.algorithms.branch_grpo import BranchGRPO
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
 from lean.algorithms.groups import STD_ESTIMATORS
@@ -34,13 +35,24 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("mixgrpo", MixGRPO),  # Tencent-Hunyuan's MixGRPO: GRPO on a sliding SDE window of an ODE rollout
         ("nft", NFT),  # NVlabs' DiffusionNFT: negative-aware flow matching on re-noised clean samples
         ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
+        (
+            "branch_grpo",
+            BranchGRPO,
+        ),  # BranchGRPO (Fredreic1849): DanceGRPO's surrogate on a tree, depth-wise advantages
     ],
 )
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """The algorithm runs with the other sections' settings (``Algorithm.problem``)."""
-    problem = ALGORITHMS[cfg.algorithm.name].problem(cfg, world_size)
+    algorithm = ALGORITHMS[cfg.algorithm.name]
+    if cfg.sample.tree.branch_points and not algorithm.trains_trees:
+        raise ConfigError(
+            "sample.tree.branch_points",
+            cfg.sample.tree.branch_points,
+            f"algorithm.name={cfg.algorithm.name} has one target per sample; a tree's are per edge (branch_grpo)",
+        )
+    problem = algorithm.problem(cfg, world_size)
     if problem is not None:
         key, value, allowed = problem
         raise ConfigError(key, value, f"{allowed} (algorithm.name={cfg.algorithm.name})")

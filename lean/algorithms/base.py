@@ -46,10 +46,18 @@ ROLLOUT_STEPS, CLEAN_SAMPLES = "rollout_steps", "clean_samples"
 # The facts a schedule may need from an algorithm to reproduce its objective's gradient (Schedule.needs).
 RATIO_ONE_ON_POLICY = "ratio_one_on_policy"  # on-policy, the importance ratio is identically 1 (Retain)
 LINEAR_IN_TARGET = "linear_in_target"  # the loss's target-dependent part is linear in the target (Reweight)
+ONE_TARGET_PER_SAMPLE = "one_target_per_sample"  # every step of a trajectory has its target (Reweight's buffers)
 FACTS = {  # what a schedule needing the fact requires of the algorithm, for messages
     RATIO_ONE_ON_POLICY: "an on-policy ratio identically 1 (the rollout's own graph then gives the gradient)",
     LINEAR_IN_TARGET: "a loss linear in the target (a provisional target is then corrected afterwards)",
+    ONE_TARGET_PER_SAMPLE: "one target per trajectory (its steps' gradients then share one buffer)",
 }
+
+
+def step_targets(targets: Tensor, step) -> Tensor:
+    """The targets of a step's rows [b]: ``targets`` [B] (one per sample), or [B, num_steps] (one per edge of a tree
+    rollout at its first leaf's row: ``lean.sampling.tree``) read at the step's index."""
+    return targets[step.rows] if targets.dim() == 1 else targets[step.rows, step.index]
 
 
 @dataclass
@@ -96,6 +104,7 @@ class Algorithm:
     reads: ClassVar[frozenset[str]] = frozenset({OLD_LOG_PROB})
     trains_on: ClassVar[str] = ROLLOUT_STEPS  # or CLEAN_SAMPLES (lean.algorithms.clean_samples)
     uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.run.optimizer.Snapshot)
+    trains_trees: ClassVar[bool] = False  # its targets are per edge of a tree rollout (lean.sampling.tree)
 
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm

@@ -69,6 +69,7 @@ from lean.sampling.rollout import (
 )
 from lean.sampling.sde import StepRule, StepSelection, select_steps, sigma_schedule
 from lean.sampling.transition import Transition
+from lean.sampling.tree import edge_cells, tree_rollout, tree_shape
 from lean.schedules import IterationContext, Schedule, schedule_class
 from lean.schedules.base import OptimizerStep
 from lean.schedules.recompute import rolled_out_in_update_order, shuffled
@@ -154,15 +155,25 @@ def select_local_steps(
     selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
     own = ALGORITHMS[cfg.algorithm.name].steps(cfg, iteration, len(samples))
     if own is not None:  # the algorithm places the SDE steps itself (MixGRPO's sliding window)
-        return own
+        return on_tree(cfg, own)
     if generators is None:
         generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
-    return select_steps(
+    selection = select_steps(
         StepRule.of(cfg.sample),
         len(generators),
         window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
         sample_generators=generators,
     )
+    return on_tree(cfg, selection)
+
+
+def on_tree(cfg: RunConfig, selection: StepSelection) -> StepSelection:
+    """On a tree rollout a trained step trains its edges, each at its first leaf's row (``lean.sampling.tree``)."""
+    shape = tree_shape(cfg.sample)
+    if shape is None:
+        return selection
+    cells = edge_cells(shape, selection.trained.shape[0])
+    return dataclasses.replace(selection, trained=selection.trained & cells)
 
 
 @dataclass
@@ -338,6 +349,9 @@ class IterationPipeline:
                 on_finished=unit.on_finished,
                 progress=progress,
             )
+            shape = tree_shape(self.cfg.sample)
+            if shape is not None:
+                return tree_rollout(self.policy, plan, shape, hooks, self.cfg.sample.tree.branch_noise_scale)
             return rollout(self.policy, plan, hooks)
 
     def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:

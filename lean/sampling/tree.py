@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from lean.config.dtypes import storage_dtype
 from lean.sampling.rollout import RolloutHooks, RolloutLoop, RolloutPlan, StepNoise, predicted_x0, velocity
 from lean.sampling.sde import compute_dtype, ode_step, sde_step_with_logprob
 from lean.sampling.transition import Transition
+
+if TYPE_CHECKING:
+    from lean.sampling.options import SampleConfig
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,19 @@ class TreeShape:
     def leaves_under(self, i: int) -> int:
         """Leaves below each node of step i, L / live(i): node (i, r) holds leaves r L/live(i) to (r+1) L/live(i)-1."""
         return self.leaves // self.live(i)
+
+
+def edge_cells(shape: TreeShape, batch: int) -> torch.Tensor:
+    """Host bool [batch, num_steps]: the cells of the local batch's grid that name an edge, (first leaf, step): leaf l
+    of its tree names an edge of step i iff l mod L/live(i+1) == 0 (``tree_rollout``). All True on a flat rollout."""
+    leaf = torch.arange(batch)[:, None] % shape.leaves
+    under = torch.tensor([shape.leaves_under(i + 1) for i in range(shape.num_steps)])[None]
+    return leaf % under == 0
+
+
+def tree_shape(cfg: SampleConfig) -> TreeShape | None:
+    """The run's tree (``sample.tree`` over ``sample.num_steps``), or None for the flat rollout."""
+    return cfg.tree.shape(cfg.num_steps) if cfg.tree.branch_points else None
 
 
 @register_options("sample.tree")

@@ -37,9 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms import StepLoss, loss_stats
+from lean.algorithms.base import step_targets
 from lean.config.registry import Registry
 from lean.sampling.rollout import iteration_generator, policy_step
 from lean.sampling.transition import RECOMPUTE_INPUTS, Transition
+from lean.sampling.tree import tree_shape
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
 
 if TYPE_CHECKING:
@@ -173,6 +175,9 @@ class Recompute(Schedule):
         losses: list[StepLoss] = []
         step_stats = {}
         kept, n = ctx.kept_samples(advantages)
+        if tree_shape(ctx.cfg.sample) is not None:  # a tree's trained edges sit on cells, not K per row: one update
+            losses = self.recompute_terms(ctx.steps.trained.cpu(), advantages, n, kept)
+            return {**loss_stats(losses, len(losses)), **optimizer_step()}
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
         first = None  # how many of the losses are the first update's
         for u, update in enumerate(batches):
@@ -265,7 +270,7 @@ class Recompute(Schedule):
         emb = ctx.emb.index(rows)
         with ctx.region(region):
             step = policy_step(ctx.policy, ctx.sampler, terms.step, emb, joint_cfg=joint_cfg)
-        loss = ctx.algorithm.step_loss(ctx.with_reference(step), advantages[rows])
+        loss = ctx.algorithm.step_loss(ctx.with_reference(step), step_targets(advantages, step))
         self.ratios[rows, step.index] = loss.ratio.detach().double()
         with ctx.region("backward"):
             (terms.weight * loss.total(ctx.algorithm.kl_weight)).sum().backward()

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from lean.algorithms import StepLoss, loss_stats
-from lean.algorithms.base import RATIO_ONE_ON_POLICY
+from lean.algorithms.base import RATIO_ONE_ON_POLICY, step_targets
 from lean.config import AUTO, ConfigError, check_choice, check_positive, register_options
 from lean.observe.metrics import host_memory_mb
 from lean.parallel.sharding import is_sharded
@@ -286,7 +286,7 @@ class Retain(Schedule):
         """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
         ctx, total = self.ctx, 0.0
         for step in entries:
-            loss = ctx.algorithm.step_loss(step, advantages[step.rows])
+            loss = ctx.algorithm.step_loss(step, step_targets(advantages, step))
             weights = ctx.term_weights(step.rows, step.index, n, kept)
             total = total + (weights * loss.total(ctx.algorithm.kl_weight)).sum()
             self.losses.append(loss)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lean.algorithms import CLEAN_SAMPLES, build_algorithm
+from lean.algorithms.base import step_targets
 from lean.config import RunConfig
 from lean.config.dtypes import HALF, dtype_name
 from lean.models.build import build_policy
@@ -153,7 +154,8 @@ class Float64Reference:
             if not trained[step.rows, step.index].any():  # host-side: no term of this step is in the objective
                 continue
             weights = (trained[step.rows, step.index] * scale).to(self.sigmas.device)
-            loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), advantages[step.rows])
+            targets = step_targets(advantages, step)
+            loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), targets)
             (weights * loss).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
         self.world.reduce_gradients_(grads)  # averaged over processes, as the optimizer step averages the schedules'
