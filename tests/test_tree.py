@@ -163,7 +163,7 @@ def test_branch_grpo_on_a_tree_passes_the_certificate(family):
     assert report["reference"]["retain"]["max_rel_grad_diff"] < 1e-10
     from lean.schedules import schedule_problem
 
-    assert "reweight" not in report and "one target per trajectory" in schedule_problem(cfg, "reweight")[2]
+    assert "reweight" not in report and "a tree's targets are per edge" in schedule_problem(cfg, "reweight")[2]
 
 
 def test_branch_grpos_targets_sit_on_each_edges_first_leaf():

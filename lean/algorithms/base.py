@@ -46,11 +46,9 @@ ROLLOUT_STEPS, CLEAN_SAMPLES = "rollout_steps", "clean_samples"
 # The facts a schedule may need from an algorithm to reproduce its objective's gradient (Schedule.needs).
 RATIO_ONE_ON_POLICY = "ratio_one_on_policy"  # on-policy, the importance ratio is identically 1 (Retain)
 LINEAR_IN_TARGET = "linear_in_target"  # the loss's target-dependent part is linear in the target (Reweight)
-ONE_TARGET_PER_SAMPLE = "one_target_per_sample"  # every step of a trajectory has its target (Reweight's buffers)
 FACTS = {  # what a schedule needing the fact requires of the algorithm, for messages
     RATIO_ONE_ON_POLICY: "an on-policy ratio identically 1 (the rollout's own graph then gives the gradient)",
     LINEAR_IN_TARGET: "a loss linear in the target (a provisional target is then corrected afterwards)",
-    ONE_TARGET_PER_SAMPLE: "one target per trajectory (its steps' gradients then share one buffer)",
 }
 
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
 from lean.algorithms.grpo import GRPO
 from lean.algorithms.tree_targets import depthwise_advantages, edge_targets, fused_rewards
 from lean.sampling.tree import TreeShape, tree_shape
@@ -34,9 +33,6 @@ if TYPE_CHECKING:
 
 class BranchGRPO(GRPO):
     trains_trees = True
-    facts = frozenset(
-        {RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET}
-    )  # a target per edge: Reweight's buffers would be per edge
 
     @classmethod
     def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:

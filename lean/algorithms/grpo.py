@@ -44,7 +44,7 @@ import functools
 import torch
 from torch import Tensor
 
-from lean.algorithms.base import LINEAR_IN_TARGET, ONE_TARGET_PER_SAMPLE, RATIO_ONE_ON_POLICY, Algorithm, StepLoss
+from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY, Algorithm, StepLoss
 from lean.algorithms.reward_combination import combined_advantages
 from lean.config.registry import Registry
 from lean.sampling.rollout import Sampler, policy_step, reference_mean
@@ -102,7 +102,7 @@ def kl_penalty(mean: Tensor, ref_mean: Tensor, std: Tensor, weight: Tensor | flo
 class GRPO(Algorithm):
     """Group advantages, the clipped surrogate and the KL of the module docstring (``algorithm.*`` keys)."""
 
-    facts = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET, ONE_TARGET_PER_SAMPLE})
+    facts = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET})
 
     @functools.cached_property
     def kl_weights(self) -> Tensor:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from lean.algorithms import StepLoss, loss_stats
-from lean.algorithms.base import LINEAR_IN_TARGET, ONE_TARGET_PER_SAMPLE, RATIO_ONE_ON_POLICY
+from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
 from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
 from lean.schedules.base import (
@@ -80,7 +80,8 @@ from lean.schedules.per_sample import (
 
 class Reweight(Schedule):
     exact_only_on_policy = True
-    needs = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET, ONE_TARGET_PER_SAMPLE})  # the graph, the A / Â fold
+    needs = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET})  # the rollout's graph, and the A / Â fold
+    one_target_per_trajectory = True  # a buffer per trajectory folds one A: not a tree's per-edge targets
     backward_in_rollout = True
 
     def __init__(self, ctx):
