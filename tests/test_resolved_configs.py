@@ -94,8 +94,13 @@ CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {
     ("flowfactory-grpo-wan22", "ema.unit"): ("optimizer_step", "iteration"),
 }
 
-ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY}
-CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY}
+# Flow-DPPO (issue #43, lean/algorithms/flow_dppo.py): its trust-region threshold, read only under
+# algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5)
+ADDED_DPPO: dict[str, object] = {"algorithm.flow_dppo.kl_threshold": 1e-5}
+CHANGED_DPPO: dict[tuple[str, str], tuple[object, object]] = {}
+
+ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_DPPO}
+CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO}
 
 
 def resolved(name: str) -> dict:

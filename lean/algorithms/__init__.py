@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, Algorithm, StepLoss, loss_stats
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
+from lean.algorithms.flow_dppo import FlowDPPO
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.algorithms.grpo_guard import GRPOGuard
@@ -34,6 +35,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("mixgrpo", MixGRPO),  # Tencent-Hunyuan's MixGRPO: GRPO on a sliding SDE window of an ODE rollout
         ("nft", NFT),  # NVlabs' DiffusionNFT: negative-aware flow matching on re-noised clean samples
         ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
+        ("flow_dppo", FlowDPPO),  # UniRL's Flow-DPPO: a Gaussian-KL trust-region mask in place of the ratio clip
     ],
 )
 
