@@ -98,9 +98,12 @@ CHANGED_FLOWFACTORY: dict[tuple[str, str], tuple[object, object]] = {
 # algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5)
 ADDED_DPPO: dict[str, object] = {"algorithm.flow_dppo.kl_threshold": 1e-5}
 CHANGED_DPPO: dict[tuple[str, str], tuple[object, object]] = {}
+# Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
+ADDED_PRESETS_DPPO = {"unirl-flow-dppo-sd3"}  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
 
 ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_DPPO}
 CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO}
+RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS_DPPO]
 
 
 def resolved(name: str) -> dict:
@@ -145,10 +148,10 @@ def moved(flat: dict) -> dict:
 
 
 def test_every_preset_is_in_the_record():
-    assert set(RESOLVED) == {"params.yaml", *PRESETS}
+    assert set(RESOLVED) == {"params.yaml", *RECORDED}
 
 
-@pytest.mark.parametrize("name", ["params.yaml", *PRESETS])
+@pytest.mark.parametrize("name", ["params.yaml", *RECORDED])
 def test_the_resolved_config_is_unchanged(name):
     now = flatten(resolved(name))
     before = {**moved(flatten(RESOLVED[name])), **ADDED}
