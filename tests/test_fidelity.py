@@ -64,6 +64,8 @@ GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-g
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
 UNIRL = {"unirl-grpo-hunyuan-video15"}  # UniRL's FlowGRPO (Tencent-Hunyuan/UniRL 1a7b501)
+FLOW_DPPO = {"unirl-flow-dppo-sd3"}  # P1: UniRL's Flow-DPPO (flowdppo.py at 1a7b501), no KL to a reference
+UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)
 # the presets whose update trains on the rollout's steps: the ones this file's published GRPO objective covers (NFT
 # and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
 STEP_PRESETS = [p for p in PRESETS if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES]
@@ -211,6 +213,8 @@ def published_loss(theta, theta_ref, c, x, x_next, old_log_p, old_mean, advantag
         s = std.reshape(-1)[0]  # sqrt_dt.mean() * std_dev_t.mean(): the transition std
         ratio = torch.exp((log_p - old_log_p + ((mean - old_mean) ** 2).mean() / (2 * s**2)) * s)
     policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - algorithm.clip_range, 1 + algorithm.clip_range)).mean()
+    if algorithm.name == "flow_dppo":
+        policy = published_flow_dppo(ratio, a, mean, old_mean, sigmas, j, cfg, algorithm.flow_dppo.kl_threshold)
     if algorithm.name == "grpo_guard":  # G1 :931-932: divided by sqrt_dt.mean()**2 = -dt
         policy = policy / (sigmas[j] - sigmas[j + 1])
     if algorithm.beta == 0:
@@ -220,6 +224,17 @@ def published_loss(theta, theta_ref, c, x, x_next, old_log_p, old_mean, advantag
     divisor = std if preset == "flowgrpo-wan" else scale  # F3 vs F2 (cps: both are the transition std)
     kl = (((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * divisor.reshape(-1) ** 2)).mean()
     return policy + algorithm.beta * kl
+
+
+def published_flow_dppo(ratio, a, mean, old_mean, sigmas, j, cfg, threshold):
+    """P1 flowdppo.py:86-111, :319: mean of -A r, zeroed where the KL mean((mu - mu_old)^2) / (2 sigma_t^2) is not
+    under the threshold and r moves the way A pushes; sigma_t = eta sqrt(s / (1 - min(s, 0.99))) sqrt(-dt) (:366-367,
+    which differs from the rollout's std at s = 1 only: the fixture's KL is far above the threshold either way)."""
+    s, dt = sigmas[j], sigmas[j + 1] - sigmas[j]
+    sigma_t = cfg.noise_level * torch.sqrt(s / (1 - s.clamp(max=0.99))) * torch.sqrt(-dt)
+    kl = ((mean - old_mean) ** 2 / (2 * sigma_t**2)).mean(dim=tuple(range(1, mean.ndim)))
+    removed = ~(kl < threshold) & (((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0)))
+    return torch.where(~removed.detach(), -a * ratio, torch.zeros(())).mean()
 
 
 # ---------------------------------------------------------------- lean's update on the same tensors
@@ -265,11 +280,16 @@ def preset_config(preset: str, dtype: torch.dtype):
     """The preset's sampler and loss; one update over the toy batch (the update's split does not change the
     objective of one step), and a KL weight where the source has a KL at all."""
     cfg = load_config(preset=preset)
-    beta = cfg.algorithm.beta or (0.0 if preset in DANCE_FAMILY else 0.04)  # DanceGRPO and MixGRPO: no KL term
+    beta = cfg.algorithm.beta or (0.0 if preset in DANCE_FAMILY | FLOW_DPPO else 0.04)  # DanceGRPO, MixGRPO, P1: no KL
     train = dataclasses.replace(
         cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1
     )
     algorithm = dataclasses.replace(cfg.algorithm, beta=beta)
+    if preset in FLOW_DPPO:  # P1: a threshold the toy KLs straddle at j = 2 (at j = 0 all are under it, in both
+        # normalisations: flowdppo.py:366's clamp makes the source's 0.28 x lean's there), so the mask drops terms
+        algorithm = dataclasses.replace(
+            algorithm, flow_dppo=dataclasses.replace(algorithm.flow_dppo, kl_threshold=1e-6)
+        )
     model = dataclasses.replace(cfg.model, dtype="float64" if dtype == torch.float64 else "float32")
     return dataclasses.replace(cfg, train=train, algorithm=algorithm, model=model)
 
@@ -390,6 +410,8 @@ PUBLISHED_TARGETS = {
     "ff_context.linear_out",  # Flow-Factory flux2_klein.py default_target_modules
     "flowfactory-grpo-wan22": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_t2v.py:74-85
+    "unirl-flow-dppo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # sd3_flowdppo.yaml:81-89
     "unirl-grpo-hunyuan-video15": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
     "attn.add_v_proj attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # hv15.yaml:84-96
 }

@@ -26,6 +26,7 @@ STEP_PRESETS = [
     "grpo-guard-sd3",
     "mixgrpo-flux",
     "mixgrpo-flash-flux",
+    "unirl-flow-dppo-sd3",
 ]
 CLEAN_SAMPLE_PRESETS = ["nft-sd3", "dpo-sd3"]
 PRESETS = STEP_PRESETS + CLEAN_SAMPLE_PRESETS
@@ -221,6 +222,26 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "train.group_size": 24,
         "train.optimizer_steps_per_iteration": 2,
         "ema.repeats": 4,
+    },
+    "unirl-flow-dppo-sd3": {  # Tencent-Hunyuan/UniRL at 1a7b501: examples/diffusion/sd3_flowdppo.yaml
+        "algorithm.name": "flow_dppo",
+        "model.family": "sd3",
+        "sample.num_steps": 10,
+        "sample.shift": 3.0,
+        "sample.noise_level": 0.7,
+        "sample.cfg": False,
+        "sample.sde_window": 3,
+        "model.lora_rank": 32,
+        "model.lora_alpha": 64,
+        "optimizer.lr": 3e-4,
+        "optimizer.weight_decay": 0.0,
+        "algorithm.beta": 0.0,
+        "algorithm.global_std": True,
+        "train.prompts_per_iteration": 48,
+        "train.group_size": 16,
+        "train.train_batch_size": 8,
+        "train.optimizer_steps_per_iteration": 2,
+        "ema.enabled": False,
     },
     "mixgrpo-flux": {  # Tencent-Hunyuan/MixGRPO at e5cdd6a: finetune_flux_grpo_MixGRPO.sh
         "algorithm.name": "mixgrpo",

@@ -13,6 +13,7 @@ from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, 
 from lean.algorithms.branch_grpo import BranchGRPO
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
+from lean.algorithms.flow_dppo import FlowDPPO
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.algorithms.grpo_guard import GRPOGuard
@@ -35,10 +36,8 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("mixgrpo", MixGRPO),  # Tencent-Hunyuan's MixGRPO: GRPO on a sliding SDE window of an ODE rollout
         ("nft", NFT),  # NVlabs' DiffusionNFT: negative-aware flow matching on re-noised clean samples
         ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
-        (
-            "branch_grpo",
-            BranchGRPO,
-        ),  # BranchGRPO (Fredreic1849): DanceGRPO's surrogate on a tree, depth-wise advantages
+        ("flow_dppo", FlowDPPO),  # UniRL's Flow-DPPO: a Gaussian-KL trust-region mask in place of the ratio clip
+        ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
     ],
 )
 
