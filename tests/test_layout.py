@@ -170,7 +170,7 @@ def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp
 
     # 2 groups of 4 in micro-batches of one group, as the README's bench memory table
     cfg = tiny("train.prompts_per_iteration=2", "train.group_size=4", "train.rollout_batch_size=4")
-    rows = [r for r in plan(cfg)["combinations"] if (r["retain_steps"], r["offload"]) == ("all", "off")]  # as published
+    rows = [r for r in plan(cfg)["combinations"] if (r["retain_steps"], r["offload"]) == ("all", "device")]  # as published
     assert {(r["layout"], r["shard"], r["gradient_checkpointing"]) for r in rows} == {
         (layout, "none", ck) for layout in ("group", "slice") for ck in (False, True)
     }  # one process: nothing to shard over
@@ -246,10 +246,10 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
         for r in report["combinations"]
         if r["fits"]
     }
-    assert ("recompute", "group", "none", True, "all", "off") in fits  # DanceGRPO's own set-up fits 80 GB
+    assert ("recompute", "group", "none", True, "all", "device") in fits  # DanceGRPO's own set-up fits 80 GB
     # 144 trajectory-steps of a 12B model's activations on the device do not; offloaded (or fewer kept) they do,
     # each row with its host memory, bytes moved and exposed copy time, and its time beside Recompute's and Reweight's
-    assert ("retain", "slice", "none", False, "all", "off") not in fits
+    assert ("retain", "slice", "none", False, "all", "device") not in fits
     assert ("retain", "group", "fsdp", True, "all", "host") in fits
     offloaded = [
         r for r in report["combinations"] if r["schedule"] == "retain" and r["fits"] and r["offload"] == "host"
@@ -286,10 +286,10 @@ def test_plan_of_a_published_full_fine_tune_on_gpus(capsys, tmp_path):
     fitting = {
         (r["schedule"], r["gradient_checkpointing"], r["retain_steps"], r["offload"]): r for r in rows if r["fits"]
     }
-    assert ("retain", True, "all", "off") not in fitting and ("retain", True, "all", "host") in fitting
+    assert ("retain", True, "all", "device") not in fitting and ("retain", True, "all", "host") in fitting
     assert (
         fitting["retain", True, "all", "host"]["time_iteration_s"]
-        < fitting["recompute", True, "all", "off"]["time_iteration_s"]
+        < fitting["recompute", True, "all", "device"]["time_iteration_s"]
     )
     captured = capsys.readouterr()
     assert "fastest that fits in 72 GiB: retain" in captured.out and "offload=host" in captured.out
