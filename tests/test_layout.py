@@ -170,7 +170,9 @@ def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp
 
     # 2 groups of 4 in micro-batches of one group, as the README's bench memory table
     cfg = tiny("train.prompts_per_iteration=2", "train.group_size=4", "train.rollout_batch_size=4")
-    rows = [r for r in plan(cfg)["combinations"] if (r["retain_steps"], r["offload"]) == ("all", "device")]  # as published
+    rows = [
+        r for r in plan(cfg)["combinations"] if (r["retain_steps"], r["offload"]) == ("all", "device")
+    ]  # as published
     assert {(r["layout"], r["shard"], r["gradient_checkpointing"]) for r in rows} == {
         (layout, "none", ck) for layout in ("group", "slice") for ck in (False, True)
     }  # one process: nothing to shard over
