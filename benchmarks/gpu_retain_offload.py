@@ -52,6 +52,7 @@ from lean.configure import load_config, validate  # noqa: E402
 from lean.observe.metrics import live_bytes_heap, median  # noqa: E402
 from lean.observe.outputs import write_json  # noqa: E402
 from lean.observe.provenance import machine  # noqa: E402
+from lean.plan.cost import host_link_speeds  # noqa: E402
 from lean.sampling.sde import num_trained_steps  # noqa: E402
 from lean.schedules import BASELINE  # noqa: E402
 from lean.schedules.retain import ALL_STEPS, DEVICE, HOST  # noqa: E402
@@ -154,30 +155,12 @@ def trained_steps(cfg) -> int:
     return num_trained_steps(s.num_steps, s.timestep_fraction, s.timestep_fraction_of)
 
 
-def host_link(device: torch.device, nbytes: int, repeats: int = 3) -> dict:
-    """GB/s each way of one ``nbytes`` copy between pinned host memory and ``device`` (CUDA events, median of
-    ``repeats`` after one unmeasured copy); on a CPU a plain memory copy (no link: the dry run's code path)."""
-    cuda = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def seconds(dst: torch.Tensor, src: torch.Tensor) -> float:
-        if not cuda:
-            start = time.perf_counter()
-            dst.copy_(src)
-            return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-
-    result = {"bytes": nbytes, "how": "pinned cudaMemcpyAsync, CUDA events" if cuda else "CPU memory copy (no link)"}
-    for direction, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
-        seconds(dst, src)
-        result[f"{direction}_gb_s"] = nbytes / median(seconds(dst, src) for _ in range(repeats)) / 1e9
-    return result
+def host_link(device: torch.device, nbytes: int) -> dict:
+    """GB/s each way of one ``nbytes`` pinned copy (``lean.plan.cost.host_link_speeds``, what ``lean train`` times
+    for the plan); on a CPU there is no link (inf)."""
+    speeds = host_link_speeds(device, nbytes / 2**20)
+    how = "pinned cudaMemcpyAsync, median of 3" if device.type == "cuda" else "no link on a CPU"
+    return {"bytes": nbytes, "how": how, **{f"{k}_gb_s": v * 2**20 / 1e9 for k, v in speeds.items()}}
 
 
 def certificates() -> dict:

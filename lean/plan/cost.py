@@ -491,18 +491,22 @@ def host_budget_mb(cfg: RunConfig) -> float:
     return available * MEMORY_MARGIN / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def host_link_mb_s(device: torch.device, mb: float = 256.0) -> float:
-    """MiB/s of a pinned host copy each way on a CUDA ``device`` (the slower direction, the median of 3 of ``mb``
-    MiB); on a CPU the "host" is the same memory: no link (inf)."""
+def host_link_speeds(device: torch.device, mb: float = 256.0) -> dict[str, float]:
+    """MiB/s of a pinned host copy of ``mb`` MiB each way on a CUDA ``device``, ``{"h2d", "d2h"}`` (the median of 3
+    after one unmeasured copy); on a CPU the "host" is the same memory: no link (inf)."""
     if device.type != "cuda":
-        return float("inf")
+        return {"h2d": float("inf"), "d2h": float("inf")}
     host = torch.empty(int(mb * 2**20), dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty_like(host, device=device)
-    seconds = max(
-        _timed(lambda: on_device.copy_(host, non_blocking=True)),
-        _timed(lambda: host.copy_(on_device, non_blocking=True)),
-    )
-    return mb / max(seconds, 1e-9)
+    return {
+        "h2d": mb / max(_timed(lambda: on_device.copy_(host, non_blocking=True)), 1e-9),
+        "d2h": mb / max(_timed(lambda: host.copy_(on_device, non_blocking=True)), 1e-9),
+    }
+
+
+def host_link_mb_s(device: torch.device, mb: float = 256.0) -> float:
+    """The plan's link: the slower direction of :func:`host_link_speeds`."""
+    return min(host_link_speeds(device, mb).values())
 
 
 def decide(inp: PlanInput) -> dict:
