@@ -58,10 +58,7 @@ class BranchGRPO(GRPO):
         )
         grid = torch.zeros((len(rewards), shape.num_steps), dtype=torch.float64, device=rewards.device)
         for i, values in enumerate(edges):
-            first = torch.arange(trees)[:, None] * shape.leaves + torch.arange(shape.edges(i))[
-                None
-            ] * shape.leaves_under(i + 1)
-            grid[first.flatten(), i] = values.flatten().to(grid)
+            grid[shape.first_leaves(i + 1, torch.arange(trees)), i] = values.flatten().to(grid)
         return grid
 
 

@@ -112,9 +112,14 @@ def device_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return (free + torch.cuda.memory_reserved(device)) * MEMORY_MARGIN / 2**20
+    return available_ram_mb() + rss_mb()
+
+
+def available_ram_mb() -> float:
+    """MemAvailable of /proc/meminfo, MiB."""
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) / 1024 + rss_mb()
+    return int(info["MemAvailable"].split()[0]) / 1024
 
 
 def host_memory_mb() -> float | None:
@@ -122,12 +127,10 @@ def host_memory_mb() -> float | None:
     by the node's processes (``LOCAL_WORLD_SIZE``, as torchrun and Accelerate set it); None where /proc/meminfo is
     missing."""
     try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
+        available = available_ram_mb()
     except OSError:
         return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return int(info["MemAvailable"].split()[0]) / 1024 * MEMORY_MARGIN / max(local, 1)
+    return available * MEMORY_MARGIN / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
 # glibc mallopt parameters

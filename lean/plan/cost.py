@@ -34,7 +34,6 @@ trainable parameters and AdamW moments take, counted on the meta device (:func:`
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from lean.config.dtypes import DTYPES, master_dtype
 from lean.models.build import lora_config
 from lean.models.footprint import meta_transformer
 from lean.models.registry import family_spec
-from lean.observe.metrics import MEMORY_MARGIN, PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
+from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import World, init_world
 from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
@@ -72,6 +71,7 @@ from lean.schedules import (
 from lean.schedules.per_sample import linear_owners
 from lean.schedules.recompute import first_update_rows
 from lean.schedules.retain import ALL_STEPS, DEVICE, HOST, OFFLOADS, Retain
+from lean.schedules.retain import host_budget_mb as retain_host_budget_mb
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -484,11 +484,8 @@ def budget_mb(cfg: RunConfig, device: torch.device) -> float:
 def host_budget_mb(cfg: RunConfig) -> float:
     """Pinned host memory one process may take for offloaded graphs: ``train.retain.host_memory_budget_mb``, else the
     available RAM x :data:`MEMORY_MARGIN` shared by the node's processes (``LOCAL_WORLD_SIZE``, torchrun's)."""
-    if cfg.train.retain.host_memory_budget_mb:
-        return cfg.train.retain.host_memory_budget_mb
-    with open("/proc/meminfo") as f:
-        available = int(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) / 1024
-    return available * MEMORY_MARGIN / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    budget = retain_host_budget_mb(cfg.train.retain)  # the rule the offload's arena enforces
+    return float("inf") if budget is None else budget
 
 
 def host_link_speeds(device: torch.device, mb: float = 256.0) -> dict[str, float]:

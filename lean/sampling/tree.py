@@ -74,6 +74,11 @@ class TreeShape:
         children = torch.arange(self.edges(i))
         return children // self.branching if i in self.branch_points else children
 
+    def first_leaves(self, i: int, tree_ids: torch.Tensor) -> torch.Tensor:
+        """The first leaf of each node of step i (0 <= i <= n) of the trees ``tree_ids`` among their leaves, tree by
+        tree: tree t's node r is named by leaf t L + r L/live(i) (an edge of step i by its child's, at step i + 1)."""
+        return (tree_ids[:, None] * self.leaves + torch.arange(self.live(i))[None] * self.leaves_under(i)).flatten()
+
     def leaves_under(self, i: int) -> int:
         """Leaves below each node of step i, L / live(i): node (i, r) holds leaves r L/live(i) to (r+1) L/live(i)-1."""
         return self.leaves // self.live(i)
@@ -171,17 +176,12 @@ class TreeSteps:
         if shape.num_steps != self.loop.num_steps:
             raise ValueError(f"a tree over {shape.num_steps} steps on a grid of {self.loop.num_steps}")
 
-    def first_leaves(self, i: int, tree_ids: torch.Tensor) -> torch.Tensor:
-        """The first leaf of each node of step i (0 <= i <= n) of the trees ``tree_ids``, host ids, tree by tree."""
-        s = self.shape
-        return (tree_ids[:, None] * s.leaves + torch.arange(s.live(i))[None] * s.leaves_under(i)).flatten()
-
     def edges(self, i: int, tree_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each edge's parent among the micro-batch's nodes of step i, its first leaf in the local batch), host ids
         [trees x edges(i)], tree by tree."""
         s = self.shape
         parents = torch.arange(len(tree_ids))[:, None] * s.live(i) + s.parent(i)[None]
-        return parents.flatten(), self.first_leaves(i + 1, tree_ids)
+        return parents.flatten(), self.shape.first_leaves(i + 1, tree_ids)
 
     def roll_out(self, roots: torch.Tensor, tree_ids: torch.Tensor) -> torch.Tensor:
         """All steps of the trees ``tree_ids`` from their roots [trees, ...]; returns their leaves' decode target."""
@@ -189,7 +189,7 @@ class TreeSteps:
         x, x0 = roots, None
         for i in range(loop.num_steps):
             nodes = x.shape[0]
-            emb = plan.emb.index(self.first_leaves(i, tree_ids))  # each node's prompt: its tree's
+            emb = plan.emb.index(self.shape.first_leaves(i, tree_ids))  # each node's prompt: its tree's
             tracked = loop.stochastic[i] and hooks.track_grad(i)
             v = self.velocity(x, loop.grid[i], emb, nodes, tracked)
             if i == loop.num_steps - 1 and plan.decode == "x0_prediction":

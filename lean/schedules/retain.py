@@ -238,10 +238,10 @@ class Retain(Schedule):
         kept, n = self.ctx.kept_samples(advantages)
         if self.later is not None:  # the first update's (kept) samples
             n = self.later.first_count(kept)
-        held = self._offload_stats()  # before the backward: what is still on the device while the graphs wait
+        held = self._offload_held()  # what is still on the device while the graphs wait
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []
-        offloaded = {**held, **self._offload_stats(fetched=True)}
+        offloaded = {**held, **self._offload_fetched()}
         self._release_offloaded()
         if self.partial is not None:  # the trained steps whose graphs were not kept, recomputed
             recomputed, n_terms = self.partial.recomputed, 1 if self.unscaled else n
@@ -265,15 +265,20 @@ class Retain(Schedule):
         if self.offload is not None and not self.kept:
             self.offload.reset()
 
-    def _offload_stats(self, fetched: bool = False) -> dict:
-        """What the offload moved this iteration (MiB per process): before the backward, out and what of it is still
-        on the device; after it (``fetched``), what came back and how many groups the backward read before their
-        prefetch."""
+    def _offload_fetched(self) -> dict:
+        """After the backward: what the offload brought back (MiB per process) and how many groups the backward read
+        before their prefetch."""
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats
+        return {"offload_fetched_mb": stats.fetched_bytes * 2.0**-20, "offload_demand_fetches": stats.demand_fetches}
+
+    def _offload_held(self) -> dict:
+        """Before the backward: what the offload moved out this iteration (MiB per process) and what of it is still on
+        the device."""
         if self.offload is None:
             return {}
         stats, mib = self.offload.stats, 2.0**-20
-        if fetched:
-            return {"offload_fetched_mb": stats.fetched_bytes * mib, "offload_demand_fetches": stats.demand_fetches}
         return {
             "offload_moved_mb": stats.moved_bytes * mib,
             "offload_resident_mb": stats.resident_bytes * mib,
@@ -354,8 +359,14 @@ def kept_graphs(c: IterationCosts, held: float, units: int) -> Prediction:
 def host_offload(options: RetainOptions, device: torch.device) -> SavedTensorOffload:
     """The offload of ``train.retain.offload=host``, its arena bounded by ``host_memory_budget_mb`` (default: the
     available RAM x 0.9 over the node's processes); past it the rollout stops with one line naming the keys."""
-    budget_mb = options.host_memory_budget_mb or host_memory_mb()
+    budget_mb = host_budget_mb(options)
     return SavedTensorOffload(offload_mode(device), host_limit_bytes=None if budget_mb is None else budget_mb * 2**20)
+
+
+def host_budget_mb(options: RetainOptions) -> float | None:
+    """Host MiB one process may pin for offloaded graphs: ``train.retain.host_memory_budget_mb``, else 90% of the
+    available RAM over the node's processes (None: unknown, no bound)."""
+    return options.host_memory_budget_mb or host_memory_mb()
 
 
 def refused_host_memory(err: HostMemoryExceeded) -> ConfigError:
