@@ -79,3 +79,25 @@ def clip_folder(tmp_path_factory):
     from helpers import save_tiny_clip
 
     return save_tiny_clip(tmp_path_factory.mktemp("clip"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_python(tmp_path_factory):
+    """The processes the tests start fork from a server with torch, diffusers and mlflow imported
+    (``tests/warm_python.py``): its shims go first on PATH, and ``helpers.python()`` names its `python`.
+    LEAN_TEST_WARM=0 starts every process afresh."""
+    if os.environ.get("LEAN_TEST_WARM", "1") == "0":
+        yield None
+        return
+    import sys
+
+    from warm_python import start
+
+    folder = tmp_path_factory.mktemp("warm")
+    server = start(folder, wait=False)  # the imports run in the background; until then the shims start cold
+    venv = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([str(folder), venv, os.environ["PATH"]])
+    os.environ["LEAN_TEST_PYTHON"] = str(folder / "python")
+    yield folder
+    server.kill()
+    server.wait(timeout=30)

@@ -119,6 +119,38 @@ def lean_here(*args: str) -> None:
     assert main(list(args)) == 0, f"lean {' '.join(args)} failed"
 
 
+def python() -> str:
+    """The interpreter a test starts processes with: the warm one (``tests/warm_python.py``, set up by conftest for
+    the session) or, without it, this one."""
+    import os
+    import sys
+
+    return os.environ.get("LEAN_TEST_PYTHON", sys.executable)
+
+
+def cold_env() -> dict[str, str]:
+    """This environment without the warm shims: every process a test starts is a real child of its parent, as a
+    test that walks the process tree (``ps --ppid``) needs."""
+    import os
+
+    env = dict(os.environ)
+    warm = env.pop("LEAN_TEST_PYTHON", None)
+    if warm:
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != os.path.dirname(warm))
+    return env
+
+
+def venv_path() -> str:
+    """PATH with this interpreter's folder (``lean``, ``dvc``, ``accelerate``) ahead of the system's, and the warm
+    shims, where the session has them, ahead of both."""
+    import os
+    import sys
+
+    venv = os.path.dirname(sys.executable)
+    path = os.environ["PATH"]
+    return path if venv in path.split(os.pathsep) else os.pathsep.join([venv, path])
+
+
 def free_port() -> int:
     """A TCP port nothing listens on (now) on 127.0.0.1."""
     import socket

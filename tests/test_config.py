@@ -1,9 +1,9 @@
 """Bad input gets one line naming the key; good input becomes a typed config."""
 
 import subprocess
-import sys
 
 import pytest
+from helpers import python
 
 from lean.config import ConfigError, RunConfig
 from lean.configure import load_config, validate
@@ -104,7 +104,7 @@ def test_params_file_and_unknown_section(tmp_path):
 
 def test_cli_prints_one_line_and_exits_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "lean.cli", "train", "--set", "sample.sde_kind=euler"],
+        [python(), "-m", "lean.cli", "train", "--set", "sample.sde_kind=euler"],
         capture_output=True,
         text=True,
         timeout=120,

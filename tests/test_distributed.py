@@ -4,11 +4,10 @@
 import csv
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import free_port, lean_here, lean_ranks
+from helpers import free_port, lean_here, lean_ranks, python
 from safetensors.torch import load_file
 
 SMALL = [
@@ -26,7 +25,7 @@ SMALL = [
 
 
 def _lean(*args, timeout=280):
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([python(), "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -59,7 +58,7 @@ def test_two_processes_or_two_nodes_roll_out_the_same_trajectories(tmp_path, dty
 
     # `lean launch --nnodes 2`: two "machines" of one process each, rendezvous on 127.0.0.1: the same run
     two_nodes = tmp_path / "two_nodes"
-    cmd = [sys.executable, "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    cmd = [python(), "-m", "lean.cli", "launch", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_port())]
     run = ["--", "train", *SMALL, *EVAL, "--set", f"model.dtype={dtype}", "--out", str(two_nodes)]
     nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), *run], stderr=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def run(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHON": sys.executable, **env},
+        env={**os.environ, "PYTHON": python(), **env},
     )
 
 
@@ -51,7 +51,7 @@ def test_the_retain_offload_check_runs_its_code_on_the_cpu_in_a_dry_run(tmp_path
 
     script = str(REPO / "benchmarks" / "gpu_retain_offload.py")
     out = tmp_path / "out"
-    cmd = [sys.executable, script, "--dry-run", "--out", str(out), "--repeats", "1", "--warmup", "0"]
+    cmd = [python(), script, "--dry-run", "--out", str(out), "--repeats", "1", "--warmup", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "estimated" in proc.stdout  # the plan and its estimate come first
@@ -66,6 +66,6 @@ def test_the_retain_offload_check_runs_its_code_on_the_cpu_in_a_dry_run(tmp_path
     assert result["host_link"]["h2d_gb_s"] > 0 and (out / "retain_offload.md").exists()  # inf: no link on a CPU
     assert (out / "measured.jsonl").read_text().count("\n") == 5 * 2  # each variant's memory pass and timed round
     if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "gpu")], capture_output=True, text=True)
+        proc = subprocess.run([python(), script, "--out", str(tmp_path / "gpu")], capture_output=True, text=True)
         assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "gpu").exists()

@@ -7,13 +7,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import python
 
 from lean.config import ConfigError
 from lean.parallel.launch import free_port
@@ -167,7 +167,7 @@ def test_unknown_shape_exits_2(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("gpus, expect", [("0", "--nproc 2 --quick"), ("1", "--nproc 1"), ("4", "--nproc 4")])
 def test_gpu_script_picks_the_layout(gpus, expect):
-    env = dict(os.environ, GPUS=gpus, DRY_RUN="1", PYTHON=sys.executable)
+    env = dict(os.environ, GPUS=gpus, DRY_RUN="1", PYTHON=python())
     out = subprocess.run(
         ["bash", str(REPO / "benchmarks/gpu_overlap.sh"), "/tmp/unused"],
         env=env,

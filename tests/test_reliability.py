@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import cold_env, python, tiny
 from safetensors.torch import load_file
 
 from lean import checkpoint
@@ -34,14 +34,14 @@ RUN = [
 ]
 
 
-TRAIN = [sys.executable, "-m", "lean.cli", "train", *RUN]
+TRAIN = ["-m", "lean.cli", "train", *RUN]  # after python(): the session sets the warm one up after collection
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     """The LoRA weights of the RUN config trained without a stop (what every resumed run must end with)."""
     out = tmp_path_factory.mktemp("uninterrupted")  # run there, as the tests run in theirs: no params.yaml
-    subprocess.run([*TRAIN, "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=out)
+    subprocess.run([python(), *TRAIN, "--out", str(out)], check=True, capture_output=True, timeout=300, cwd=out)
     return load_file(out / "lora.safetensors")
 
 
@@ -51,7 +51,7 @@ def test_sigkill_mid_iteration_then_resume_is_bit_identical(tmp_path, uninterrup
     """SIGKILL inside an iteration: no final weights; --resume from the last complete checkpoint ends with the
     weights of a run that was never stopped; a changed objective is refused on resume."""
     killed = tmp_path / "killed"
-    cmd = TRAIN
+    cmd = [python(), *TRAIN]
 
     proc = subprocess.Popen([*cmd, "--out", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpts = killed / "checkpoints"
@@ -86,6 +86,7 @@ def test_sigterm_stops_at_the_next_safe_point_with_a_checkpoint_then_resume_is_b
     one line; --resume ends with the weights of a run that was never stopped."""
     stopped = tmp_path / "stopped"
     cmd = [
+        python(),
         *TRAIN,
         "--set",
         "checkpoint.every=0",
@@ -184,7 +185,7 @@ def _rank_of(pid: int) -> str | None:
 @pytest.mark.timeout(240)
 def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
     cmd = [
-        sys.executable,
+        sys.executable,  # with cold_env(): the ranks are the launcher's descendants, found by `ps --ppid`
         "-m",
         "lean.cli",
         "launch",
@@ -203,7 +204,9 @@ def test_dead_rank_stops_the_job_with_a_clear_message(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=cold_env()
+    )
     seen = ""
     while "rollout" not in seen:  # rank 0's rollout progress bar: the job is mid-rollout
         line = proc.stdout.readline()

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -15,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import CLIP_PROMPTS, free_port, tiny
+from helpers import CLIP_PROMPTS, free_port, python, tiny
 from safetensors.torch import load_file
 
 from lean.cli import main
@@ -38,7 +37,7 @@ def color_server():
     """``lean reward serve --reward color_match`` with a bearer token, on a free port, in its own process group (a
     built-in reward: the server is the same for a model reward, whose start would import transformers)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "lean.cli", "reward", "serve", "--params", "/dev/null", "--reward", "color_match"]
+    cmd = [python(), "-m", "lean.cli", "reward", "serve", "--params", "/dev/null", "--reward", "color_match"]
     cmd += ["--port", str(port), "--token-env", TOKEN_ENV, "--device", "cpu"]
     env = {**os.environ, TOKEN_ENV: "s3cret"}
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

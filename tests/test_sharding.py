@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import lean_here, lean_ranks
+from helpers import lean_here, lean_ranks, python
 from safetensors.torch import load_file
 
 from lean.config import ConfigError
@@ -26,7 +25,7 @@ def _sets(values: list[str]) -> list[str]:
 
 
 def _lean(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([python(), "-m", "lean.cli", *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import venv_path
 
 from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
@@ -315,7 +316,7 @@ def _build_smoke(repo: Path, work: Path) -> dict:
     try:
         env = {
             **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "PATH": venv_path(),
             "MLFLOW_TRACKING_URI": url,
             "LEAN_TRACKING": "1",
         }
@@ -479,7 +480,7 @@ def test_dvc_experiments_compare_with_the_committed_baseline(smoke):
     compare the baseline with it. The experiment changes a param of a cheap stage (the advantage stage's: rollout, which
     lists the same section, reruns before it): what is compared is DVC's, not the stage's."""
     repo = smoke["repo"]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "LEAN_TRACKING": "0"}
+    env = {**os.environ, "PATH": venv_path(), "LEAN_TRACKING": "0"}
     env.pop("DVC_ROOT", None)
     git = ["git", "-c", "user.email=smoke@lean", "-c", "user.name=smoke"]
     for cmd in (["add", "-A"], ["commit", "-qm", "baseline figures"]):
