@@ -412,6 +412,8 @@ PUBLISHED_TARGETS = {
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_t2v.py:74-85
     "unirl-flow-dppo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # sd3_flowdppo.yaml:81-89
+    "awm-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # AWM train_sd3_awm.py:612-622 at 12b1397 (lora_type "attn")
     "unirl-grpo-hunyuan-video15": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
     "attn.add_v_proj attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # hv15.yaml:84-96
 }

@@ -110,11 +110,36 @@ ADDED_TREE: dict[str, object] = {
 # algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5)
 ADDED_DPPO: dict[str, object] = {"algorithm.flow_dppo.kl_threshold": 1e-5}
 CHANGED_DPPO: dict[tuple[str, str], tuple[object, object]] = {}
+# AWM (issue #43, lean/algorithms/awm.py): its keys, read only under algorithm.name=awm; defaults are the PickScore
+# config's (scxue/advantage_weighted_matching at 12b1397, config/dgx_awm.py:333-346, :367)
+ADDED_AWM: dict[str, object] = {
+    "algorithm.awm.draws": 6,
+    "algorithm.awm.time_draw": "discrete",
+    "algorithm.awm.weighting": "ghuber",
+    "algorithm.awm.ghuber_power": 0.25,
+    "algorithm.awm.advantage_max": 1.0,
+    "algorithm.awm.beta": 1e-4,
+    "algorithm.awm.ema_beta": 1.0,
+    "algorithm.awm.ema_decay": 0.3,
+    "algorithm.awm.ema_decay_kind": "linear",
+}
+CHANGED_AWM: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
-ADDED_PRESETS = {"unirl-flow-dppo-sd3"}  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
+ADDED_PRESETS = {
+    "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
+    "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
+}
 
-ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_RETAIN, **ADDED_TREE, **ADDED_DPPO}
-CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO}
+ADDED = {
+    **ADDED_EDITING,
+    **ADDED_ADVANTAGES,
+    **ADDED_FLOWFACTORY,
+    **ADDED_RETAIN,
+    **ADDED_TREE,
+    **ADDED_DPPO,
+    **ADDED_AWM,
+}
+CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO, **CHANGED_AWM}
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 
 

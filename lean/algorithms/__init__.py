@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lean.algorithms.awm import AWM
 from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, Algorithm, StepLoss, loss_stats
 from lean.algorithms.branch_grpo import BranchGRPO
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
@@ -38,6 +39,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
         ("flow_dppo", FlowDPPO),  # UniRL's Flow-DPPO: a Gaussian-KL trust-region mask in place of the ratio clip
         ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
+        ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
     ],
 )
 
