@@ -110,11 +110,25 @@ ADDED_TREE: dict[str, object] = {
 # algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5)
 ADDED_DPPO: dict[str, object] = {"algorithm.flow_dppo.kl_threshold": 1e-5}
 CHANGED_DPPO: dict[tuple[str, str], tuple[object, object]] = {}
+# BranchGRPO's pruning of the gradient (issue #43): the tree's depth pruning (lean/sampling/tree.py) and its width
+# pruning (lean/algorithms/branch_grpo.py), all off as before (the tree script's defaults, train_branchgrpo_flux.py
+# :2101-2109 at 19fbb9f: no depth, mode 0, ratio 0.5, pruning_step_ratio 1.0)
+ADDED_BRANCH: dict[str, object] = {
+    "sample.tree.depth_pruning": [],
+    "sample.tree.depth_pruning_slide_interval": None,
+    "sample.tree.depth_pruning_stop_depth": None,
+    "algorithm.branch_grpo.width_pruning": "off",
+    "algorithm.branch_grpo.width_pruning_ratio": 0.5,
+    "algorithm.branch_grpo.pruning_until": 1.0,
+}
+CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {"unirl-flow-dppo-sd3"}  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
+ADDED_PRESETS |= {"branchgrpo-flux"}  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
 
 ADDED = {**ADDED_EDITING, **ADDED_ADVANTAGES, **ADDED_FLOWFACTORY, **ADDED_RETAIN, **ADDED_TREE, **ADDED_DPPO}
-CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO}
+ADDED |= ADDED_BRANCH
+CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO, **CHANGED_BRANCH}
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 
 
