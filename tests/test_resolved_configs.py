@@ -117,7 +117,7 @@ ADDED_BRANCH: dict[str, object] = {
     "sample.tree.depth_pruning": [],
     "sample.tree.depth_pruning_slide_interval": None,
     "sample.tree.depth_pruning_stop_depth": None,
-    "algorithm.branch_grpo.width_pruning": "off",
+    "algorithm.branch_grpo.width_pruning": "none",
     "algorithm.branch_grpo.width_pruning_ratio": 0.5,
     "algorithm.branch_grpo.pruning_until": 1.0,
 }

@@ -223,7 +223,7 @@ def test_depth_pruning_slides_as_the_tree_script_does():
         (["sample.tree.depth_pruning=[3]"], "prunes a tree's edges: set branch_points"),
         ([*TREE, "sample.tree.depth_pruning=[7]"], "distinct depths in \\[1, sample.num_steps = 6\\]"),
         ([*TREE, "sample.tree.depth_pruning=[1, 2, 3, 4, 5]"], "fewer than 5"),
-        ([*TREE, "algorithm.branch_grpo.width_pruning=best"], "must be one of off, best_per_branch, best_and_worst"),
+        ([*TREE, "algorithm.branch_grpo.width_pruning=best"], "must be one of none, best_per_branch, best_and_worst"),
         ([*TREE, "algorithm.branch_grpo.width_pruning_ratio=0"], "must be in \\(0, 1\\]"),
     ]:
         with pytest.raises(ConfigError, match=match):

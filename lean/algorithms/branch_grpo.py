@@ -84,7 +84,7 @@ class BranchGRPO(GRPO):
         """With width pruning, while it applies: the trained cells the update keeps [B, num_steps] and N = B x (kept
         cells / trained cells), so a kept edge weighs (trained / kept) / (B K)."""
         options = self.cfg.branch_grpo
-        if options.width_pruning == "off" or not self.prunes(self.run_cfg, iteration):
+        if options.width_pruning == "none" or not self.prunes(self.run_cfg, iteration):
             return self.kept_samples(targets)
         trained = trained.cpu()
         kept = width_pruned(
@@ -148,8 +148,8 @@ def width_pruned(shape: TreeShape, targets: Tensor, trained: Tensor, mode: str, 
 class BranchGRPOConfig:
     """BranchGRPO's width pruning (``lean/algorithms/branch_grpo.py``; the depth pruning is ``sample.tree``'s)."""
 
-    width_pruning: str = "off"
-    """off | best_per_branch | best_and_worst: which of the last layer's trained edges keep training (the tree
+    width_pruning: str = "none"
+    """none | best_per_branch | best_and_worst: which of the last layer's trained edges keep training (the tree
     script's --width_pruning_mode 0 | 1 | 2, :1320-1470; its launch script 0)."""
     width_pruning_ratio: float = 0.5
     """The share of the last layer kept (--width_pruning_ratio, default 0.5, :2103)."""
@@ -165,4 +165,4 @@ class BranchGRPOConfig:
             raise ConfigError(f"{prefix}.pruning_until", self.pruning_until, "must be in [0, 1]")
 
 
-WIDTH_PRUNING = ("off", "best_per_branch", "best_and_worst")
+WIDTH_PRUNING = ("none", "best_per_branch", "best_and_worst")
