@@ -68,7 +68,13 @@ FLOW_DPPO = {"unirl-flow-dppo-sd3"}  # P1: UniRL's Flow-DPPO (flowdppo.py at 1a7
 UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)
 # the presets whose update trains on the rollout's steps: the ones this file's published GRPO objective covers (NFT
 # and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
-STEP_PRESETS = [p for p in PRESETS if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES]
+# (BranchGRPO's tree recipe has a target per edge, not per sample: its certificate is tests/test_tree.py's)
+STEP_PRESETS = [
+    p
+    for p in PRESETS
+    if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES
+    and not ALGORITHMS[load_config(preset=p).algorithm.name].trains_trees
+]
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 

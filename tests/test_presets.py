@@ -30,6 +30,8 @@ STEP_PRESETS = [
 ]
 CLEAN_SAMPLE_PRESETS = ["nft-sd3", "dpo-sd3"]
 PRESETS = STEP_PRESETS + CLEAN_SAMPLE_PRESETS
+# the recipes on a tree rollout (one update per rollout: the step presets' hybrid tests do not apply)
+TREE_PRESETS = ["branchgrpo-flux"]
 # the newer image models' recipes (issue #29): cited, published values, exact hybrids, the plan at published size
 IMAGE_MODEL_PRESETS = [
     "flowgrpo-kontext",
@@ -56,8 +58,8 @@ def assert_preset_sigma_grid(trainer, name: str) -> None:
 
 
 def test_presets_ship_with_a_source_for_every_value():
-    assert set(PRESETS + IMAGE_MODEL_PRESETS) <= set(KNOWN_PRESETS)
-    for name in PRESETS + IMAGE_MODEL_PRESETS:
+    assert set(PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS) <= set(KNOWN_PRESETS)
+    for name in PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS:
         lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
         values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
         assert len(values) >= 40, name
@@ -194,6 +196,32 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "model.gradient_checkpointing": True,
         "parallel.shard": "fsdp",  # fsdp_util.py:88 FULL_SHARD, the default of --fsdp_sharding_startegy
     },
+    "branchgrpo-flux": {  # finetune_flux_branchgrpo_8gpus.sh at 19fbb9f
+        "algorithm.name": "branch_grpo",
+        "sample.num_steps": 20,
+        "sample.tree": {
+            "branch_points": [0, 3, 6, 9],
+            "branching": 2,
+            "branch_noise_scale": 4.0,
+            "depth_pruning": [],
+            "depth_pruning_slide_interval": 30,
+            "depth_pruning_stop_depth": 9,
+        },
+        "train.group_size": 16,
+        "train.prompts_per_iteration": 16,
+        "train.iterations": 300,
+        "sample.noise_level": 0.3,
+        "sample.shift": 3.0,
+        "sample.sde_kind": "dance",
+        "sample.init_same_noise": True,
+        "reward.decode": "x0_prediction",
+        "algorithm.clip_range": 1e-3,
+        "algorithm.adv_clip_max": 5.0,
+        "optimizer.lr": 1e-5,
+        "optimizer.weight_decay": 1e-4,
+        "model.full_finetune": True,
+        "model.resolution": 720,
+    },
     "flowgrpo-wan": {
         "model.family": "wan",
         "sample.num_steps": 20,
@@ -293,12 +321,35 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
 }
 
 
-@pytest.mark.parametrize("name", PRESETS + IMAGE_MODEL_PRESETS)
+@pytest.mark.parametrize("name", PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS)
 def test_published_values(name):
     cfg = load_config(None, [], preset=name).to_dict()
     for key, value in PUBLISHED[name].items():
         section, field = key.split(".")
         assert cfg[section][field] == value, key
+
+
+@pytest.mark.timeout(180)
+def test_branchgrpo_recipe_trains_its_tree_and_retain_gives_recomputes_gradient():
+    """BranchGRPO's recipe shrunk to a tiny tree (b = 2 at steps 0 and 3, on 6 steps: 4 leaves a tree, 2 trees): one
+    iteration under Recompute moves the weights on the preset's grid; in float64 Retain's one graph per node gives
+    Recompute's gradient, Reweight is refused in one line."""
+    from lean.schedules import schedule_problem
+    from lean.tools.equivalence import passes, run_equivalence
+    from lean.train import Trainer
+
+    tree = ["sample.tree.branch_points=[0, 3]", "train.group_size=4", "sample.num_steps=6"]
+    trainer = Trainer(tiny_preset("branchgrpo-flux", *tree))
+    assert_preset_sigma_grid(trainer, "branchgrpo-flux")
+    start = [p.detach().clone() for p in trainer.params]
+    row = trainer.iteration(0, "recompute").metrics
+    assert math.isfinite(row["reward_mean"]) and math.isfinite(row["policy_loss"])
+    assert any(not torch.equal(p, s) for p, s in zip(trainer.params, start))
+    cfg = tiny_preset("branchgrpo-flux", *tree, "model.dtype=float64")
+    report = run_equivalence(cfg, reference=False)
+    assert passes(report, cfg.model.torch_dtype) and report["retain"]["max_rel_grad_diff"] < 1e-10
+    refused = schedule_problem(cfg, "reweight")[2]
+    assert "a tree's targets are per edge" in refused and "\n" not in refused
 
 
 def test_flux_shift_is_the_pipelines_mu_at_512px():

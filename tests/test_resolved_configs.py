@@ -124,10 +124,23 @@ ADDED_AWM: dict[str, object] = {
     "algorithm.awm.ema_decay_kind": "linear",
 }
 CHANGED_AWM: dict[tuple[str, str], tuple[object, object]] = {}
+# BranchGRPO's pruning of the gradient (issue #43): the tree's depth pruning (lean/sampling/tree.py) and its width
+# pruning (lean/algorithms/branch_grpo.py), all off as before (the tree script's defaults, train_branchgrpo_flux.py
+# :2101-2109 at 19fbb9f: no depth, mode 0, ratio 0.5, pruning_step_ratio 1.0)
+ADDED_BRANCH: dict[str, object] = {
+    "sample.tree.depth_pruning": [],
+    "sample.tree.depth_pruning_slide_interval": None,
+    "sample.tree.depth_pruning_stop_depth": None,
+    "algorithm.branch_grpo.width_pruning": "none",
+    "algorithm.branch_grpo.width_pruning_ratio": 0.5,
+    "algorithm.branch_grpo.pruning_until": 1.0,
+}
+CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
+    "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
 }
 
 ADDED = {
@@ -138,8 +151,16 @@ ADDED = {
     **ADDED_TREE,
     **ADDED_DPPO,
     **ADDED_AWM,
+    **ADDED_BRANCH,
 }
-CHANGED = {**CHANGED_EDITING, **CHANGED_ADVANTAGES, **CHANGED_FLOWFACTORY, **CHANGED_DPPO, **CHANGED_AWM}
+CHANGED = {
+    **CHANGED_EDITING,
+    **CHANGED_ADVANTAGES,
+    **CHANGED_FLOWFACTORY,
+    **CHANGED_DPPO,
+    **CHANGED_AWM,
+    **CHANGED_BRANCH,
+}
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 
 

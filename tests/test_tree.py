@@ -190,3 +190,137 @@ def test_trees_are_refused_where_they_do_not_apply():
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, ["model.size=tiny", *sets])
+
+
+def _branchgrpo_depths(options, sampling_steps: int, current_step: int) -> set[int]:
+    """The tree script's pruned depths at its 1-based ``current_step`` (train_branchgrpo_flux.py:1272-1300)."""
+    base_depths = sorted(options.depth_pruning)
+    active = base_depths
+    if options.depth_pruning_slide_interval is not None:
+        stop_depth = max(options.branch_points) if options.branch_points else 0
+        if options.depth_pruning_stop_depth is not None:
+            stop_depth = options.depth_pruning_stop_depth
+        shift_now = max(0, int(current_step // max(1, options.depth_pruning_slide_interval)))
+        shift_now = min(shift_now, max(0, base_depths[0] - stop_depth))
+        active = [d - shift_now for d in base_depths]
+    return set(active)
+
+
+def test_depth_pruning_slides_as_the_tree_script_does():
+    from lean.sampling.tree import TreeOptions
+
+    for interval, stop in [(None, None), (30, 9), (1, None), (2, 0)]:
+        options = TreeOptions([0, 3, 6, 9], depth_pruning=[15, 16, 17, 18])
+        options.depth_pruning_slide_interval, options.depth_pruning_stop_depth = interval, stop
+        for iteration in (0, 1, 2, 28, 29, 30, 59, 150, 299):
+            steps = options.pruned_steps(20, iteration).nonzero().flatten().tolist()
+            depths = {d for d in _branchgrpo_depths(options, 20, iteration + 1) if d >= 1}
+            assert {i + 1 for i in steps} == depths, (interval, stop, iteration)
+    assert TreeOptions([0, 3, 6, 9], depth_pruning=[15, 16], depth_pruning_slide_interval=30).pruned_steps(
+        20, 29
+    ).tolist() == [i in (13, 14) for i in range(20)]  # step 30 = iteration 29 slides once: depths 14, 15 = steps 13, 14
+    for bad, match in [
+        (["sample.tree.depth_pruning=[3]"], "prunes a tree's edges: set branch_points"),
+        ([*TREE, "sample.tree.depth_pruning=[7]"], "distinct depths in \\[1, sample.num_steps = 6\\]"),
+        ([*TREE, "sample.tree.depth_pruning=[1, 2, 3, 4, 5]"], "fewer than 5"),
+        ([*TREE, "algorithm.branch_grpo.width_pruning=best"], "must be one of none, best_per_branch, best_and_worst"),
+        ([*TREE, "algorithm.branch_grpo.width_pruning_ratio=0"], "must be in \\(0, 1\\]"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            from lean.algorithms import check_config
+
+            check_config(load_config(None, ["model.size=tiny", *bad]))
+            tree_cfg = load_config(None, ["model.size=tiny", *bad])
+            tree_cfg.sample.tree.shape(tree_cfg.sample.num_steps)
+
+
+def test_depth_pruning_leaves_the_trained_mask_while_the_algorithm_prunes():
+    from lean.run.iteration import local_batch
+
+    sets = ["model.size=tiny", *TREE, "sample.tree.depth_pruning=[2, 5]", "train.iterations=4"]
+    for until, pruned_at in [(1.0, [True] * 4), (0.5, [True, True, False, False])]:
+        cfg = load_config(None, [*sets, f"algorithm.branch_grpo.pruning_until={until}"])
+        for iteration, pruned in enumerate(pruned_at):
+            trained = local_batch(cfg, iteration).steps.trained
+            assert trained[0].tolist() == [True, not pruned, True, True, not pruned, False]  # the last never trains
+            assert trained[1].tolist() == [False, False, True, True, not pruned, False]  # leaf 1: edges from step 2
+
+
+def _branchgrpo_width(advantages: dict, last_split: int, mode: int, ratio: float) -> set:
+    """The tree script's kept last-layer edges (:1340-1456) of one tree's ``advantages`` {(leaf, step): A}, the edges
+    in its depth-first order (each leaf's chain, steps ascending: ``collect_all_transitions``, :1199-1220)."""
+    layer = [{"leaf": leaf, "step": step, "advantage": a} for (leaf, step), a in sorted(advantages.items())]
+    layer = [s for s in layer if s["step"] > last_split]
+    if mode == 1:
+        kept = []
+        for leaf in sorted({s["leaf"] for s in layer}):
+            group = [s for s in layer if s["leaf"] == leaf]
+            keep_count = max(1, int(len(group) * ratio))
+            kept += sorted(group, key=lambda x: x["advantage"], reverse=True)[:keep_count]
+    else:
+        ranked = sorted(layer, key=lambda x: x["advantage"], reverse=True)
+        keep_count = max(2, int(len(ranked) * ratio))
+        best_count = keep_count // 2
+        worst_count = keep_count - best_count
+        kept = ranked[:best_count] + (ranked[-worst_count:] if worst_count > 0 else [])
+    return {(s["leaf"], s["step"]) for s in kept}
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_width_pruning_keeps_the_tree_scripts_edges(ties):
+    """Against a transcription of the tree script, on two trees of 4 leaves with a pruned depth: random targets, and
+    targets equal along each chain (as depth-wise advantages below the last branch are) so the ties' order counts."""
+    from lean.algorithms.branch_grpo import width_pruned
+
+    shape = TreeShape(9, (0, 2), 2)
+    generator = torch.Generator().manual_seed(0)
+    targets = torch.randn(8, 9, generator=generator, dtype=torch.float64)
+    if ties:
+        targets = torch.randn(8, 1, generator=generator, dtype=torch.float64).round(decimals=0).expand(8, 9).clone()
+    trained = torch.ones(8, 9, dtype=torch.bool)
+    trained[:, 8] = False  # lean never trains the last step
+    trained[:, 5] = False  # a pruned depth (6)
+    for mode, name in [(1, "best_per_branch"), (2, "best_and_worst")]:
+        for ratio in (0.5, 0.3, 1.0, 0.01):
+            kept = width_pruned(shape, targets, trained, name, ratio)
+            assert torch.equal(kept[:, :3], trained[:, :3])  # up to the last branch point: untouched
+            for tree in range(2):
+                cells = {(leaf, i): float(targets[tree * 4 + leaf, i]) for leaf in range(4) for i in range(9)}
+                expected = _branchgrpo_width(
+                    {c: a for c, a in cells.items() if trained[tree * 4 + c[0], c[1]]}, 2, mode, ratio
+                )
+                got = {(leaf, i) for leaf in range(4) for i in range(3, 9) if kept[tree * 4 + leaf, i]}
+                assert got == expected, (mode, ratio, tree)
+
+
+def test_width_pruning_keeps_cells_and_counts_them_in_the_normaliser_while_it_applies():
+    from lean.algorithms import build_algorithm
+
+    sets = ["model.size=tiny", *TREE, "train.iterations=4", "algorithm.branch_grpo.width_pruning=best_per_branch"]
+    cfg = load_config(None, [*sets, "algorithm.branch_grpo.pruning_until=0.5"])
+    algorithm = build_algorithm(cfg, None)
+    rewards = torch.tensor([1.0, 3.0, 5.0, 11.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    grid = algorithm.targets(rewards, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    from lean.run.iteration import local_batch
+
+    trained = local_batch(cfg, 0).steps.trained  # steps 0..4; below the last branch (step 2): steps 3 and 4
+    kept, n = algorithm.kept_terms(grid, trained, iteration=1)
+    assert torch.equal(kept[:, :3], trained[:, :3]) and kept[:, 3].all() and not kept[:, 4].any()  # ties: earlier
+    assert n == pytest.approx(8 * int(kept.sum()) / int(trained.sum()))  # 1/(n K): kept edges weigh more
+    assert algorithm.kept_terms(grid, trained, iteration=2) == (None, 8)  # iteration 3 > int(4 x 0.5): no pruning
+
+
+@pytest.mark.timeout(240)
+def test_branch_grpo_with_pruning_passes_the_certificate():
+    """Depth and width pruning on tiny flux (b = 2 at steps 0 and 2, depth 2 pruned, the best and worst of each
+    tree's last layer kept): Retain backpropagates the kept edges of its candidates' graphs, Recompute recomputes the
+    kept edges; both give the float64 twin's gradient at 1e-10."""
+    from lean.tools.equivalence import passes, run_equivalence
+
+    pruning = ["algorithm.branch_grpo.width_pruning=best_and_worst", "algorithm.branch_grpo.width_pruning_ratio=0.3"]
+    pruning += ["sample.tree.depth_pruning=[2]"]
+    cfg = load_config(None, ["model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04", *pruning])
+    report = run_equivalence(cfg, reference=True)
+    assert passes(report, cfg.model.torch_dtype)
+    assert report["reference"]["retain"]["max_rel_grad_diff"] < 1e-10
+    assert report["reference"]["recompute"]["max_rel_grad_diff"] < 1e-10

@@ -129,6 +129,12 @@ class Algorithm:
         ``lean.sampling.sde.select_steps``)."""
         return None
 
+    @classmethod
+    def prunes(cls, cfg: RunConfig, iteration: int) -> bool:
+        """Whether a tree's pruning of the gradient applies at ``iteration`` (``sample.tree.depth_pruning``, the
+        algorithm's own): always, unless the algorithm stops it (BranchGRPO's ``pruning_until``)."""
+        return True
+
     def snapshot_decay(self, optimizer_steps: int) -> float | None:
         """With :attr:`uses_snapshot`, before the rollout that follows ``optimizer_steps`` optimizer steps: the decay
         eta of snapshot <- eta snapshot + (1 - eta) theta (0: a copy), or None: the snapshot stays."""
@@ -176,6 +182,13 @@ class Algorithm:
     def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
         """(which samples an update keeps [B], or None for all; how many, the N of the objective's 1/(N K))."""
         return None, targets.shape[0]
+
+    def kept_terms(self, targets: Tensor, trained: Tensor, iteration: int) -> tuple[Tensor | None, int | Tensor]:
+        """:meth:`kept_samples` of the local ``targets``, or, where the algorithm keeps some of a tree's trained edges
+        only (BranchGRPO's width pruning, decided after the rewards), (which trained cells [B, num_steps] the update
+        keeps, on the targets' device; the N of 1/(N K)), given the ``trained`` cells [B, num_steps] of
+        ``iteration``."""
+        return self.kept_samples(targets)
 
     def step_loss(self, step: Transition, targets: Tensor) -> StepLoss:
         """The loss terms [B] of the trained step ``step`` (its index an int, or one per row): the policy's

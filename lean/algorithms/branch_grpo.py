@@ -11,18 +11,40 @@ trains with A(c), clamped to +-adv_clip_max (:1204, :1547):
 with B the local leaves and K the trained steps (the flat normaliser: a constant factor on BranchGRPO's 1/(G E/T),
 the same for every schedule). Targets sit on the [B, num_steps] grid at each edge's first leaf. On-policy r = 1 and the
 gradient is linear in A, so Retain is exact (one kept graph per trained node); Recompute recomputes each trained edge
-(BranchGRPO's ``grpo_one_step`` per edge, :714-752). Not yet: Reweight on a tree (a buffer per edge), the log-prob
-softmax fusion, width and depth pruning, several updates per rollout.
+(BranchGRPO's ``grpo_one_step`` per edge, :714-752).
+
+Pruning of the gradient (:1256-1470), while iteration + 1 <= int(train.iterations * ``pruning_until``) (:1258-1264):
+depth pruning is the tree's (``sample.tree.depth_pruning``, shape-only: the trained mask loses those steps before the
+rollout); width pruning (``width_pruning``) is decided after the rewards, among the trained edges of the steps after
+the last branch point (the last layer, :1340-1350), each leaf's chain ranked by its edges' targets (a stable sort,
+best first, ties in the tree script's depth-first order: leaf, then step):
+
+    best_per_branch   each chain keeps its max(1, int(ratio m)) best of m                                (:1356-1432)
+    best_and_worst    the tree's layer keeps its best floor(k/2) and worst k - floor(k/2), k = max(2, int(ratio m))
+                                                                                                        (:1434-1456)
+
+A pruned edge leaves the objective (its KL term too) and the normaliser counts the kept edges, as BranchGRPO's
+1/(G floor(E/T)) does: each kept edge weighs (trained edges / kept edges) / (B K). The kept cells are a mask the
+schedules apply to their weights (``kept_terms``): Retain keeps every candidate's graph and backpropagates the kept
+edges (the pruned weigh 0), Recompute recomputes the kept edges only; both are exact. Differences: the ranking reads
+the targets clamped to +-adv_clip_max (the script ranks before its clamp, :1547; equal unless the clamp binds, which
+needs more than 26 leaves at the recipe's 5), and best_and_worst ranks each tree's layer, not the pool of the
+process's trees (a world-size-free choice). Not yet: Reweight on a tree (a buffer per edge), the log-prob softmax
+fusion, several updates per rollout.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from lean.algorithms.grpo import GRPO
 from lean.algorithms.tree_targets import depthwise_advantages, edge_targets, fused_rewards
+from lean.config import ConfigError
+from lean.config.checks import check_choice
+from lean.config.sections import register_options
 from lean.sampling.tree import TreeShape, tree_shape
 
 if TYPE_CHECKING:
@@ -49,6 +71,27 @@ class BranchGRPO(GRPO):
             return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, "one update per tree rollout"
         return None
 
+    @classmethod
+    def prunes(cls, cfg: RunConfig, iteration: int) -> bool:
+        """BranchGRPO prunes while its step (iteration + 1) <= int(max_steps * pruning_step_ratio) (:1258-1264)."""
+        return iteration + 1 <= int(cfg.train.iterations * cfg.algorithm.branch_grpo.pruning_until)
+
+    def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
+        super().__init__(cfg, sigmas)
+        self.run_cfg = cfg  # for the pruning's iteration window (train.iterations)
+
+    def kept_terms(self, targets: Tensor, trained: Tensor, iteration: int) -> tuple[Tensor | None, int | Tensor]:
+        """With width pruning, while it applies: the trained cells the update keeps [B, num_steps] and N = B x (kept
+        cells / trained cells), so a kept edge weighs (trained / kept) / (B K)."""
+        options = self.cfg.branch_grpo
+        if options.width_pruning == "none" or not self.prunes(self.run_cfg, iteration):
+            return self.kept_samples(targets)
+        trained = trained.cpu()
+        kept = width_pruned(
+            tree_shape(self.sample), targets.cpu(), trained, options.width_pruning, options.width_pruning_ratio
+        )
+        return kept.to(targets.device), len(targets) * float(kept.sum()) / float(trained.sum())
+
     def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
         """[N, num_steps] float64: each edge's advantage at (its first leaf, its step), 0 elsewhere."""
         shape = tree_shape(self.sample)
@@ -71,3 +114,55 @@ def tree_rows(shape: TreeShape, group_ids: Tensor) -> int:
             f"tree targets need whole groups of {shape.leaves} contiguous leaves, got {group_ids.tolist()}"
         )
     return trees
+
+
+def width_pruned(shape: TreeShape, targets: Tensor, trained: Tensor, mode: str, ratio: float) -> Tensor:
+    """Host bool [B, num_steps]: the ``trained`` cells kept by width pruning ``mode`` at ``ratio`` (module docstring)
+    of the host ``targets`` [B, num_steps]; the cells up to the last branch point stay as they are."""
+    layer = trained.clone()
+    layer[:, : max(shape.branch_points) + 1] = False  # the candidates: edges below the last branch, one chain per leaf
+    kept = trained & ~layer
+    leaves = shape.leaves
+    for first in range(0, len(trained), leaves):
+        chains = range(first, first + leaves)
+        groups = [[(row, int(i)) for i in torch.nonzero(layer[row]).flatten()] for row in chains]
+        if mode == "best_and_worst":
+            groups = [[cell for chain in groups for cell in chain]]  # the tree's layer, in depth-first order
+        for cells in groups:
+            if not cells:
+                continue
+            values = torch.stack([targets[row, i] for row, i in cells])
+            order = torch.sort(values, descending=True, stable=True).indices.tolist()
+            if mode == "best_per_branch":
+                chosen = order[: max(1, int(len(cells) * ratio))]
+            else:
+                count = max(2, int(len(cells) * ratio))
+                chosen = order[: count // 2] + order[len(order) - (count - count // 2) :]
+            for c in chosen:
+                kept[cells[c]] = True
+    return kept
+
+
+@register_options("algorithm.branch_grpo")
+@dataclass
+class BranchGRPOConfig:
+    """BranchGRPO's width pruning (``lean/algorithms/branch_grpo.py``; the depth pruning is ``sample.tree``'s)."""
+
+    width_pruning: str = "none"
+    """none | best_per_branch | best_and_worst: which of the last layer's trained edges keep training (the tree
+    script's --width_pruning_mode 0 | 1 | 2, :1320-1470; its launch script 0)."""
+    width_pruning_ratio: float = 0.5
+    """The share of the last layer kept (--width_pruning_ratio, default 0.5, :2103)."""
+    pruning_until: float = 1.0
+    """The share of train.iterations during which depth and width pruning apply (--pruning_step_ratio, default 1.0:
+    always, :2104)."""
+
+    def validate(self, prefix: str) -> None:
+        check_choice(f"{prefix}.width_pruning", self.width_pruning, WIDTH_PRUNING)
+        if not 0 < self.width_pruning_ratio <= 1:
+            raise ConfigError(f"{prefix}.width_pruning_ratio", self.width_pruning_ratio, "must be in (0, 1]")
+        if not 0 <= self.pruning_until <= 1:
+            raise ConfigError(f"{prefix}.pruning_until", self.pruning_until, "must be in [0, 1]")
+
+
+WIDTH_PRUNING = ("none", "best_per_branch", "best_and_worst")

@@ -155,7 +155,7 @@ def select_local_steps(
     selection draws from the sample streams first, the rollout's noise comes after: a fixed order."""
     own = ALGORITHMS[cfg.algorithm.name].steps(cfg, iteration, len(samples))
     if own is not None:  # the algorithm places the SDE steps itself (MixGRPO's sliding window)
-        return on_tree(cfg, own)
+        return on_tree(cfg, own, iteration)
     if generators is None:
         generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples]
     selection = select_steps(
@@ -164,15 +164,19 @@ def select_local_steps(
         window_generator=iteration_generator(cfg.train.seed, iteration, purpose=WINDOW_STREAM),
         sample_generators=generators,
     )
-    return on_tree(cfg, selection)
+    return on_tree(cfg, selection, iteration)
 
 
-def on_tree(cfg: RunConfig, selection: StepSelection) -> StepSelection:
-    """On a tree rollout a trained step trains its edges, each at its first leaf's row (``lean.sampling.tree``)."""
+def on_tree(cfg: RunConfig, selection: StepSelection, iteration: int) -> StepSelection:
+    """On a tree rollout a trained step trains its edges, each at its first leaf's row (``lean.sampling.tree``),
+    but for the depths ``sample.tree.depth_pruning`` prunes at ``iteration`` while the algorithm prunes (BranchGRPO's
+    ``pruning_until``): known before the rollout, so no pruned edge's node is tracked for them."""
     shape = tree_shape(cfg.sample)
     if shape is None:
         return selection
     cells = edge_cells(shape, selection.trained.shape[0])
+    if ALGORITHMS[cfg.algorithm.name].prunes(cfg, iteration):
+        cells = cells & ~cfg.sample.tree.pruned_steps(shape.num_steps, iteration)[None]
     return dataclasses.replace(selection, trained=selection.trained & cells)
 
 

@@ -110,6 +110,16 @@ class TreeOptions:
     """kappa: a branch point's children are drawn as mu + kappa std eps, while their log-prob keeps std (BranchGRPO's
     --tree_split_noise_scale, :268-273; its launch script 4.0)."""
 
+    depth_pruning: list[int] = field(default_factory=list)
+    """Child depths whose edges do not train (the edges of step d - 1 for depth d; the root is depth 0): pruning of
+    the gradient, not of the rollout (BranchGRPO's --depth_pruning, :1268-1318; its launch script sets none)."""
+    depth_pruning_slide_interval: int | None = None
+    """Slide the pruned depths one shallower every this many iterations (BranchGRPO's --depth_pruning_slide with
+    --depth_pruning_slide_interval, :1278-1295); null: a fixed set."""
+    depth_pruning_stop_depth: int | None = None
+    """The slide stops when the shallowest pruned depth reaches it; null: max(branch_points), the last branching
+    node's depth (BranchGRPO's default, :1280-1285)."""
+
     def validate(self, prefix: str) -> None:
         points = self.branch_points
         if any(b <= a for a, b in zip(points, points[1:])) or any(q < 0 for q in points):
@@ -117,17 +127,50 @@ class TreeOptions:
         if self.branching < 2:
             raise ConfigError(f"{prefix}.branching", self.branching, "must be >= 2 (one child is no branch)")
         check_positive(f"{prefix}.branch_noise_scale", self.branch_noise_scale)
+        if self.depth_pruning and not points:
+            raise ConfigError(f"{prefix}.depth_pruning", self.depth_pruning, "prunes a tree's edges: set branch_points")
+        if self.depth_pruning_slide_interval is not None:
+            check_positive(f"{prefix}.depth_pruning_slide_interval", self.depth_pruning_slide_interval)
+        if self.depth_pruning_stop_depth is not None and self.depth_pruning_stop_depth < 0:
+            raise ConfigError(f"{prefix}.depth_pruning_stop_depth", self.depth_pruning_stop_depth, "must be >= 0")
 
     def shape(self, num_steps: int) -> TreeShape:
         """The tree over ``num_steps`` sampling steps; a branch at the last step is refused (its children would decode
-        the same x0-prediction)."""
+        the same x0-prediction), and so are pruned depths off the tree or pruning every step."""
         if self.branch_points and self.branch_points[-1] > num_steps - 2:
             raise ConfigError(
                 "sample.tree.branch_points",
                 self.branch_points,
                 f"a branch needs a step after it: at most sample.num_steps - 2 = {num_steps - 2}",
             )
+        depths = set(self.depth_pruning)
+        if any(not 1 <= d <= num_steps for d in depths) or len(depths) >= num_steps - 1:
+            raise ConfigError(
+                "sample.tree.depth_pruning",
+                self.depth_pruning,
+                f"distinct depths in [1, sample.num_steps = {num_steps}], fewer than {num_steps - 1} (some must train)",
+            )
         return TreeShape(num_steps, tuple(self.branch_points), self.branching)
+
+    def pruned_steps(self, num_steps: int, iteration: int) -> torch.Tensor:
+        """Host bool [num_steps]: the steps whose edges do not train at ``iteration`` (0-based; BranchGRPO's
+        current_step = iteration + 1, :1857). With D the pruned depths and a slide interval I, the set is
+
+            {d - s : d in D},   s = min((iteration + 1) // I, max(0, min D - stop_depth))     (:1286-1294)
+
+        (s = 0 without a slide); depth d is the child of step d - 1, and a depth slid to 0 (the root) prunes nothing."""
+        pruned = torch.zeros(num_steps, dtype=torch.bool)
+        if not self.depth_pruning:
+            return pruned
+        shift = 0
+        if self.depth_pruning_slide_interval is not None:
+            stop = self.depth_pruning_stop_depth
+            stop = (max(self.branch_points) if self.branch_points else 0) if stop is None else stop
+            shift = min((iteration + 1) // self.depth_pruning_slide_interval, max(0, min(self.depth_pruning) - stop))
+        for depth in self.depth_pruning:
+            if 1 <= depth - shift <= num_steps:
+                pruned[depth - shift - 1] = True
+        return pruned
 
 
 def tree_rollout(policy, plan: RolloutPlan, shape: TreeShape, hooks: RolloutHooks | None = None, kappa: float = 1.0):

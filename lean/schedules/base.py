@@ -91,16 +91,17 @@ class IterationContext:
         self, rows: slice, i: int, samples_per_update: int | torch.Tensor, kept: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Weight of each (sample, step i) loss term in the objective: 1/(N K) if step i is trained for it (and the
-        sample is ``kept`` [B], when given), else 0."""
+        sample is ``kept`` [B], or the cell is ``kept`` [B, num_steps], when given), else 0."""
         trained = self.trained_on_device[rows, i].to(self.sigmas.dtype)
         if kept is not None:
-            trained = trained * kept[rows].to(trained.dtype)
+            trained = trained * (kept[rows] if kept.dim() == 1 else kept[rows, i]).to(trained.dtype)
         return trained / (samples_per_update * self.steps_per_sample)
 
     def kept_samples(self, targets: torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
-        """(which local samples the update keeps [B] or None for all, how many: the N of 1/(N K)); the algorithm's
-        choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose advantage is 0)."""
-        return self.algorithm.kept_samples(targets)
+        """(which local samples [B] or trained cells [B, num_steps] the update keeps, None for all; the N of
+        1/(N K)); the algorithm's choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose
+        advantage is 0, BranchGRPO's width pruning some of a tree's last edges)."""
+        return self.algorithm.kept_terms(targets, self.steps.trained, self.iteration)
 
     def with_reference(self, step: Transition) -> Transition:
         """The step with the reference policy's transition mean at its x_i, for the KL term (the step itself when the

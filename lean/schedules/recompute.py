@@ -176,7 +176,10 @@ class Recompute(Schedule):
         step_stats = {}
         kept, n = ctx.kept_samples(advantages)
         if tree_shape(ctx.cfg.sample) is not None:  # a tree's trained edges sit on cells, not K per row: one update
-            losses = self.recompute_terms(ctx.steps.trained.cpu(), advantages, n, kept)
+            terms = ctx.steps.trained.cpu()
+            if kept is not None and kept.dim() == 2:  # width-pruned edges are not recomputed (they weigh 0)
+                terms = terms & kept.cpu()
+            losses = self.recompute_terms(terms, advantages, n, kept)
             return {**loss_stats(losses, len(losses)), **optimizer_step()}
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
         first = None  # how many of the losses are the first update's

@@ -138,9 +138,9 @@ class Float64Reference:
         kept = batch.steps.trained
         if mask is not None:
             kept = kept & mask
-        nonzero, n = self.algorithm.kept_samples(advantages.cpu())
-        if nonzero is not None:  # the samples the algorithm drops leave the objective, N counts the others
-            kept, n = kept & nonzero[:, None], int(n)
+        nonzero, n = self.algorithm.kept_terms(advantages.cpu(), batch.steps.trained, batch.iteration)
+        if nonzero is not None:  # the samples (or a tree's edges) the algorithm drops leave the objective
+            kept, n = kept & (nonzero if nonzero.dim() == 2 else nonzero[:, None]), float(n)
         if rows is not None:  # the first update's samples (with skip_zero_advantage: split, then filtered)
             in_first = rows_mask(kept.shape[0], rows)
             kept = kept & in_first[:, None]
