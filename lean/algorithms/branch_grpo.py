@@ -10,9 +10,9 @@ trains with A(c), clamped to +-adv_clip_max (:1204, :1547):
 
 with B the local leaves and K the trained steps (the flat normaliser: a constant factor on BranchGRPO's 1/(G E/T),
 the same for every schedule). Targets sit on the [B, num_steps] grid at each edge's first leaf. On-policy r = 1 and the
-gradient is linear in A, so Retain is exact (one kept graph per trained node); Recompute recomputes each trained edge
-(BranchGRPO's ``grpo_one_step`` per edge, :714-752). Not yet: Reweight on a tree (a buffer per edge), the log-prob
-softmax fusion, width and depth pruning, several updates per rollout.
+gradient is linear in A, so Retain is exact (one kept graph per trained node), and Reweight (a buffer per trained edge,
+``lean.schedules.edge_buffers``); Recompute recomputes each trained edge (BranchGRPO's ``grpo_one_step`` per edge,
+:714-752). Not yet: the log-prob softmax fusion, width and depth pruning, several updates per rollout.
 """
 
 from __future__ import annotations
