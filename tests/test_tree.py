@@ -147,23 +147,61 @@ TREE = ["algorithm.name=branch_grpo", "sample.num_steps=6", "sample.tree.branch_
 TREE += ["train.prompts_per_iteration=2", "sample.timestep_selection=first"]
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+TREE_CASES = {  # one family each: Reweight's two backward paths and the two layouts
+    "flux": ["model.full_finetune=true"],  # norms trained too: Reweight backpropagates one edge at a time
+    "sd3": ["parallel.layout=group", "train.rollout_batch_size=4"],  # one tree per unit, folded as it is scored
+    "wan": [],  # LoRA: each backward split by node, the siblings of a branch in rounds
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(TREE_CASES))
 def test_branch_grpo_on_a_tree_passes_the_certificate(family):
     """BranchGRPO's depth-wise edge targets on a tree (b = 2 at steps 0 and 2: 4 leaves a tree), KL on: Retain's one
-    graph per node gives Recompute's gradient, both the float64 twin's; Reweight is refused in one line (a target per
-    edge)."""
+    graph per node and Reweight's buffer per edge give Recompute's gradient, all three the float64 twin's."""
     from lean.tools.equivalence import passes, run_equivalence
 
-    cfg = load_config(
-        None, [f"model.family={family}", "model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04"]
-    )
+    sets = [f"model.family={family}", "model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04"]
+    cfg = load_config(None, [*sets, *TREE_CASES[family]])
     report = run_equivalence(cfg, reference=True)
-    assert passes(report, cfg.model.torch_dtype)
-    assert report["reference"]["retain"]["max_rel_grad_diff"] < 1e-10
-    from lean.schedules import schedule_problem
+    assert passes(report, cfg.model.torch_dtype) and not report.get("not_run")
+    for schedule in ("retain", "reweight"):
+        assert report[schedule]["max_rel_grad_diff"] < 1e-10
+        assert report["reference"][schedule]["max_rel_grad_diff"] < 1e-10
 
-    assert "reweight" not in report and "a tree's targets are per edge" in schedule_problem(cfg, "reweight")[2]
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reweight_on_trees_on_two_sharded_processes_passes_the_certificate(tmp_path):
+    """Sharded passes in lockstep (FSDP, a tree per process): Reweight's rounds per step are fixed by the tree's
+    shape, so every process runs the same backwards, and its gradient is Recompute's."""
+    import json
+
+    from helpers import lean_ranks
+
+    cfg = ["model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04", "parallel.shard=fsdp"]
+    lean_ranks(2, "equivalence", *[a for v in cfg for a in ("--set", v)], "--out", str(tmp_path))
+    report = json.loads((tmp_path / "equivalence.json").read_text())
+    assert report["world_size"] == 2 and report["passes"] and report["reweight"]["max_rel_grad_diff"] < 1e-10
+
+
+def test_reweights_edge_slots_name_each_trained_edge_of_a_unit_once():
+    """A buffer per trained edge of a finishing unit: the tree's 20 edges (b = 2 at steps 0 and 2 over 6 steps), the
+    unit's rows sharing their slots with the next unit's; a branch step's edges backpropagated in b rounds of one
+    child per node (every node's k-th child), other steps in one."""
+    from lean.sampling.tree import edge_cells
+    from lean.schedules.edge_buffers import EdgeSlots
+
+    shape = TreeShape(6, (0, 2), 2)
+    trained = edge_cells(shape, 8)  # two trees, every step trained
+    for unit, count in ((8, 40), (4, 20)):
+        slots = EdgeSlots(trained, unit, shape)
+        assert slots.count == count == unit // 4 * shape.total_edges
+        assert sorted(slots.slots[:unit][trained[:unit]].tolist()) == list(range(count))
+    assert torch.equal(slots.slots[4:], slots.slots[:4])  # one tree a unit: the second tree reuses the first's
+    assert slots.rounds(0, 2, split_by_row=True) == [slice(0, None, 2), slice(1, None, 2)]
+    assert slots.rounds(1, 2, split_by_row=True) == [slice(0, None, 1)]
+    assert slots.rounds(0, 2, split_by_row=False) == [slice(0, 1), slice(1, 2)]
 
 
 def test_branch_grpos_targets_sit_on_each_edges_first_leaf():

@@ -10,7 +10,8 @@ trains with A(c), clamped to +-adv_clip_max (:1204, :1547):
 
 with B the local leaves and K the trained steps (the flat normaliser: a constant factor on BranchGRPO's 1/(G E/T),
 the same for every schedule). Targets sit on the [B, num_steps] grid at each edge's first leaf. On-policy r = 1 and the
-gradient is linear in A, so Retain is exact (one kept graph per trained node); Recompute recomputes each trained edge
+gradient is linear in A, so Retain is exact (one kept graph per trained node), and Reweight (a buffer per trained edge,
+``lean.schedules.edge_buffers``); Recompute recomputes each trained edge
 (BranchGRPO's ``grpo_one_step`` per edge, :714-752).
 
 Pruning of the gradient (:1256-1470), while iteration + 1 <= int(train.iterations * ``pruning_until``) (:1258-1264):
@@ -29,8 +30,7 @@ schedules apply to their weights (``kept_terms``): Retain keeps every candidate'
 edges (the pruned weigh 0), Recompute recomputes the kept edges only; both are exact. Differences: the ranking reads
 the targets clamped to +-adv_clip_max (the script ranks before its clamp, :1547; equal unless the clamp binds, which
 needs more than 26 leaves at the recipe's 5), and best_and_worst ranks each tree's layer, not the pool of the
-process's trees (a world-size-free choice). Not yet: Reweight on a tree (a buffer per edge), the log-prob softmax
-fusion, several updates per rollout.
+process's trees (a world-size-free choice). Not yet: the log-prob softmax fusion, several updates per rollout.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def on_tree(cfg: RunConfig, selection: StepSelection, iteration: int) -> StepSel
 class FinishedUnits:
     """The finishing units the schedule finished during the rollout (group layout), with their advantages."""
 
-    advantages: Tensor  # float64 [B_local] on the host: true at rows [0, rows), 0 after (what finish_rows is handed)
+    advantages: Tensor  # float64 [B_local] (tree: [B_local, num_steps]), host: true at rows [0, rows), 0 after them
     rows: int = 0  # local rows [0, rows) are finished
 
 
@@ -498,7 +498,9 @@ class IterationPipeline:
 
         # a unit: whole groups in the group layout when the schedule finishes early, else the whole local batch
         units = finishing_units(len(batch.prompts), ctx.finish_unit if schedule.finishes_early else None)
-        finished, finals = FinishedUnits(torch.zeros(len(batch.prompts), dtype=torch.float64)), []
+        # the targets' shape: one per sample, or on a tree one per edge on the [B, num_steps] grid (lean.sampling.tree)
+        shape = (len(batch.prompts),) if tree_shape(self.cfg.sample) is None else tuple(ctx.steps.trained.shape)
+        finished, finals = FinishedUnits(torch.zeros(shape, dtype=torch.float64)), []
         hooks = {"on_step": finite, "progress": progress, "on_finished": finished_micro_batch}
         try:
             for rows, early in units:

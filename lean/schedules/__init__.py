@@ -49,8 +49,6 @@ def algorithm_problem(schedule: type[Schedule], algorithm: type[Algorithm]) -> s
             "it trains on re-noised clean samples, so no rollout forward is reused and the saving has nothing to "
             f"act on; its update is {BASELINE}'s (forwards after the rewards)"
         )
-    if schedule.one_target_per_trajectory and algorithm.trains_trees:
-        return "it folds one target per trajectory and a tree's targets are per edge (a buffer per edge: not built)"
     missing = [FACTS[fact] for fact in sorted(schedule.needs - algorithm.facts)]
     return f"it needs {' and '.join(missing)}, which the algorithm does not declare" if missing else None
 

@@ -200,7 +200,6 @@ class Schedule:
     needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
     backward_in_rollout = False  # its backward runs inside the rollout phase (timed there)
-    one_target_per_trajectory = False  # it folds one target per trajectory (not a tree's per-edge targets)
 
     def __init__(self, ctx: IterationContext):
         self.ctx = ctx

@@ -12,9 +12,12 @@ trajectory r mod b. This lets Reweight keep trajectories apart without giving up
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lean.algorithms import Algorithm, StepLoss
+from lean.algorithms.base import step_targets
 
 PROVISIONAL_ADVANTAGE = 1.0  # Â: what a trajectory is backpropagated with before its advantage is known
 
@@ -144,8 +147,16 @@ class PerSampleGrads:
             block.index_add_(0, traj, g.to(block.dtype))
 
 
+class TermCells(NamedTuple):
+    """Where a step's loss terms sit on the targets: its rows, at step ``index`` (what ``step_targets`` reads: the
+    rows of [B] targets, or the cells (row, index) of a tree's [B, num_steps])."""
+
+    rows: slice | torch.Tensor
+    index: int
+
+
 def logged_with_true_targets(
-    algorithm: Algorithm, kept: list[tuple[slice, StepLoss]], targets: torch.Tensor
+    algorithm: Algorithm, kept: list[tuple[TermCells, StepLoss]], targets: torch.Tensor
 ) -> list[StepLoss]:
     """Loss terms backpropagated with a provisional target Â, for the logs, with the true targets."""
-    return [StepLoss(algorithm.policy_term(t.ratio, targets[rows]), t.kl, t.ratio) for rows, t in kept]
+    return [StepLoss(algorithm.policy_term(t.ratio, step_targets(targets, cells)), t.kl, t.ratio) for cells, t in kept]

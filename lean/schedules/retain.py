@@ -49,6 +49,7 @@ from lean.observe.metrics import host_memory_mb
 from lean.parallel.sharding import is_sharded
 from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
+from lean.sampling.tree import tree_shape
 from lean.schedules.base import (
     IterationContext,
     IterationCosts,
@@ -63,6 +64,7 @@ from lean.schedules.offload import HostMemoryExceeded, SavedTensorOffload, offlo
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
+    TermCells,
     TrajectoryBuffers,
     linear_owners,
     logged_with_true_targets,
@@ -121,7 +123,7 @@ class Retain(Schedule):
         super().__init__(ctx)
         self.kept: list[Transition] = []  # the tracked steps with their graphs (and the reference's means)
         self.losses = []  # every backpropagated step's loss terms, for the stats
-        self.provisional_stats: list[tuple[slice, StepLoss]] = []  # (rows, terms) backpropagated with Â
+        self.provisional_stats: list[tuple[TermCells, StepLoss]] = []  # (where, terms) backpropagated with Â
         self.unscaled = False  # an early finish under skip_zero_advantage used N = 1 (N is known only at the end)
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows keep graphs (hybrid.py)
         if self.later is not None:
@@ -163,7 +165,8 @@ class Retain(Schedule):
         params = trainable(ctx.policy)
         if ctx.finish_unit is None or ctx.cfg.algorithm.skip_zero_advantage or any(is_sharded(p) for p in params):
             return None
-        if linear_owners(ctx.policy, params) is None:
+        # per-trajectory buffers split by row: a tree's edges share their node's row and differ in target (waits)
+        if linear_owners(ctx.policy, params) is None or tree_shape(ctx.cfg.sample) is not None:
             return None
         buffers = TrajectoryBuffers(params, ctx.finish_unit)
         return buffers, PerSampleGrads(ctx.policy, params, buffers)
@@ -208,7 +211,8 @@ class Retain(Schedule):
                 if loss.kl is not None:
                     kl = kl + (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 kl_term = None if loss.kl is None else loss.kl.detach()
-                self.provisional_stats.append((step.rows, StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())))
+                terms = StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())
+                self.provisional_stats.append((TermCells(step.rows, step.index), terms))
             per_sample.trajectories = torch.tensor(ids, device=params[0].device) % unit
             per_sample.accumulating = True
             with ctx.region("backward"):

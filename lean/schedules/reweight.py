@@ -34,6 +34,10 @@ In the group layout (``lean.parallel.layout``) the buffers cover one finishing u
 its advantages are known, sum_b (A_b / Â_b) P_b is added to one folded buffer and the unit's buffers are reused, so
 B buffers become U + 1.
 
+On a tree rollout (``lean.sampling.tree``) the targets are per edge and differ along a leaf's path: the buffers are
+one per trained edge of a unit instead, P_c for each cell c = (first leaf, step), folded as sum_c (A_c / Â) P_c + Q,
+and a branch step's backward runs in b rounds of one child per node (``edge_buffers.py``).
+
 Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1; U = B
 in the slice layout, where the folded buffer is not needed):
 
@@ -57,8 +61,8 @@ import torch
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
-from lean.sampling.rollout import row_ids
 from lean.sampling.transition import Transition
+from lean.sampling.tree import tree_shape
 from lean.schedules.base import (
     IterationCosts,
     OptimizerStep,
@@ -68,10 +72,12 @@ from lean.schedules.base import (
     set_grads,
     trainable,
 )
+from lean.schedules.edge_buffers import EdgeSlots
 from lean.schedules.hybrid import later_updates
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
+    TermCells,
     TrajectoryBuffers,
     linear_owners,
     logged_with_true_targets,
@@ -81,7 +87,6 @@ from lean.schedules.per_sample import (
 class Reweight(Schedule):
     exact_only_on_policy = True
     needs = frozenset({RATIO_ONE_ON_POLICY, LINEAR_IN_TARGET})  # the rollout's graph, and the A / Â fold
-    one_target_per_trajectory = True  # a buffer per trajectory folds one A: not a tree's per-edge targets
     backward_in_rollout = True
 
     def __init__(self, ctx):
@@ -100,7 +105,10 @@ class Reweight(Schedule):
         if self.later is not None:
             self.unit, slots = self.later.first_size, torch.zeros(ctx.batch, dtype=torch.long)
             slots[self.later.first] = torch.arange(self.later.first_size)  # the other rows are never backpropagated
-        self.policy_buffers = TrajectoryBuffers(self.params, self.unit)
+        # a tree rollout: a buffer per trained edge of the unit (edge_buffers.py), its targets differing along a path
+        shape = tree_shape(ctx.cfg.sample)
+        self.edges = None if shape is None else EdgeSlots(ctx.steps.trained.cpu(), self.unit, shape)
+        self.policy_buffers = TrajectoryBuffers(self.params, self.unit if self.edges is None else self.edges.count)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
         # a sample the algorithm may drop after the rewards (skip_zero_advantage) takes its KL term with it: then the
@@ -108,13 +116,15 @@ class Reweight(Schedule):
         self.kl_buffers = None
         if ctx.algorithm.kl_weight and ctx.algorithm.drops_samples:
             self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, self.unit), None
+        if self.edges is not None and (self.later is not None or self.kl_buffers is not None):
+            raise ValueError("Reweight on a tree folds one update's per-edge targets, with no sample dropped")
         self.folded = (
             torch.zeros(n, dtype=dtype, device=device) if self.finishes_early and self.unit < ctx.batch else None
         )
         self.finished = 0  # rows [0, finished) are folded
         self.provisional = torch.full((ctx.batch,), PROVISIONAL_ADVANTAGE, dtype=torch.float64, device=device)
         self.slots, self.trajectory_ids = slots, slots.to(device)  # on the host, and on the device for the hooks
-        self.kept_stats: list[tuple[slice, StepLoss]] = []  # (rows, detached loss terms) for logging
+        self.kept_stats: list[tuple[TermCells, StepLoss]] = []  # (where, detached loss terms) for logging
         self.samples_per_update = ctx.batch if self.later is None else self.later.first_size  # N of 1/(N K)
         self.per_sample = None
         if linear_owners(ctx.policy, self.params) is not None:
@@ -138,29 +148,39 @@ class Reweight(Schedule):
         loss = ctx.algorithm.step_loss(step, self.provisional[step.rows])
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
-            self._per_trajectory_backward(
-                (weights * loss.policy).sum(), step.rows, self.policy_buffers, retain_graph=step.ref_mean is not None
-            )
+            if self.edges is None:
+                slots, retain_graph = self.slots[step.rows], step.ref_mean is not None
+                self._per_trajectory_backward((weights * loss.policy).sum(), slots, self.policy_buffers, retain_graph)
+            else:
+                self._per_edge_backward(step, weights * loss.policy)
             if step.ref_mean is not None:
                 kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
                 if self.kl_buffers is not None:
-                    self._per_trajectory_backward(kl_loss, step.rows, self.kl_buffers, retain_graph=False)
+                    self._per_trajectory_backward(kl_loss, self.slots[step.rows], self.kl_buffers, retain_graph=False)
                 else:
                     grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
                     self.kl_buffer += flat_grad(self.params, grads)
         kl = None if loss.kl is None else loss.kl.detach()
-        self.kept_stats.append((step.rows, StepLoss(loss.policy.detach(), kl, loss.ratio)))
+        self.kept_stats.append((TermCells(step.rows, step.index), StepLoss(loss.policy.detach(), kl, loss.ratio)))
+
+    def _per_edge_backward(self, step: Transition, terms: torch.Tensor) -> None:
+        """A tree's step: each edge's weighted policy term of ``terms`` [edges] into its cell's buffer, in rounds of
+        at most one edge per node (``EdgeSlots.rounds``); the graph is kept for the KL part when there is one."""
+        slots = self.edges.slots[step.rows, step.index]
+        rounds = self.edges.rounds(step.index, len(slots), split_by_row=self.per_sample is not None)
+        for k, part in enumerate(rounds):
+            retain_graph = step.ref_mean is not None or k < len(rounds) - 1
+            self._per_trajectory_backward(terms[part].sum(), slots[part], self.policy_buffers, retain_graph)
 
     def _per_trajectory_backward(
-        self, loss: torch.Tensor, rows: slice | torch.Tensor, buffers: TrajectoryBuffers, retain_graph: bool
+        self, loss: torch.Tensor, slots: torch.Tensor, buffers: TrajectoryBuffers, retain_graph: bool
     ) -> None:
-        """Add each trajectory's gradient of ``loss`` to its own buffer of ``buffers``."""
-        if self.per_sample is None:  # one trajectory per micro-batch
+        """Add each forward row's gradient of ``loss`` to its buffer of ``buffers``, ``slots`` [rows] (host)."""
+        if self.per_sample is None:  # one trajectory (or edge) per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            row = int(row_ids(rows)[0])
-            buffers.add(int(self.slots[row]), grads)
+            buffers.add(int(slots[0]), grads)
             return
-        self.per_sample.trajectories = self.trajectory_ids[rows]
+        self.per_sample.trajectories = slots.to(self.params[0].device)
         self.per_sample.buffers = buffers
         self.per_sample.accumulating = True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
@@ -171,7 +191,10 @@ class Reweight(Schedule):
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
         advantages and free the buffers for the next unit."""
-        folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
+        if self.edges is not None:  # a tree's: each trained edge's buffer with its own target
+            folded = self.edges.fold(self.policy_buffers, rows, advantages)
+        else:
+            folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
         if self.kl_buffers is not None:  # the kept trajectories' KL terms
             kept, _ = self.ctx.kept_samples(advantages)
             folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
@@ -183,6 +206,24 @@ class Reweight(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         if self.per_sample is not None:
             self.per_sample.close()
+        if self.edges is not None:  # a tree's edges not folded yet (all in the slice layout), each with its target
+            grad = self.edges.fold(self.policy_buffers, slice(self.finished, self.ctx.batch), advantages)
+            grad = grad if self.folded is None else grad + self.folded
+        else:
+            grad = self._trajectory_gradient(advantages)
+        if self.kl_buffer is not None:
+            grad = grad + self.kl_buffer
+        set_grads(self.params, grad)
+        logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
+        first = len(logged)
+        step_stats = optimizer_step()
+        if self.later is not None:
+            recomputed, step_stats = self.later.run(advantages, optimizer_step)
+            logged += recomputed
+        return {**loss_stats(logged, first), "reweight_buffer_mb": self.buffer_mb, **step_stats}
+
+    def _trajectory_gradient(self, advantages: torch.Tensor) -> torch.Tensor:
+        """sum_b (A_b / Â_b) P_b (+ the kept Q_b) over the trajectories' buffers, and what finished units folded."""
         # The buffers hold each trajectory's gradient at weight 1/(N K) and the provisional advantage: rescale both.
         # A dropped sample (skip_zero_advantage) has A = 0, and the others' N is the kept count.
         kept, n = self.ctx.kept_samples(advantages)
@@ -194,26 +235,15 @@ class Reweight(Schedule):
         kl_coefficients = None if self.kl_buffers is None else kept.to(torch.float64) * scale  # Q_b of kept b
         if self.later is not None:  # a hybrid: the first update's trajectories, each in its slot
             first = self.later.first.to(coefficients.device)
-            grad = self._combine(self.trajectory_ids[first], coefficients[first], kl_coefficients, first)
-        elif self.folded is None:  # slice layout: every buffer is combined here
+            return self._combine(self.trajectory_ids[first], coefficients[first], kl_coefficients, first)
+        if self.folded is None:  # slice layout: every buffer is combined here
             rows = torch.arange(self.ctx.batch, device=coefficients.device)
-            grad = self._combine(self.trajectory_ids, coefficients, kl_coefficients, rows)
-        elif self.finished < self.ctx.batch:  # a last unit no early finish folded
+            return self._combine(self.trajectory_ids, coefficients, kl_coefficients, rows)
+        if self.finished < self.ctx.batch:  # a last unit no early finish folded
             rows = torch.arange(self.finished, self.ctx.batch, device=coefficients.device)
             grad = self._combine(self.trajectory_ids[rows], coefficients[rows], kl_coefficients, rows)
-            grad = grad + self.folded * scale
-        else:
-            grad = self.folded * scale
-        if self.kl_buffer is not None:
-            grad = grad + self.kl_buffer
-        set_grads(self.params, grad)
-        logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
-        first = len(logged)
-        step_stats = optimizer_step()
-        if self.later is not None:
-            recomputed, step_stats = self.later.run(advantages, optimizer_step)
-            logged += recomputed
-        return {**loss_stats(logged, first), "reweight_buffer_mb": self.buffer_mb, **step_stats}
+            return grad + self.folded * scale
+        return self.folded * scale
 
     def _combine(
         self, slots: torch.Tensor, coefficients: torch.Tensor, kl_coefficients: torch.Tensor | None, rows: torch.Tensor
