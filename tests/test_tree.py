@@ -351,14 +351,15 @@ def test_width_pruning_keeps_cells_and_counts_them_in_the_normaliser_while_it_ap
 @pytest.mark.timeout(240)
 def test_branch_grpo_with_pruning_passes_the_certificate():
     """Depth and width pruning on tiny flux (b = 2 at steps 0 and 2, depth 2 pruned, the best and worst of each
-    tree's last layer kept): Retain backpropagates the kept edges of its candidates' graphs, Recompute recomputes the
-    kept edges; both give the float64 twin's gradient at 1e-10."""
+    tree's last layer kept): Retain backpropagates the kept edges of its candidates' graphs, Reweight folds only the
+    kept edges' buffers, Recompute recomputes the kept edges; all three give the float64 twin's gradient at 1e-10."""
     from lean.tools.equivalence import passes, run_equivalence
 
     pruning = ["algorithm.branch_grpo.width_pruning=best_and_worst", "algorithm.branch_grpo.width_pruning_ratio=0.3"]
     pruning += ["sample.tree.depth_pruning=[2]"]
-    cfg = load_config(None, ["model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04", *pruning])
+    layout = ["parallel.layout=group", "train.rollout_batch_size=4"]  # Reweight folds each tree's kept edges as scored
+    cfg = load_config(None, ["model.size=tiny", "model.dtype=float64", *TREE, "algorithm.beta=0.04", *pruning, *layout])
     report = run_equivalence(cfg, reference=True)
     assert passes(report, cfg.model.torch_dtype)
-    assert report["reference"]["retain"]["max_rel_grad_diff"] < 1e-10
-    assert report["reference"]["recompute"]["max_rel_grad_diff"] < 1e-10
+    for schedule in ("recompute", "retain", "reweight"):  # Reweight folds the pruned edges' buffers with weight 0
+        assert report["reference"][schedule]["max_rel_grad_diff"] < 1e-10

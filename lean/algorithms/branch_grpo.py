@@ -27,7 +27,8 @@ best first, ties in the tree script's depth-first order: leaf, then step):
 A pruned edge leaves the objective (its KL term too) and the normaliser counts the kept edges, as BranchGRPO's
 1/(G floor(E/T)) does: each kept edge weighs (trained edges / kept edges) / (B K). The kept cells are a mask the
 schedules apply to their weights (``kept_terms``): Retain keeps every candidate's graph and backpropagates the kept
-edges (the pruned weigh 0), Recompute recomputes the kept edges only; both are exact. Differences: the ranking reads
+edges (the pruned weigh 0), Reweight folds the kept edges' buffers only, Recompute recomputes the kept edges; all
+three are exact. Differences: the ranking reads
 the targets clamped to +-adv_clip_max (the script ranks before its clamp, :1547; equal unless the clamp binds, which
 needs more than 26 leaves at the recipe's 5), and best_and_worst ranks each tree's layer, not the pool of the
 process's trees (a world-size-free choice). Not yet: the log-prob softmax fusion, several updates per rollout.
@@ -79,6 +80,11 @@ class BranchGRPO(GRPO):
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         super().__init__(cfg, sigmas)
         self.run_cfg = cfg  # for the pruning's iteration window (train.iterations)
+
+    @property
+    def drops_samples(self) -> bool:
+        """Width pruning leaves some trained edges out after the rewards, with their KL terms."""
+        return self.cfg.branch_grpo.width_pruning != "none"
 
     def kept_terms(self, targets: Tensor, trained: Tensor, iteration: int) -> tuple[Tensor | None, int | Tensor]:
         """With width pruning, while it applies: the trained cells the update keeps [B, num_steps] and N = B x (kept

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from lean.sampling.tree import TreeShape
-from lean.schedules.per_sample import PROVISIONAL_ADVANTAGE, TrajectoryBuffers
+from lean.schedules.per_sample import TrajectoryBuffers
 
 
 class EdgeSlots:
@@ -48,10 +48,11 @@ class EdgeSlots:
         b = self.shape.branching if index in self.shape.branch_points else 1
         return [slice(k, None, b) for k in range(b)]
 
-    def fold(self, buffers: TrajectoryBuffers, rows: slice, targets: torch.Tensor) -> torch.Tensor:
-        """sum_{trained cells c in ``rows``} (A_c / Â) P_c as one flat vector; ``targets`` [B, num_steps] hold A."""
+    def fold(self, buffers: TrajectoryBuffers, rows: slice, coefficients: torch.Tensor) -> torch.Tensor:
+        """sum_{trained cells c in ``rows``} w_c P_c as one flat vector; ``coefficients`` [B, num_steps] hold w (for
+        the policy part A_c / Â times whether the update keeps c; for the KL part whether it keeps c)."""
         b, i = torch.nonzero(self.trained[rows], as_tuple=True)
         b = b + (rows.start or 0)
-        device = targets.device
-        coefficients = targets[b.to(device), i.to(device)].to(torch.float64) / PROVISIONAL_ADVANTAGE
-        return buffers.combine_slots(self.slots[b, i].to(device), coefficients)
+        device = coefficients.device
+        weights = coefficients[b.to(device), i.to(device)].to(torch.float64)
+        return buffers.combine_slots(self.slots[b, i].to(device), weights)

@@ -114,10 +114,12 @@ class Reweight(Schedule):
         # a sample the algorithm may drop after the rewards (skip_zero_advantage) takes its KL term with it: then the
         # KL gradients are kept per trajectory too, Q_b, and only the kept ones are summed
         self.kl_buffers = None
+        # (on a tree: an edge that width pruning leaves out, per edge)
         if ctx.algorithm.kl_weight and ctx.algorithm.drops_samples:
-            self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, self.unit), None
-        if self.edges is not None and (self.later is not None or self.kl_buffers is not None):
-            raise ValueError("Reweight on a tree folds one update's per-edge targets, with no sample dropped")
+            count = self.unit if self.edges is None else self.edges.count
+            self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, count), None
+        if self.edges is not None and self.later is not None:
+            raise ValueError("Reweight on a tree folds one update's per-edge targets")
         self.folded = (
             torch.zeros(n, dtype=dtype, device=device) if self.finishes_early and self.unit < ctx.batch else None
         )
@@ -152,10 +154,13 @@ class Reweight(Schedule):
                 slots, retain_graph = self.slots[step.rows], step.ref_mean is not None
                 self._per_trajectory_backward((weights * loss.policy).sum(), slots, self.policy_buffers, retain_graph)
             else:
-                self._per_edge_backward(step, weights * loss.policy)
+                self._per_edge_backward(step, weights * loss.policy, self.policy_buffers, step.ref_mean is not None)
             if step.ref_mean is not None:
-                kl_loss = (weights * ctx.algorithm.kl_weight * loss.kl).sum()
-                if self.kl_buffers is not None:
+                kl_terms = weights * ctx.algorithm.kl_weight * loss.kl
+                kl_loss = kl_terms.sum()
+                if self.kl_buffers is not None and self.edges is not None:
+                    self._per_edge_backward(step, kl_terms, self.kl_buffers, keep_graph=False)
+                elif self.kl_buffers is not None:
                     self._per_trajectory_backward(kl_loss, self.slots[step.rows], self.kl_buffers, retain_graph=False)
                 else:
                     grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
@@ -163,14 +168,17 @@ class Reweight(Schedule):
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((TermCells(step.rows, step.index), StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
-    def _per_edge_backward(self, step: Transition, terms: torch.Tensor) -> None:
-        """A tree's step: each edge's weighted policy term of ``terms`` [edges] into its cell's buffer, in rounds of
-        at most one edge per node (``EdgeSlots.rounds``); the graph is kept for the KL part when there is one."""
+    def _per_edge_backward(
+        self, step: Transition, terms: torch.Tensor, buffers: TrajectoryBuffers, keep_graph: bool
+    ) -> None:
+        """A tree's step: each edge's weighted term of ``terms`` [edges] into its cell's buffer of ``buffers``, in
+        rounds of at most one edge per node (``EdgeSlots.rounds``); the graph is kept after the last round when
+        ``keep_graph`` (for the KL part)."""
         slots = self.edges.slots[step.rows, step.index]
         rounds = self.edges.rounds(step.index, len(slots), split_by_row=self.per_sample is not None)
         for k, part in enumerate(rounds):
-            retain_graph = step.ref_mean is not None or k < len(rounds) - 1
-            self._per_trajectory_backward(terms[part].sum(), slots[part], self.policy_buffers, retain_graph)
+            retain_graph = keep_graph or k < len(rounds) - 1
+            self._per_trajectory_backward(terms[part].sum(), slots[part], buffers, retain_graph)
 
     def _per_trajectory_backward(
         self, loss: torch.Tensor, slots: torch.Tensor, buffers: TrajectoryBuffers, retain_graph: bool
@@ -192,10 +200,12 @@ class Reweight(Schedule):
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
         advantages and free the buffers for the next unit."""
         if self.edges is not None:  # a tree's: each trained edge's buffer with its own target
-            folded = self.edges.fold(self.policy_buffers, rows, advantages)
+            folded = self._edge_fold(rows, advantages)
+            if self.kl_buffers is not None:
+                self.kl_buffers.storage.zero_()
         else:
             folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
-        if self.kl_buffers is not None:  # the kept trajectories' KL terms
+        if self.kl_buffers is not None and self.edges is None:  # the kept trajectories' KL terms
             kept, _ = self.ctx.kept_samples(advantages)
             folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
             self.kl_buffers.storage.zero_()
@@ -207,8 +217,10 @@ class Reweight(Schedule):
         if self.per_sample is not None:
             self.per_sample.close()
         if self.edges is not None:  # a tree's edges not folded yet (all in the slice layout), each with its target
-            grad = self.edges.fold(self.policy_buffers, slice(self.finished, self.ctx.batch), advantages)
+            grad = self._edge_fold(slice(self.finished, self.ctx.batch), advantages)
             grad = grad if self.folded is None else grad + self.folded
+            _, n = self.ctx.kept_samples(advantages)  # the buffers are at 1/(B K): 1/(n K) with the edges kept
+            grad = grad * (self.samples_per_update / torch.as_tensor(n, dtype=torch.float64, device=grad.device))
         else:
             grad = self._trajectory_gradient(advantages)
         if self.kl_buffer is not None:
@@ -221,6 +233,16 @@ class Reweight(Schedule):
             recomputed, step_stats = self.later.run(advantages, optimizer_step)
             logged += recomputed
         return {**loss_stats(logged, first), "reweight_buffer_mb": self.buffer_mb, **step_stats}
+
+    def _edge_fold(self, rows: slice, advantages: torch.Tensor) -> torch.Tensor:
+        """sum_c kept_c [(A_c / Â) P_c + Q_c] over the trained cells c of ``rows`` (``advantages`` [B, num_steps]);
+        kept_c is 0 where the algorithm leaves an edge out after the rewards (BranchGRPO's width pruning)."""
+        kept, _ = self.ctx.kept_samples(advantages)
+        kept = torch.ones_like(advantages, dtype=torch.float64) if kept is None else kept.to(torch.float64)
+        grad = self.edges.fold(self.policy_buffers, rows, advantages.to(torch.float64) / PROVISIONAL_ADVANTAGE * kept)
+        if self.kl_buffers is not None:
+            grad += self.edges.fold(self.kl_buffers, rows, kept)
+        return grad
 
     def _trajectory_gradient(self, advantages: torch.Tensor) -> torch.Tensor:
         """sum_b (A_b / Â_b) P_b (+ the kept Q_b) over the trajectories' buffers, and what finished units folded."""
