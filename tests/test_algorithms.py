@@ -14,7 +14,7 @@ from lean.configure import load_config
 from lean.schedules import algorithm_schedules
 
 # the schedules that compute each algorithm's gradient exactly (the others: all three)
-EXACT = {"nft": ["recompute"], "dpo": ["recompute"], "awm": ["recompute"], "branch_grpo": ["recompute", "retain"]}
+EXACT = {"nft": ["recompute"], "dpo": ["recompute"], "awm": ["recompute"]}
 # what an algorithm needs of the rollout: BranchGRPO a tree (b = 2 at step 0 of FAST's steps: two leaves a group)
 OWN_ROLLOUT = {
     "branch_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2", "sample.timestep_selection=first"],

@@ -179,6 +179,11 @@ class Algorithm:
         """Whether :meth:`kept_samples` can leave samples out (then with their regulariser terms)."""
         return False
 
+    @property
+    def drops_terms(self) -> bool:
+        """Whether :meth:`kept_terms` can leave samples or a tree's edges out (then with their regulariser terms)."""
+        return self.drops_samples
+
     def kept_samples(self, targets: Tensor) -> tuple[Tensor | None, int | Tensor]:
         """(which samples an update keeps [B], or None for all; how many, the N of the objective's 1/(N K))."""
         return None, targets.shape[0]

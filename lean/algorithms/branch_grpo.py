@@ -82,7 +82,7 @@ class BranchGRPO(GRPO):
         self.run_cfg = cfg  # for the pruning's iteration window (train.iterations)
 
     @property
-    def drops_samples(self) -> bool:
+    def drops_terms(self) -> bool:
         """Width pruning leaves some trained edges out after the rewards, with their KL terms."""
         return self.cfg.branch_grpo.width_pruning != "none"
 

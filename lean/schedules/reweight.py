@@ -58,6 +58,7 @@ Recompute's later updates come on top: time + (E - s)(K fb + ref), memory at lea
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
@@ -108,6 +109,7 @@ class Reweight(Schedule):
         # a tree rollout: a buffer per trained edge of the unit (edge_buffers.py), its targets differing along a path
         shape = tree_shape(ctx.cfg.sample)
         self.edges = None if shape is None else EdgeSlots(ctx.steps.trained.cpu(), self.unit, shape)
+        self.edge_slots = None if shape is None else self.edges.slots.to(self.params[0].device)  # uploaded once
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit if self.edges is None else self.edges.count)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
@@ -115,7 +117,7 @@ class Reweight(Schedule):
         # KL gradients are kept per trajectory too, Q_b, and only the kept ones are summed
         self.kl_buffers = None
         # (on a tree: an edge that width pruning leaves out, per edge)
-        if ctx.algorithm.kl_weight and ctx.algorithm.drops_samples:
+        if ctx.algorithm.kl_weight and ctx.algorithm.drops_terms:
             count = self.unit if self.edges is None else self.edges.count
             self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, count), None
         if self.edges is not None and self.later is not None:
@@ -151,7 +153,7 @@ class Reweight(Schedule):
         weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
         with ctx.region("backward"):
             if self.edges is None:
-                slots, retain_graph = self.slots[step.rows], step.ref_mean is not None
+                slots, retain_graph = self._slots(step.rows), step.ref_mean is not None
                 self._per_trajectory_backward((weights * loss.policy).sum(), slots, self.policy_buffers, retain_graph)
             else:
                 self._per_edge_backward(step, weights * loss.policy, self.policy_buffers, step.ref_mean is not None)
@@ -161,7 +163,7 @@ class Reweight(Schedule):
                 if self.kl_buffers is not None and self.edges is not None:
                     self._per_edge_backward(step, kl_terms, self.kl_buffers, keep_graph=False)
                 elif self.kl_buffers is not None:
-                    self._per_trajectory_backward(kl_loss, self.slots[step.rows], self.kl_buffers, retain_graph=False)
+                    self._per_trajectory_backward(kl_loss, self._slots(step.rows), self.kl_buffers, retain_graph=False)
                 else:
                     grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
                     self.kl_buffer += flat_grad(self.params, grads)
@@ -174,21 +176,31 @@ class Reweight(Schedule):
         """A tree's step: each edge's weighted term of ``terms`` [edges] into its cell's buffer of ``buffers``, in
         rounds of at most one edge per node (``EdgeSlots.rounds``); the graph is kept after the last round when
         ``keep_graph`` (for the KL part)."""
-        slots = self.edges.slots[step.rows, step.index]
-        rounds = self.edges.rounds(step.index, len(slots), split_by_row=self.per_sample is not None)
+        host, device = self.edges.slots[step.rows, step.index], self.edge_slots[step.rows, step.index]
+        rounds = self.edges.rounds(step.index, len(host), split_by_row=self.per_sample is not None)
         for k, part in enumerate(rounds):
             retain_graph = keep_graph or k < len(rounds) - 1
-            self._per_trajectory_backward(terms[part].sum(), slots[part], buffers, retain_graph)
+            self._per_trajectory_backward(terms[part].sum(), (host[part], device[part]), buffers, retain_graph)
+
+    def _slots(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """The buffer slots of the trajectories ``rows``, on the host and on the device (no upload per step)."""
+        return self.slots[rows], self.trajectory_ids[rows]
 
     def _per_trajectory_backward(
-        self, loss: torch.Tensor, slots: torch.Tensor, buffers: TrajectoryBuffers, retain_graph: bool
+        self,
+        loss: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],
+        buffers: TrajectoryBuffers,
+        retain_graph: bool,
     ) -> None:
-        """Add each forward row's gradient of ``loss`` to its buffer of ``buffers``, ``slots`` [rows] (host)."""
+        """Add each forward row's gradient of ``loss`` to its buffer of ``buffers``; ``slots``: the rows' slots
+        [rows] on the host and on the device."""
+        host, device = slots
         if self.per_sample is None:  # one trajectory (or edge) per micro-batch
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            buffers.add(int(slots[0]), grads)
+            buffers.add(int(host[0]), grads)
             return
-        self.per_sample.trajectories = slots.to(self.params[0].device)
+        self.per_sample.trajectories = device
         self.per_sample.buffers = buffers
         self.per_sample.accumulating = True
         try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
