@@ -99,3 +99,26 @@ def test_a_trees_retain_peak_is_the_plans_and_below_the_flat_rollouts():
     assert abs(tree["predicted"] / tree["peak_memory_mb"] - 1) <= 0.10, tree
     flat = _retain_peak(tiny(*SHAPE), plan=False)
     assert tree["peak_memory_delta_mb"] < flat["peak_memory_delta_mb"], (tree, flat)
+
+
+def test_bench_schedules_on_a_tree_bounds_retain_by_its_nodes_and_times_the_flat_rollout():
+    """A tiny smoke of ``lean bench schedules`` on the branch_grpo shape (b = 2 at steps 0 and 1 of 4: 11 node
+    forwards, 7 trained nodes, 10 trained edges for 4 leaves): Retain's bound removes the recompute forward and the
+    3/10 of the update backward a node's shared graph saves; the flat rollout of 4 samples is timed beside it."""
+    from lean.tools.bench.schedules import FLAT, add_speedups, bench_config, bench_schedules, speedup_bound
+
+    base = {"time_iteration_s": 10.0, "time_recompute_forward_s": 3.0, "time_backward_s": 4.0, "cpu_iteration_s": 1}
+    rows = {"recompute": [base], "retain": [{"time_iteration_s": 6.0, "cpu_iteration_s": 1}]}
+    result = {"retain": {}}
+    add_speedups(result, rows, {"retain": 1.0}, {"retain": 0.3})
+    assert result["retain"]["speedup_bound"] == speedup_bound(10.0, 3.0, 1.0, 0.3 * 4.0) == 10.0 / (10.0 - 3.0 - 1.2)
+    overrides = ["model.size=tiny", "model.resolution=32", "model.text_max_length=8", "sample.num_steps=4"]
+    overrides += ["algorithm.name=branch_grpo", "sample.tree.branch_points=[0, 1]", "train.group_size=4"]
+    cfg, options = bench_config(
+        None, [*overrides, "train.prompts_per_iteration=1"], repeats=1, warmup=0, cores=0, flops=False
+    )
+    result = bench_schedules(cfg, options=options)
+    assert result["config"]["rows"] == {"forwards": 11, "trained_forwards": 7, "trained_edges": 10, "leaves": 4}
+    assert "reweight" not in result and result["retain"]["removed_backward_share"] == pytest.approx(0.3)
+    assert result[FLAT]["algorithm"] == "grpo" and result[FLAT]["time_iteration_s"] > 0
+    assert {"tree_speedup_recompute", "tree_speedup_retain"} <= set(result[FLAT])
