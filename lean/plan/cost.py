@@ -11,7 +11,10 @@ The probe runs the first trained step of a real local batch and measures:
     ``t_decode`` and ``t_reward``: decoding the probe batch and scoring it (every schedule pays them once per sample;
     on video they are the largest phase).
 A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
-schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
+schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`). A tree
+rollout (``sample.tree``) is counted in rows (:func:`tree_rows`: node forwards, trained nodes, trained edges, leaves;
+docs/design/tree-rollouts.md, section 4), and the probe runs at one rollout micro-batch of whole trees
+(:func:`rollout_rows`).
 
 Under several processes the probe runs as the run would (``parallel.shard=fsdp``: sharded, its passes gathering), and
 the other shard setting is modelled from it (:func:`shard_variant`: what sharding moves,

@@ -225,18 +225,7 @@ class Subject:
         cfg, trainer, prediction = self.cfg, self.activate().trainer, self.prediction
         peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
         result: dict = {
-            "config": {
-                **measured_config(cfg, options),
-                "cfg": cfg.sample.cfg,
-                "beta": cfg.algorithm.beta,
-                "samples_per_process": len(self.plan_input.batch.prompts),
-                "world_size": trainer.world.size,
-                "uncond_grad": cfg.sample.uncond_grad,
-                "cores": len(cores),
-                "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
-                "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
-                **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
-            },
+            "config": self.config_entry(options, cores),
             "peak_flops": peak,
             "peak_flops_source": peak_source,
             "plan": {"probe": self.measured, "prediction": prediction, "auto_choice": self.auto},
@@ -278,9 +267,25 @@ class Subject:
             result[s] = entry
         trainer.state.load_state_dict(self.state)
         add_speedups(result, rows, {RETAIN: self.retained}, {RETAIN: self.retained * tree_backward_share(self.rows)})
-        if self.rows is not None:
-            result["config"]["rows"] = vars(self.rows)  # per process: node forwards, trained nodes and edges, leaves
         return result
+
+    def config_entry(self, options: BenchOptions, cores: list[int]) -> dict:
+        """What the result states of the measured config (a tree's: its rows too)."""
+        cfg = self.cfg
+        return {
+            **measured_config(cfg, options),
+            "cfg": cfg.sample.cfg,
+            "beta": cfg.algorithm.beta,
+            "samples_per_process": len(self.plan_input.batch.prompts),
+            "world_size": self.trainer.world.size,
+            "uncond_grad": cfg.sample.uncond_grad,
+            "cores": len(cores),
+            "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
+            "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
+            **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
+            # per process: node forwards, trained nodes, trained edges, leaves (lean.plan.cost.tree_rows)
+            **({"rows": vars(self.rows)} if self.rows is not None else {}),
+        }
 
     @property
     def retained(self) -> float:
