@@ -11,7 +11,10 @@ The probe runs the first trained step of a real local batch and measures:
     ``t_decode`` and ``t_reward``: decoding the probe batch and scoring it (every schedule pays them once per sample;
     on video they are the largest phase).
 A schedule peaks either inside a backward or inside the decode, with whatever activations are alive then. Each
-schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`).
+schedule's file states its own formula (``Schedule.predict`` over :class:`lean.schedules.IterationCosts`). A tree
+rollout (``sample.tree``) is counted in rows (:func:`tree_rows`: node forwards, trained nodes, trained edges, leaves;
+docs/design/tree-rollouts.md, section 4), and the probe runs at one rollout micro-batch of whole trees
+(:func:`rollout_rows`).
 
 Under several processes the probe runs as the run would (``parallel.shard=fsdp``: sharded, its passes gathering), and
 the other shard setting is modelled from it (:func:`shard_variant`: what sharding moves,
@@ -53,8 +56,9 @@ from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, res
 from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.sampling.rollout import Sampler, policy_step
-from lean.sampling.sde import rollout_sigmas
+from lean.sampling.sde import StepSelection, rollout_sigmas
 from lean.sampling.transition import Transition
+from lean.sampling.tree import tree_shape
 from lean.schedules import (
     AUTO,
     LEAN_SCHEDULES,
@@ -62,6 +66,7 @@ from lean.schedules import (
     SCHEDULES,
     IterationCosts,
     Prediction,
+    RowCounts,
     algorithm_problem,
     algorithm_schedules,
     fsdp_problem,
@@ -136,7 +141,7 @@ TERMS = {ROLLOUT_STEPS: "trained", CLEAN_SAMPLES: "re-noised draws"}  # per samp
 def probe(inp: PlanInput) -> dict:
     """Measure one step of the policy at the local rollout batch and at one trajectory."""
     policy, cfg = inp.policy, inp.cfg
-    batch = min(len(inp.batch.prompts), cfg.train.rollout_batch_size)
+    batch = rollout_rows(cfg, len(inp.batch.prompts))
     emb = policy.encode_prompts(inp.batch.prompts[:batch])
     gens = inp.batch.generators[:batch]
     x = policy.init_latents(gens)
@@ -186,6 +191,16 @@ def probe(inp: PlanInput) -> dict:
     return result
 
 
+def rollout_rows(cfg: RunConfig, local: int) -> int:
+    """Rows of one rollout micro-batch of a process's ``local`` samples, which the probe measures: at most
+    ``train.rollout_batch_size``, on a tree whole trees (``tree_rollout`` rolls out max(1, m // L) trees at a time,
+    up to L nodes a step each, and decodes their leaves together)."""
+    m, shape = cfg.train.rollout_batch_size, tree_shape(cfg.sample)
+    if shape is not None:
+        m = max(1, m // shape.leaves) * shape.leaves
+    return min(local, m)
+
+
 def iteration_costs(
     inp: PlanInput,
     measured: dict,
@@ -198,14 +213,14 @@ def iteration_costs(
     (``train.retain``; ``auto`` counts as all steps, on the device: :func:`retain_variants` tries the others); the
     host link and host budget are ``train.retain``'s where set, else ``link_mb_s`` and ``host_budget_mb``."""
     cfg = inp.cfg
-    laid_out = (
-        cfg if layout is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
-    )
+    laid_out = cfg if layout is None else with_layout(cfg, layout)
     local, probed = len(inp.batch.prompts), measured["batch"]
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
     algorithm = build_algorithm(cfg, None)  # its terms: GRPO's trained steps, NFT's and DPO's re-noised draws
     k = algorithm.terms_per_sample or int(inp.batch.steps.trained[0].sum())
+    rows = tree_rows(cfg, inp.batch.steps, local)  # None: flat, B n forwards and B K terms
+    terms = k if rows is None else rows.trained_edges / local  # per sample; on a tree each trained edge is a term
     share = algorithm.trained_share
     fb = measured["t_forward_backward"] * rounds
     # the re-noised terms are conditional only: the probed step's CFG half (the unconditional forward) is not theirs
@@ -223,7 +238,7 @@ def iteration_costs(
         f=f,
         fb=(fb - f_cfg) * share,
         fb_one=measured["t_forward_backward_one"],
-        ref=k * (f - f_cfg) * share * algorithm.untracked_forwards_per_term,
+        ref=terms * (f - f_cfg) * share * algorithm.untracked_forwards_per_term,
         score=(measured["t_decode"] + measured["t_reward"]) * waited_for / probed,
         score_at_end=(measured["t_decode"] + measured["t_reward"])
         * (min(probed, local) if concurrent else local)
@@ -243,6 +258,26 @@ def iteration_costs(
         epochs=cfg.train.num_inner_epochs,
         **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
         act_moved_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
+        rows=rows,
+    )
+
+
+def tree_rows(cfg: RunConfig, steps: StepSelection, local: int) -> RowCounts | None:
+    """A tree rollout's :class:`RowCounts` over ``local`` leaves, counted as the code runs them (None: a flat rollout):
+    ``tree_rollout`` runs every node of a step tracked where the step trains (one kept graph per node under Retain),
+    and each trained edge sits on one trained cell of ``steps.trained`` (``lean.run.iteration.on_tree``), which
+    Recompute's update recomputes on its own (``recompute_terms``: every local row of a trained step in lockstep)."""
+    shape = tree_shape(cfg.sample)
+    if shape is None:
+        return None
+    tracked = steps.grad_steps.cpu()
+    edges = int(steps.trained.sum()) if steps.shared_grad_steps is None else local * int(tracked.sum())
+    trees = local // shape.leaves
+    return RowCounts(
+        forwards=trees * shape.forwards,
+        trained_forwards=trees * sum(shape.live(i) for i in range(shape.num_steps) if tracked[i]),
+        trained_edges=edges,
+        leaves=local,
     )
 
 
@@ -323,6 +358,11 @@ def shard_variant(
         "t_forward_backward": passed(measured["t_forward_backward"], backward_comm),
         "t_forward_backward_one": passed(measured["t_forward_backward_one"], backward_comm),
     }
+
+
+def with_layout(cfg: RunConfig, layout: str) -> RunConfig:
+    """``cfg`` with ``parallel.layout=layout``."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
 
 
 def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
@@ -620,6 +660,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
         "probe": measured,
         "layout": resolve_layout(cfg, inp.world_size),
         "prediction": prediction_table(costs),
+        **({"rows": vars(costs.rows)} if costs.rows is not None else {}),
         "link_mb_per_s": link,
         "host_link_mb_per_s": costs.link_mb_s,
         "host_budget_mb": costs.host_budget_mb,
@@ -671,6 +712,18 @@ def retain_columns(row: dict) -> tuple[str, str]:
     return str(row["retain_steps"]), row["offload"]
 
 
+def tree_line(cfg: RunConfig, costs: IterationCosts) -> str:
+    """A tree rollout's counts as printed: its nodes' forwards, Retain's kept graphs and Recompute's recomputed
+    edges, against the flat rollout of as many leaves (B n forwards, B K trained)."""
+    r, t = costs.rows, cfg.sample.tree
+    flat = r.leaves * costs.n, r.leaves * costs.k
+    return (
+        f"tree: {r.leaves} leaves (branching {t.branching} at steps {t.branch_points}), {r.forwards} node forwards, "
+        f"{r.trained_forwards} trained nodes (retain's kept graphs), {r.trained_edges} trained edges (recompute's "
+        f"update forwards); the flat rollout of {r.leaves} samples: {flat[0]} forwards, {flat[1]} trained"
+    )
+
+
 def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: dict) -> None:
     print(
         f"lean plan: {cfg.model.family}/{cfg.model.size} {cfg.model.dtype}, {cfg.algorithm.name}, "
@@ -682,6 +735,8 @@ def print_plan(cfg: RunConfig, measured: dict, costs: IterationCosts, decision: 
         f"decode + reward the iteration waits for: {costs.score:.3f} s "
         f"(decode {measured['t_decode']:.3f} s + reward {measured['t_reward']:.3f} s at batch {measured['batch']})"
     )
+    if costs.rows is not None:
+        print(tree_line(cfg, costs))
     print(f"{'schedule':10} {'peak memory MiB':>16} {'time/iteration s':>17}")
     predictions, exact = predict(costs), runnable(cfg)
     for name, p in predictions.items():

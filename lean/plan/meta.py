@@ -70,6 +70,7 @@ from lean.plan.cost import (
     probe_checkpointing,
     published_size,
     retain_columns,
+    rollout_rows,
     shard_probes,
 )
 from lean.run.iteration import local_batch
@@ -248,7 +249,7 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
     the decode's (peak bytes, FLOPs) by decoded rows across calls: it depends on neither the transformer's depth nor
     its checkpointing nor the sequence-parallel degree, and a long video's decode is the slowest count."""
     policy, cfg = inp.policy, inp.cfg
-    batch = min(len(inp.batch.prompts), cfg.train.rollout_batch_size)
+    batch = rollout_rows(cfg, len(inp.batch.prompts))
     with MetaScalars():  # the empty prompt too: CFG's unconditional branch encodes it on first use
         policy.encode_prompts([""])
         emb = policy.encode_prompts(inp.batch.prompts[:batch])

@@ -10,7 +10,7 @@ from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
 from lean.config.registry import Registry
 from lean.parallel.sharding import FSDP
-from lean.schedules.base import IterationContext, IterationCosts, Prediction, Schedule
+from lean.schedules.base import IterationContext, IterationCosts, Prediction, RowCounts, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
 from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
@@ -187,5 +187,6 @@ __all__ = [
     "IterationContext",
     "IterationCosts",
     "Prediction",
+    "RowCounts",
     "Schedule",
 ]

@@ -117,6 +117,24 @@ OptimizerStep = Callable[[], dict]
 
 
 @dataclass(frozen=True)
+class RowCounts:
+    """One process's rollout counted in rows, a row being one transformer forward of one latent
+    (docs/design/tree-rollouts.md, section 4). On a flat rollout of B samples, n steps, K trained: forwards = B n,
+    trained_forwards = trained_edges = B K, leaves = B. On T trees (``lean.sampling.tree``), live(i) nodes at step i:
+
+        forwards         = T sum_i live(i)                    every node's forward
+        trained_forwards = T sum_{i trained} live(i)          the trained nodes: Retain's kept graphs (one per node)
+        trained_edges    = T sum_{i trained} edges(i)         Recompute's update forwards (one per edge), the KL's
+        leaves           = T L = B                            what is decoded and scored
+    """
+
+    forwards: int
+    trained_forwards: int
+    trained_edges: int
+    leaves: int
+
+
+@dataclass(frozen=True)
 class IterationCosts:
     """One process's iteration in the terms of the cost models (seconds and MiB; ``lean.plan.cost.probe`` measures).
 
@@ -128,7 +146,9 @@ class IterationCosts:
     group's, one that does not waits for ``score_at_end``, the last's only). Memory: base (resident now), act /
     act_one: activations one tracked step saves at the local batch / one trajectory; transient: what a backward needs
     beyond them; decode: the VAE's working set for one rollout micro-batch (each is decoded on its own); trainable:
-    the trainable parameters (MiB).
+    the trainable parameters (MiB). A tree rollout counts its forwards in ``rows`` (:class:`RowCounts`), each
+    figure per step of the local batch scaled by rows / B (:attr:`forward_steps`, :attr:`tracked_steps`,
+    :attr:`edge_steps`; n, K, K on a flat rollout).
     """
 
     n: int
@@ -163,6 +183,24 @@ class IterationCosts:
     act_group_mb: float = 0.0
     link_mb_s: float = float("inf")
     host_budget_mb: float = float("inf")  # pinned host memory one process may take
+    rows: RowCounts | None = None  # a tree rollout's counts (None: flat, B n forwards and B K trained)
+
+    @property
+    def forward_steps(self) -> float:
+        """The rollout's forwards in steps of the local batch (each costs f): n, or a tree's forwards / B."""
+        return self.n if self.rows is None else self.rows.forwards / self.local
+
+    @property
+    def tracked_steps(self) -> float:
+        """The trained nodes' forwards in steps of the local batch (each tracked one costs fb and keeps act): K, or a
+        tree's trained_forwards / B."""
+        return self.k if self.rows is None else self.rows.trained_forwards / self.local
+
+    @property
+    def edge_steps(self) -> float:
+        """The trained edges in steps of the local batch (Recompute's update recomputes each): K, or a tree's
+        trained_edges / B."""
+        return self.k if self.rows is None else self.rows.trained_edges / self.local
 
     @property
     def later(self) -> bool:
@@ -173,7 +211,7 @@ class IterationCosts:
     def later_update_s(self) -> float:
         """Recompute's cost of every update after the first: (E - s) passes of K recomputed steps and their
         reference forwards."""
-        return (self.epochs - self.first_share) * (self.k * self.fb + self.ref)
+        return (self.epochs - self.first_share) * (self.edge_steps * self.fb + self.ref)
 
     @property
     def later_update_mb(self) -> float:

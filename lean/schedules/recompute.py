@@ -26,6 +26,10 @@ Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE
     memory = base + max(decode, act x train_rows_fraction + transient)      time = n f + score + E (K fb + ref)
            (the K recomputed steps each cost a forward f beside the tracked forward + backward fb; it finishes
            nothing early, so in the group layout score is ``score_at_end``: the last micro-batch's wait)
+
+On a tree rollout (``lean.sampling.tree``) the rollout runs one forward per node and the update one per trained edge
+(``recompute_terms``: each edge recomputes its parent's forward, BranchGRPO's ``grpo_one_step``), so n f becomes the
+nodes' forwards and K fb the trained edges' (``IterationCosts.forward_steps``, ``edge_steps``).
 """
 
 from __future__ import annotations
@@ -283,5 +287,7 @@ class Recompute(Schedule):
     def predict(c: IterationCosts) -> Prediction:
         return Prediction(
             c.base_mb + max(c.decode_mb, c.later_update_mb),
-            c.n * c.f + (c.score if c.score_at_end is None else c.score_at_end) + c.epochs * (c.k * c.fb + c.ref),
+            c.forward_steps * c.f
+            + (c.score if c.score_at_end is None else c.score_at_end)
+            + c.epochs * (c.edge_steps * c.fb + c.ref),
         )

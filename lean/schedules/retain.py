@@ -312,19 +312,24 @@ class Retain(Schedule):
             memory = base + max(kept + max(decode, transient), [q < 1 or later] Recompute's update peak)
 
         s = the first update's share with several updates per rollout (a hybrid), else 1; kept = K q act h on the
-        device (h = the rows held at once: s, or one finishing unit / B)."""
+        device (h = the rows held at once: s, or one finishing unit / B). On a tree rollout n and K count the nodes'
+        forwards and the trained nodes' (``IterationCosts.forward_steps``, ``tracked_steps``): one graph per trained
+        node, however many edges it feeds (docs/design/tree-rollouts.md, sections 3.2 and 4)."""
         q, s = c.retained, c.first_share if c.later else 1.0
         score = (c.score if c.score_at_end is None else c.score_at_end) if c.later else c.score
-        held = c.k * q * (s if c.later else c.held_fraction)  # tracked steps' activations held at once, / act
+        k, n = c.tracked_steps, c.forward_steps  # K and n, or a tree's trained nodes and nodes, / B
+        held = k * q * (s if c.later else c.held_fraction)  # tracked steps' activations held at once, / act
         kept = kept_graphs(c, held, units=1 if c.later else round(1 / c.held_fraction))
         memory = kept.peak_memory_mb + max(c.decode_mb, c.transient_mb)
-        # the backward runs beside the scoring (group layout, every step kept on the device: the module docstring)
-        if not c.later and c.held_fraction < 1 and c.per_row_grads and c.n_known and q == 1 and not c.offload:
+        # the backward runs beside the scoring (group layout, every step kept on the device, a flat rollout: the
+        # module docstring; a tree waits for its rewards)
+        early = c.held_fraction < 1 and c.per_row_grads and c.n_known and q == 1 and not c.offload
+        if early and not c.later and c.rows is None:
             memory += (c.local * c.held_fraction + 1) * c.trainable_mb
-            score = max(c.score - c.k * (c.fb - c.f), 0.0)
+            score = max(c.score - k * (c.fb - c.f), 0.0)
         if c.later or q < 1:  # the recomputed terms: Recompute's update, after the kept graphs are freed
             memory = max(memory, c.later_update_mb)
-        time = (c.n - c.k * q * s) * c.f + c.k * s * c.fb + score + s * c.ref + (c.later_update_s if c.later else 0)
+        time = (n - k * q * s) * c.f + k * s * c.fb + score + s * c.ref + (c.later_update_s if c.later else 0)
         return dataclasses.replace(
             kept, peak_memory_mb=c.base_mb + memory, time_iteration_s=time + kept.exposed_transfer_s
         )

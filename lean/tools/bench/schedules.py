@@ -17,18 +17,26 @@ keeps freed pages during the timed rounds (``keep_freed_memory``), as the CUDA c
                      ``update_forward``, which the hybrids run too); q is the share of its terms the schedule does not
                      recompute: 1, but for Retain keeping the graphs of only the last m of each sample's K trained
                      steps (``train.retain.steps``: partial retention) q = sum_b min(m, K_b) / sum_b K_b, the bound
-                     (n f + K fb) / ((n - m) f + K fb) of docs/design/retain-offload.md. Nothing else is removed, and
-                     on one core (``cores: 1``, the default) nothing overlapped can run on hardware the others leave
-                     idle: the scoring thread and the backward share the core, as the decode, the rewards and the
-                     backward share one GPU. A speedup above its bound is then noise, not a result.
+                     (n f + K fb) / ((n - m) f + K fb) of docs/design/retain-offload.md. On a tree rollout
+                     (``sample.tree``) Retain also removes the share w = 1 - trained nodes / trained edges of
+                     Recompute's update backward (one backward per kept node graph, one per recomputed edge):
+                     T_iter / (T_iter - q recompute_forward - q w backward). Nothing else is removed, and on one
+                     core (``cores: 1``, the default) nothing overlapped can run on hardware the others leave idle:
+                     the scoring thread and the backward share the core, as the decode, the rewards and the backward
+                     share one GPU. A speedup above its bound is then noise, not a result.
     cpu_speedup    = the same ratio of process CPU time (every thread), beside wall time
     MFU            = FLOPs the algorithm needs (rollout, reference and decode forwards + backwards; no recompute)
                      / (T_iter x peak FLOP/s)
     HFU            = FLOPs executed / (T_iter x peak FLOP/s)
+
+On a tree config the flat rollout of as many leaves (:func:`flat_form`: DanceGRPO's, no branch point, ``grpo``, its own
+model) runs under Recompute in the same interleaved rounds; ``flat`` in the result holds its medians and, per tree
+schedule, ``tree_speedup_<schedule>`` = median over the rounds of flat time / tree time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -54,7 +62,8 @@ from lean.plan.cost import (
     probe,
     retain_choice,
 )
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, algorithm_schedules
+from lean.sampling.tree import tree_shape
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, RowCounts, algorithm_schedules
 from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
@@ -137,9 +146,18 @@ def retained_share(steps: int | str, trained: torch.Tensor) -> float:
     return int(per_sample.clamp(max=steps).sum()) / max(int(per_sample.sum()), 1)
 
 
-def speedup_bound(time_s: float, recompute_forward_s: float, removed: float = 1.0) -> float:
-    """Recompute's iteration time over itself less the share ``removed`` of its on-policy recompute forward."""
-    return time_s / (time_s - removed * recompute_forward_s)
+def speedup_bound(time_s: float, recompute_forward_s: float, removed: float = 1.0, backward_s: float = 0.0) -> float:
+    """Recompute's iteration time over itself less the share ``removed`` of its on-policy recompute forward and the
+    ``backward_s`` seconds of its update backward the schedule does not run (a tree's Retain:
+    :func:`tree_backward_share`)."""
+    return time_s / (time_s - removed * recompute_forward_s - backward_s)
+
+
+def tree_backward_share(rows: RowCounts | None) -> float:
+    """The share of Recompute's update backward that Retain does not run on a tree: Recompute backpropagates one
+    forward per trained edge (``recompute_terms``), Retain one kept graph per trained node, whose b children's terms
+    share it: 1 - trained nodes / trained edges (0 on a flat rollout)."""
+    return 0.0 if rows is None else 1 - rows.trained_forwards / rows.trained_edges
 
 
 @dataclass
@@ -158,6 +176,7 @@ class Subject:
     measured: dict = field(default_factory=dict)
     prediction: dict = field(default_factory=dict)
     auto: str = ""  # the schedule ``train.schedule=auto`` takes from that prediction
+    rows: RowCounts | None = None  # a tree rollout's counts (``lean.plan.cost.tree_rows``); None: flat
 
     @property
     def schedules(self) -> list[str]:
@@ -178,6 +197,11 @@ class Subject:
         """One timed iteration's metrics (memory is measured in its own pass)."""
         return iteration_metrics(self.activate().trainer, schedule)
 
+    def fresh_iteration(self, schedule: str) -> dict:
+        """:meth:`iteration` from this subject's own saved state (a subject with a trainer of its own)."""
+        self.trainer.state.load_state_dict(self.state)
+        return self.iteration(schedule)
+
     def memory_pass(self, log: JsonLines, label: str = "") -> None:
         """Peak memory per schedule (run under ``live_bytes_heap``, before the timed rounds grow the heap)."""
         self.activate()
@@ -191,7 +215,7 @@ class Subject:
         self.plan_input = self.activate().trainer.plan_input()
         self.measured = probe(self.plan_input)
         costs = iteration_costs(self.plan_input, self.measured)
-        self.prediction = prediction_table(costs)
+        self.prediction, self.rows = prediction_table(costs), costs.rows
         budget = budget_mb(self.cfg, self.trainer.world.device)
         self.auto = retain_choice(choose(exact_predictions(self.cfg, costs), budget)["choice"], self.cfg)["choice"]
 
@@ -201,18 +225,7 @@ class Subject:
         cfg, trainer, prediction = self.cfg, self.activate().trainer, self.prediction
         peak, peak_source = peak_flops(trainer.world.device, cfg.model.torch_dtype)
         result: dict = {
-            "config": {
-                **measured_config(cfg, options),
-                "cfg": cfg.sample.cfg,
-                "beta": cfg.algorithm.beta,
-                "samples_per_process": len(self.plan_input.batch.prompts),
-                "world_size": trainer.world.size,
-                "uncond_grad": cfg.sample.uncond_grad,
-                "cores": len(cores),
-                "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
-                "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
-                **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
-            },
+            "config": self.config_entry(options, cores),
             "peak_flops": peak,
             "peak_flops_source": peak_source,
             "plan": {"probe": self.measured, "prediction": prediction, "auto_choice": self.auto},
@@ -253,8 +266,26 @@ class Subject:
                 entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
             result[s] = entry
         trainer.state.load_state_dict(self.state)
-        add_speedups(result, rows, {RETAIN: self.retained})
+        add_speedups(result, rows, {RETAIN: self.retained}, {RETAIN: self.retained * tree_backward_share(self.rows)})
         return result
+
+    def config_entry(self, options: BenchOptions, cores: list[int]) -> dict:
+        """What the result states of the measured config (a tree's: its rows too)."""
+        cfg = self.cfg
+        return {
+            **measured_config(cfg, options),
+            "cfg": cfg.sample.cfg,
+            "beta": cfg.algorithm.beta,
+            "samples_per_process": len(self.plan_input.batch.prompts),
+            "world_size": self.trainer.world.size,
+            "uncond_grad": cfg.sample.uncond_grad,
+            "cores": len(cores),
+            "optimizer_steps_per_iteration": cfg.train.optimizer_steps_per_iteration,
+            "trained_steps_per_sample": int(self.plan_input.batch.steps.trained[0].sum()),
+            **{f"retain_{key}": getattr(cfg.train.retain, key) for key in ("steps", "offload")},  # Retain's row
+            # per process: node forwards, trained nodes, trained edges, leaves (lean.plan.cost.tree_rows)
+            **({"rows": vars(self.rows)} if self.rows is not None else {}),
+        }
 
     @property
     def retained(self) -> float:
@@ -312,10 +343,48 @@ def bench_schedules(
     if subject.trainer.world.device.type == "cpu":
         keep_freed_memory()  # before the probe too: its step times are then taken as the rounds' are
     subject.plan()
-    rows = timed_rounds(subject.trainer, subject.state, options, log)
-    result = subject.result(rows, options, cores)
+    # a tree: the flat rollout of as many leaves, timed in the same rounds (its own model, built after the tree's
+    # memory pass and probe, which it would otherwise weigh on)
+    flat = None if tree_shape(cfg.sample) is None else Subject.build(flat_form(cfg))
+    variants = None
+    if flat is not None:
+        variants = {s: functools.partial(subject.fresh_iteration, s) for s in subject.schedules}
+        variants[FLAT] = functools.partial(flat.fresh_iteration, BASELINE)
+    rows = timed_rounds(subject.trainer, subject.state, options, log, variants)
+    result = subject.result({s: rows[s] for s in subject.schedules}, options, cores)
+    if flat is not None:
+        result[FLAT] = flat_comparison(rows, subject.schedules, flat.cfg)
     publish(result, format_table, out, "schedules.json", subject.trainer.world.is_main)
     return result
+
+
+FLAT = "flat"  # the result's entry for a tree's flat counterpart (:func:`flat_form`)
+
+
+def flat_form(cfg: RunConfig) -> RunConfig:
+    """A tree config's flat counterpart: as many trajectories as the trees have leaves, each its own (no branch
+    point), the same steps, trained steps and groups, under GRPO's per-sample advantages: DanceGRPO's rollout, which
+    BranchGRPO's paper compares its tree with (its Recompute is DanceGRPO's update)."""
+    sample = dataclasses.replace(cfg.sample, tree=dataclasses.replace(cfg.sample.tree, branch_points=[]))
+    flat = dataclasses.replace(cfg, sample=sample, algorithm=dataclasses.replace(cfg.algorithm, name="grpo"))
+    validate(flat)
+    return flat
+
+
+def flat_comparison(rows: dict[str, list[dict]], schedules: list[str], flat_cfg: RunConfig) -> dict:
+    """The flat rollout's timed iterations (:data:`FLAT`, under the baseline) against the tree's: its medians, and per
+    tree schedule ``tree_speedup_<schedule>``, the median over the rounds of flat time / tree time."""
+    flat = rows[FLAT]
+    return {
+        "algorithm": flat_cfg.algorithm.name,
+        "schedule": BASELINE,
+        **{k: median(r.get(k, 0.0) for r in flat) for k in PHASES},
+        "time_iteration_all_s": [r["time_iteration_s"] for r in flat],
+        **{
+            f"tree_speedup_{s}": median(f["time_iteration_s"] / t["time_iteration_s"] for f, t in zip(flat, rows[s]))
+            for s in schedules
+        },
+    }
 
 
 FORMS = ("recipe", "on_policy")  # a recipe of several updates per rollout, and its one-step form (train.on_policy)
@@ -425,18 +494,32 @@ def timed_rounds(
     return rows
 
 
-def add_speedups(result: dict, rows: dict[str, list[dict]], removed: dict[str, float] | None = None) -> None:
+def add_speedups(
+    result: dict,
+    rows: dict[str, list[dict]],
+    removed: dict[str, float] | None = None,
+    removed_backward: dict[str, float] | None = None,
+) -> None:
     """Each Lean schedule's speedup over the baseline, the analytic bound, and the ratio of the two: medians over the
     rounds of each round's ratio (the two iterations of a round ran next to each other, so a machine whose speed
     drifts between rounds moves both), in wall and in CPU time. ``removed``: per schedule, the share q of the
-    recompute forward it removes (default 1; Retain's under partial retention, :func:`retained_share`)."""
+    recompute forward it removes (default 1; Retain's under partial retention, :func:`retained_share`);
+    ``removed_backward``: the share of the update backward it does not run (default 0; Retain's on a tree,
+    :func:`tree_backward_share`)."""
     base = rows[BASELINE]
     for s in (s for s in LEAN_SCHEDULES if s in rows):
-        q = (removed or {}).get(s, 1.0)
-        bounds = [speedup_bound(r["time_iteration_s"], r.get("time_recompute_forward_s", 0.0), q) for r in base]
+        q, w = (removed or {}).get(s, 1.0), (removed_backward or {}).get(s, 0.0)
+        bounds = [
+            speedup_bound(
+                r["time_iteration_s"], r.get("time_recompute_forward_s", 0.0), q, w * r.get("time_backward_s", 0.0)
+            )
+            for r in base
+        ]
         pairs = list(zip(base, rows[s]))
         speedups = [b["time_iteration_s"] / r["time_iteration_s"] for b, r in pairs]
         result[s]["removed_share"] = q
+        if w:
+            result[s]["removed_backward_share"] = w
         result[s]["speedup"] = median(speedups)
         result[s]["speedup_bound"] = median(bounds)
         result[s]["speedup_vs_bound"] = median(x / bound for x, bound in zip(speedups, bounds))
@@ -460,6 +543,9 @@ def flat_metrics(result: dict) -> dict[str, float]:
         )
         if "speedup" in e:
             out.update({f"speedup_{s}": e["speedup"], f"speedup_bound_{s}": e["speedup_bound"]})
+    if FLAT in result:  # a tree: its flat counterpart's iteration, and the tree's speedup over it per schedule
+        out[f"time_iteration_s_{FLAT}"] = result[FLAT]["time_iteration_s"]
+        out.update({k: v for k, v in result[FLAT].items() if k.startswith("tree_speedup_")})
     return out
 
 
@@ -489,7 +575,20 @@ def format_table(result: dict) -> str:
             f"{e['peak_memory_mb']:9.1f} {e['plan_peak_memory_mb']:9.1f} "
             f"{e.get('flops_per_iteration', nan) / 1e9:8.2f} {e.get('mfu', nan):6.3f} {e.get('hfu', nan):6.3f} {extra}"
         )
+    if FLAT in result:
+        lines.append(flat_line(result))
     return "\n".join(lines)
+
+
+def flat_line(result: dict) -> str:
+    """A tree's counts and its iteration against the flat rollout of as many leaves (:func:`flat_comparison`)."""
+    r, flat = result["config"]["rows"], result[FLAT]
+    speedups = ", ".join(f"{s} {flat[f'tree_speedup_{s}']:.3f}x" for s in SCHEDULES if f"tree_speedup_{s}" in flat)
+    return (
+        f"tree: {r['forwards']} node forwards, {r['trained_forwards']} trained nodes, {r['trained_edges']} trained "
+        f"edges for {r['leaves']} leaves; the flat {flat['algorithm']} rollout of {r['leaves']} samples under "
+        f"{flat['schedule']}: {flat['time_iteration_s']:.3f} s per iteration; the tree is faster by {speedups}"
+    )
 
 
 def retain_note(result: dict) -> str:
