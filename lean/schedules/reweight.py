@@ -290,6 +290,8 @@ class Reweight(Schedule):
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
+        if c.rows is not None:
+            return Reweight._predict_tree(c)
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
         # a hybrid (hybrid.py) backpropagates the first update's share s, finishes at the end, then recomputes
         s, later_mb = c.first_share, (c.later_update_mb if c.later else 0.0)
@@ -308,3 +310,20 @@ class Reweight(Schedule):
             c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, later_mb),
             (c.n - c.k * s) * c.f + c.k * s * c.local * c.fb_one * backwards + score + s * c.ref + c.later_update_s,
         )
+
+    @staticmethod
+    def _predict_tree(c: IterationCosts) -> Prediction:
+        """A tree rollout (one update per rollout): a buffer per trained edge of one finishing unit (and per edge for
+        the KL part when edges are dropped after the rewards), every node's forward once, and a backward per edge's
+        round: a branch step's b rounds each backpropagate the step's nodes, so the backwards count the edges
+        (``edge_steps``) where the forwards count the nodes (``tracked_steps``)."""
+        backwards = 2 if c.kl else 1
+        edges = c.rows.trained_edges * c.held_fraction
+        kl_buffers = 0 if not c.kl else (1 if c.n_known else edges)
+        buffers = (edges + kl_buffers + (c.held_fraction < 1)) * c.trainable_mb
+        n, k, e = c.forward_steps, c.tracked_steps, c.edge_steps
+        if c.per_row_grads:
+            time = n * c.f + e * backwards * (c.fb - c.f) + c.score + c.ref
+            return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb), time)
+        time = (n - k) * c.f + e * c.local * c.fb_one * backwards + c.score + c.ref
+        return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb), time)
