@@ -32,7 +32,9 @@ Differences from the source:
   ``lean.sampling``.
 * the normaliser: the script divides by the mean of coe over the optimizer step's samples on every process (:990,
   ``accelerator.reduce(value_tensor.mean())``: 96 groups' draws in the published run); with one step per rollout that
-  mean would cancel the weight, so lean divides by its expectation under the uniform draw, mean_{k < steps} coe_k.
+  mean would cancel the weight, so lean divides by its expectation under the uniform draw, mean_{k < steps} coe_k, as
+  UniRL's re-implementation does over its candidate pool (unirl/algorithms/flashgrpo.py at 2487630, which draws one
+  step per prompt through a per-sample SDE index in its sampler).
 * the script passes the prompt's step as a one-element list (:706), which sample.py:332 compares with an int (never
   equal: no step would be stochastic and :736 would stack an empty list); lean runs the evident intent.
 * the script skips its first two epochs (:690-692, :775-776: "group_size will be buggy"); lean trains from the first.
