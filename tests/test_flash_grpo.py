@@ -65,10 +65,11 @@ def script_step(v, x, sigmas, j, x_next=None):
     return x_next, log_prob, mean, std_dev_t, torch.sqrt(-dt), coe.flatten()
 
 
-def script_loss(log_prob, old_log_prob, mean, ref_mean, std_dev_t, sqrt_dt, coe, advantages, clip_range, beta):
-    """train_wanx2_1_flash.py:976-1003 per sample (before its torch.mean), value_tensor = coe at each row's step and
-    w = 1 / mean(value_tensor) (:990, over the batch: here every drawable step once, where it equals lean's
-    expectation over the draw)."""
+def script_loss(step, old_log_prob, ref_mean, advantages, clip_range, beta):
+    """train_wanx2_1_flash.py:976-1003 per sample (before its torch.mean), on ``step`` = :func:`script_step`'s
+    return: value_tensor = coe at each row's step and w = 1 / mean(value_tensor) (:990, over the batch: here every
+    drawable step once, where it equals lean's expectation over the draw)."""
+    _, log_prob, mean, std_dev_t, sqrt_dt, coe = step
     advantages = torch.clamp(advantages, -5, 5)
     ratio = torch.exp(log_prob - old_log_prob)
     w = 1 / coe.mean()
@@ -105,8 +106,7 @@ def test_off_policy_the_loss_and_its_gradient_are_the_scripts():
     advantages = torch.linspace(-4.5, 4.5, 10, dtype=torch.float64)
     x_next, log_p_old, *_ = script_step(v_old, x, sigmas, j)
     _, _, mean_ref, *_ = script_step(v_ref, x, sigmas, j, x_next)
-    _, log_p, mean, std_dev_t, sqrt_dt, coe = script_step(v, x, sigmas, j, x_next)
-    want = script_loss(log_p, log_p_old, mean, mean_ref, std_dev_t, sqrt_dt, coe, advantages, 1e-3, 0.001)
+    want = script_loss(script_step(v, x, sigmas, j, x_next), log_p_old, mean_ref, advantages, 1e-3, 0.001)
 
     sde = Sde("flow_grpo_linear", 1.0, sigmas)
     _, lean_log_p, lean_mean, std = sde_step_with_logprob(sde, v, x, j, prev_sample=x_next)
