@@ -136,11 +136,16 @@ ADDED_BRANCH: dict[str, object] = {
     "algorithm.branch_grpo.pruning_until": 1.0,
 }
 CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
+# Flash-GRPO (issue #43, lean/algorithms/flash_grpo.py): the steps its one SDE step is drawn from, read only under
+# algorithm.name=flash_grpo (Shredded-Pork/Flash-GRPO at 8cfc973, train_wanx2_1_flash.py:697: the first 10)
+ADDED_FLASH: dict[str, object] = {"algorithm.flash_grpo.steps": 10}
+CHANGED_FLASH: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
+    "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
 }
 
 ADDED = {
@@ -152,6 +157,7 @@ ADDED = {
     **ADDED_DPPO,
     **ADDED_AWM,
     **ADDED_BRANCH,
+    **ADDED_FLASH,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -160,6 +166,7 @@ CHANGED = {
     **CHANGED_DPPO,
     **CHANGED_AWM,
     **CHANGED_BRANCH,
+    **CHANGED_FLASH,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

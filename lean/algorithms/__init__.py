@@ -14,6 +14,7 @@ from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, 
 from lean.algorithms.branch_grpo import BranchGRPO
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
+from lean.algorithms.flash_grpo import FlashGRPO
 from lean.algorithms.flow_dppo import FlowDPPO
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
@@ -39,6 +40,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("dpo", DPO),  # FlowGRPO's online Diffusion-DPO on each group's best/worst pair
         ("flow_dppo", FlowDPPO),  # UniRL's Flow-DPPO: a Gaussian-KL trust-region mask in place of the ratio clip
         ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
+        ("flash_grpo", FlashGRPO),  # Flash-GRPO (Shredded-Pork): one drawn SDE step per rollout, rectified gradients
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
     ],
 )
