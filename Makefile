@@ -9,8 +9,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# pytest-xdist workers for `make test` (tests/conftest.py: one torch thread each, the long groups first)
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (tests/conftest.py: one torch thread each, the long groups first; 3 on 2 cores
+# keep both busy while a test waits on its processes)
+TEST_WORKERS ?= 3
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
 .PHONY: install lint test repro bench ui clean

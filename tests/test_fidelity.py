@@ -68,12 +68,15 @@ FLOW_DPPO = {"unirl-flow-dppo-sd3"}  # P1: UniRL's Flow-DPPO (flowdppo.py at 1a7
 UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)
 # the presets whose update trains on the rollout's steps: the ones this file's published GRPO objective covers (NFT
 # and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
-# (BranchGRPO's tree recipe has a target per edge, not per sample: its certificate is tests/test_tree.py's)
+# (BranchGRPO's tree recipe has a target per edge, not per sample: its certificate is tests/test_tree.py's; Flash-GRPO
+# weighs its one step by the temporal rectification: its float64 transcription is tests/test_flash_grpo.py's)
+OWN_OBJECTIVE = {"flash_grpo"}
 STEP_PRESETS = [
     p
     for p in PRESETS
     if ALGORITHMS[load_config(preset=p).algorithm.name].trains_on != CLEAN_SAMPLES
     and not ALGORITHMS[load_config(preset=p).algorithm.name].trains_trees
+    and load_config(preset=p).algorithm.name not in OWN_OBJECTIVE
 ]
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
@@ -418,6 +421,7 @@ PUBLISHED_TARGETS = {
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_t2v.py:74-85
     "unirl-flow-dppo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # sd3_flowdppo.yaml:81-89
+    "flashgrpo-wan": "add_k_proj add_q_proj add_v_proj to_add_out to_k to_out.0 to_q to_v",  # :457-466 at 8cfc973
     "awm-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # AWM train_sd3_awm.py:612-622 at 12b1397 (lora_type "attn")
     "unirl-grpo-hunyuan-video15": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
