@@ -195,7 +195,7 @@ def test_reweights_edge_slots_name_each_trained_edge_of_a_unit_once():
     shape = TreeShape(6, (0, 2), 2)
     trained = edge_cells(shape, 8)  # two trees, every step trained
     for unit, count in ((8, 40), (4, 20)):
-        slots = EdgeSlots(trained, unit, shape)
+        slots = EdgeSlots(trained, unit, shape, torch.device("cpu"))
         assert slots.count == count == unit // 4 * shape.total_edges
         assert sorted(slots.slots[:unit][trained[:unit]].tolist()) == list(range(count))
     assert torch.equal(slots.slots[4:], slots.slots[:4])  # one tree a unit: the second tree reuses the first's

@@ -89,9 +89,9 @@ class BranchGRPO(GRPO):
     def kept_terms(self, targets: Tensor, trained: Tensor, iteration: int) -> tuple[Tensor | None, int | Tensor]:
         """With width pruning, while it applies: the trained cells the update keeps [B, num_steps] and N = B x (kept
         cells / trained cells), so a kept edge weighs (trained / kept) / (B K)."""
-        options = self.cfg.branch_grpo
-        if options.width_pruning == "none" or not self.prunes(self.run_cfg, iteration):
+        if not self.drops_terms or not self.prunes(self.run_cfg, iteration):
             return self.kept_samples(targets)
+        options = self.cfg.branch_grpo
         trained = trained.cpu()
         kept = width_pruned(
             tree_shape(self.sample), targets.cpu(), trained, options.width_pruning, options.width_pruning_ratio

@@ -193,11 +193,11 @@ def probe(inp: PlanInput) -> dict:
 
 def rollout_rows(cfg: RunConfig, local: int) -> int:
     """Rows of one rollout micro-batch of a process's ``local`` samples, which the probe measures: at most
-    ``train.rollout_batch_size``, on a tree whole trees (``tree_rollout`` rolls out max(1, m // L) trees at a time,
+    ``train.rollout_batch_size``, on a tree whole trees (``TreeShape.trees_per_micro_batch``: ``tree_rollout``'s,
     up to L nodes a step each, and decodes their leaves together)."""
     m, shape = cfg.train.rollout_batch_size, tree_shape(cfg.sample)
     if shape is not None:
-        m = max(1, m // shape.leaves) * shape.leaves
+        m = shape.trees_per_micro_batch(m) * shape.leaves
     return min(local, m)
 
 

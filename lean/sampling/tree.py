@@ -74,6 +74,10 @@ class TreeShape:
         children = torch.arange(self.edges(i))
         return children // self.branching if i in self.branch_points else children
 
+    def trees_per_micro_batch(self, rows: int) -> int:
+        """Whole trees rolled out together in a micro-batch of ``rows`` rows (at least one)."""
+        return max(1, rows // self.leaves)
+
     def first_leaves(self, i: int, tree_ids: torch.Tensor) -> torch.Tensor:
         """The first leaf of each node of step i (0 <= i <= n) of the trees ``tree_ids`` among their leaves, tree by
         tree: tree t's node r is named by leaf t L + r L/live(i) (an edge of step i by its child's, at step i + 1)."""
@@ -198,7 +202,7 @@ def tree_rollout(policy, plan: RolloutPlan, shape: TreeShape, hooks: RolloutHook
     )
     steps = TreeSteps(policy, plan, hooks, shape, kappa)
     target = None
-    per_micro_batch = max(1, (plan.micro_batch or batch) // leaves)
+    per_micro_batch = shape.trees_per_micro_batch(plan.micro_batch or batch)
     for first in range(0, trees, per_micro_batch):
         tree_ids = torch.arange(first, min(first + per_micro_batch, trees))
         done = steps.roll_out(roots[tree_ids], tree_ids)

@@ -28,16 +28,18 @@ from lean.schedules.per_sample import TrajectoryBuffers
 
 
 class EdgeSlots:
-    """The buffer slot of every cell of the local batch's grid, ``slots``: host LongTensor [B, num_steps], and
-    ``count`` slots (the trained cells of one unit). ``trained``: host bool [B, num_steps], the trained edges."""
+    """The buffer slot of every cell of the local batch's grid, ``slots``: host LongTensor [B, num_steps] (and its
+    copy on ``device``, ``device_slots``), and ``count`` slots (the trained cells of one unit). ``trained``: host bool
+    [B, num_steps], the trained edges."""
 
-    def __init__(self, trained: torch.Tensor, unit: int, shape: TreeShape):
+    def __init__(self, trained: torch.Tensor, unit: int, shape: TreeShape, device: torch.device):
         batch, steps = trained.shape
         unit_rows = torch.arange(batch) % unit
         in_unit = torch.zeros(unit, steps, dtype=torch.long).index_add_(0, unit_rows, trained.long()) > 0
         self.count = max(int(in_unit.sum()), 1)  # at least one: a tracked step's zero terms still land in a slot
         # an untrained cell of a tracked step weighs 0 (lockstep, pruning): its zero gradient may go to any slot
         self.slots = (in_unit.flatten().cumsum(0) - 1).clamp_min(0).view(unit, steps)[unit_rows]
+        self.device_slots = self.slots.to(device)  # uploaded once: the per-step backward reads them on the device
         self.trained, self.shape = trained, shape
 
     def rounds(self, index: int, edges: int, split_by_row: bool) -> list[slice]:
@@ -55,4 +57,4 @@ class EdgeSlots:
         b = b + (rows.start or 0)
         device = coefficients.device
         weights = coefficients[b.to(device), i.to(device)].to(torch.float64)
-        return buffers.combine_slots(self.slots[b, i].to(device), weights)
+        return buffers.combine_slots(self.device_slots[b.to(device), i.to(device)], weights)

@@ -108,8 +108,9 @@ class Reweight(Schedule):
             slots[self.later.first] = torch.arange(self.later.first_size)  # the other rows are never backpropagated
         # a tree rollout: a buffer per trained edge of the unit (edge_buffers.py), its targets differing along a path
         shape = tree_shape(ctx.cfg.sample)
-        self.edges = None if shape is None else EdgeSlots(ctx.steps.trained.cpu(), self.unit, shape)
-        self.edge_slots = None if shape is None else self.edges.slots.to(self.params[0].device)  # uploaded once
+        self.edges = (
+            None if shape is None else EdgeSlots(ctx.steps.trained.cpu(), self.unit, shape, self.params[0].device)
+        )
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit if self.edges is None else self.edges.count)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
@@ -159,14 +160,14 @@ class Reweight(Schedule):
                 self._per_edge_backward(step, weights * loss.policy, self.policy_buffers, step.ref_mean is not None)
             if step.ref_mean is not None:
                 kl_terms = weights * ctx.algorithm.kl_weight * loss.kl
-                kl_loss = kl_terms.sum()
-                if self.kl_buffers is not None and self.edges is not None:
-                    self._per_edge_backward(step, kl_terms, self.kl_buffers, keep_graph=False)
-                elif self.kl_buffers is not None:
-                    self._per_trajectory_backward(kl_loss, self._slots(step.rows), self.kl_buffers, retain_graph=False)
-                else:
-                    grads = torch.autograd.grad(kl_loss, self.params, allow_unused=True)
+                if self.kl_buffers is None:  # every KL term stays: one buffer
+                    grads = torch.autograd.grad(kl_terms.sum(), self.params, allow_unused=True)
                     self.kl_buffer += flat_grad(self.params, grads)
+                elif self.edges is not None:
+                    self._per_edge_backward(step, kl_terms, self.kl_buffers, keep_graph=False)
+                else:
+                    slots = self._slots(step.rows)
+                    self._per_trajectory_backward(kl_terms.sum(), slots, self.kl_buffers, retain_graph=False)
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((TermCells(step.rows, step.index), StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
@@ -176,7 +177,7 @@ class Reweight(Schedule):
         """A tree's step: each edge's weighted term of ``terms`` [edges] into its cell's buffer of ``buffers``, in
         rounds of at most one edge per node (``EdgeSlots.rounds``); the graph is kept after the last round when
         ``keep_graph`` (for the KL part)."""
-        host, device = self.edges.slots[step.rows, step.index], self.edge_slots[step.rows, step.index]
+        host, device = self.edges.slots[step.rows, step.index], self.edges.device_slots[step.rows, step.index]
         rounds = self.edges.rounds(step.index, len(host), split_by_row=self.per_sample is not None)
         for k, part in enumerate(rounds):
             retain_graph = keep_graph or k < len(rounds) - 1
@@ -211,15 +212,14 @@ class Reweight(Schedule):
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
         advantages and free the buffers for the next unit."""
+        kept, _ = self.ctx.kept_samples(advantages)
         if self.edges is not None:  # a tree's: each trained edge's buffer with its own target
-            folded = self._edge_fold(rows, advantages)
-            if self.kl_buffers is not None:
-                self.kl_buffers.storage.zero_()
+            folded = self._edge_fold(rows, advantages, kept)
         else:
             folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
-        if self.kl_buffers is not None and self.edges is None:  # the kept trajectories' KL terms
-            kept, _ = self.ctx.kept_samples(advantages)
-            folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
+            if self.kl_buffers is not None:  # the kept trajectories' KL terms
+                folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
+        if self.kl_buffers is not None:
             self.kl_buffers.storage.zero_()
         self.folded += folded
         self.policy_buffers.storage.zero_()
@@ -229,9 +229,10 @@ class Reweight(Schedule):
         if self.per_sample is not None:
             self.per_sample.close()
         if self.edges is not None:  # a tree's edges not folded yet (all in the slice layout), each with its target
-            grad = self._edge_fold(slice(self.finished, self.ctx.batch), advantages)
+            kept, n = self.ctx.kept_samples(advantages)
+            grad = self._edge_fold(slice(self.finished, self.ctx.batch), advantages, kept)
             grad = grad if self.folded is None else grad + self.folded
-            _, n = self.ctx.kept_samples(advantages)  # the buffers are at 1/(B K): 1/(n K) with the edges kept
+            # the buffers are at 1/(B K): 1/(n K) with the edges kept
             grad = grad * (self.samples_per_update / torch.as_tensor(n, dtype=torch.float64, device=grad.device))
         else:
             grad = self._trajectory_gradient(advantages)
@@ -246,10 +247,10 @@ class Reweight(Schedule):
             logged += recomputed
         return {**loss_stats(logged, first), "reweight_buffer_mb": self.buffer_mb, **step_stats}
 
-    def _edge_fold(self, rows: slice, advantages: torch.Tensor) -> torch.Tensor:
+    def _edge_fold(self, rows: slice, advantages: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
         """sum_c kept_c [(A_c / Â) P_c + Q_c] over the trained cells c of ``rows`` (``advantages`` [B, num_steps]);
-        kept_c is 0 where the algorithm leaves an edge out after the rewards (BranchGRPO's width pruning)."""
-        kept, _ = self.ctx.kept_samples(advantages)
+        ``kept`` [B, num_steps] (None: all) is 0 where the algorithm leaves an edge out after the rewards
+        (BranchGRPO's width pruning)."""
         kept = torch.ones_like(advantages, dtype=torch.float64) if kept is None else kept.to(torch.float64)
         grad = self.edges.fold(self.policy_buffers, rows, advantages.to(torch.float64) / PROVISIONAL_ADVANTAGE * kept)
         if self.kl_buffers is not None:
