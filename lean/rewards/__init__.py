@@ -4,6 +4,7 @@
     base.py     REWARDS, MODEL_REWARDS (registries), register / register_model, the video rule (mean over frames)
     builtin.py  weight-free rewards: jpeg_(in)compressibility, color_match, position_match
     models.py   clip_score, pickscore, hps, aesthetic: CLIP models from local folders
+    http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
     scorer.py   Scorer: a run's rewards built once, their weighted sum
@@ -22,7 +23,8 @@ from lean.rewards.base import (
     reward_names,
 )
 from lean.rewards.builtin import COLORS, parse_colors
-from lean.rewards.remote import RemoteReward, RewardServerError
+from lean.rewards.http import RewardServerError
+from lean.rewards.remote import RemoteReward
 from lean.rewards.scorer import Scorer, build_reward, compute_rewards, weighted_sum
 
 __all__ = [

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from lean.config.checks import ConfigError, check_positive, choice, choices
 from lean.config.dtypes import DTYPES
 from lean.config.sections import register_options
+from lean.rewards.http import RetryOptions
 
 
 @dataclass
@@ -32,28 +33,20 @@ class RewardModelConfig:
 
 
 @dataclass
-class RemoteRewardConfig:
+class RemoteRewardConfig(RetryOptions):
     """``reward.remote.<name>``: the reward is computed by a ``lean reward serve`` server (``lean.rewards.remote``)."""
 
     url: str = ""
     """The server's base URL, e.g. http://10.0.0.5:8100 (the client posts to <url>/score)."""
     token_env: str | None = None
     """An environment variable holding the server's bearer token (None: no token)."""
-    timeout_s: float = 120.0
-    """Per request."""
-    retries: int = 3
-    """Attempts after the first; then a RewardServerError naming the URL."""
-    backoff_s: float = 1.0
-    """The wait after failed attempt k is backoff_s * 2^k."""
 
     def validate(self, key: str) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"{key}.url", self.url, "must be an http:// or https:// URL of a lean reward server")
         if self.token_env is not None and not os.environ.get(self.token_env):
             raise ConfigError(f"{key}.token_env", self.token_env, "this environment variable is not set")
-        check_positive(f"{key}.timeout_s", self.timeout_s)
-        check_positive(f"{key}.retries", self.retries, strict=False)
-        check_positive(f"{key}.backoff_s", self.backoff_s, strict=False)
+        self.validate_retries(key)
 
 
 @register_options("reward")

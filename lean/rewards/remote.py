@@ -9,23 +9,18 @@ Protocol, JSON both ways (never pickle):
 with ``Authorization: Bearer <token>`` when the server holds a token. Images travel as 8-bit RGB PNG, so the server
 scores ``round(255 x) / 255``, as every scorer that takes uint8 images does.
 
-The client (:class:`RemoteReward`) makes ``1 + retries`` attempts of ``timeout_s`` each and waits
-``backoff_s · 2^k`` seconds after failed attempt k (k = 0, 1, ...). Refused connections, timeouts, HTTP 5xx / 408 /
-429 and answers that are not ``{"scores": [B numbers]}`` are retried; any other 4xx (a wrong token, a request the
-server refuses) is not. The last failure is a :class:`RewardServerError` naming the URL.
+The client (:class:`RemoteReward`) retries as :func:`lean.rewards.http.post_with_retries` does: refused connections,
+timeouts, HTTP 5xx / 408 / 429 and answers that are not ``{"scores": [B numbers]}`` are retried with backoff, any
+other 4xx is not, and the last failure is a :class:`RewardServerError` naming the URL.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import math
 import os
-import time
-import urllib.error
-import urllib.request
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,16 +30,10 @@ from torch import Tensor
 
 from lean.rewards.base import check_inputs
 from lean.rewards.builtin import to_uint8
+from lean.rewards.http import post_with_retries
 
 if TYPE_CHECKING:
     from lean.rewards.options import RemoteRewardConfig
-
-RETRIED_STATUS = frozenset({408, 429})  # and every 5xx
-
-
-class RewardServerError(RuntimeError):
-    """A reward server did not answer usably after the retries; the message names the URL and the last problem."""
-
 
 # ---------------------------------------------------------------- wire format
 
@@ -139,36 +128,11 @@ class RemoteReward:
     def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
         check_inputs(images, prompts)
         body = json.dumps({"prompts": list(prompts), "images": encode_images(images)}).encode()
-        s = self.settings
-        attempts = 1 + s.retries
-        for k in range(attempts):
-            try:
-                return self.post(body, len(prompts))
-            except _Retry as err:
-                problem = str(err)
-            if k + 1 < attempts:
-                time.sleep(s.backoff_s * 2**k)
-        raise RewardServerError(f"reward {self.name}: server {self.url}: {problem} (after {attempts} attempt(s))")
-
-    def post(self, body: bytes, count: int) -> Tensor:
-        """One attempt: the scores, :class:`_Retry` for a failure worth retrying, :class:`RewardServerError` else."""
-        request = urllib.request.Request(self.url, data=body, headers=self.headers(), method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as response:
-                answer = response.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read()[:200].decode(errors="replace")
-            if err.code >= 500 or err.code in RETRIED_STATUS:
-                raise _Retry(f"HTTP {err.code} {detail}") from None
-            raise RewardServerError(f"reward {self.name}: server {self.url}: HTTP {err.code} {detail}") from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, timed out, junk
-            reason = getattr(err, "reason", err)
-            raise _Retry(f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__) from None
-        try:
-            return parse_scores(answer, count)
-        except ValueError as err:
-            raise _Retry(str(err)) from None
-
-
-class _Retry(Exception):
-    """A failed attempt that another attempt may fix."""
+        return post_with_retries(
+            f"reward {self.name}",
+            self.url,
+            body,
+            self.headers(),
+            self.settings,
+            lambda a: parse_scores(a, len(prompts)),
+        )
