@@ -40,6 +40,7 @@ rounding. Text embeddings are computed once per distinct prompt of a batch.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,29 +65,62 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HEAD_FILE = "aesthetic_head.safetensors"
 
 
-def clip_folder_problem(folder: Path, tokenizer: bool) -> str | None:
-    """What keeps ``folder`` from loading as a transformers CLIP model (+ its tokenizer), one line; or None. Reads
-    config.json and lists files: no model is built."""
+@dataclass(frozen=True)
+class FolderKind:
+    """What a model reward's folder holds: config.json's ``model_type`` or ``architecture``, and how it is written
+    (``layout``, quoted in the errors)."""
+
+    display: str  # in messages: "CLIP"
+    model_type: str
+    architecture: str
+    layout: str
+
+
+CLIP_FOLDER = FolderKind(
+    "CLIP", "clip", "CLIPModel", "a transformers CLIP folder, as CLIPModel.save_pretrained writes it"
+)
+
+
+def model_folder_problem(folder: Path, kind: FolderKind) -> str | None:
+    """What keeps ``folder`` from loading as a transformers model of ``kind`` (config.json, weights), one line; or
+    None. Reads config.json and lists files: no model is built."""
     if not folder.is_dir():
-        return "is not a folder (a transformers CLIP folder, as CLIPModel.save_pretrained writes it)"
+        return f"is not a folder ({kind.layout})"
     try:
         config = json.loads((folder / "config.json").read_text())
     except FileNotFoundError:
-        return "has no config.json (a transformers CLIP folder, as CLIPModel.save_pretrained writes it)"
+        return f"has no config.json ({kind.layout})"
     except (OSError, ValueError) as err:
         return f"config.json is not readable JSON ({str(err).splitlines()[0]})"
-    kind, architectures = config.get("model_type"), config.get("architectures") or []
-    if kind != "clip" and "CLIPModel" not in architectures:
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if model_type != kind.model_type and kind.architecture not in architectures:
         return (
-            f"config.json holds model_type={kind!r}, architectures={architectures}; need a CLIP model (clip, CLIPModel)"
+            f"config.json holds model_type={model_type!r}, architectures={architectures}; "
+            f"need a {kind.display} model ({kind.model_type}, {kind.architecture})"
         )
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         return f"has no weights ({', '.join(WEIGHT_FILES)})"
-    if tokenizer and not (
-        (folder / "tokenizer.json").is_file() or all((folder / n).is_file() for n in ("vocab.json", "merges.txt"))
-    ):
-        return "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)"
     return None
+
+
+def tokenizer_problem(folder: Path, *layouts: tuple[str, ...]) -> str | None:
+    """None when ``folder`` holds every file of one of the tokenizer ``layouts``; else the one-line problem."""
+    if any(all((folder / name).is_file() for name in files) for files in layouts):
+        return None
+    return f"has no tokenizer ({', or '.join(' + '.join(files) for files in layouts)})"
+
+
+def clip_folder_problem(folder: Path, tokenizer: bool) -> str | None:
+    """What keeps ``folder`` from loading as a transformers CLIP model (+ its tokenizer), one line; or None."""
+    problem = model_folder_problem(folder, CLIP_FOLDER)
+    if problem is None and tokenizer:
+        return tokenizer_problem(folder, ("tokenizer.json",), ("vocab.json", "merges.txt"))
+    return problem
+
+
+def resize_bicubic(images: Tensor, size) -> Tensor:
+    """[B, 3, H, W] in [0, 1] -> [B, 3, *size]: bicubic, antialiased (as PIL's resize), clamped to [0, 1]."""
+    return F.interpolate(images, size=tuple(size), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
 
 
 class ImageTransform:
@@ -112,7 +146,7 @@ class ImageTransform:
             else:
                 size = self.resize
             if (h, w) != tuple(size):
-                x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+                x = resize_bicubic(x, size)
         if self.crop is not None:
             ch, cw = (self.crop, self.crop) if isinstance(self.crop, int) else self.crop
             top, left = max(0, (x.shape[-2] - ch) // 2), max(0, (x.shape[-1] - cw) // 2)
@@ -218,7 +252,7 @@ class ImageSimilarity(ClipModelReward):
 
         references = torch.stack([reference_pixels(p, images.shape[-1]) for p in prompts])
         if references.shape[-2:] != images.shape[-2:]:  # a non-square sample: the reference at its size
-            references = F.interpolate(references, size=images.shape[-2:], mode="bicubic", antialias=True).clamp(0, 1)
+            references = resize_bicubic(references, images.shape[-2:])
         return (self.image_embeds(images) * self.image_embeds(references)).sum(dim=-1)
 
 
