@@ -116,18 +116,20 @@ QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>
 
 
 def save_tiny_hpsv3(folder: Path) -> Path:
-    """A tiny random Qwen2-VL (Qwen2VLForConditionalGeneration.save_pretrained) with a word-level tokenizer holding
-    Qwen's chat and vision tokens and ``<|Reward|>``, and HPSv3's ranknet ``rm_head.*`` added to its weights."""
+    """The ``hpsv3`` folder ``python -m lean.rewards.hpsv3`` writes from a tiny release: a "Qwen2-VL" folder (a
+    word-level tokenizer with Qwen's chat and vision tokens, a config of a larger vocabulary, as Qwen2-VL-7B's 152064
+    rows against its 151657 tokens) and an "HPSv3.safetensors" (the model resized to the tokenizer plus
+    ``<|Reward|>``, and HPSv3's ranknet ``rm_head.*``)."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     from lean.models.text import train_tokenizer
+    from lean.rewards.hpsv3 import main
 
-    tok = train_tokenizer(CLIP_PROMPTS, max_length=1024, special_tokens=(*QWEN_TOKENS, "<|Reward|>"))
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in zip(("vision_start", "vision_end"), QWEN_TOKENS[2:4])}
+    tok = train_tokenizer(CLIP_PROMPTS, max_length=1024, special_tokens=QWEN_TOKENS)
     config = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=len(tok),
+            vocab_size=len(tok) + 1,  # + <|Reward|>: HPSv3 resized the embeddings to its tokenizer
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=1,
@@ -141,18 +143,21 @@ def save_tiny_hpsv3(folder: Path) -> Path:
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2),
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+        Qwen2VLForConditionalGeneration(config).save_pretrained(folder / "trained")
         head = torch.nn.Sequential(
             torch.nn.Linear(32, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05), torch.nn.Linear(1024, 16)
         )
         head.append(torch.nn.ReLU()).append(torch.nn.Linear(16, 2))
-    weights = load_file(folder / "model.safetensors")
+    weights = load_file(folder / "trained" / "model.safetensors")
     weights.update({f"rm_head.{k}": v for k, v in head.state_dict().items()})
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    tok.save_pretrained(folder)
-    return folder
+    save_file(weights, folder / "HPSv3.safetensors", metadata={"format": "pt"})
+    config.text_config.vocab_size = len(tok) + 5
+    config.save_pretrained(folder / "qwen2-vl")
+    tok.save_pretrained(folder / "qwen2-vl")
+    main([str(folder / "qwen2-vl"), str(folder / "HPSv3.safetensors"), str(folder / "hpsv3")])
+    return folder / "hpsv3"

@@ -227,3 +227,61 @@ class HPSv3(ModelReward):
             inputs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
         hidden = self.model(pixel_values=pixels.to(self.dtype), **inputs).last_hidden_state
         return self.head(hidden[ids == self.reward_id].float())[:, 0].double().cpu()
+
+
+def embedding_rows(checkpoint: Path) -> int:
+    """The rows of the language model's token embedding in a safetensors ``checkpoint`` (header only)."""
+    from safetensors import safe_open
+
+    with safe_open(checkpoint, "pt") as f:
+        key = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+        if key is None:
+            raise ValueError(
+                f"{checkpoint}: no *embed_tokens.weight (not a Qwen2-VL checkpoint such as HPSv3.safetensors)"
+            )
+        return f.get_slice(key).get_shape()[0]
+
+
+def prepare(qwen_folder: Path, checkpoint: Path, out: Path) -> None:
+    """Write the ``hpsv3`` folder ``out``: ``qwen_folder``'s files but its weights (Qwen2-VL-7B-Instruct's config,
+    tokenizer, preprocessor), the tokenizer with ``<|Reward|>`` added as HPSv3's train.py adds it, config.json's
+    vocab_size set to the ``checkpoint``'s embedding rows (HPSv3 resized them to its tokenizer), and ``checkpoint``
+    (HPSv3.safetensors) linked as model.safetensors."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    qwen_folder, out = Path(qwen_folder), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in qwen_folder.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".index.json")):
+            shutil.copy2(path, out / path.name)
+    tokenizer = AutoTokenizer.from_pretrained(qwen_folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    rows = embedding_rows(checkpoint)
+    for section in (config, config.get("text_config")):
+        if section is not None:
+            section["vocab_size"] = rows
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "model.safetensors").unlink(missing_ok=True)
+    (out / "model.safetensors").symlink_to(Path(checkpoint).resolve())
+    problem = HPSv3.folder_problem(out)
+    if problem is not None:
+        raise ValueError(f"{out}: {problem}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lean.rewards.hpsv3", description=prepare.__doc__)
+    parser.add_argument("qwen_folder", type=Path, help="Qwen/Qwen2-VL-7B-Instruct's folder")
+    parser.add_argument("checkpoint", type=Path, help="HPSv3.safetensors (huggingface.co/MizzenAI/HPSv3)")
+    parser.add_argument("out", type=Path, help="the folder to write (reward.models.hpsv3.folder)")
+    args = parser.parse_args(argv)
+    prepare(args.qwen_folder, args.checkpoint, args.out)
+
+
+if __name__ == "__main__":
+    main()
