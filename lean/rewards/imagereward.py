@@ -100,6 +100,8 @@ class ImageReward(ModelReward):
     @classmethod
     def folder_problem(cls, folder: Path) -> str | None:
         problem = model_folder_problem(folder, FOLDER)
+        if problem is None and not (folder / "model.safetensors").is_file():
+            return "has no model.safetensors (python -m lean.rewards.imagereward writes it from ImageReward.pt)"
         return problem or tokenizer_problem(folder, ("tokenizer.json",), ("vocab.txt",))
 
     def __init__(self, settings: RewardModelConfig, device: torch.device | str):
