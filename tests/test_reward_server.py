@@ -192,7 +192,8 @@ def test_lean_reward_serve_checks_its_reward_first(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "lean: config error: reward.models.pickscore.folder=None: set the local model folder of reward pickscore",
         "lean: config error: --reward='colour_match': unknown reward; known: jpeg_compressibility, "
-        "jpeg_incompressibility, color_match, position_match, clip_score, pickscore, image_similarity, hps, aesthetic "
+        "jpeg_incompressibility, color_match, position_match, clip_score, pickscore, image_similarity, hps, aesthetic, "
+        "hpsv3, imagereward "
         "(did you mean 'color_match'?)",
         "lean: config error: --import='no_such_module': No module named 'no_such_module'",
     ]
