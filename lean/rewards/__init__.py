@@ -4,6 +4,7 @@
     base.py     REWARDS, MODEL_REWARDS (registries), register / register_model, the video rule (mean over frames)
     builtin.py  weight-free rewards: jpeg_(in)compressibility, color_match, position_match
     models.py   clip_score, pickscore, hps, aesthetic: CLIP models from local folders
+    ocr.py      ocr: FlowGRPO's text-rendering reward on PP-OCRv5 (the extra ``ocr``)
     http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
@@ -11,6 +12,7 @@
 """
 
 from lean.rewards import models as models  # registers the model rewards
+from lean.rewards import ocr as ocr  # registers the ocr reward
 from lean.rewards.base import (
     MODEL_REWARDS,
     REWARDS,
