@@ -81,7 +81,7 @@ def test_a_run_refuses_prompts_without_quotes_and_a_missing_extra(monkeypatch):
         load_config(None, [], preset="flowgrpo-ocr-sd3")
     assert "\n" not in str(err.value)
     served = load_config(None, ["reward.remote.ocr.url=http://127.0.0.1:8100"], preset="flowgrpo-ocr-sd3")
-    assert "ocr" in served.reward.remote  # a served ocr needs the extra on its server only
+    assert "ocr" in served.reward.remote  # a served "ocr" is the server's (its extra, its prompt format)
     with pytest.raises(ImportError, match="needs the extra 'ocr'"):
         OcrEngine()
 

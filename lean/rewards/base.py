@@ -77,8 +77,8 @@ class ModelReward:
 
 REWARDS: Registry[RewardFn] = Registry("reward")
 MODEL_REWARDS: Registry[type[ModelReward]] = Registry("model reward")
-# reward name -> what it needs of a run that weights it (prompts it can score; a package, unless reward.remote serves
-# it): raises a ConfigError; run by :func:`check_config`, before anything is built
+# reward name -> what it needs of a run that weights it and computes it here (a package, prompts it can score; a name
+# reward.remote serves may be another server's reward): raises a ConfigError; run by :func:`check_config`
 CONFIG_CHECKS: dict[str, Callable[[RunConfig], None]] = {}
 
 
@@ -119,7 +119,7 @@ def reward_names() -> list[str]:
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     """Every weighted reward is registered here or served (``reward.remote``), every model reward computed here
-    has a folder with the files it needs, and every weighted reward passes its :data:`CONFIG_CHECKS`."""
+    has a folder with the files it needs, and every reward computed here passes its :data:`CONFIG_CHECKS`."""
     r = cfg.reward
     known = reward_names()
     for name, weight in r.weights.items():
@@ -136,7 +136,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     for name in r.weights:
         if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
-        if name in CONFIG_CHECKS:
+        if name in CONFIG_CHECKS and name not in r.remote:
             CONFIG_CHECKS[name](cfg)
 
 

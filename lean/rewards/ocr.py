@@ -148,9 +148,9 @@ def ocr(images: Tensor, prompts: list[str]) -> Tensor:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """A run weighting ``ocr``: the extra is installed (unless ``reward.remote`` serves it), and every prompt it
-    scores (training and evaluation) quotes the text to render."""
-    if "ocr" not in cfg.reward.remote and not installed():
+    """A run computing ``ocr`` here: the extra is installed, and every prompt it scores (training and evaluation)
+    quotes the text to render."""
+    if not installed():
         raise ConfigError("reward.weights.ocr", cfg.reward.weights["ocr"], NEEDS)
     for key, prompts in (("train.prompts", cfg.train.prompts), ("eval.prompts", cfg.eval.prompts or [])):
         for prompt in prompts:
