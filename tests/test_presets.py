@@ -347,6 +347,15 @@ def test_published_values(name):
         assert cfg[section][field] == value, key
 
 
+def test_the_ocr_preset_trains_as_flowgrpo_sd3():
+    """flowgrpo-ocr-sd3 is flowgrpo-sd3 (grpo.py: general_ocr_sd3 is one of its three recipes) with FlowGRPO's OCR
+    reward and prompts: every other key resolves alike, so the sd3 recipe's training tests cover it."""
+    sd3, ocr = (load_config(None, [], preset=p).to_dict() for p in ("flowgrpo-sd3", "flowgrpo-ocr-sd3"))
+    differ = {f"{s}.{k}" for s in sd3 for k in sd3[s] if sd3[s][k] != ocr[s][k]}
+    assert differ == {"reward.weights", "train.prompts"}
+    assert ocr["reward"]["weights"] == {"ocr": 1.0} and len(ocr["train"]["prompts"]) == 8
+
+
 @pytest.mark.timeout(180)
 def test_branchgrpo_recipe_trains_its_tree_and_retain_gives_recomputes_gradient():
     """BranchGRPO's recipe shrunk to a tiny tree (b = 2 at steps 0 and 3, on 6 steps: 4 leaves a tree, 2 trees): one
