@@ -58,6 +58,7 @@ TOY_REWARDS = torch.tensor([0.61, 0.55, 0.58, 0.20, 0.31, 0.22, 0.50, 0.50, 0.50
 # rounding residue would leave the published advantage at ~1e-12 instead of 0, and the sample in.
 DROPS_ZERO_ADVANTAGE = {"flowgrpo-sd3", "flowgrpo-fast", "flowgrpo-wan", "grpo-guard-sd3"}  # + G1 :825-846
 DROPS_ZERO_ADVANTAGE |= {"flowgrpo-kontext"}  # train_flux_kontext.py:765-786 at 9745241, as train_sd3.py:801-822
+DROPS_ZERO_ADVANTAGE |= {"flowgrpo-ocr-sd3"}  # train_sd3.py:796-817 at ac4c86e: flowgrpo-sd3 on the OCR task
 MIXGRPO = {"mixgrpo-flux", "mixgrpo-flash-flux"}  # M1: each reward normalised in its group, then summed
 GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-grpo-wan22"}  # X1
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
@@ -393,6 +394,8 @@ def test_jpeg_compressibility_is_flow_grpos():
 PUBLISHED_TARGETS = {
     "flowgrpo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 attn.to_q "
     "attn.to_v",  # train_sd3.py:419-428
+    "flowgrpo-ocr-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # train_sd3.py:419-428 at ac4c86e
     "flowgrpo-fast": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # train_sd3_fast.py:424-433
     "flowgrpo-flux": "attn.to_k attn.to_q attn.to_v attn.to_out.0 attn.add_k_proj attn.add_q_proj attn.add_v_proj "

@@ -40,6 +40,9 @@ IMAGE_MODEL_PRESETS = [
     "flowfactory-grpo-flux2",
     "flowfactory-grpo-flux2-klein",
 ]
+# the recipes that are another preset's training with their own reward and prompts (their training is that preset's
+# tests'): cited and published values
+REWARD_TASK_PRESETS = ["flowgrpo-ocr-sd3"]  # flowgrpo-sd3 on FlowGRPO's OCR task (grpo.py:general_ocr_sd3)
 
 
 def on_policy(name: str, *overrides: str):
@@ -58,8 +61,8 @@ def assert_preset_sigma_grid(trainer, name: str) -> None:
 
 
 def test_presets_ship_with_a_source_for_every_value():
-    assert set(PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS) <= set(KNOWN_PRESETS)
-    for name in PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS:
+    assert set(PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS + REWARD_TASK_PRESETS) <= set(KNOWN_PRESETS)
+    for name in PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS + REWARD_TASK_PRESETS:
         lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
         values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
         assert len(values) >= 40, name
@@ -150,6 +153,21 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
         "optimizer.max_grad_norm": 1.0,
         "model.resolution": 512,
         "train.group_size": 24,
+    },
+    "flowgrpo-ocr-sd3": {  # config/grpo.py:general_ocr_sd3 at ac4c86e (lines 29-67)
+        "model.family": "sd3",
+        "model.resolution": 512,
+        "sample.num_steps": 10,
+        "sample.guidance_scale": 4.5,
+        "sample.timestep_fraction": 0.99,
+        "train.group_size": 24,
+        "train.prompts_per_iteration": 48,
+        "train.rollout_batch_size": 9,
+        "train.optimizer_steps_per_iteration": 2,
+        "algorithm.beta": 0.04,
+        "algorithm.global_std": True,
+        "ema.enabled": True,
+        "reward.weights": {"ocr": 1.0},
     },
     "flowgrpo-flux": {
         "model.family": "flux",
@@ -321,12 +339,21 @@ PUBLISHED = {  # the recipes as the issue and the cited scripts state them
 }
 
 
-@pytest.mark.parametrize("name", PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS)
+@pytest.mark.parametrize("name", PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS + REWARD_TASK_PRESETS)
 def test_published_values(name):
     cfg = load_config(None, [], preset=name).to_dict()
     for key, value in PUBLISHED[name].items():
         section, field = key.split(".")
         assert cfg[section][field] == value, key
+
+
+def test_the_ocr_preset_trains_as_flowgrpo_sd3():
+    """flowgrpo-ocr-sd3 is flowgrpo-sd3 (grpo.py: general_ocr_sd3 is one of its three recipes) with FlowGRPO's OCR
+    reward and prompts: every other key resolves alike, so the sd3 recipe's training tests cover it."""
+    sd3, ocr = (load_config(None, [], preset=p).to_dict() for p in ("flowgrpo-sd3", "flowgrpo-ocr-sd3"))
+    differ = {f"{s}.{k}" for s in sd3 for k in sd3[s] if sd3[s][k] != ocr[s][k]}
+    assert differ == {"reward.weights", "train.prompts"}
+    assert ocr["reward"]["weights"] == {"ocr": 1.0} and len(ocr["train"]["prompts"]) == 8
 
 
 @pytest.mark.timeout(180)

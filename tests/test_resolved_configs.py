@@ -146,6 +146,7 @@ ADDED_PRESETS = {
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
     "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
+    "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
 }
 
 ADDED = {

@@ -177,8 +177,8 @@ def test_remote_entries_are_checked():
         tiny(
             "reward.weights={ocr: 1.0}", "reward.remote.ocr.url=http://h:1", f"reward.remote.ocr.token_env={TOKEN_ENV}"
         )
-    with pytest.raises(ConfigError, match="reward.weights.ocr=1.0: unknown reward"):
-        tiny("reward.weights={ocr: 1.0}")
+    with pytest.raises(ConfigError, match="reward.weights.served_only=1.0: unknown reward"):
+        tiny("reward.weights={served_only: 1.0}")  # (ocr is registered here since issue #44)
     # a served reward's folder lives on the server: the run does not check it, `lean reward serve` does
     served = ["reward.weights={pickscore: 1.0}", "reward.models.pickscore.folder=/nowhere"]
     assert tiny(*served, "reward.remote.pickscore.url=http://h:1").reward.remote["pickscore"].url == "http://h:1"
@@ -192,8 +192,7 @@ def test_lean_reward_serve_checks_its_reward_first(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "lean: config error: reward.models.pickscore.folder=None: set the local model folder of reward pickscore",
         "lean: config error: --reward='colour_match': unknown reward; known: jpeg_compressibility, "
-        "jpeg_incompressibility, color_match, position_match, clip_score, pickscore, image_similarity, hps, aesthetic, "
-        "hpsv3, imagereward "
-        "(did you mean 'color_match'?)",
+        "jpeg_incompressibility, color_match, position_match, ocr, clip_score, pickscore, image_similarity, hps, "
+        "aesthetic, hpsv3, imagereward (did you mean 'color_match'?)",
         "lean: config error: --import='no_such_module': No module named 'no_such_module'",
     ]

@@ -23,6 +23,8 @@ def test_registry_names():
 @pytest.mark.parametrize("name", sorted(REWARDS))
 def test_deterministic_float64_batch(name):
     images, prompts = noisy(0, batch=3), [PROMPT, "a blue square on the left", "a photo"]
+    if name == "ocr":  # it scores the text a prompt quotes (FlowGRPO's format), and refuses a prompt without
+        prompts = [f'{p} reading "{p[:9]}"' for p in prompts]
     first, second = REWARDS[name](images, prompts), REWARDS[name](images.clone(), prompts)
     assert first.dtype == torch.float64 and first.shape == (3,)
     assert torch.equal(first, second)

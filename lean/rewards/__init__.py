@@ -6,6 +6,7 @@
     models.py   clip_score, pickscore, hps, aesthetic: CLIP models from local folders
     imagereward.py  imagereward: BLIP ViT + cross-attending BERT + MLP from a local folder (and its converter)
     hpsv3.py    hpsv3: Qwen2-VL + HPSv3's reward head from a local folder
+    ocr.py      ocr: FlowGRPO's text-rendering reward on PP-OCRv5 (the extra ``ocr``)
     http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
@@ -15,6 +16,7 @@
 from lean.rewards import hpsv3 as hpsv3  # registers hpsv3
 from lean.rewards import imagereward as imagereward  # registers imagereward
 from lean.rewards import models as models  # registers the model rewards
+from lean.rewards import ocr as ocr  # registers the ocr reward
 from lean.rewards.base import (
     MODEL_REWARDS,
     REWARDS,

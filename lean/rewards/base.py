@@ -77,6 +77,9 @@ class ModelReward:
 
 REWARDS: Registry[RewardFn] = Registry("reward")
 MODEL_REWARDS: Registry[type[ModelReward]] = Registry("model reward")
+# reward name -> what it needs of a run that weights it and computes it here (a package, prompts it can score; a name
+# reward.remote serves may be another server's reward): raises a ConfigError; run by :func:`check_config`
+CONFIG_CHECKS: dict[str, Callable[[RunConfig], None]] = {}
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -115,8 +118,8 @@ def reward_names() -> list[str]:
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Every weighted reward is registered here or served (``reward.remote``), and every model reward computed here
-    has a folder with the files it needs."""
+    """Every weighted reward is registered here or served (``reward.remote``), every model reward computed here
+    has a folder with the files it needs, and every reward computed here passes its :data:`CONFIG_CHECKS`."""
     r = cfg.reward
     known = reward_names()
     for name, weight in r.weights.items():
@@ -133,6 +136,8 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     for name in r.weights:
         if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
+        if name in CONFIG_CHECKS and name not in r.remote:
+            CONFIG_CHECKS[name](cfg)
 
 
 def check_folder(key: str, name: str, folder: str | None) -> None:
