@@ -208,7 +208,9 @@ def test_the_opt_in_and_the_loopback_rule_are_config_errors():
     )
     with pytest.raises(ConfigError, match=r"reward.pickle_servers key='gen_eval'.*did you mean 'geneval'"):
         tiny("reward.pickle_servers.gen_eval.url=http://[::1]:1", "reward.pickle_servers.gen_eval.allow_pickle=true")
-    with pytest.raises(ConfigError, match=r"unknown reward.*geneval is FlowGRPO's server: set reward.pickle_servers"):
+    with pytest.raises(
+        ConfigError, match=r"reward.weights.geneval=1.0: geneval is FlowGRPO's server: set reward.pickle_servers"
+    ):
         tiny("reward.weights={geneval: 1.0}")
     geneval = ["reward.weights={geneval: 1.0}", "reward.pickle_servers.geneval.url=http://localhost:18085"]
     with pytest.raises(ConfigError, match=r"^config error: train.prompts_file=None: prompt .* has no GenEval metadata"):

@@ -124,9 +124,8 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 f"reward.weights.{name}",
                 weight,
-                f"unknown reward; known: {', '.join(sorted(known))}" + suggest(name, known) + _server_hint(name),
+                f"unknown reward; known: {', '.join(sorted(known))}" + suggest(name, known),
             )
-    check_pickle_servers(cfg)
     for name, entry in r.models.items():
         check_choice(f"reward.models.{name} key", name, MODEL_REWARDS)
         if name not in r.remote:  # a served reward's folder is on the server's machine
@@ -134,29 +133,6 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     for name in r.weights:
         if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
-
-
-def check_pickle_servers(cfg: RunConfig) -> None:
-    """Every ``reward.pickle_servers`` key is one of FlowGRPO's servers, and GenEval's scores prompts with metadata
-    (the training prompts and the eval prompts)."""
-    from lean.rewards.pickle_servers import PROTOCOLS, metadata_problem  # local: that module imports this one
-
-    for name in cfg.reward.pickle_servers:
-        check_choice("reward.pickle_servers key", name, PROTOCOLS)
-    if "geneval" not in cfg.reward.pickle_servers or "geneval" not in cfg.reward.weights:
-        return
-    for key, section in (("train", cfg.train), ("eval", cfg.eval)):
-        problem = None if section.prompts is None else metadata_problem(section.prompts)
-        if problem is not None:
-            raise ConfigError(f"{key}.prompts_file", section.prompts_file, problem)
-
-
-def _server_hint(name: str) -> str:
-    from lean.rewards.pickle_servers import PROTOCOLS  # local: that module imports this one
-
-    if name not in PROTOCOLS:
-        return ""
-    return f"; {name} is FlowGRPO's server: set reward.pickle_servers.{name}.url and .allow_pickle (docs/rewards.md)"
 
 
 def check_folder(key: str, name: str, folder: str | None) -> None:

@@ -41,12 +41,14 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from lean.config import ConfigError, check_choice
 from lean.config.prompts import prompt_metadata
-from lean.rewards.base import over_frames
+from lean.rewards.base import REWARDS, over_frames
 from lean.rewards.builtin import to_uint8
 from lean.rewards.http import RewardServerError, post_with_retries
 
 if TYPE_CHECKING:
+    from lean.config import RunConfig
     from lean.rewards.options import PickleServerConfig
 
 # What an answer may name besides the pickle opcodes' own builtins: containers, and numpy arrays and scalars (numpy 1
@@ -157,6 +159,27 @@ def metadata_problem(prompts: list[str]) -> str | None:
                 f"*_metadata.jsonl (train.prompts_file), whose lines carry tag and include"
             )
     return None
+
+
+def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Every ``reward.pickle_servers`` key is one of FlowGRPO's servers, a weighted server reward has its entry, and
+    GenEval's scores prompts with metadata (the training prompts and the eval prompts)."""
+    r = cfg.reward
+    for name in r.pickle_servers:
+        check_choice("reward.pickle_servers key", name, PROTOCOLS)
+    for name, weight in r.weights.items():
+        if name in PROTOCOLS and name not in r.pickle_servers and name not in r.remote and name not in REWARDS:
+            raise ConfigError(
+                f"reward.weights.{name}",
+                weight,
+                f"{name} is FlowGRPO's server: set reward.pickle_servers.{name}.url and .allow_pickle",
+            )
+    if "geneval" not in r.pickle_servers or "geneval" not in r.weights:
+        return
+    for key, section in (("train", cfg.train), ("eval", cfg.eval)):
+        problem = None if section.prompts is None else metadata_problem(section.prompts)
+        if problem is not None:
+            raise ConfigError(f"{key}.prompts_file", section.prompts_file, problem)
 
 
 # ---------------------------------------------------------------- client
