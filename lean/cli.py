@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from lean import export
 from lean.config import ConfigError, suggest
+from lean.config.prompts import with_metadata
 from lean.configure import load_config
 from lean.observe import tracking
 from lean.parallel.launch import Nodes, launch
@@ -327,7 +328,8 @@ def _reward(args) -> int:
         if not rollout.is_file() or not rollout.with_suffix(".json").is_file():
             raise ConfigError("--rollout", args.rollout, "needs the .safetensors file and its .json beside it")
         images = load_file(rollout)["images"]
-        prompts = json.loads(rollout.with_suffix(".json").read_text())["prompts"]
+        kept = json.loads(rollout.with_suffix(".json").read_text())
+        prompts = with_metadata(kept["prompts"], kept.get("metadata"))
         total, parts = rewards.Scorer(cfg.reward, device)(images, prompts)
         print(json.dumps({"total": total.tolist(), **{k: v.tolist() for k, v in parts.items()}}))
         return 0

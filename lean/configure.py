@@ -23,6 +23,7 @@ from lean.parallel import layout, sharding
 from lean.parallel import options as parallel_options
 from lean.parallel.overlap import p2p
 from lean.rewards import options as reward_options
+from lean.rewards import pickle_servers
 from lean.sampling import options as sample_options
 from lean.sampling import rollout, sde
 from lean.sampling import tree as sample_tree
@@ -51,6 +52,7 @@ RULES: tuple[Rule, ...] = (
     checks.check_config,  # the family: its sizes, frame counts, capabilities, the pretrained folder
     sde.check_config,  # which SDE kind runs on which sigma grid and noise level
     algorithms.check_config,  # what the algorithm runs with (GRPO-Guard: a Gaussian transition)
+    pickle_servers.check_config,  # FlowGRPO's pickle reward servers: their names, GenEval's prompt metadata
     rewards.check_config,  # the reward names and the model rewards' folders
     schedules.check_config,  # what each schedule reproduces exactly: on-policy, the algorithm's facts, sharded
     sequence_parallel.check_config,  # the family has it, the processes form its groups

@@ -320,6 +320,7 @@ RESUMABLE_CHANGES = frozenset(
         "train.dist_timeout_s",
         "train.threads",
         "reward.remote",
+        "reward.pickle_servers",
         "eval.every",
         "eval.batch_size",
     }

@@ -140,6 +140,9 @@ CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
 # algorithm.name=flash_grpo (Shredded-Pork/Flash-GRPO at 8cfc973, train_wanx2_1_flash.py:697: the first 10)
 ADDED_FLASH: dict[str, object] = {"algorithm.flash_grpo.steps": 10}
 CHANGED_FLASH: dict[tuple[str, str], tuple[object, object]] = {}
+# FlowGRPO's pickle reward servers (issue #44, lean/rewards/pickle_servers.py): none configured, as before
+ADDED_RSERV: dict[str, object] = {"reward.pickle_servers": {}}
+CHANGED_RSERV: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -159,6 +162,7 @@ ADDED = {
     **ADDED_AWM,
     **ADDED_BRANCH,
     **ADDED_FLASH,
+    **ADDED_RSERV,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -168,6 +172,7 @@ CHANGED = {
     **CHANGED_AWM,
     **CHANGED_BRANCH,
     **CHANGED_FLASH,
+    **CHANGED_RSERV,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

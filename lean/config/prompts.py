@@ -17,6 +17,7 @@ class ImagePrompt(str):
     prompts)."""
 
     image: str
+    metadata: dict | None = None  # the record of a .jsonl line with more fields (GenEval's), as MetadataPrompt's
 
     def __new__(cls, text: str, image: str | os.PathLike) -> ImagePrompt:
         prompt = super().__new__(cls, text)
@@ -46,6 +47,43 @@ class ImagePrompt(str):
         return f"ImagePrompt({str(self)!r}, image={self.image!r})"
 
 
+class MetadataPrompt(str):
+    """A prompt with its data set record: the string is the prompt, ``metadata`` the whole JSON object of its
+    ``.jsonl`` line (GenEval's ``tag``, ``include``, ``exclude``, ``prompt``), which FlowGRPO's ``GenevalPromptDataset``
+    hands to the rewards beside the prompt (scripts/train_sd3.py:59-76 at ac4c86e) and its GenEval server needs.
+
+    It is its string for everything else (equality, hashing, ordering, text encoders), so a prompt set of these
+    samples, groups and sorts as the plain strings do; it pickles with its metadata (processes exchange prompts)."""
+
+    metadata: dict
+
+    def __new__(cls, text: str, metadata: dict) -> MetadataPrompt:
+        prompt = super().__new__(cls, text)
+        prompt.metadata = metadata
+        return prompt
+
+    def __getnewargs__(self) -> tuple[str, dict]:
+        return str(self), self.metadata
+
+    def __repr__(self) -> str:
+        return f"MetadataPrompt({str(self)!r}, metadata={self.metadata!r})"
+
+
+def prompt_metadata(prompt: str) -> dict | None:
+    """The record of a ``.jsonl`` prompt (:class:`MetadataPrompt`, or an :class:`ImagePrompt` read from a line with
+    more fields), None for a prompt without one."""
+    return getattr(prompt, "metadata", None)
+
+
+def with_metadata(texts: list[str], records: list[dict | None] | None) -> list[str]:
+    """The prompts ``texts`` with the records :func:`prompt_metadata` gave them (a rollout kept as JSON, re-read)."""
+    if records is None:
+        return list(texts)
+    return [
+        text if record is None else MetadataPrompt(text, record) for text, record in zip(texts, records, strict=True)
+    ]
+
+
 def reference_image(prompt: str) -> str | None:
     """The reference image path of an :class:`ImagePrompt`, None for a text prompt."""
     return prompt.image if isinstance(prompt, ImagePrompt) else None
@@ -55,9 +93,11 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     """The prompts of a file, in file order, as FlowGRPO's scripts read its data sets (scripts/train_sd3.py):
 
     * ``*.jsonl``, GenEval's ``*_metadata.jsonl`` (``GenevalPromptDataset``): one JSON object per line, its ``prompt``
-      field (a string) is the prompt; the other fields are ignored, except ``image``: an edit's reference image, a
-      path relative to the file's folder (FlowGRPO's ``GenevalPromptImageDataset`` in scripts/train_flux_kontext.py
-      and train_qwenimage_edit.py joins it to the data set folder), read as an :class:`ImagePrompt`.
+      field (a string) is the prompt; ``image`` is an edit's reference image, a path relative to the file's folder
+      (FlowGRPO's ``GenevalPromptImageDataset`` in scripts/train_flux_kontext.py and train_qwenimage_edit.py joins it
+      to the data set folder), read as an :class:`ImagePrompt`; a line with other fields (GenEval's ``tag``,
+      ``include``...) keeps its whole record as the prompt's ``metadata`` (:class:`MetadataPrompt`), for the rewards
+      that read it (FlowGRPO's GenEval server).
     * any other file, ``dataset/*/train.txt`` (``TextPromptDataset``): one prompt per line, stripped of surrounding
       whitespace (``line.strip()``); nothing else is parsed, so commas, quotes and numbers stay as written.
 
@@ -81,16 +121,24 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
             raise ValueError(f"line {number}: not JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'line {number}: needs a "prompt" string field (one JSON object per line)')
-        image = record.get("image")
-        if image is None:
-            prompts.append(record["prompt"])
-            continue
-        if not isinstance(image, str) or not (path.parent / image).is_file():
-            raise ValueError(f'line {number}: "image" {image!r} is not an image file under {path.parent}')
-        prompts.append(ImagePrompt(record["prompt"], path.parent / image))
+        prompts.append(_jsonl_prompt(record, path.parent, number))
     if not prompts:
         raise ValueError('holds no prompt (one per line, or a .jsonl line per prompt with a "prompt" field)')
     return prompts
+
+
+def _jsonl_prompt(record: dict, folder: Path, number: int) -> str:
+    """The prompt of one ``.jsonl`` record: with an ``image``, an :class:`ImagePrompt`; with other fields besides
+    ``prompt`` (GenEval's metadata), it carries the record as ``metadata``; else the plain string."""
+    image = record.get("image")
+    if image is not None and (not isinstance(image, str) or not (folder / image).is_file()):
+        raise ValueError(f'line {number}: "image" {image!r} is not an image file under {folder}')
+    prompt = record["prompt"] if image is None else ImagePrompt(record["prompt"], folder / image)
+    if set(record) - {"prompt", "image"}:
+        if image is None:
+            return MetadataPrompt(prompt, record)
+        prompt.metadata = record
+    return prompt
 
 
 def reference_pixels(prompt: str, size: int, lanczos: bool = False):

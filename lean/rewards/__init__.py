@@ -9,6 +9,7 @@
     ocr.py      ocr: FlowGRPO's text-rendering reward on PP-OCRv5 (the extra ``ocr``)
     http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
+    pickle_servers.py  clients of FlowGRPO's own reward servers (GenEval, DeQA, UnifiedReward): pickle over HTTP
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
     scorer.py   Scorer: a run's rewards built once, their weighted sum
 """

@@ -123,7 +123,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     r = cfg.reward
     known = reward_names()
     for name, weight in r.weights.items():
-        if name not in known and name not in r.remote:
+        if name not in known and name not in r.remote and name not in r.pickle_servers:
             raise ConfigError(
                 f"reward.weights.{name}",
                 weight,

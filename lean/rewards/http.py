@@ -66,13 +66,20 @@ def post_once(what: str, url: str, body: bytes, headers: dict[str, str], timeout
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.read()
     except urllib.error.HTTPError as err:
-        detail = err.read()[:200].decode(errors="replace")
+        detail = error_detail(err.read(65536))
         if err.code >= 500 or err.code in RETRIED_STATUS:
             raise _Retry(f"HTTP {err.code} {detail}") from None
         raise RewardServerError(f"{what}: server {url}: HTTP {err.code} {detail}") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # refused, reset, timed out, junk
         reason = getattr(err, "reason", err)
         raise _Retry(f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__) from None
+
+
+def error_detail(body: bytes) -> str:
+    """One line of an error answer: its last non-blank line, at most 200 characters (a Python server's traceback
+    ends with the exception, FlowGRPO's servers answer HTTP 500 with one)."""
+    lines = [line.strip() for line in body.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
 
 
 class _Retry(Exception):

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from lean.config.checks import ConfigError, check_positive, choice, choices
 from lean.config.dtypes import DTYPES
@@ -49,6 +51,56 @@ class RemoteRewardConfig(RetryOptions):
         self.validate_retries(key)
 
 
+@dataclass
+class PickleServerConfig(RetryOptions):
+    """``reward.pickle_servers.<name>``: the reward is computed by one of FlowGRPO's own reward servers, which speak
+    Python pickle over HTTP (``lean.rewards.pickle_servers``; ``<name>``: geneval, deqa, unifiedreward_remote).
+
+    Unpickling what a server sends can run any code it chooses, so the client needs ``allow_pickle`` and a loopback
+    address (or the host named in ``allow_host``), and unpickles answers with a restricted unpickler."""
+
+    url: str = ""
+    """Where the server listens; the client posts to this URL as it is (FlowGRPO's defaults: GenEval
+    http://127.0.0.1:18085, DeQA http://127.0.0.1:18086)."""
+    allow_pickle: bool = False
+    """The opt-in: true accepts that the server's answers are pickles (read by a restricted unpickler)."""
+    allow_host: str | None = None
+    """A host other than loopback that you trust to answer pickles: the URL's host exactly (None: loopback only)."""
+    batch_size: int = 64
+    """Images per request (FlowGRPO's 64; the batch is split into near-equal parts as np.array_split does)."""
+    only_strict: bool = True
+    """GenEval only: the server skips its non-strict check (FlowGRPO's training requests; the reward, ``scores``, is
+    the same either way)."""
+
+    def validate(self, key: str) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}.url", self.url, "must be the http:// URL of the reward server")
+        if not self.allow_pickle:
+            raise ConfigError(
+                f"{key}.allow_pickle", False, "this server answers in pickle, which can run code here: set it true"
+            )
+        host = urlsplit(self.url).hostname or ""
+        if host != self.allow_host and not is_loopback(host):
+            raise ConfigError(
+                f"{key}.url",
+                self.url,
+                f"{host} is not loopback; a pickle server elsewhere can run code here: "
+                f"name it in {key}.allow_host to trust it",
+            )
+        check_positive(f"{key}.batch_size", self.batch_size)
+        self.validate_retries(key)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1 (a name other than localhost is not resolved: it could point anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @register_options("reward")
 @dataclass
 class RewardConfig:
@@ -68,6 +120,8 @@ class RewardConfig:
     reward ``remote`` names: ``lean reward serve`` checks it on the server)."""
     remote: dict[str, RemoteRewardConfig] = field(default_factory=dict)
     """reward name -> the server that computes it (the name need not be registered in this process)."""
+    pickle_servers: dict[str, PickleServerConfig] = field(default_factory=dict)
+    """FlowGRPO's server reward name (geneval, deqa, unifiedreward_remote) -> the server that computes it."""
 
     def validate(self) -> None:
         """The fields alone; which rewards exist and what their folders hold is ``lean.rewards.check_config``'s."""
@@ -76,5 +130,7 @@ class RewardConfig:
             raise ConfigError("reward.weights", self.weights, "name at least one reward")
         for name, remote in self.remote.items():
             remote.validate(f"reward.remote.{name}")
+        for name, server in self.pickle_servers.items():
+            server.validate(f"reward.pickle_servers.{name}")
         for name, entry in self.models.items():
             entry.validate(f"reward.models.{name}")

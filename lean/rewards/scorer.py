@@ -1,7 +1,8 @@
 """A run's rewards, built once: :class:`Scorer` turns ``reward`` config into callables and sums them.
 
 ``total = Σ_name weights[name] · r_name(images, prompts)`` (float64 [B]), with every unweighted component. Each
-``r_name`` is, in this order: a :class:`lean.rewards.remote.RemoteReward` when ``reward.remote`` names it; a model
+``r_name`` is, in this order: a :class:`lean.rewards.remote.RemoteReward` when ``reward.remote`` names it; a
+:class:`lean.rewards.pickle_servers.PickleServerReward` when ``reward.pickle_servers`` does; a model
 reward (``MODEL_REWARDS``) loaded from ``reward.models.<name>`` onto its device; a built-in function (``REWARDS``).
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lean.rewards.base import MODEL_REWARDS, REWARDS, RewardFn
+from lean.rewards.pickle_servers import PickleServerReward
 from lean.rewards.remote import RemoteReward
 
 if TYPE_CHECKING:
@@ -25,6 +27,8 @@ def build_reward(name: str, cfg: RewardConfig, device: torch.device | str, remot
     it in this process even when ``reward.remote`` names it (what its server does)."""
     if remote and name in cfg.remote:
         return RemoteReward(name, cfg.remote[name])
+    if remote and name in cfg.pickle_servers:
+        return PickleServerReward(name, cfg.pickle_servers[name])
     if name in MODEL_REWARDS:
         if name not in cfg.models:
             raise ValueError(f"reward {name!r} loads a model: set reward.models.{name}.folder")

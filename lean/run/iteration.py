@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lean.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from lean.config import ConfigError
+from lean.config.prompts import prompt_metadata
 from lean.configure import validate
 from lean.models.build import build_policy
 from lean.models.footprint import tracked_step_floor
@@ -416,7 +417,8 @@ class IterationPipeline:
         self, iteration: int, final: Tensor, images: Tensor, prompts: list[str], err: Exception
     ) -> None:
         """``<failed_rollouts>/<iteration>[.rank<r>].safetensors`` (``latents`` x_T, ``images`` in [0, 1]) and a
-        ``.json`` beside it (iteration, rank, prompts, the error), so the batch can be re-scored (docs/rewards.md)."""
+        ``.json`` beside it (iteration, rank, prompts, their metadata records if any, the error), so the batch can be
+        re-scored (docs/rewards.md)."""
         if self.failed_rollouts is None:
             return
         stem = f"{iteration}" + (f".rank{self.world.rank}" if self.world.size > 1 else "")
@@ -426,6 +428,8 @@ class IterationPipeline:
             self.failed_rollouts / f"{stem}.safetensors",
         )
         meta = {"iteration": iteration, "rank": self.world.rank, "prompts": list(prompts), "error": str(err)}
+        if any(prompt_metadata(p) is not None for p in prompts):  # GenEval's records, for `lean reward score`
+            meta["metadata"] = [prompt_metadata(p) for p in prompts]
         (self.failed_rollouts / f"{stem}.json").write_text(json.dumps(meta, indent=1))
 
     def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
