@@ -140,6 +140,9 @@ CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
 # algorithm.name=flash_grpo (Shredded-Pork/Flash-GRPO at 8cfc973, train_wanx2_1_flash.py:697: the first 10)
 ADDED_FLASH: dict[str, object] = {"algorithm.flash_grpo.steps": 10}
 CHANGED_FLASH: dict[tuple[str, str], tuple[object, object]] = {}
+# VLM judges over the OpenAI chat API (issue #44, lean/rewards/vlm_judge.py): none named, as before
+ADDED_VLM: dict[str, object] = {"reward.judges": {}}
+CHANGED_VLM: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -158,6 +161,7 @@ ADDED = {
     **ADDED_AWM,
     **ADDED_BRANCH,
     **ADDED_FLASH,
+    **ADDED_VLM,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -167,6 +171,7 @@ CHANGED = {
     **CHANGED_AWM,
     **CHANGED_BRANCH,
     **CHANGED_FLASH,
+    **CHANGED_VLM,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

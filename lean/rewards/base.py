@@ -115,12 +115,12 @@ def reward_names() -> list[str]:
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Every weighted reward is registered here or served (``reward.remote``), and every model reward computed here
-    has a folder with the files it needs."""
+    """Every weighted reward is registered here or served (``reward.remote``, ``reward.judges``), and every model
+    reward computed here has a folder with the files it needs."""
     r = cfg.reward
     known = reward_names()
     for name, weight in r.weights.items():
-        if name not in known and name not in r.remote:
+        if name not in known and name not in r.remote and name not in r.judges:
             raise ConfigError(
                 f"reward.weights.{name}",
                 weight,

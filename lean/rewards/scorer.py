@@ -1,8 +1,9 @@
 """A run's rewards, built once: :class:`Scorer` turns ``reward`` config into callables and sums them.
 
 ``total = Σ_name weights[name] · r_name(images, prompts)`` (float64 [B]), with every unweighted component. Each
-``r_name`` is, in this order: a :class:`lean.rewards.remote.RemoteReward` when ``reward.remote`` names it; a model
-reward (``MODEL_REWARDS``) loaded from ``reward.models.<name>`` onto its device; a built-in function (``REWARDS``).
+``r_name`` is, in this order: a :class:`lean.rewards.remote.RemoteReward` when ``reward.remote`` names it; a
+:class:`lean.rewards.vlm_judge.VLMJudge` when ``reward.judges`` does; a model reward (``MODEL_REWARDS``) loaded from
+``reward.models.<name>`` onto its device; a built-in function (``REWARDS``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from lean.rewards.base import MODEL_REWARDS, REWARDS, RewardFn
 from lean.rewards.remote import RemoteReward
+from lean.rewards.vlm_judge import VLMJudge
 
 if TYPE_CHECKING:
     from lean.rewards.options import RewardConfig
@@ -25,6 +27,8 @@ def build_reward(name: str, cfg: RewardConfig, device: torch.device | str, remot
     it in this process even when ``reward.remote`` names it (what its server does)."""
     if remote and name in cfg.remote:
         return RemoteReward(name, cfg.remote[name])
+    if name in cfg.judges:
+        return VLMJudge(name, cfg.judges[name])
     if name in MODEL_REWARDS:
         if name not in cfg.models:
             raise ValueError(f"reward {name!r} loads a model: set reward.models.{name}.folder")
