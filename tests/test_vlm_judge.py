@@ -121,15 +121,17 @@ def test_the_served_vlm_answers_the_chat_api(vlm_server):
     body = {"model": "judge", "messages": [{"role": "user", "content": [image, {"type": "text", "text": "Rate it."}]}]}
     free = chat(vlm_server, {**body, "max_tokens": 3})["choices"][0]
     assert free["finish_reason"] == "length" and isinstance(free["message"]["content"], str)
-    for temperature in (0, 1):  # greedy and sampled, both inside the choices
-        guided = chat(vlm_server, {**body, "temperature": temperature, "guided_choice": SCORES})["choices"][0]
+    for temperature, field in ((0, {"structured_outputs": {"choice": SCORES}}), (1, {"guided_choice": SCORES})):
+        guided = chat(vlm_server, {**body, "temperature": temperature, **field})["choices"][0]  # greedy, sampled
         assert guided["message"]["content"] in SCORES and guided["finish_reason"] == "stop"
     remote = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
     with pytest.raises(urllib.error.HTTPError, match="400") as err:
         chat(vlm_server, {"messages": [{"role": "user", "content": [remote]}]})
     assert "need a base64 data URL" in err.value.read().decode()
     # the reward: one request per image (videos: per frame), scores k / 5
-    scores = judge(vlm_server, concurrency=2)(torch.rand(3, 3, 32, 32), ["a cat", "a dog", "a cow"])
+    scores = judge(vlm_server, concurrency=2, guided_choice_field="guided_choice")(
+        torch.rand(3, 3, 32, 32), ["a cat", "a dog", "a cow"]
+    )
     assert scores.dtype == torch.float64 and set(scores.tolist()) <= {0.2, 0.4, 0.6, 0.8, 1.0}
     assert judge(vlm_server)(torch.rand(1, 3, 2, 32, 32), ["a cat"]).shape == (1,)
 

@@ -7,6 +7,9 @@
     http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
+    judge_templates.py  VLM judges' question templates (FlowGRPO's UnifiedReward, Qwen-VL) and reward.judges options
+    vlm_judge.py        VLMJudge: a VLM at an OpenAI-compatible chat endpoint (vLLM, SGLang) scores each image
+    vlm_server.py       ``lean reward serve --vlm``: a transformers VLM folder under the OpenAI chat API
     scorer.py   Scorer: a run's rewards built once, their weighted sum
 """
 

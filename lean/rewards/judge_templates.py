@@ -70,6 +70,9 @@ JUDGE_TEMPLATES: Registry[JudgeTemplate] = Registry(
     ],
 )
 NORMALISATIONS = ("max", "range", "none")
+# How a request carries the allowed answers: vLLM >= 0.12 reads only structured_outputs.choice (its guided_* fields were
+# removed, vllm-project/vllm#29326, and are ignored silently); older vLLM reads guided_choice
+CHOICE_FIELDS = ("structured_outputs", "guided_choice")
 
 
 @dataclass
@@ -92,7 +95,10 @@ class VLMJudgeConfig(RetryOptions):
     concurrency: int = 8
     """Requests in flight at once."""
     guided_choice: list[str] | None = None
-    """The answers the server may give (vLLM's guided_choice, constrained decoding); None: not sent."""
+    """The answers the server may give (vLLM's constrained decoding, lean's server's too); None: not sent."""
+    guided_choice_field: str = "structured_outputs"
+    """How they are sent: structured_outputs ({"structured_outputs": {"choice": [...]}}, vLLM >= 0.12) or
+    guided_choice ({"guided_choice": [...]}, older vLLM); lean reward serve --vlm reads either."""
     normalise: str = "max"
     """The reward from score s in [low, high]: max (s / high, FlowGRPO's), range ((s - low) / (high - low)), none."""
     image_size: int | None = None
@@ -108,6 +114,7 @@ class VLMJudgeConfig(RetryOptions):
             raise ConfigError(f"{key}.api_key_env", self.api_key_env, "this environment variable is not set")
         check_choice(f"{key}.template", self.template, JUDGE_TEMPLATES)
         check_choice(f"{key}.normalise", self.normalise, NORMALISATIONS)
+        check_choice(f"{key}.guided_choice_field", self.guided_choice_field, CHOICE_FIELDS)
         check_positive(f"{key}.max_tokens", self.max_tokens)
         check_positive(f"{key}.concurrency", self.concurrency)
         check_positive(f"{key}.temperature", self.temperature, strict=False)

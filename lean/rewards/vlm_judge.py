@@ -7,7 +7,7 @@ One request per image, ``concurrency`` of them in flight (a thread pool):
     {"model": m, "temperature": t, "max_tokens": n,
      "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
                                                {"type": "text", "text": question with p}]}],
-     "guided_choice": [...]}                     (only when set: vLLM's constrained decoding, lean's server's too)
+     "structured_outputs": {"choice": [...]}}    (only when set: vLLM's constrained decoding, lean's server's too)
     -> {"choices": [{"message": {"content": "... Final Score: 4"}}]}
 
 The score is the first group of the template's ``pattern`` in the answer, a number in [low, high]; the reward is
@@ -88,7 +88,10 @@ class VLMJudge:
         body = {"model": s.model, "messages": [{"role": "user", "content": content}]}
         body |= {"temperature": s.temperature, "max_tokens": s.max_tokens}
         if s.guided_choice is not None:
-            body["guided_choice"] = list(s.guided_choice)
+            choices = list(s.guided_choice)
+            body[s.guided_choice_field] = (
+                {"choice": choices} if s.guided_choice_field == "structured_outputs" else choices
+            )
         return json.dumps(body).encode()
 
     def parse(self, answer: bytes) -> float:

@@ -3,7 +3,8 @@ API, offline, so that a VLM judge (``lean.rewards.vlm_judge``) runs without vLLM
 
     GET  /health               -> {"status": "ok", "model": name}               (no token needed)
     GET  /v1/models            -> {"object": "list", "data": [{"id": name, "object": "model", ...}]}
-    POST /v1/chat/completions  {"model", "messages", "temperature", "max_tokens", "guided_choice"?}
+    POST /v1/chat/completions  {"model", "messages", "temperature", "max_tokens",
+                                "structured_outputs": {"choice": [...]}? or "guided_choice": [...]?}
                                -> {"object": "chat.completion", "choices": [{"message": {"role": "assistant",
                                    "content": text}, "finish_reason": "stop" | "length"}], "usage": {...}}
 
@@ -12,10 +13,11 @@ server is offline). The folder loads with ``AutoModelForImageTextToText`` and ``
 needs torchvision for the video processor and it is absent, the processor is assembled from the folder's tokenizer and
 image processor (``lean.models.processors``). The prompt is the folder's chat template with the generation prompt.
 
-``guided_choice`` (vLLM's extra field): the answer is one of the listed strings. Each is tokenised alone; at step k the
-logits of every token that does not continue a listed string whose first k tokens were generated are masked (a
-string generated in full allows only end-of-sequence), so greedy decoding (temperature 0) picks the most likely
-allowed token at each step, as vLLM's guided decoding does. Requests run one at a time (a lock).
+``structured_outputs.choice`` (vLLM >= 0.12) or ``guided_choice`` (older vLLM): the answer is one of the listed
+strings. Each is tokenised alone; at step k the logits of every token that does not continue a listed string whose
+first k tokens were generated are masked (a string generated in full allows only end-of-sequence), so greedy decoding
+(temperature 0) picks the most likely allowed token at each step, as vLLM's guided decoding does. Requests run one at
+a time (a lock).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations as objects (see server.py).
@@ -153,11 +155,13 @@ def decode_data_url(url: str) -> Image.Image:
 
 
 def generation_options(body: dict) -> tuple[int, float, list[str] | None]:
-    """(max_tokens, temperature, guided_choice) of a request, with vLLM's defaults; ``ValueError`` for bad values."""
+    """(max_tokens, temperature, the allowed answers or None) of a request (unset: 256 tokens, OpenAI's temperature
+    1); ``ValueError`` for bad values."""
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 256
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
-    choices = body.get("guided_choice")
+    structured = body.get("structured_outputs")
+    choices = structured.get("choice") if isinstance(structured, dict) else body.get("guided_choice")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens: need a positive integer, got {max_tokens!r}")
     if not isinstance(temperature, (int, float)) or temperature < 0:
@@ -165,7 +169,7 @@ def generation_options(body: dict) -> tuple[int, float, list[str] | None]:
     if choices is not None and (
         not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices)
     ):
-        raise ValueError("guided_choice: need a non-empty list of strings")
+        raise ValueError("guided_choice / structured_outputs.choice: need a non-empty list of strings")
     return max_tokens, float(temperature), choices
 
 
