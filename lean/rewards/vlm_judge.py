@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from lean.rewards.base import over_frames
 from lean.rewards.builtin import to_uint8
-from lean.rewards.http import post_with_retries
+from lean.rewards.http import json_headers, post_with_retries
 from lean.rewards.judge_templates import JUDGE_TEMPLATES, parse_score
 
 if TYPE_CHECKING:
@@ -72,12 +71,6 @@ class VLMJudge:
         self.question = settings.prompt if settings.prompt is not None else self.template.text
         self.image_size = settings.image_size if settings.image_size is not None else self.template.image_size
 
-    def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.settings.api_key_env is not None:
-            headers["Authorization"] = f"Bearer {os.environ.get(self.settings.api_key_env, '')}"
-        return headers
-
     def request(self, image: Tensor, prompt: str) -> bytes:
         """The chat completion request of one image [3, H, W] and its prompt."""
         s = self.settings
@@ -107,10 +100,8 @@ class VLMJudge:
         return {"max": score / high, "range": (score - low) / (high - low), "none": score}[self.settings.normalise]
 
     def score_one(self, image: Tensor, prompt: str) -> float:
-        what = f"reward {self.name}"
-        return post_with_retries(
-            what, self.settings.url, self.request(image, prompt), self.headers(), self.settings, self.parse
-        )
+        body, headers = self.request(image, prompt), json_headers(self.settings.api_key_env)
+        return post_with_retries(f"reward {self.name}", self.settings.url, body, headers, self.settings, self.parse)
 
     def score_images(self, images: Tensor, prompts: list[str]) -> Tensor:
         pool = ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(prompts)))
