@@ -29,6 +29,7 @@ from lean.rewards.builtin import COLORS, parse_colors
 from lean.rewards.http import RewardServerError
 from lean.rewards.remote import RemoteReward
 from lean.rewards.scorer import Scorer, build_reward, compute_rewards, weighted_sum
+from lean.rewards.vlm_judge import VLMJudge
 
 __all__ = [
     "COLORS",
@@ -39,6 +40,7 @@ __all__ = [
     "RewardFn",
     "RewardServerError",
     "Scorer",
+    "VLMJudge",
     "build_reward",
     "check_config",
     "check_folder",

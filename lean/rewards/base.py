@@ -131,7 +131,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         if name not in r.remote:  # a served reward's folder is on the server's machine
             check_folder(f"reward.models.{name}.folder", name, entry.folder)
     for name in r.weights:
-        if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
+        if name in MODEL_REWARDS and name not in r.remote and name not in r.judges and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
 
 
