@@ -23,6 +23,7 @@ from lean.rewards.judge_templates import JUDGE_TEMPLATES, VLMJudgeConfig, parse_
 from lean.rewards.vlm_judge import VLMJudge, data_url
 from lean.train import train
 
+TOKEN_ENV = "LEAN_TEST_JUDGE_KEY"
 SCORES = [f"Final Score: {k}" for k in range(1, 6)]  # UnifiedReward's answer, constrained
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 CHAT_TEMPLATE = (  # Qwen2-VL's, shortened: no system turn, no video
@@ -76,13 +77,14 @@ def save_tiny_vlm(folder) -> None:
 
 @pytest.fixture(scope="module")
 def vlm_server(tmp_path_factory):
-    """``lean reward serve --vlm`` on the tiny folder, on a free port, in its own process group."""
+    """``lean reward serve --vlm`` on the tiny folder with an API key, on a free port, in its own process group."""
     folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
     save_tiny_vlm(folder)
     port = free_port()
     cmd = [python(), "-m", "lean.cli", "reward", "serve", "--vlm", str(folder), "--served-model-name", "judge"]
-    cmd += ["--port", str(port), "--device", "cpu"]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd += ["--port", str(port), "--device", "cpu", "--token-env", TOKEN_ENV]
+    env = {**os.environ, TOKEN_ENV: "s3cret"}
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -105,16 +107,18 @@ def vlm_server(tmp_path_factory):
 def chat(url: str, body: dict) -> dict:
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode())
     request.add_header("Content-Type", "application/json")
+    request.add_header("Authorization", "Bearer s3cret")
     with urllib.request.urlopen(request, timeout=30) as answer:
         return json.load(answer)
 
 
 def judge(url: str, **settings) -> VLMJudge:
+    settings = {"api_key_env": TOKEN_ENV, **settings}
     return VLMJudge("unifiedreward", VLMJudgeConfig(base_url=url, model="judge", guided_choice=SCORES, **settings))
 
 
 @pytest.mark.timeout(150)
-def test_the_served_vlm_answers_the_chat_api(vlm_server):
+def test_the_served_vlm_answers_the_chat_api(vlm_server, monkeypatch):
     with urllib.request.urlopen(f"{vlm_server}/v1/models", timeout=10) as answer:
         assert [m["id"] for m in json.load(answer)["data"]] == ["judge"]
     image = {"type": "image_url", "image_url": {"url": data_url(torch.rand(3, 40, 40), None)}}
@@ -128,7 +132,15 @@ def test_the_served_vlm_answers_the_chat_api(vlm_server):
     with pytest.raises(urllib.error.HTTPError, match="400") as err:
         chat(vlm_server, {"messages": [{"role": "user", "content": [remote]}]})
     assert "need a base64 data URL" in err.value.read().decode()
-    # the reward: one request per image (videos: per frame), scores k / 5
+    # the reward: one request per image (videos: per frame), scores k / 5; a wrong key is not retried
+    monkeypatch.setenv(TOKEN_ENV, "wrong")
+    start = time.monotonic()
+    with pytest.raises(
+        RewardServerError, match=rf"^reward unifiedreward: server {vlm_server}/v1/chat/completions: HTTP 401"
+    ):
+        judge(vlm_server, backoff_s=5)(torch.rand(1, 3, 8, 8), ["a"])
+    assert time.monotonic() - start < 5
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
     scores = judge(vlm_server, concurrency=2, guided_choice_field="guided_choice")(
         torch.rand(3, 3, 32, 32), ["a cat", "a dog", "a cow"]
     )
@@ -137,12 +149,15 @@ def test_the_served_vlm_answers_the_chat_api(vlm_server):
 
 
 @pytest.mark.timeout(200)
-def test_lean_train_trains_against_the_served_judge(vlm_server, tmp_path):
+def test_lean_train_trains_against_the_served_judge(vlm_server, tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
     sets = ["reward.weights={unifiedreward: 1.0}", f"reward.judges.unifiedreward.base_url={vlm_server}"]
     sets += ["reward.judges.unifiedreward.model=judge", f"reward.judges.unifiedreward.guided_choice={SCORES}"]
-    train(tiny(*sets), out=str(tmp_path))
-    rows = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert len(rows) == 2, rows  # the header and iteration 0
+    train(tiny(*sets, f"reward.judges.unifiedreward.api_key_env={TOKEN_ENV}"), out=str(tmp_path))
+    header, row = (tmp_path / "metrics.csv").read_text().splitlines()  # iteration 0
+    metrics = dict(zip(header.split(","), row.split(",")))
+    judged = float(metrics["reward_unifiedreward"]) * 20  # the mean of 4 scores k / 5: a whole number of 20ths
+    assert 4 <= judged <= 20 and abs(judged - round(judged)) < 1e-9, metrics
     # a judge that fails is a RewardServerError (below), on which lean train keeps the rollout (test_reward_server)
 
 
