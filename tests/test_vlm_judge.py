@@ -188,6 +188,12 @@ def test_a_bad_judge_is_an_error_naming_the_endpoint_after_the_retries(junk_serv
     assert junk_server.requests == requests
 
 
+def test_a_judge_that_is_down_is_retried():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RewardServerError, match=rf"server {url}/v1/chat/completions: .*Connection.*after 2 attempt"):
+        judge(url, retries=1, backoff_s=0.01)(torch.rand(2, 3, 8, 8), ["a", "b"])
+
+
 def test_flowgrpo_scoring_and_its_unparseable_zero(junk_server):  # noqa: F811
     unified, qwenvl = JUDGE_TEMPLATES["unifiedreward"], JUDGE_TEMPLATES["qwenvl"]
     assert parse_score("...\nFinal Score: 3.5", unified) == 3.5 and parse_score("<Score>4</Score>", qwenvl) == 4
