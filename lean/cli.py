@@ -125,9 +125,14 @@ def _reward_commands(sub) -> None:
     reward = sub.add_parser("reward", help="reward servers and re-scoring").add_subparsers(
         dest="reward_command", required=True
     )
-    p = reward.add_parser("serve", help="host a registered reward over HTTP (lean.rewards.server)")
+    p = reward.add_parser(
+        "serve", help="host a registered reward, or a VLM folder under the OpenAI chat API, over HTTP"
+    )
     _add_run_options(p)
-    p.add_argument("--reward", required=True, help="the registered reward to serve (its reward.models entry if any)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--reward", help="the registered reward to serve (its reward.models entry if any)")
+    what.add_argument("--vlm", metavar="FOLDER", help="a transformers VLM folder to serve at /v1/chat/completions")
+    p.add_argument("--served-model-name", default=None, help="--vlm: the model's name (default: the folder's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--token-env", default=None, help="environment variable holding the bearer token requests need")
@@ -322,6 +327,10 @@ def _reward(args) -> int:
             importlib.import_module(module)
         except ImportError as err:
             raise ConfigError("--import", module, str(err)) from None
+    if args.reward_command == "serve" and args.token_env is not None and not os.environ.get(args.token_env):
+        raise ConfigError("--token-env", args.token_env, "this environment variable is not set")
+    if args.reward_command == "serve" and args.vlm is not None:
+        return _serve_vlm(args, device)
     cfg = load_config(_params(args), args.overrides, preset=args.preset)
     if args.reward_command == "score":
         rollout = Path(args.rollout)
@@ -342,12 +351,21 @@ def _reward(args) -> int:
         entry = cfg.reward.models.get(args.reward, RewardModelConfig())
         entry.validate(f"reward.models.{args.reward}")
         rewards.check_folder(f"reward.models.{args.reward}.folder", args.reward, entry.folder)
-    if args.token_env is not None and not os.environ.get(args.token_env):
-        raise ConfigError("--token-env", args.token_env, "this environment variable is not set")
     reward = rewards.build_reward(args.reward, cfg.reward, device, remote=False)
     from lean.rewards.server import serve  # local: fastapi and uvicorn are optional
 
     serve(args.reward, reward, args.host, args.port, args.token_env)
+    return 0
+
+
+def _serve_vlm(args, device: str) -> int:
+    """lean reward serve --vlm FOLDER: the folder checked, then served until interrupted."""
+    from lean.rewards.vlm_server import folder_problem, serve_vlm  # local: transformers is slow to import
+
+    if (problem := folder_problem(Path(args.vlm))) is not None:
+        raise ConfigError("--vlm", args.vlm, problem)
+    name = args.served_model_name or Path(args.vlm).resolve().name
+    serve_vlm(args.vlm, name, device, args.host, args.port, args.token_env)
     return 0
 
 

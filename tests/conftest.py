@@ -34,6 +34,7 @@ SHARED_FIXTURE_MODULES = {
     "test_wan22",
     "test_wan22_ti2v",
     "test_train",
+    "test_vlm_judge",
 }
 # Run first, so that the workers end together: the smoke pipeline's group (minutes on one worker), then the
 # modules of long multi-process and meta-device tests, then the other groups; the single tests last, the small units

@@ -143,6 +143,9 @@ CHANGED_FLASH: dict[tuple[str, str], tuple[object, object]] = {}
 # FlowGRPO's pickle reward servers (issue #44, lean/rewards/pickle_servers.py): none configured, as before
 ADDED_RSERV: dict[str, object] = {"reward.pickle_servers": {}}
 CHANGED_RSERV: dict[tuple[str, str], tuple[object, object]] = {}
+# VLM judges over the OpenAI chat API (issue #44, lean/rewards/vlm_judge.py): none named, as before
+ADDED_VLM: dict[str, object] = {"reward.judges": {}}
+CHANGED_VLM: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -163,6 +166,7 @@ ADDED = {
     **ADDED_BRANCH,
     **ADDED_FLASH,
     **ADDED_RSERV,
+    **ADDED_VLM,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -173,6 +177,7 @@ CHANGED = {
     **CHANGED_BRANCH,
     **CHANGED_FLASH,
     **CHANGED_RSERV,
+    **CHANGED_VLM,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

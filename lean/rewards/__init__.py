@@ -11,6 +11,9 @@
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     pickle_servers.py  clients of FlowGRPO's own reward servers (GenEval, DeQA, UnifiedReward): pickle over HTTP
     server.py   ``lean reward serve``: any registered reward over HTTP (FastAPI + uvicorn)
+    judge_templates.py  VLM judges' question templates (FlowGRPO's UnifiedReward, Qwen-VL) and reward.judges options
+    vlm_judge.py        VLMJudge: a VLM at an OpenAI-compatible chat endpoint (vLLM, SGLang) scores each image
+    vlm_server.py       ``lean reward serve --vlm``: a transformers VLM folder under the OpenAI chat API
     scorer.py   Scorer: a run's rewards built once, their weighted sum
 """
 
@@ -33,6 +36,7 @@ from lean.rewards.builtin import COLORS, parse_colors
 from lean.rewards.http import RewardServerError
 from lean.rewards.remote import RemoteReward
 from lean.rewards.scorer import Scorer, build_reward, compute_rewards, weighted_sum
+from lean.rewards.vlm_judge import VLMJudge
 
 __all__ = [
     "COLORS",
@@ -43,6 +47,7 @@ __all__ = [
     "RewardFn",
     "RewardServerError",
     "Scorer",
+    "VLMJudge",
     "build_reward",
     "check_config",
     "check_folder",

@@ -118,12 +118,14 @@ def reward_names() -> list[str]:
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Every weighted reward is registered here or served (``reward.remote``), every model reward computed here
-    has a folder with the files it needs, and every reward computed here passes its :data:`CONFIG_CHECKS`."""
+    """Every weighted reward is registered here or computed elsewhere (``reward.remote``, ``reward.pickle_servers``,
+    ``reward.judges``), every model reward computed here has a folder with the files it needs, and every reward
+    computed here passes its :data:`CONFIG_CHECKS`."""
     r = cfg.reward
     known = reward_names()
+    elsewhere = {*r.remote, *r.pickle_servers, *r.judges}
     for name, weight in r.weights.items():
-        if name not in known and name not in r.remote and name not in r.pickle_servers:
+        if name not in known and name not in elsewhere:
             raise ConfigError(
                 f"reward.weights.{name}",
                 weight,
@@ -134,9 +136,9 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         if name not in r.remote:  # a served reward's folder is on the server's machine
             check_folder(f"reward.models.{name}.folder", name, entry.folder)
     for name in r.weights:
-        if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
+        if name in MODEL_REWARDS and name not in elsewhere and name not in r.models:
             raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
-        if name in CONFIG_CHECKS and name not in r.remote:
+        if name in CONFIG_CHECKS and name not in elsewhere:
             CONFIG_CHECKS[name](cfg)
 
 

@@ -10,6 +10,7 @@ The last failure is one :class:`RewardServerError` line naming the reward, the U
 from __future__ import annotations
 
 import http.client
+import os
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +43,15 @@ class RetryOptions:
         check_positive(f"{key}.timeout_s", self.timeout_s)
         check_positive(f"{key}.retries", self.retries, strict=False)
         check_positive(f"{key}.backoff_s", self.backoff_s, strict=False)
+
+
+def json_headers(token_env: str | None) -> dict[str, str]:
+    """A JSON request's headers, with ``Authorization: Bearer <token>`` when ``token_env`` names the token's
+    environment variable."""
+    headers = {"Content-Type": "application/json"}
+    if token_env is not None:
+        headers["Authorization"] = f"Bearer {os.environ.get(token_env, '')}"
+    return headers
 
 
 def post_with_retries(

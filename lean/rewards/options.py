@@ -1,5 +1,5 @@
-"""The ``reward`` section: the weighted rewards, what is decoded, and the model rewards' and remote rewards' settings
-(registered with ``lean.config.sections``; a reward's own options would be a group registered under
+"""The ``reward`` section: the weighted rewards, what is decoded, and the model rewards', remote rewards' and VLM
+judges' settings (registered with ``lean.config.sections``; a reward's own options would be a group registered under
 ``reward.<name>``)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from lean.config.checks import ConfigError, check_positive, choice, choices
 from lean.config.dtypes import DTYPES
 from lean.config.sections import register_options
 from lean.rewards.http import RetryOptions
+from lean.rewards.judge_templates import VLMJudgeConfig
 
 
 @dataclass
@@ -107,7 +108,7 @@ class RewardConfig:
     """What a sample scores: a weighted sum of registered rewards (``lean.rewards``)."""
 
     weights: dict[str, float] = field(default_factory=lambda: {"color_match": 1.0})
-    """reward name (``lean.rewards.REWARDS`` or ``MODEL_REWARDS``, or one of ``remote``) -> weight."""
+    """reward name (``lean.rewards.REWARDS`` or ``MODEL_REWARDS``, or one of ``remote`` or ``judges``) -> weight."""
     decode: str = choice("decode target")
     """What is decoded and scored: a name of ``lean.sampling.rollout.DECODE_TARGETS`` (the final sample, or DanceGRPO's
     prediction of x_0 at the last step)."""
@@ -122,6 +123,9 @@ class RewardConfig:
     """reward name -> the server that computes it (the name need not be registered in this process)."""
     pickle_servers: dict[str, PickleServerConfig] = field(default_factory=dict)
     """FlowGRPO's server reward name (geneval, deqa, unifiedreward_remote) -> the server that computes it."""
+    judges: dict[str, VLMJudgeConfig] = field(default_factory=dict)
+    """reward name (your choice, e.g. unifiedreward) -> a VLM judge at an OpenAI-compatible chat endpoint
+    (``lean.rewards.judge_templates``, ``lean.rewards.vlm_judge``)."""
 
     def validate(self) -> None:
         """The fields alone; which rewards exist and what their folders hold is ``lean.rewards.check_config``'s."""
@@ -134,3 +138,7 @@ class RewardConfig:
             server.validate(f"reward.pickle_servers.{name}")
         for name, entry in self.models.items():
             entry.validate(f"reward.models.{name}")
+        for name, judge in self.judges.items():
+            if name in self.remote:
+                raise ConfigError(f"reward.judges.{name}", name, "is also under reward.remote: name it in one")
+            judge.validate(f"reward.judges.{name}")

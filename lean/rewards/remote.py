@@ -20,7 +20,6 @@ import base64
 import io
 import json
 import math
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +29,7 @@ from torch import Tensor
 
 from lean.rewards.base import check_inputs
 from lean.rewards.builtin import to_uint8
-from lean.rewards.http import post_with_retries
+from lean.rewards.http import json_headers, post_with_retries
 
 if TYPE_CHECKING:
     from lean.rewards.options import RemoteRewardConfig
@@ -119,12 +118,6 @@ class RemoteReward:
         self.name, self.settings = name, settings
         self.url = settings.url.rstrip("/") + "/score"
 
-    def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.settings.token_env is not None:
-            headers["Authorization"] = f"Bearer {os.environ.get(self.settings.token_env, '')}"
-        return headers
-
     def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
         check_inputs(images, prompts)
         body = json.dumps({"prompts": list(prompts), "images": encode_images(images)}).encode()
@@ -132,7 +125,7 @@ class RemoteReward:
             f"reward {self.name}",
             self.url,
             body,
-            self.headers(),
+            json_headers(self.settings.token_env),
             self.settings,
             lambda a: parse_scores(a, len(prompts)),
         )

@@ -2,8 +2,9 @@
 
 ``total = Σ_name weights[name] · r_name(images, prompts)`` (float64 [B]), with every unweighted component. Each
 ``r_name`` is, in this order: a :class:`lean.rewards.remote.RemoteReward` when ``reward.remote`` names it; a
-:class:`lean.rewards.pickle_servers.PickleServerReward` when ``reward.pickle_servers`` does; a model
-reward (``MODEL_REWARDS``) loaded from ``reward.models.<name>`` onto its device; a built-in function (``REWARDS``).
+:class:`lean.rewards.pickle_servers.PickleServerReward` when ``reward.pickle_servers`` does;
+:class:`lean.rewards.vlm_judge.VLMJudge` when ``reward.judges`` does; a model reward (``MODEL_REWARDS``) loaded from
+``reward.models.<name>`` onto its device; a built-in function (``REWARDS``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 from lean.rewards.base import MODEL_REWARDS, REWARDS, RewardFn
 from lean.rewards.pickle_servers import PickleServerReward
 from lean.rewards.remote import RemoteReward
+from lean.rewards.vlm_judge import VLMJudge
 
 if TYPE_CHECKING:
     from lean.rewards.options import RewardConfig
@@ -29,6 +31,8 @@ def build_reward(name: str, cfg: RewardConfig, device: torch.device | str, remot
         return RemoteReward(name, cfg.remote[name])
     if remote and name in cfg.pickle_servers:
         return PickleServerReward(name, cfg.pickle_servers[name])
+    if name in cfg.judges:
+        return VLMJudge(name, cfg.judges[name])
     if name in MODEL_REWARDS:
         if name not in cfg.models:
             raise ValueError(f"reward {name!r} loads a model: set reward.models.{name}.folder")

@@ -1,5 +1,6 @@
 """``lean reward serve``: one registered reward over HTTP (FastAPI + uvicorn), for reward stacks that run in their own
-environment or on their own machine. The protocol and the client are in ``lean.rewards.remote``.
+environment or on their own machine. The protocol and the client are in ``lean.rewards.remote``; ``--vlm FOLDER``
+serves a VLM under the OpenAI chat API instead (``lean.rewards.vlm_server``).
 
     GET  /health  -> {"status": "ok", "reward": name}                         (no token needed)
     POST /score   {"prompts": [...], "images": [base64 PNG | [PNG per frame]]} -> {"scores": [...]}
@@ -39,8 +40,7 @@ def create_app(name: str, reward: RewardFn, token: str | None = None):
 
     @app.post("/score")
     async def score_request(request: Request) -> dict:
-        if token is not None and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
-            raise HTTPException(401, "missing or wrong bearer token")
+        check_token(request, token)
         try:
             prompts, images = parse_request(await request.json())
         except ValueError as err:  # json.JSONDecodeError included
@@ -50,10 +50,23 @@ def create_app(name: str, reward: RewardFn, token: str | None = None):
     return app
 
 
+def check_token(request, token: str | None) -> None:
+    """HTTP 401 unless ``request`` carries ``Authorization: Bearer <token>`` (when the server holds a token)."""
+    from fastapi import HTTPException
+
+    if token is not None and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+        raise HTTPException(401, "missing or wrong bearer token")
+
+
 def serve(name: str, reward: RewardFn, host: str, port: int, token_env: str | None = None) -> None:
     """Serve ``reward`` until interrupted; the token is read from the environment variable ``token_env``."""
+    token = os.environ[token_env] if token_env is not None else None
+    run_app(create_app(name, reward, token), name, host, port, token)
+
+
+def run_app(app, what: str, host: str, port: int, token: str | None) -> None:
+    """Run ``app`` under uvicorn until interrupted, after one line saying what is served where."""
     import uvicorn
 
-    token = os.environ[token_env] if token_env is not None else None
-    print(f"lean reward serve: {name} on http://{host}:{port}" + (" (bearer token)" if token else ""), flush=True)
-    uvicorn.run(create_app(name, reward, token), host=host, port=port, log_level="warning")
+    print(f"lean reward serve: {what} on http://{host}:{port}" + (" (bearer token)" if token else ""), flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
