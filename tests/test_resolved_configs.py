@@ -140,6 +140,15 @@ CHANGED_BRANCH: dict[tuple[str, str], tuple[object, object]] = {}
 # algorithm.name=flash_grpo (Shredded-Pork/Flash-GRPO at 8cfc973, train_wanx2_1_flash.py:697: the first 10)
 ADDED_FLASH: dict[str, object] = {"algorithm.flash_grpo.steps": 10}
 CHANGED_FLASH: dict[tuple[str, str], tuple[object, object]] = {}
+# Group-wise rewards (issue #44, lean/rewards/groupwise.py): Pref-GRPO's win rate's judge and credit, read only when
+# reward.weights names win_rate (no preset does): the Bradley-Terry judge, no reward named, Pref-GRPO's count of wins
+ADDED_GROUPWISE: dict[str, object] = {
+    "reward.win_rate.judge": "bradley_terry",
+    "reward.win_rate.judge_reward": None,
+    "reward.win_rate.temperature": 1.0,
+    "reward.win_rate.credit": "verdict",
+}
+CHANGED_GROUPWISE: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -158,6 +167,7 @@ ADDED = {
     **ADDED_AWM,
     **ADDED_BRANCH,
     **ADDED_FLASH,
+    **ADDED_GROUPWISE,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -167,6 +177,7 @@ CHANGED = {
     **CHANGED_AWM,
     **CHANGED_BRANCH,
     **CHANGED_FLASH,
+    **CHANGED_GROUPWISE,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 
