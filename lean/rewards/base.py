@@ -10,7 +10,7 @@ frame as an image and averaging over the frames: ``r(video_b) = (1/F) Σ_f r(fra
 * :data:`GROUP_REWARDS`: group-wise rewards (``lean.rewards.groupwise``): a :class:`GroupReward` class scores the
   samples of one prompt together (Pref-GRPO's win rate), so it is computed once the whole group is decoded.
 
-A reward name is in at most one of them (:func:`reward_names` lists them all).
+A reward name is in at most one of them (:func:`reward_names` lists the per-sample ones).
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ def _check_unique(name: str) -> None:
 
 
 def reward_names() -> list[str]:
-    """Every registered reward: the functions, the model rewards, then the group-wise rewards."""
-    return [*REWARDS, *MODEL_REWARDS, *GROUP_REWARDS]
+    """Every registered per-sample reward (what ``lean reward serve`` serves): the functions, then the model
+    rewards; :data:`GROUP_REWARDS` holds the group-wise ones."""
+    return [*REWARDS, *MODEL_REWARDS]
 
 
 def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -172,7 +173,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     has a folder with the files it needs, and every group-wise reward gets whole groups
     (``GroupReward.check_config``)."""
     r = cfg.reward
-    known = reward_names()
+    known = [*reward_names(), *GROUP_REWARDS]
     for name, weight in r.weights.items():
         if name not in known and name not in r.remote:
             raise ConfigError(

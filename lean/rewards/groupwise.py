@@ -33,7 +33,7 @@ from lean.config import ConfigError
 from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
 from lean.config.sections import register_options
-from lean.rewards.base import GROUP_REWARDS, GroupReward, RewardFn, register_group, reward_names
+from lean.rewards.base import GroupReward, RewardFn, register_group, reward_names
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -106,7 +106,7 @@ class PairwiseWinRate(GroupReward):
             return
         if options.judge_reward is None:
             raise ConfigError(key, None, "name the per-sample reward the bradley_terry judge compares")
-        known = [n for n in reward_names() if n not in GROUP_REWARDS]
+        known = reward_names()
         if options.judge_reward not in [*known, *cfg.reward.remote]:
             why = "must be a per-sample reward (registered or in reward.remote); known: " + ", ".join(sorted(known))
             raise ConfigError(key, options.judge_reward, why)
