@@ -66,6 +66,7 @@ def _reordered(scored):
         (["reward.weights={win_rate: 1.0}"], "reward.win_rate.judge_reward"),
         ([*WIN_RATE, "reward.win_rate.judge_reward=win_rate"], "reward.win_rate.judge_reward"),
         ([*WIN_RATE, "reward.remote.win_rate.url=http://127.0.0.1:1"], "reward.remote.win_rate"),
+        ([*WIN_RATE, "reward.win_rate.judge_reward=pickscore"], "reward.models.pickscore.folder"),
     ],
 )
 def test_what_a_group_wise_reward_refuses(sets, key):

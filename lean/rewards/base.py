@@ -186,10 +186,16 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         if name not in r.remote:  # a served reward's folder is on the server's machine
             check_folder(f"reward.models.{name}.folder", name, entry.folder)
     for name in r.weights:
-        if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
-            raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
+        check_model_entry(cfg, name)
         if name in GROUP_REWARDS:
             GROUP_REWARDS[name].check_config(name, cfg, world_size)
+
+
+def check_model_entry(cfg: RunConfig, name: str) -> None:
+    """A ConfigError unless reward ``name``, when a model reward computed here, has its ``reward.models.<name>``."""
+    r = cfg.reward
+    if name in MODEL_REWARDS and name not in r.remote and name not in r.models:
+        raise ConfigError(f"reward.models.{name}.folder", None, f"set the local model folder of reward {name}")
 
 
 def check_folder(key: str, name: str, folder: str | None) -> None:

@@ -33,7 +33,7 @@ from lean.config import ConfigError
 from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
 from lean.config.sections import register_options
-from lean.rewards.base import GroupReward, RewardFn, register_group, reward_names
+from lean.rewards.base import GroupReward, RewardFn, check_model_entry, register_group, reward_names
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -110,6 +110,7 @@ class PairwiseWinRate(GroupReward):
         if options.judge_reward not in [*known, *cfg.reward.remote]:
             why = "must be a per-sample reward (registered or in reward.remote); known: " + ", ".join(sorted(known))
             raise ConfigError(key, options.judge_reward, why)
+        check_model_entry(cfg, options.judge_reward)
 
     def score_group(self, images: Tensor, prompt: str) -> Tensor:
         pairs = group_pairs(len(images))
