@@ -100,3 +100,43 @@ def test_every_schedule_trains_on_a_group_wise_reward_and_the_float64_certificat
     assert passes(report, cfg.model.torch_dtype)
     for r in report["reference"].values():
         assert r["rel_norm_diff"] < 1e-10
+
+
+@pytest.mark.timeout(120)
+def test_a_group_wise_reward_scored_beside_the_rollout_finishes_each_group_with_the_rewards_of_scoring_after_it():
+    from lean.parallel.distributed import World
+    from lean.run.iteration import build_pipeline
+    from lean.schedules import SCHEDULES
+
+    # groups of 4 in micro-batches of 2: a group's first micro-batch is held until its second is scored
+    sets = [*WIN_RATE, "parallel.layout=group", "train.group_size=4", "train.rollout_batch_size=2"]
+    rolled = {}
+    for async_scoring in (False, True):
+        pipeline = build_pipeline(tiny(*sets, f"reward.async_scoring={async_scoring}"), World())
+        rolled[async_scoring] = pipeline.roll_out(0, SCHEDULES["reweight"])
+    assert pipeline.scoring(rolled[True].ctx, rolled[True].batch).worker is not None
+    assert rolled[True].finished is not None and rolled[True].finished.rows == 8  # each group as it was scored
+    assert torch.equal(rolled[False].rewards, rolled[True].rewards) and not rolled[True].rewards.isnan().any()
+    win_rate = rolled[True].parts["win_rate"].view(2, 4)
+    assert torch.equal(win_rate.sum(dim=1), torch.full((2,), 2.0, dtype=torch.float64))  # G / 2 per group
+
+
+@pytest.mark.timeout(120)
+def test_a_judge_whose_server_is_down_keeps_the_whole_rollout(tmp_path):
+    from helpers import free_port
+    from safetensors.torch import load_file
+
+    from lean.parallel.distributed import World
+    from lean.rewards import RewardServerError
+    from lean.run.iteration import build_pipeline
+    from lean.schedules import SCHEDULES
+
+    url = f"http://127.0.0.1:{free_port()}"
+    served = [f"reward.remote.judge.url={url}", "reward.remote.judge.retries=0"]
+    cfg = tiny("reward.weights={win_rate: 1.0}", "reward.win_rate.judge_reward=judge", *served, "parallel.layout=group")
+    pipeline = build_pipeline(cfg, World())
+    pipeline.failed_rollouts = tmp_path
+    with pytest.raises(RewardServerError, match=f"reward judge: server {url}/score"):
+        pipeline.roll_out(0, SCHEDULES["reweight"])
+    saved = load_file(tmp_path / "0.safetensors")
+    assert saved["latents"].shape[0] == saved["images"].shape[0] == cfg.samples_per_iteration
