@@ -146,6 +146,15 @@ CHANGED_RSERV: dict[tuple[str, str], tuple[object, object]] = {}
 # VLM judges over the OpenAI chat API (issue #44, lean/rewards/vlm_judge.py): none named, as before
 ADDED_VLM: dict[str, object] = {"reward.judges": {}}
 CHANGED_VLM: dict[tuple[str, str], tuple[object, object]] = {}
+# Group-wise rewards (issue #44, lean/rewards/groupwise.py): Pref-GRPO's win rate's judge and credit, read only when
+# reward.weights names win_rate (no preset does): the Bradley-Terry judge, no reward named, Pref-GRPO's count of wins
+ADDED_GROUPWISE: dict[str, object] = {
+    "reward.win_rate.judge": "bradley_terry",
+    "reward.win_rate.judge_reward": None,
+    "reward.win_rate.temperature": 1.0,
+    "reward.win_rate.credit": "verdict",
+}
+CHANGED_GROUPWISE: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -167,6 +176,7 @@ ADDED = {
     **ADDED_FLASH,
     **ADDED_RSERV,
     **ADDED_VLM,
+    **ADDED_GROUPWISE,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -178,6 +188,7 @@ CHANGED = {
     **CHANGED_FLASH,
     **CHANGED_RSERV,
     **CHANGED_VLM,
+    **CHANGED_GROUPWISE,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

@@ -10,7 +10,10 @@ Only the last micro-batch's scoring (and whatever the worker had not finished) s
 hidden depends on where the work runs: a host-side or remote reward (JPEG, OCR, a reward server) hides behind a GPU
 rollout; on a CPU, torch releases the GIL inside its kernels, so with one torch thread per process the decoder and the
 rewards run on a second core. Rewards are the same numbers as when scored after the rollout: each sample's score
-depends on its own image only (the rewards are per-sample functions; a model reward's batch size is its own key).
+depends on its own image only (the rewards are per-sample functions; a model reward's batch size is its own key), or,
+for a group-wise reward (``lean.rewards.groupwise``), on its group's: such a reward holds a group's samples until the
+last one is scored (``lean.rewards.scorer.ScoreStream``), so a micro-batch's scores may come out with a later one's,
+each batch naming its ``rows``; a group the process holds whole is complete by the end of its rollout.
 
 The iteration's ``reward`` phase is the time the scoring itself took (decode + rewards, summed over micro-batches;
 ``decode`` the decoder's part of it), its ``reward_exposed`` phase the time the rollout's thread waited for it; the
@@ -34,11 +37,13 @@ from torch import Tensor
 
 @dataclass
 class ScoredBatch:
-    """One micro-batch's decoded images and rewards; ``error`` when a reward failed (the images are kept)."""
+    """One micro-batch's decoded images and the rewards it completed; ``error`` when a reward failed (the images are
+    kept)."""
 
     images: Tensor  # [b, 3, H, W] (or [b, 3, F, H, W]) in [0, 1]; a split decode: this process's share
-    rewards: Tensor | None = None  # float64 [b]
-    parts: dict[str, Tensor] = field(default_factory=dict)  # each reward's component [b]
+    rewards: Tensor | None = None  # float64 [r]
+    parts: dict[str, Tensor] = field(default_factory=dict)  # each reward's component [r]
+    rows: Tensor | None = None  # long [r]: the local rows ``rewards`` are of; None: the micro-batch's own b, in order
     error: Exception | None = None
     seconds: float = 0.0
     decode_s: float = 0.0  # of seconds, the decoder's
@@ -60,9 +65,17 @@ def merge_shares(mine: ScoredBatch, every: list[tuple]) -> ScoredBatch:
     )
 
 
-def joined_parts(batches: list[ScoredBatch]) -> dict[str, Tensor]:
-    """Each reward's component over ``batches``, in row order."""
-    return {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts}
+def placed(batches: list[ScoredBatch], starts: list[int], n: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """(rewards [n], each reward's component [n]) of ``batches``, every batch's values at its ``rows`` (None: the n_k
+    rows from its ``starts``); NaN at rows whose group is not complete yet."""
+    rewards = torch.full((n,), torch.nan, dtype=torch.float64)
+    parts: dict[str, Tensor] = {}
+    for batch, start in zip(batches, starts, strict=True):
+        rows = batch.rows if batch.rows is not None else slice(start, start + len(batch.rewards))
+        rewards[rows] = batch.rewards.to(torch.float64)
+        for k, v in batch.parts.items():
+            parts.setdefault(k, torch.full((n,), torch.nan, dtype=torch.float64))[rows] = v.to(torch.float64)
+    return rewards, parts
 
 
 ScoreFn = Callable[[Tensor, list[str]], ScoredBatch]
@@ -113,9 +126,13 @@ class RolloutScoring:
         self.score = timed(score)
         self.worker = worker
         self.batches: list[ScoredBatch | Future | tuple[Tensor, list[str]]] = []
+        self.starts: list[int] = []  # each batch's first row
+        self.submitted = 0  # rows so far
 
     def submit(self, final: Tensor, prompts: list[str]) -> None:
         final, prompts = final.detach(), list(prompts)
+        self.starts.append(self.submitted)
+        self.submitted += len(prompts)
         self.batches.append((final, prompts) if self.worker is None else self.worker.submit(self.score, final, prompts))
 
     def _scored(self, batch) -> ScoredBatch:
@@ -124,12 +141,13 @@ class RolloutScoring:
         return batch.result() if isinstance(batch, Future) else self.score(*batch)
 
     def rewards(self) -> tuple[Tensor, dict[str, Tensor]] | None:
-        """The rewards of every micro-batch so far (float64, row order) and each reward's component, waiting for
-        them; None if a reward failed (``collect`` then returns the error with the images)."""
+        """The rewards of every micro-batch so far (float64, row order; NaN at a row whose group-wise reward waits for
+        the rest of its group) and each reward's component, waiting for them; None if a reward failed (``collect``
+        then returns the error with the images)."""
         batches = self._resolve()
         if any(b.error is not None for b in batches):
             return None
-        return torch.cat([b.rewards for b in batches]), joined_parts(batches)
+        return placed(batches, self.starts, self.submitted)
 
     def _resolve(self) -> list[ScoredBatch]:
         try:
@@ -144,8 +162,7 @@ class RolloutScoring:
         images, so the caller can keep the rollout before it raises."""
         batches = self._resolve()
         error = next((b.error for b in batches if b.error is not None), None)
-        rewards = None if error is not None else torch.cat([b.rewards for b in batches])
-        parts = {} if error is not None else joined_parts(batches)
+        rewards, parts = (None, {}) if error is not None else placed(batches, self.starts, self.submitted)
         shares = [b.images for b in batches if len(b.images)]  # a split decode's share may be empty
         images = torch.cat(shares) if shares else torch.zeros(0)
         busy_s, decode_s = sum(b.seconds for b in batches), sum(b.decode_s for b in batches)

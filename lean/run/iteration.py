@@ -58,6 +58,7 @@ from lean.parallel.layout import finish_unit, finishing_units, local_slice
 from lean.parallel.overlap.p2p import Overlap
 from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
+from lean.rewards.scorer import ScoreStream
 from lean.run.async_scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
 from lean.sampling.rollout import (
     RolloutHooks,
@@ -364,18 +365,23 @@ class IterationPipeline:
         total, parts = self.scorer(images, prompts)
         return total.to(torch.float64), parts
 
-    def decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
-        """Decode x_T [b, ...] and score the images; a reward server's failure is returned with the images. Under
-        sequence parallelism with ``parallel.split_decode``, this process's share of the rows, the rewards then
-        gathered over its group (``lean.run.async_scoring``)."""
+    def decode_and_score(
+        self, final: Tensor, prompts: list[str], tally: FlopTally, stream: ScoreStream | None = None
+    ) -> ScoredBatch:
+        """Decode x_T [b, ...] and score the images, through ``stream`` when a group-wise reward holds samples for
+        their group (``lean.rewards.scorer.ScoreStream``); a reward server's failure is returned with the images.
+        Under sequence parallelism with ``parallel.split_decode`` (no group-wise reward), this process's share of the
+        rows, the rewards then gathered over its group (``lean.run.async_scoring``)."""
         if self.world.sequence_parallel == 1 or not self.cfg.parallel.split_decode:
-            return self._decode_and_score(final, prompts, tally)
+            return self._decode_and_score(final, prompts, tally, stream)
         rows = self.world.sequence_share(len(prompts))
         mine = self._decode_and_score(final[rows], prompts[rows], tally)
         every = self.world.gather_over_sequence_group((mine.rewards, mine.parts, mine.error))
         return merge_shares(mine, every)
 
-    def _decode_and_score(self, final: Tensor, prompts: list[str], tally: FlopTally) -> ScoredBatch:
+    def _decode_and_score(
+        self, final: Tensor, prompts: list[str], tally: FlopTally, stream: ScoreStream | None = None
+    ) -> ScoredBatch:
         if not len(prompts):  # a split decode's empty share (fewer rows than processes)
             return ScoredBatch(final.new_empty(0), torch.zeros(0, dtype=torch.float64))
         start = time.perf_counter()
@@ -384,10 +390,13 @@ class IterationPipeline:
         synchronize(self.world.device)
         decode_s = time.perf_counter() - start
         try:
-            rewards, parts = self.reward(images, prompts)
+            if stream is None:
+                rows, (rewards, parts) = None, self.reward(images, prompts)
+            else:  # the rows whose every reward is known: a group-wise reward's complete groups
+                rows, rewards, parts = stream(images, prompts)
         except RewardServerError as err:
             return ScoredBatch(images, error=err, decode_s=decode_s)
-        return ScoredBatch(images, rewards, parts, decode_s=decode_s)
+        return ScoredBatch(images, rewards, parts, rows, decode_s=decode_s)
 
     def scoring(self, ctx: IterationContext, batch: LocalBatch) -> RolloutScoring:
         """How the rollout's micro-batches are scored (``lean.run.async_scoring``): in a worker thread while the next
@@ -395,9 +404,9 @@ class IterationPipeline:
         sees only its own thread), else after the rollout, in this thread."""
         micro_batches = -(-len(batch.prompts) // self.cfg.train.rollout_batch_size)
         concurrent = self.cfg.reward.async_scoring and micro_batches > 1 and not ctx.tally.counting
-        _ = self.scorer  # build the rewards (a model reward loads here) before a worker needs them
-        worker = self.score_worker if concurrent else None
-        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally), worker)
+        worker = self.score_worker if concurrent else None  # the rewards are built (a model loads) before it runs
+        stream = self.scorer.stream(batch.local_group_ids()) if self.scorer.groupwise else None
+        return RolloutScoring(lambda final, prompts: self.decode_and_score(final, prompts, ctx.tally, stream), worker)
 
     def score(self, ctx: IterationContext, final: Tensor, prompts: list[str], scoring: RolloutScoring) -> tuple:
         """The rewards of the micro-batches ``scoring`` was handed: (total float64 [B_local], each reward's component).
