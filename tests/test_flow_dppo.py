@@ -20,7 +20,9 @@ DPPO = ["algorithm.name=flow_dppo", "model.dtype=float64"]
 
 
 def _step(v: torch.Tensor, x: torch.Tensor, sigmas: torch.Tensor, j: int, x_next: torch.Tensor | None = None):
-    return sde_step_with_logprob(Sde("flow_grpo", 0.7, sigmas), v, x, j, prev_sample=x_next)
+    # the step's noise from a seeded generator: the global RNG's state depends on which tests ran before on the worker
+    noise = torch.Generator().manual_seed(1) if x_next is None else None
+    return sde_step_with_logprob(Sde("flow_grpo", 0.7, sigmas), v, x, j, prev_sample=x_next, generator=noise)
 
 
 def published_loss(log_p, log_p_old, mean, mean_old, std, advantages, threshold):
