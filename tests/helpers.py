@@ -151,6 +151,43 @@ def venv_path() -> str:
     return path if venv in path.split(os.pathsep) else os.pathsep.join([venv, path])
 
 
+def served(cmd: list[str], port: int, health: dict, env: dict | None = None, what: str = "the server"):
+    """Starts ``cmd`` (a server on ``port``, in its own process group), waits up to 90 s until ``GET /health``
+    answers ``health``, yields its URL, then stops the group (a context manager: use it in a fixture)."""
+    import contextlib
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    @contextlib.contextmanager
+    def running():
+        process = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert process.poll() is None, process.stdout.read().decode()
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                        assert json.load(answer) == health
+                        break
+                except OSError:
+                    assert time.monotonic() < deadline, f"{what} did not answer /health within 90 s"
+                    time.sleep(0.3)
+            yield url
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=20)
+            process.stdout.close()
+
+    return running()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on (now) on 127.0.0.1."""
     import socket

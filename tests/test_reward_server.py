@@ -5,8 +5,6 @@ the rollout, which ``lean reward score`` re-scores."""
 import http.server
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -14,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import CLIP_PROMPTS, free_port, python, tiny
+from helpers import CLIP_PROMPTS, free_port, python, served, tiny
 from safetensors.torch import load_file
 
 from lean.cli import main
@@ -40,24 +38,8 @@ def color_server():
     cmd = [python(), "-m", "lean.cli", "reward", "serve", "--params", "/dev/null", "--reward", "color_match"]
     cmd += ["--port", str(port), "--token-env", TOKEN_ENV, "--device", "cpu"]
     env = {**os.environ, TOKEN_ENV: "s3cret"}
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    assert json.load(answer) == {"status": "ok", "reward": "color_match"}
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the reward server did not answer /health within 90 s"
-                time.sleep(0.3)
+    with served(cmd, port, {"status": "ok", "reward": "color_match"}, env, "the reward server") as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=20)
-        process.stdout.close()
 
 
 @pytest.mark.timeout(150)

@@ -5,15 +5,13 @@ RewardServerError line naming the endpoint (on which ``lean train`` keeps the ro
 
 import json
 import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from helpers import free_port, python, tiny
+from helpers import free_port, python, served, tiny
 from test_reward_server import junk_server  # noqa: F401 (a fixture: a server answering what the test says)
 
 from lean.cli import main
@@ -84,24 +82,8 @@ def vlm_server(tmp_path_factory):
     cmd = [python(), "-m", "lean.cli", "reward", "serve", "--vlm", str(folder), "--served-model-name", "judge"]
     cmd += ["--port", str(port), "--device", "cpu", "--token-env", TOKEN_ENV]
     env = {**os.environ, TOKEN_ENV: "s3cret"}
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    assert json.load(answer) == {"status": "ok", "model": "judge"}
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the VLM server did not answer /health within 90 s"
-                time.sleep(0.3)
+    with served(cmd, port, {"status": "ok", "model": "judge"}, env, "the VLM server") as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=20)
-        process.stdout.close()
 
 
 def chat(url: str, body: dict) -> dict:
