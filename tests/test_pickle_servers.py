@@ -96,7 +96,8 @@ class PickleServer(http.server.BaseHTTPRequestHandler):
 def server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PickleServer)
     server.requests, server.delay_s, server.answer, server.score = [], 0.0, None, geneval_answer
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # polled every 20 ms: shutdown() waits one poll interval (0.5 s by default) at every test's end
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield server

@@ -93,7 +93,8 @@ class Junk(http.server.BaseHTTPRequestHandler):
 def junk_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Junk)
     server.requests, server.delay_s, server.answer = 0, 0.0, (200, b"")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # polled every 20 ms: shutdown() waits one poll interval (0.5 s by default) at every test's end
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield server
