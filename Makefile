@@ -1,17 +1,19 @@
 # Two commands on a fresh machine:  `make repro` (main job)  and  `make test` (test suite).
 # Each creates ./.venv and installs everything it needs. On a machine without an NVIDIA GPU, torch comes as the
 # CPU build (pinned, so pip never pulls a multi-GB CUDA wheel); with `nvidia-smi` present, the normal CUDA build.
-# One resolve for everything, by uv where it installs (in parallel, byte-compiling on every core: 41 s against pip's
-# 128 s on 2 cores), with pip's own package sources (.ci/uv_args.py); by pip where uv does not install or resolve.
-# Every installed module is byte-compiled: where PYTHONDONTWRITEBYTECODE is set (this machine's environment) Python
-# would otherwise recompile every module in every process. compileall exits 1 on the few files that are not Python 3
-# source (templates, test data of some packages), which nothing imports.
+# One resolve for everything, by uv where it installs (in parallel: 4 s from its cache), with pip's own package sources
+# (.ci/uv_args.py); by pip where uv does not install or resolve. Nothing is byte-compiled at install: compiling every
+# installed module took 80 CPU-s (98 s on 2 cores), most of it for modules nothing imports. Instead every recipe runs
+# with bytecode writing on (`unexport PYTHONDONTWRITEBYTECODE`, which this machine's environment sets): the first
+# process that imports a module caches it in .venv (14 CPU-s for torch, diffusers, transformers, mlflow and lean),
+# and every later process reads it.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 # pytest-xdist workers for `make test` (tests/conftest.py: one torch thread each, the long groups first; 3 on 2 cores
 # keep both busy while a test waits on its processes)
 TEST_WORKERS ?= 3
+unexport PYTHONDONTWRITEBYTECODE
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
 .PHONY: install lint test repro bench ui clean
@@ -19,13 +21,13 @@ TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	if $(BIN)/python -m pip install --quiet uv && \
-	  $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $$($(BIN)/python .ci/uv_args.py) \
+	  $(BIN)/uv pip install --quiet --python $(BIN)/python $$($(BIN)/python .ci/uv_args.py) \
 	    "$(TORCH)" -e ".[test,workbench]"; then :; \
 	else \
-	  $(BIN)/python -m pip install --quiet --no-compile "$(TORCH)" -e ".[test,workbench]" && \
-	  { $(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true; }; \
+	  $(BIN)/python -m pip install --quiet --no-compile "$(TORCH)" -e ".[test,workbench]"; \
 	fi
-	$(BIN)/python -m compileall -q -j 0 lean pipelines > /dev/null
+	# what nearly every process imports, compiled once here rather than by the first few processes at once
+	$(BIN)/python -c "import torch, diffusers.models.transformers, transformers, peft, mlflow, matplotlib, lean.cli"
 	touch $@
 
 install: $(BIN)/.installed
