@@ -189,12 +189,21 @@ def served(cmd: list[str], port: int, health: dict, env: dict | None = None, wha
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on (now) on 127.0.0.1."""
+    """A TCP port nothing listens on (now) on 127.0.0.1, below the kernel's ephemeral range (32768-60999): a port
+    bind(0) hands out may be taken, before the test's server binds it, by any outgoing connection of the other
+    workers' processes (a rank's TCPStore then failed with EADDRINUSE); a random one below that range is not."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 CLIP_PROMPTS = ["a red circle on a white background", "a blue square on the left", "a photo", "a cat"]

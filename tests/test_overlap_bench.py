@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import python
+from helpers import free_port, python
 
 from lean.config import ConfigError
-from lean.parallel.launch import free_port
 from lean.parallel.overlap import sim
 from lean.tools.bench import overlap, overlap_report
 

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import venv_path
+from helpers import free_port, venv_path
 
 from lean.config import DEFAULT_PROMPTS, ConfigError
 from lean.configure import load_config
 from lean.models.options import ModelConfig
-from lean.parallel.launch import free_port
 from lean.rewards import compute_rewards
 from lean.workbench import data
 from lean.workbench.method import compare_updates, run_advantage, run_rollout, run_update
