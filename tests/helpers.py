@@ -188,6 +188,46 @@ def served(cmd: list[str], port: int, health: dict, env: dict | None = None, wha
     return running()
 
 
+class QuietHandler:
+    """A mix-in for the tests' ``http.server`` handlers: :meth:`reply` sends a status and body (a client that gave
+    up, timed out, is no error), and nothing is logged."""
+
+    def reply(self, status: int, body: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client gave up (timed out)
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def http_server(handler, **attributes):
+    """A ``ThreadingHTTPServer`` on a free 127.0.0.1 port serving ``handler`` in a thread, with ``attributes`` set on
+    it (what the handler reads and counts); a context manager that shuts it down."""
+    import contextlib
+    import http.server
+    import threading
+
+    @contextlib.contextmanager
+    def running():
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        for name, value in attributes.items():
+            setattr(server, name, value)
+        # polled every 20 ms: shutdown() waits one poll interval (0.5 s by default) at every test's end
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        thread.start()
+        try:
+            yield server
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    return running()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on (now) on 127.0.0.1, below the kernel's ephemeral range (32768-60999): a port
     bind(0) hands out may be taken, before the test's server binds it, by any outgoing connection of the other

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import pickle
-import threading
 import time
 import traceback
 from collections import defaultdict
@@ -17,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from helpers import free_port, tiny
+from helpers import QuietHandler, free_port, http_server, tiny
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -69,7 +68,7 @@ def outputs_answer(request: dict) -> dict:
     return {"outputs": np.array([brightness(j) for j in request["images"]])}
 
 
-class PickleServer(http.server.BaseHTTPRequestHandler):
+class PickleServer(QuietHandler, http.server.BaseHTTPRequestHandler):
     """FlowGRPO's server loop: unpickle the request, ``server.score`` it, pickle the answer; a failure is HTTP 500
     with the traceback. ``server.answer`` (status, body), when set, replaces the answer; every request is kept."""
 
@@ -81,29 +80,13 @@ class PickleServer(http.server.BaseHTTPRequestHandler):
             status, answer = self.server.answer or (200, pickle.dumps(self.server.score(request)))
         except Exception:
             status, answer = 500, traceback.format_exc().encode()
-        try:
-            self.send_response(status)
-            self.end_headers()
-            self.wfile.write(answer)
-        except OSError:  # the client gave up (timed out)
-            pass
-
-    def log_message(self, *args):
-        pass
+        self.reply(status, answer)
 
 
 @pytest.fixture
 def server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PickleServer)
-    server.requests, server.delay_s, server.answer, server.score = [], 0.0, None, geneval_answer
-    # polled every 20 ms: shutdown() waits one poll interval (0.5 s by default) at every test's end
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
+    with http_server(PickleServer, requests=[], delay_s=0.0, answer=None, score=geneval_answer) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def url_of(server) -> str:

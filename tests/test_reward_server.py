@@ -5,14 +5,13 @@ the rollout, which ``lean reward score`` re-scores."""
 import http.server
 import json
 import os
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from helpers import CLIP_PROMPTS, free_port, python, served, tiny
+from helpers import CLIP_PROMPTS, QuietHandler, free_port, http_server, python, served, tiny
 from safetensors.torch import load_file
 
 from lean.cli import main
@@ -70,37 +69,20 @@ def test_png_round_trip_is_exact_on_8_bits():
         assert torch.equal(decode_images(json.loads(json.dumps(encode_images(images)))), images)
 
 
-class Junk(http.server.BaseHTTPRequestHandler):
+class Junk(QuietHandler, http.server.BaseHTTPRequestHandler):
     """Answers every POST with ``server.answer`` (status, body) after ``server.delay_s``; counts the requests."""
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.server.requests += 1
         self.rfile.read(int(self.headers["Content-Length"]))
         time.sleep(self.server.delay_s)
-        status, body = self.server.answer
-        try:
-            self.send_response(status)
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:  # the client gave up (timed out)
-            pass
-
-    def log_message(self, *args):
-        pass
+        self.reply(*self.server.answer)
 
 
 @pytest.fixture
 def junk_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Junk)
-    server.requests, server.delay_s, server.answer = 0, 0.0, (200, b"")
-    # polled every 20 ms: shutdown() waits one poll interval (0.5 s by default) at every test's end
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
+    with http_server(Junk, requests=0, delay_s=0.0, answer=(200, b"")) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.timeout(60)
