@@ -64,9 +64,16 @@ def weighted_sum(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(``Σ weights[name] · rewards[name](images, prompts)`` float64 [B], each unweighted component on the host); a
     group-wise reward scores each group of ``group_ids`` [B] (None: the samples of each prompt)."""
-    grouped = {name: (group_ids,) if isinstance(rewards[name], GroupReward) else () for name in weights}
-    components = {name: rewards[name](images, prompts, *grouped[name]).cpu().to(torch.float64) for name in weights}
+    components = scored(rewards, weights, images, prompts, group_ids)
     return total_of(components, weights), components
+
+
+def scored(
+    rewards: Mapping[str, RewardFn], names, images: Tensor, prompts: list[str], group_ids: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Each reward of ``names`` on the images, float64 [B] on the host (a group-wise one per group of ``group_ids``)."""
+    grouped = {name: (group_ids,) if isinstance(rewards[name], GroupReward) else () for name in names}
+    return {name: rewards[name](images, prompts, *grouped[name]).cpu().to(torch.float64) for name in names}
 
 
 def total_of(components: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
@@ -124,8 +131,7 @@ class ScoreStream:
         rows = torch.arange(self.next_row, self.next_row + len(prompts))
         self.next_row += len(prompts)  # first: a failed call still moves on
         groupwise = self.scorer.groupwise
-        pointwise = {n: f for n, f in self.scorer.rewards.items() if n not in groupwise}
-        parts = {name: reward(images, prompts).cpu().to(torch.float64) for name, reward in pointwise.items()}
+        parts = scored(self.scorer.rewards, [n for n in self.scorer.rewards if n not in groupwise], images, prompts)
         if not groupwise:
             return rows, total_of(parts, self.scorer.weights), parts
         done: list[int] = []

@@ -21,12 +21,11 @@ The templates and the options are in ``lean.rewards.judge_templates``.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -35,6 +34,7 @@ from lean.rewards.base import over_frames
 from lean.rewards.builtin import to_uint8
 from lean.rewards.http import json_headers, post_with_retries
 from lean.rewards.judge_templates import JUDGE_TEMPLATES, parse_score
+from lean.rewards.remote import encode_png
 
 if TYPE_CHECKING:
     from lean.rewards.judge_templates import VLMJudgeConfig
@@ -46,9 +46,7 @@ def data_url(image: Tensor, size: int | None) -> str:
     picture = Image.fromarray(to_uint8(image[None])[0])
     if size is not None:
         picture = picture.resize((size, size))
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    return "data:image/png;base64," + encode_png(np.asarray(picture))
 
 
 def answer_text(answer: bytes) -> str:
