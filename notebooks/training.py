@@ -37,6 +37,7 @@ time_to_reward_gain = 0.08  # set by the report stage (params rl.time_to_reward_
 
 # %%
 import csv
+import itertools
 import json
 import math
 import textwrap
@@ -49,7 +50,7 @@ from lean.algorithms import ALGORITHMS
 from lean.schedules import BASELINE, SCHEDULES
 from lean.workbench.notebook import NotebookLog
 from lean.workbench.reproduction import GRPO_RUN
-from lean.workbench.time_to_reward import eval_curve, time_to_reward
+from lean.workbench.time_to_reward import eval_curve, read_numbers, time_to_reward
 
 schedules = list(SCHEDULES)
 MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN and > NOISE_MULTIPLE x its noise std
@@ -58,11 +59,7 @@ MIN_GAIN, NOISE_MULTIPLE = 0.15, 5  # the eval reward must rise by >= MIN_GAIN a
 def read_rows(schedule: str, name: str, stage: str = "train") -> list[dict]:
     """A run's CSV (metrics.csv, eval.csv) as numbers; no rows when the file is missing (a run without evaluation).
     ``stage``: the folder under outputs: ``train`` (the schedules' runs), ``algorithms`` (the algorithms')."""
-    path = Path(outputs) / stage / schedule / name
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return read_numbers(Path(outputs) / stage / schedule / name)
 
 
 def show_eval_figure(fig, ax, xlabel: str, title: str, name: str) -> None:
@@ -224,10 +221,13 @@ if evaluated and recipe_runs:
 # ## The algorithms side by side
 #
 # The `train` stage also ran each algorithm of `lean/algorithms/` on the same task, from the same base, with the
-# same prompts, samples per iteration and evaluation (`rl.run`, with each algorithm's own keys from
-# `rl.<algorithm>.run`): GRPO-Guard and MixGRPO with Retain (exact for them), DiffusionNFT and online DPO with their own
-# update on re-noised clean samples. GRPO is the `train` stage's Retain run. The x axis is each run's own training CPU
-# seconds; the criterion is the one above (gain >= 0.15 and > 5 x the base's eval-noise std).
+# same prompts and evaluation (`rl.run`, with each algorithm's own keys from `rl.<algorithm>.run`): GRPO-Guard,
+# MixGRPO and Flash-GRPO (one SDE step per trajectory) with Retain (exact for them); BranchGRPO with Retain on a tree
+# rollout (16 leaves per prompt, its fused depth-wise advantages); Flow-DPPO in the recipe's shape (two optimizer
+# steps per rollout, where its trust-region mask differs from GRPO's clip; on-policy it is GRPO to the bit), with
+# Retain's exact hybrid; DiffusionNFT, online DPO and AWM with their own update on re-noised clean samples. GRPO is the
+# `train` stage's Retain run. The x axis is each run's own training CPU seconds; the criterion is the one above (gain
+# >= 0.15 and > 5 x the base's eval-noise std).
 
 # %%
 algorithm_runs = {ALGORITHMS.default: (GRPO_RUN, "train")}  # GRPO's run: the train stage's Retain
@@ -242,7 +242,7 @@ algorithm_reached = {}
 if evaluated and len(algorithm_runs) > 1:
     target = evals[BASELINE][0]["eval_reward_mean"] + time_to_reward_gain
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, (run, stage)), style in zip(algorithm_runs.items(), ("-o", "--s", ":^", "-D", "--v")):
+    for (name, (run, stage)), style in zip(algorithm_runs.items(), itertools.cycle(("-o", "--s", ":^", "-D", "--v"))):
         rows, steps = read_rows(run, "eval.csv", stage), read_rows(run, "metrics.csv", stage)
         curve = eval_curve(rows, steps, "cpu_iteration_s")
         algorithm_reached[name] = time_to_reward(curve, target)

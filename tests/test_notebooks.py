@@ -42,6 +42,8 @@ REQUIRED = {
         "time_to_reward_recipe_retain",
         "time_to_reward_retain",
         "time_to_reward_reweight",
+        "time_to_reward_branch_grpo",  # the algorithms side by side, the tree's and the clean-sample update's too
+        "eval_reward_gain_awm",
     ),
     "overlap": ("overlap_exposed_ms_flash", "overlap_exposed_ms_collective", "sp_exposed_ms_reweight_collective"),
 }

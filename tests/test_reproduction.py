@@ -25,7 +25,9 @@ HERE = {"cpu": "Test CPU 9000", "logical_cores": 2, "torch_threads": 1, "torch":
 ELSEWHERE = {**HERE, "cpu": "Other CPU 1"}
 
 
-def run_figures(vae_mse=0.108, eval_gain=0.230, rel_grad_diff=3.8e-7, curve_shift=0.0, speedup=1.52) -> dict:
+def run_figures(
+    vae_mse=0.108, eval_gain=0.230, rel_grad_diff=3.8e-7, curve_shift=0.0, speedup=1.52, cpu_per_iteration=0.5
+) -> dict:
     """The stage outputs a report reads, as {relative path: JSON}: the committed run's figures by default."""
     curve = [0.54 + 0.003 * i for i in range(80)]
     files = {
@@ -68,12 +70,24 @@ def run_figures(vae_mse=0.108, eval_gain=0.230, rel_grad_diff=3.8e-7, curve_shif
         }
     for name in ("grpo_guard", "mixgrpo", "nft", "dpo"):  # the train stage's algorithm runs
         files[f"algorithms/{name}/metrics.json"] = {"eval_reward_gain": 0.21, "eval_reward_noise_std": 0.018}
+        # the curves time to reward reads: eval reward 0.5656 + 0.01 i after i iterations of cpu_per_iteration s
+        files[f"algorithms/{name}/eval.csv"] = "iteration,eval_reward_mean\n" + "".join(
+            f"{i},{0.5656 + 0.01 * i}\n" for i in (0, 10, 20)
+        )
+        files[f"algorithms/{name}/metrics.csv"] = "iteration,cpu_iteration_s\n" + "".join(
+            f"{i},{cpu_per_iteration}\n" for i in range(20)
+        )
     return files
 
 
 def write_outputs(folder: Path, files: dict) -> Path:
+    """The stage outputs of :func:`run_figures`: JSON, or text as given (CSV)."""
     for name, data in files.items():
-        write_json(folder / name, data)
+        if isinstance(data, str):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(data)
+        else:
+            write_json(folder / name, data)
     return folder
 
 
@@ -120,6 +134,30 @@ def test_a_figure_outside_its_band_is_named(tmp_path, reference):
     assert "NOT REPRODUCED" in result["verdict"] and f"eval_reward_gain_{RETAIN} 0.12" in result["verdict"]
 
 
+def test_an_algorithm_slower_to_reward_or_never_reaching_it_is_named(tmp_path, reference):
+    """rl.time_to_reward_gain 0.06 is reached after 6 iterations of 0.5 CPU s: 3 s, within its band at 0.75 s per
+    iteration (4.5 s), outside at 1.5 s (9 s); a run whose eval reward never reaches it has no time: missing."""
+    rows = {r["figure"]: r for r in check(tmp_path / "same", reference, run_figures())["figures"]}
+    assert rows["time_to_reward_nft"]["value"] == pytest.approx(3.0) and rows["time_to_reward_nft"]["inside"]
+    assert check(tmp_path / "slower", reference, run_figures(cpu_per_iteration=0.75))["reproduced"]
+    slow = check(tmp_path / "slowest", reference, run_figures(cpu_per_iteration=1.5))
+    named = {o["figure"] for o in slow["outside_band"]}
+    assert named == {f"time_to_reward_{name}" for name in ("grpo_guard", "mixgrpo", "nft", "dpo")}
+    never = run_figures()
+    never["algorithms/dpo/eval.csv"] = "iteration,eval_reward_mean\n0,0.5656\n10,0.58\n20,0.6\n"
+    missing = check(tmp_path / "never", reference, never)["outside_band"]
+    assert missing == [
+        {
+            "figure": "time_to_reward_dpo",
+            "value": None,
+            "reference": pytest.approx(3.0),
+            "band": None,
+            "allowed": None,
+            "note": "missing from this run's outputs",
+        }
+    ]
+
+
 def test_curves_that_part_are_named(tmp_path, reference):
     result = check(tmp_path, reference, run_figures(curve_shift=0.05))
     assert [o["figure"] for o in result["outside_band"]] == ["reward_curves_max_diff"]
@@ -161,7 +199,7 @@ def test_pinning_round_trips(tmp_path, reference):
     path = tmp_path / "reference.json"
     loaded = reproduction.load_reference(path)
     assert loaded == json.loads(json.dumps(reference))
-    figures = reproduction.headline_figures(tmp_path / "committed")
+    figures = reproduction.headline_figures(tmp_path / "committed", PARAMS)
     assert loaded["figures"] == {name: f.value for name, f in figures.items()}
     assert loaded["measured_on"] == {"bench": HERE, "overlap": HERE}
     assert {k: loaded["params"][k] for k in ("rl", "bench")} == {k: PARAMS[k] for k in ("rl", "bench")}

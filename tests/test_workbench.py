@@ -181,6 +181,20 @@ TINY = {
             "run": {"train": {"prompts_per_iteration": 4, "optimizer_steps_per_iteration": 2, "iterations": 1}},
             "schedules": ["recompute", "retain"],
         },
+        # the runs that set their own length and batch: a tree of 4 leaves on 4 steps, the recipe's shape
+        "branch_grpo": {
+            "run": {
+                "algorithm": {"name": "branch_grpo"},
+                "sample": {"tree": {"branch_points": [0, 1]}},
+                "train": {"schedule": "retain", "group_size": 4, "rollout_batch_size": 8, "train_batch_size": 8},
+            }
+        },
+        "flow_dppo": {
+            "run": {
+                "algorithm": {"name": "flow_dppo"},
+                "train": {"schedule": "retain", "prompts_per_iteration": 4, "optimizer_steps_per_iteration": 2},
+            }
+        },
         "time_to_reward_gain": -1.0,  # a target every run reaches: the notebook's time-to-reward cell runs through
     },
     "bench": {

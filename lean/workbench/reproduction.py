@@ -25,6 +25,7 @@ another (``make bench`` re-measures them here).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -38,6 +39,7 @@ from lean.algorithms import ALGORITHMS
 from lean.observe import provenance
 from lean.observe.outputs import write_json
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.workbench.time_to_reward import run_time_to_reward
 
 GRPO_RUN = LEAN_SCHEDULES[0]
 """GRPO's run among the algorithms side by side: the train stage's Retain run (the others: outputs/algorithms/)."""
@@ -84,6 +86,10 @@ FAMILIES = {
     "reward_curves_max_diff": ("train", "largest gap between a schedule's reward curve and the baseline's"),
     "algorithm_eval_reward_gain": ("train", "eval reward after an algorithm's run minus the base's"),
     "algorithm_gain_over_noise": ("train", "an algorithm's eval gain in units of the eval-noise std"),
+    "algorithm_time_to_reward": (
+        "train",
+        "an algorithm's training CPU seconds until its eval reward reaches the base's + rl.time_to_reward_gain",
+    ),
     "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
     "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
     "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
@@ -149,15 +155,17 @@ class FigureSet:
             self.add(f"eval_gain_over_noise_{name}", over_noise_family, gain / noise)
 
 
-def headline_figures(outputs: str | Path) -> dict[str, Figure]:
-    """The headline figures of the run under ``outputs``, by name; a stage whose output is absent contributes none."""
+def headline_figures(outputs: str | Path, params: Mapping[str, Any] | None = None) -> dict[str, Figure]:
+    """The headline figures of the run under ``outputs``, by name; a stage whose output is absent contributes none.
+    ``params`` (params.yaml) gives the time-to-reward target (``rl.time_to_reward_gain``); None: no times to reward."""
     outputs, found = Path(outputs), FigureSet()
+    gain = _number(((params or {}).get("rl") or {}).get("time_to_reward_gain"))
     for stage_figures in (
         _prepare_figures,
         _certificate_figures,
         _bf16_certificate_figures,
         _schedule_run_figures,
-        _algorithm_run_figures,
+        functools.partial(_algorithm_run_figures, time_to_reward_gain=gain),
         _bench_figures,
         _overlap_figures,
     ):
@@ -229,13 +237,18 @@ def _largest_gap(curves: Mapping[str, list[float]]) -> float:
     )
 
 
-def _algorithm_run_figures(outputs: Path, found: FigureSet) -> None:
-    """The algorithms side by side: GRPO's is the train stage's Retain run, the others its runs of rl.algorithms."""
+def _algorithm_run_figures(outputs: Path, found: FigureSet, time_to_reward_gain: float | None) -> None:
+    """The algorithms side by side: GRPO's is the train stage's Retain run, the others its runs of rl.algorithms.
+    Each one's eval gain and, given the target's gain, its time to reward (absent when never reached: the band then
+    reports the figure missing)."""
     runs = {ALGORITHMS.default: outputs / "train" / GRPO_RUN}
     runs.update({p.name: p for p in sorted((outputs / "algorithms").glob("*")) if p.is_dir()})
     for name, folder in runs.items():
         if run := read_json(folder / "metrics.json"):
             found.add_eval_gain(run, name, "algorithm_eval_reward_gain", "algorithm_gain_over_noise")
+            if time_to_reward_gain is not None:
+                seconds = run_time_to_reward(folder, time_to_reward_gain)
+                found.add(f"time_to_reward_{name}", "algorithm_time_to_reward", seconds)
 
 
 def _bench_figures(outputs: Path, found: FigureSet) -> None:
@@ -294,7 +307,7 @@ def pin(outputs: str | Path, params: Mapping[str, Any], path: str | Path = REFER
     """Writes the reference at ``path`` from the run under ``outputs``: its headline figures, the params sections
     they depend on, where the benchmarks were measured (a group measured before provenance:
     ``lean.observe.provenance.UNKNOWN``, with the torch threads its config recorded) and the commit it was pinned at."""
-    figures = headline_figures(outputs)
+    figures = headline_figures(outputs, params)
     records = measured_on(outputs)
     if records["bench"] is None:
         threads = ((read_json(Path(outputs) / "bench" / "schedules.json") or {}).get("config") or {}).get("threads")
@@ -406,7 +419,7 @@ def check(
     (``lean.observe.provenance.machine()`` when None). Returns the report (``outputs/report/reproduction.json``)."""
     validate_bands(bands)
     here = dict(here) if here is not None else provenance.machine()
-    figures = headline_figures(outputs)
+    figures = headline_figures(outputs, params)
     ref_figures = dict((reference or {}).get("figures") or {})
     measured = measured_groups(outputs, figures, reference, here)
     rows = [

@@ -17,7 +17,9 @@ differ per sample only in how each step learns (on-policy or not).
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def cumulative(costs: Sequence[float]) -> list[float]:
@@ -43,3 +45,22 @@ def time_to_reward(curve: Sequence[tuple], target: float) -> float | None:
         if r1 >= target:
             return t0 + (t1 - t0) * (target - r0) / (r1 - r0)
     return curve[-1][0] if curve and curve[-1][1] >= target else None
+
+
+def read_numbers(path: str | Path) -> list[dict]:
+    """A run's CSV (``metrics.csv``, ``eval.csv``) as numbers, empty cells left out; no rows when it is missing (a
+    run without evaluation)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def run_time_to_reward(folder: str | Path, gain: float, key: str = "cpu_iteration_s") -> float | None:
+    """The time to reward of the run in ``folder``: when its eval reward first reaches its first evaluation's (the
+    base model's) plus ``gain``; None without evaluations or when it never does."""
+    evals, iterations = read_numbers(Path(folder) / "eval.csv"), read_numbers(Path(folder) / "metrics.csv")
+    if not evals or not iterations or key not in iterations[0]:
+        return None
+    return time_to_reward(eval_curve(evals, iterations, key), evals[0]["eval_reward_mean"] + gain)
