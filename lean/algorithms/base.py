@@ -81,7 +81,9 @@ def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[
     """Means over all (sample, step) terms, for logging; the ratio's largest distance from 1 over all of them and over
     the first update's (the first ``first_update`` entries; None: all), which is on-policy: 1 up to the rounding of
     its recompute (0 for the schedules that reuse the rollout's graph). With per-row regulariser factors
-    (``StepLoss.kl_factor``), ``kl_weighted``: the KL terms' mean weighted by them (GARDO: over its gated terms)."""
+    (``StepLoss.kl_factor``), ``kl_weighted``: the KL terms' mean weighted by them (GARDO: over its gated terms), and
+    its numerator and denominator (``kl_weighted_sum``, ``kl_factor_sum``: summed over processes, their ratio is the
+    whole batch's)."""
     if not losses:
         return {}
     pol = torch.cat([loss.policy.detach() for loss in losses])
@@ -95,10 +97,11 @@ def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[
     }
     if losses[0].kl is not None:
         stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
-        if losses[0].kl_factor is not None:  # the regulariser as the loss weighs it: factor-weighted mean
+        if losses[0].kl_factor is not None:  # the regulariser as the loss weighs it: factor-weighted mean and sums
             factors = torch.cat([loss.kl_factor.to(loss.kl.dtype) for loss in losses])
-            weighted = (factors * torch.cat([loss.kl.detach() for loss in losses])).sum()
-            stats["kl_weighted"] = weighted / factors.sum().clamp_min(torch.finfo(factors.dtype).tiny)
+            stats["kl_weighted_sum"] = (factors * torch.cat([loss.kl.detach() for loss in losses])).sum()
+            stats["kl_factor_sum"] = factors.sum()
+            stats["kl_weighted"] = stats["kl_weighted_sum"] / factors.sum().clamp_min(torch.finfo(factors.dtype).tiny)
     values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs
     return dict(zip(stats, values))
 

@@ -62,8 +62,8 @@ Differences from the source:
   updates per rollout, each update's KL part is its own gated terms over its own N, times N_kept / G.
 * when the reference is reset: the script compares, at every optimizer step, the mean of its micro-steps' gated KL
   means (a micro-step with no gated row counts 0; averaged over processes, :1019-1020, :1039-1041) with the threshold;
-  lean compares the update's mean of kl over its gated kept terms (``kl_weighted``, averaged over processes) once per
-  iteration.
+  lean compares the update's mean of kl over the gated kept terms of every process (``kl_weighted``, from its sums
+  over processes) once per iteration.
 * the diversity's features: DINOv3 ViT-L/16 (:624-631, :713) in the script; lean's ``diversity`` reward has its own
   feature spaces (``reward.diversity.features``: ``pixels``; lean/rewards/diversity.py).
 * ranks break ties by sample order (a stable sort; the script's ``torch.sort`` is not stable, :827), and lean's batch
@@ -96,7 +96,9 @@ from lean.config.sections import register_options
 from lean.parallel.sharding import FSDP
 from lean.sampling.transition import Transition
 
-KL_STATISTIC = "kl_weighted"  # the update's mean KL over its gated terms (lean.algorithms.loss_stats)
+# the update's KL over its gated terms, factor-weighted, and the factors' sum (lean.algorithms.loss_stats): their
+# ratio, each averaged over processes, is the mean over the whole batch's gated terms
+KL_STATISTICS = ("kl_weighted_sum", "kl_factor_sum")
 
 
 def descending_ranks(values: Tensor) -> Tensor:
@@ -152,7 +154,7 @@ class GARDO(GRPO):
 
     uses_snapshot = True  # the reference adapter
     references_snapshot = True
-    feedback = (KL_STATISTIC,)
+    feedback = KL_STATISTICS
 
     def __init__(self, cfg, sigmas):
         super().__init__(cfg, sigmas)
@@ -229,7 +231,9 @@ class GARDO(GRPO):
         return 0.0
 
     def end_iteration(self, iteration: int, stats: dict[str, float]) -> None:
-        self.kl_exceeded = self.kl_exceeded or stats[KL_STATISTIC] > self.options.kl_threshold
+        """Whether the update's mean KL over the gated terms of every process exceeded ``kl_threshold``."""
+        weighted, factors = (stats[k] for k in KL_STATISTICS)
+        self.kl_exceeded = self.kl_exceeded or (factors > 0 and weighted / factors > self.options.kl_threshold)
 
     def state_dict(self) -> dict:
         return {
@@ -265,7 +269,7 @@ class GARDOConfig:
     diversity amplification)."""
     kl_threshold: float = 3e-4
     """The reference is reset after an iteration whose mean KL over its gated terms exceeded it (kl_thres,
-    grpo_gardo.py:29)."""
+    grpo_gardo.py:29; at 0 the rounding of an on-policy KL, ~1e-30 where CFG's halves batch differently, resets)."""
     reset_every: int = 15
     """... and when more than this many iterations passed since the last reset (reset_freq, grpo_gardo.py:22)."""
     gate_fraction: float = 0.1
