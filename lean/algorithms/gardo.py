@@ -19,7 +19,8 @@ Sample i of group g, main reward r_i:
     w_i = 1 if r_i < mean_g r, else d_i / mean_g d                                             (st:42)
     A_i = clamp((r_i - mean_g r) w_i, -adv_clip_max, adv_clip_max)                   [N]       (st:49-50, :966-970)
 
-no division by a std (the tracker's std, st:43-46, is not read for ``gardo``).
+no division by a std (the tracker's std, st:43-46, is not read for ``gardo``; nor are ``algorithm.global_std``,
+``adv_std``, ``adv_eps`` and ``reward_combination`` here).
 
 The gate (:825-836), over the gathered batch of N samples; rank_k(i) in 1..N is sample i's rank by reward k, the
 highest first:
@@ -189,6 +190,8 @@ class GARDO(GRPO):
 
     def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
         """A [N] of the module docstring, from the main reward and the diversity columns of ``components``."""
+        if components is None:
+            raise ValueError("gardo's targets read each reward's values (components), not only their weighted sum")
         main = self.column(components, self.options.main_reward)
         r, inverse, count, mean = _groups(main, group_ids)
         centred = r - mean[inverse]
