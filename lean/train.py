@@ -45,6 +45,7 @@ class Trainer:
         self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
         self.state = TrainState(self.policy.trainable_parameters(), cfg.optimizer, cfg.ema, self.world)
         self.state.snapshot = self.pipeline.snapshot  # checkpointed with the weights
+        self.state.algorithm = self.pipeline.algorithm  # its state across iterations too (GARDO's controller)
 
     @property
     def params(self):

@@ -155,6 +155,23 @@ ADDED_GROUPWISE: dict[str, object] = {
     "reward.win_rate.credit": "verdict",
 }
 CHANGED_GROUPWISE: dict[tuple[str, str], tuple[object, object]] = {}
+# GARDO (issue #43, lean/algorithms/gardo.py): its keys, read only under algorithm.name=gardo; defaults are the source's
+# (yifan123/flow_grpo at 94e23ee: config/grpo_gardo.py:22, :29, :79; scripts/train_sd3_gardo.py:219-237, :826); and the
+# diversity reward's feature space (lean/rewards/diversity.py), read only when reward.weights names diversity
+ADDED_GARDO: dict[str, object] = {
+    "algorithm.gardo.main_reward": "ocr",
+    "algorithm.gardo.gate_rewards": ["aesthetic", "imagereward"],
+    "algorithm.gardo.diversity_reward": "diversity",
+    "algorithm.gardo.kl_threshold": 3e-4,
+    "algorithm.gardo.reset_every": 15,
+    "algorithm.gardo.gate_fraction": 0.1,
+    "algorithm.gardo.gate_step": 0.1,
+    "algorithm.gardo.gate_min": 0.02,
+    "algorithm.gardo.gate_max": 0.2,
+    "algorithm.gardo.gate_window": 20,
+    "reward.diversity.features": "pixels",
+}
+CHANGED_GARDO: dict[tuple[str, str], tuple[object, object]] = {}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -162,6 +179,7 @@ ADDED_PRESETS = {
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
     "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
+    "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
 }
 
 ADDED = {
@@ -177,6 +195,7 @@ ADDED = {
     **ADDED_RSERV,
     **ADDED_VLM,
     **ADDED_GROUPWISE,
+    **ADDED_GARDO,
 }
 CHANGED = {
     **CHANGED_EDITING,
@@ -189,6 +208,7 @@ CHANGED = {
     **CHANGED_RSERV,
     **CHANGED_VLM,
     **CHANGED_GROUPWISE,
+    **CHANGED_GARDO,
 }
 RECORDED = [name for name in PRESETS if name not in ADDED_PRESETS]
 

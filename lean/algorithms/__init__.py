@@ -16,6 +16,7 @@ from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
 from lean.algorithms.flash_grpo import FlashGRPO
 from lean.algorithms.flow_dppo import FlowDPPO
+from lean.algorithms.gardo import GARDO
 from lean.algorithms.groups import STD_ESTIMATORS
 from lean.algorithms.grpo import ALL_ZERO_ADVANTAGES, GRPO, KL_FORMS
 from lean.algorithms.grpo_guard import GRPOGuard
@@ -42,6 +43,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
         ("flash_grpo", FlashGRPO),  # Flash-GRPO (Shredded-Pork): one drawn SDE step per rollout, rectified gradients
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
+        ("gardo", GARDO),  # FlowGRPO's GARDO: gated KL, reference reset, diversity-aware advantages
     ],
 )
 

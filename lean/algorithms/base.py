@@ -11,7 +11,11 @@ An algorithm declares
   * the facts that decide which schedules run it exactly (:attr:`Algorithm.facts`): Retain needs the on-policy
     ratio to be identically 1, Reweight also needs the loss to be linear in the target (its A / Â fold);
   * a float64 reference of that loss for the certificate (``lean equivalence``): the same :meth:`step_loss`,
-    evaluated by a float64 twin of the policy.
+    evaluated by a float64 twin of the policy;
+  * where it needs them (GARDO): a factor on each sample's regulariser known after the rewards
+    (:meth:`Algorithm.regulariser_factors`, weighed by the schedules), its snapshot as the regulariser's reference
+    (:attr:`Algorithm.references_snapshot`), a look at each update's statistics (:meth:`Algorithm.end_iteration`)
+    and a state carried across iterations, checkpointed with the weights (:meth:`Algorithm.state_dict`).
 
 Adding an algorithm is one file in ``lean/algorithms/`` and one ``ALGORITHMS`` line (``lean/algorithms/__init__.py``).
 """
@@ -65,6 +69,9 @@ class StepLoss:
     policy: Tensor  # the term that depends on the target (GRPO: the clipped surrogate)
     kl: Tensor | None  # the target-free regulariser (GRPO: the KL to the reference), or None when it is off
     ratio: Tensor  # p_theta / p_old, detached
+    # each row's factor on ``kl`` known after the rewards (Algorithm.regulariser_factors), as a schedule weighted it,
+    # for the logs; None: 1 (set by the schedules, not by step_loss)
+    kl_factor: Tensor | None = None
 
     def total(self, kl_weight: float) -> Tensor:
         return self.policy if self.kl is None else self.policy + kl_weight * self.kl
@@ -73,7 +80,10 @@ class StepLoss:
 def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[str, float]:
     """Means over all (sample, step) terms, for logging; the ratio's largest distance from 1 over all of them and over
     the first update's (the first ``first_update`` entries; None: all), which is on-policy: 1 up to the rounding of
-    its recompute (0 for the schedules that reuse the rollout's graph)."""
+    its recompute (0 for the schedules that reuse the rollout's graph). With per-row regulariser factors
+    (``StepLoss.kl_factor``), ``kl_weighted``: the KL terms' mean weighted by them (GARDO: over its gated terms), and
+    its numerator and denominator (``kl_weighted_sum``, ``kl_factor_sum``: summed over processes, their ratio is the
+    whole batch's)."""
     if not losses:
         return {}
     pol = torch.cat([loss.policy.detach() for loss in losses])
@@ -87,6 +97,11 @@ def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[
     }
     if losses[0].kl is not None:
         stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
+        if losses[0].kl_factor is not None:  # the regulariser as the loss weighs it: factor-weighted mean and sums
+            factors = torch.cat([loss.kl_factor.to(loss.kl.dtype) for loss in losses])
+            stats["kl_weighted_sum"] = (factors * torch.cat([loss.kl.detach() for loss in losses])).sum()
+            stats["kl_factor_sum"] = factors.sum()
+            stats["kl_weighted"] = stats["kl_weighted_sum"] / factors.sum().clamp_min(torch.finfo(factors.dtype).tiny)
     values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs
     return dict(zip(stats, values))
 
@@ -103,6 +118,10 @@ class Algorithm:
     trains_on: ClassVar[str] = ROLLOUT_STEPS  # or CLEAN_SAMPLES (lean.algorithms.clean_samples)
     uses_snapshot: ClassVar[bool] = False  # keeps a second copy of the trainable weights (lean.run.optimizer.Snapshot)
     trains_trees: ClassVar[bool] = False  # its targets are per edge of a tree rollout (lean.sampling.tree)
+    # the regulariser's reference is the algorithm's snapshot (GARDO's old adapter, reset now and then), not the base
+    # model: the pipeline hands it to the policy (lean.models.policy.Policy.reference_weights); needs uses_snapshot
+    references_snapshot: ClassVar[bool] = False
+    feedback: ClassVar[tuple[str, ...]] = ()  # the update's logged statistics end_iteration reads (loss_stats keys)
 
     def __init__(self, cfg: RunConfig, sigmas: Tensor | None):
         self.cfg = cfg.algorithm
@@ -175,6 +194,33 @@ class Algorithm:
         raise NotImplementedError
 
     @property
+    def weighs_regulariser(self) -> bool:
+        """Whether each sample's regulariser term has a factor known only after the rewards
+        (:meth:`regulariser_factors`): Reweight then keeps one KL buffer per trajectory, and the factors are the
+        whole batch's (its options group declares ``batch_wide``: no group finishes before the last is scored)."""
+        return False
+
+    def regulariser_factors(
+        self, targets: Tensor, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None
+    ) -> Tensor | None:
+        """Each sample's factor [N] (float64) on its regulariser term, from the whole batch's ``targets`` [N] (what
+        :meth:`targets` returned) and what :meth:`targets` read; called once per iteration, after it. None: 1 each
+        (every algorithm that does not :attr:`weighs_regulariser`)."""
+        return None
+
+    def end_iteration(self, iteration: int, stats: dict[str, float]) -> None:
+        """After the update of ``iteration``: its logged statistics named in :attr:`feedback`, averaged over processes
+        (GARDO: the KL that decides when its reference is reset). By default nothing."""
+
+    def state_dict(self) -> dict:
+        """What the algorithm carries from one iteration to the next (GARDO: its gate's controller, its reference's
+        reset clock), as plain Python values, saved with the weights (``lean.run.optimizer.TrainState``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+    @property
     def drops_samples(self) -> bool:
         """Whether :meth:`kept_samples` can leave samples out (then with their regulariser terms)."""
         return False
@@ -201,10 +247,11 @@ class Algorithm:
         mean (None: no regulariser); ``targets`` [B] of its rows."""
         raise NotImplementedError
 
-    def reference_loss(self, policy, step, emb, targets: Tensor) -> Tensor:
+    def reference_loss(self, policy, step, emb, targets: Tensor, kl_factor: Tensor | None = None) -> Tensor:
         """The float64 anchor of the certificate: the total loss [B] of one recorded trained step ``step``
         (a ``lean.sampling.transition.Transition`` holding x_i and x_{i+1}) recomputed by ``policy`` (a float64 twin)
-        with the ratio 1 by construction."""
+        with the ratio 1 by construction; ``kl_factor`` [B]: the rows' :meth:`regulariser_factors` (passed only to
+        an algorithm that :attr:`weighs_regulariser`)."""
         raise NotImplementedError
 
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:

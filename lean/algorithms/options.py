@@ -67,5 +67,7 @@ class AlgorithmConfig:
 
     @property
     def batch_wide(self) -> bool:
-        """Whether a sample's advantage depends on rewards outside its group (the batch's std)."""
-        return self.global_std or self.reward_combination == "gdpo"
+        """Whether a sample's targets depend on rewards outside its group: the batch's std, or what the algorithm's
+        own options group declares (``batch_wide``: GARDO's gate ranks every reward of the batch)."""
+        own = getattr(self, self.name, None)  # the algorithm's own group, where it registered one
+        return self.global_std or self.reward_combination == "gdpo" or bool(getattr(own, "batch_wide", False))

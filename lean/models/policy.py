@@ -3,7 +3,8 @@ encoders.
 
 Flow matching convention: x_t = (1 - sigma) x_0 + sigma noise, and the network predicts the velocity
 v = noise - x_0. Classifier-free guidance combines an unconditional (empty prompt) and a conditional prediction:
-v = v_u + s (v_c - v_u). The reference policy of the KL term is the same network with the adapter switched off.
+v = v_u + s (v_c - v_u). The reference policy of the KL term is the same network with the adapter switched off (or
+with an algorithm's second weights swapped in: ``Policy.reference_weights``, GARDO's reset reference).
 
 Everything family-specific (latent layout, timestep scale, text conditioning, VAE normalisation) sits behind the
 :class:`lean.models.spec.FamilyRuntime` protocol implemented in ``lean/models/<family>/`` (``Policy.runtime``); this
@@ -174,6 +175,10 @@ class Policy(torch.nn.Module):
         cast_floating(self.vae, self.vae_dtype)
         # (module, name, float32 master) read at ``dtype``
         self._masters = [m for net in self.denoisers for m in cast_floating(net, dtype)]
+        # the reference as second weights (an algorithm's snapshot, ``lean.models.snapshot``: GARDO's old adapter),
+        # what :meth:`reference` reads; None: the adapter off (or the initial weights)
+        self.reference_weights = None
+        self._read_instead: dict[int, Tensor] = {}  # id(trainable parameter) -> what a forward reads (weights_from)
 
     @property
     def full_finetune(self) -> bool:
@@ -330,7 +335,7 @@ class Policy(torch.nn.Module):
             yield
             return
         for module, name, p in self._masters:
-            module._parameters[name] = p.to(self.dtype)
+            module._parameters[name] = self._read_instead.get(id(p), p).to(self.dtype)
         try:
             yield
         finally:
@@ -397,7 +402,12 @@ class Policy(torch.nn.Module):
 
     @contextmanager
     def reference(self) -> Iterator[None]:
-        """Inside the block the policy is the reference model: the adapter disabled (or the initial weights)."""
+        """Inside the block the policy is the reference model: the adapter disabled (or the initial weights), or the
+        :attr:`reference_weights` where an algorithm set them (its snapshot's values, read when the block starts)."""
+        if self.reference_weights is not None:
+            with self.weights_from(self.reference_weights.values):
+                yield
+            return
         if not self.full_finetune:
             with contextlib.ExitStack() as adapters_off:
                 for net in self.denoisers:
@@ -415,6 +425,33 @@ class Policy(torch.nn.Module):
         """Images ``[B, 3, H, W]`` (video: ``[B, 3, F, H, W]``), float32 in [0, 1], decoded at the VAE's
         precision."""
         return (self.runtime.decode(self.vae, x.to(self.vae_dtype)) / 2 + 0.5).clamp(0, 1).float()
+
+    @contextmanager
+    def weights_from(self, values: Sequence[Tensor]) -> Iterator[None]:
+        """Inside the block every forward reads ``values`` (one per :meth:`trainable_parameters`, in that order) for
+        the trainable parameters. They are put in the modules' ``_parameters`` by reference, as
+        ``torch.func.functional_call`` does, never copied into the parameters: a graph that saved the trained
+        weights stays valid (an in-place copy would bump their version counters), and no gradient reaches
+        ``values`` (detached). A float32 master is read through its cast to ``dtype`` (:meth:`_compute_weights`)."""
+        params = [p for _, p in self.trainable_parameters()]
+        instead = {id(p): v.detach() for p, v in zip(params, values, strict=True)}
+        masters = {id(p) for _, _, p in self._masters}
+        slots = [
+            (module, name, p)
+            for net in self.denoisers
+            for module in net.modules()
+            for name, p in module._parameters.items()
+            if p is not None and id(p) in instead and id(p) not in masters
+        ]
+        self._read_instead = instead
+        for module, name, p in slots:
+            module._parameters[name] = instead[id(p)]
+        try:
+            yield
+        finally:
+            for module, name, p in slots:
+                module._parameters[name] = p
+            self._read_instead = {}
 
     # ------------------------------------------------------------------ trainable state
 

@@ -253,7 +253,8 @@ def iteration_costs(
         kl=bool(algorithm.kl_weight),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
         held_fraction=unit / local,
-        n_known=not cfg.algorithm.skip_zero_advantage,
+        # N, and the KL terms' weights, known before the rewards (else Reweight keeps a KL buffer per trajectory)
+        n_known=not cfg.algorithm.skip_zero_advantage and not algorithm.weighs_regulariser,
         first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
         epochs=cfg.train.num_inner_epochs,
         **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),

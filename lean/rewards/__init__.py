@@ -8,6 +8,7 @@
     hpsv3.py    hpsv3: Qwen2-VL + HPSv3's reward head from a local folder
     ocr.py      ocr: FlowGRPO's text-rendering reward on PP-OCRv5 (the extra ``ocr``)
     groupwise.py  win_rate: Pref-GRPO's pairwise win rate inside a group; the pairwise judges (GroupReward)
+    diversity.py  diversity: each sample's cosine distance to its nearest group mate in a feature space (GARDO's)
     http.py     POST with retries, time-outs and one-line errors (every remote reward)
     remote.py   the HTTP client of a reward server and the wire format (PNG in JSON)
     pickle_servers.py  clients of FlowGRPO's own reward servers (GenEval, DeQA, UnifiedReward): pickle over HTTP
@@ -18,6 +19,7 @@
     scorer.py   Scorer: a run's rewards built once, their weighted sum; ScoreStream: a rollout's, as it finishes
 """
 
+from lean.rewards import diversity as diversity  # registers the diversity reward (group-wise)
 from lean.rewards import groupwise as groupwise  # registers the group-wise rewards
 from lean.rewards import hpsv3 as hpsv3  # registers hpsv3
 from lean.rewards import imagereward as imagereward  # registers imagereward

@@ -265,6 +265,8 @@ class IterationPipeline:
         self.snapshot = (
             Snapshot([p for _, p in policy.trainable_parameters()]) if self.algorithm.uses_snapshot else None
         )
+        if self.algorithm.references_snapshot:  # the KL's reference is the snapshot (GARDO's old adapter)
+            policy.reference_weights = self.snapshot
         self.shift_source = "sample.shift"  # where the shift of ``sigmas`` came from (build_pipeline sets it)
         self.world = world or World(device=policy.device)
         self.failed_rollouts: Path | None = None  # where score() keeps a batch no reward server scored (lean train)
@@ -450,15 +452,23 @@ class IterationPipeline:
         finished with, and only the rows after them (a last unit shorter than the others: whole groups) are computed
         here, from their own rewards. When nothing finished early, the targets need the whole batch: a group may
         straddle processes (slice layout), ``algorithm.global_std`` takes every reward's std. Each reward's values
-        are gathered too where the targets read them (``algorithm.reward_combination``)."""
+        are gathered too where the targets read them (``algorithm.reward_combination``). Where the algorithm weighs
+        each sample's regulariser after the rewards (GARDO's gate), its local factors go to
+        ``rollout.ctx.kl_factors``."""
         batch, finished = rollout.batch, rollout.finished
         with rollout.ctx.timer("advantage"):
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
             parts = self.reward_components(rollout.parts)
             if finished is None:
                 every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
-                advantages = self.algorithm.targets(rewards, batch.group_ids(), every)[batch.local]
+                targets = self.algorithm.targets(rewards, batch.group_ids(), every)
+                factors = self.algorithm.regulariser_factors(targets, rewards, batch.group_ids(), every)
+                if factors is not None:  # each sample's KL weight, known now (GARDO's gate)
+                    rollout.ctx.kl_factors = factors[batch.local].to(self.world.device)
+                advantages = targets[batch.local]
             else:
+                if self.algorithm.weighs_regulariser:  # its factors are the whole batch's: batch_wide, never here
+                    raise ValueError(f"algorithm {self.cfg.algorithm.name} finishes no unit before the whole batch")
                 advantages, rest = finished.advantages.clone(), slice(finished.rows, len(batch.prompts))
                 if rest.start < rest.stop:
                     mine, ids = rewards[batch.local], batch.local_group_ids()
@@ -484,6 +494,16 @@ class IterationPipeline:
             if key in stats and not math.isfinite(stats[key]):
                 raise NonFiniteError(f"non-finite {key} at iteration {rollout.batch.iteration}")
         return stats
+
+    def end_iteration(self, iteration: int, stats: dict) -> None:
+        """The algorithm's look at the update it asked for (``Algorithm.feedback``: GARDO's KL, which decides its
+        reference's reset), averaged over processes so that every process decides alike."""
+        keys = self.algorithm.feedback
+        if not keys:
+            return
+        values = torch.tensor([stats.get(k, math.nan) for k in keys], dtype=torch.float64, device=self.world.device)
+        self.world.all_reduce_mean_(values)
+        self.algorithm.end_iteration(iteration, dict(zip(keys, values.tolist())))
 
     # ------------------------------------------------------------ compositions
 
@@ -575,6 +595,7 @@ class IterationPipeline:
             rolled = self.roll_out(iteration, make_schedule, timer=timer, tally=tally, progress=progress)
             rewards, advantages = self.advantages(rolled)  # every rank's rewards; the finished units' advantages kept
             stats = self.finish(rolled, advantages, optimizer_step)  # the rest of finish -> the optimizer step(s)
+            self.end_iteration(iteration, stats)
         metrics = {
             "iteration": iteration,
             "schedule": schedule,

@@ -8,6 +8,7 @@ and all schedules then sync at the same, explicit point; Reweight's delayed sync
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 from collections.abc import Callable, Iterator
 
 import torch
@@ -48,6 +49,7 @@ class TrainState:
         self.iteration = 0  # for messages: the iteration whose update is being applied
         self.on_synced_grads: Callable[[list[torch.nn.Parameter]], None] | None = None  # see capture_synced_grads
         self.snapshot: Snapshot | None = None  # the algorithm's second weights, saved with the rest (Trainer sets it)
+        self.algorithm = None  # the run's algorithm, whose state (Algorithm.state_dict) is saved with the rest
 
     def step(self) -> dict:
         """Average gradients across processes, clip, AdamW, EMA."""
@@ -112,14 +114,16 @@ class TrainState:
     # ------------------------------------------------------------ save / restore (equivalence, bench, checkpoints)
 
     def state_dict(self, whole: bool = False) -> dict:
-        """Weights, AdamW state, EMA and step count, as copies. Sharded tensors stay shards unless ``whole``
-        (gathered: every process must call it; what a checkpoint file holds, loadable at any number of processes)."""
+        """Weights, AdamW state, EMA, the algorithm's snapshot and state, and step count, as copies. Sharded tensors
+        stay shards unless ``whole`` (gathered: every process must call it; what a checkpoint file holds, loadable at
+        any number of processes)."""
         copy = (lambda t: full(t).detach().clone()) if whole else (lambda t: t.detach().clone())  # noqa: E731
         return {
             "params": [copy(p) for p in self.params],
             "optimizer": _map_tensors(self.optimizer.state_dict(), copy),
             "ema": None if self.ema is None else [copy(e) for e in self.ema],
             "snapshot": None if self.snapshot is None else [copy(v) for v in self.snapshot.values],
+            "algorithm": None if self.algorithm is None else copy_module.deepcopy(self.algorithm.state_dict()),
             "optimizer_steps": self.steps,
         }
 
@@ -139,6 +143,8 @@ class TrainState:
             self.ema = [like(e, p).clone() for e, p in zip(state["ema"], self.params)]
         if self.snapshot is not None and state.get("snapshot") is not None:
             self.snapshot.values = [like(v, p).clone() for v, p in zip(state["snapshot"], self.params)]
+        if self.algorithm is not None and state.get("algorithm") is not None:
+            self.algorithm.load_state_dict(copy_module.deepcopy(state["algorithm"]))
         self.steps = state["optimizer_steps"]
 
     def resident_mb(self, policy: torch.nn.Module) -> float:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lean.algorithms import Algorithm
+from lean.algorithms import Algorithm, StepLoss
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PhaseTimer
 from lean.sampling.rollout import Sampler, reference_mean
@@ -55,6 +55,9 @@ class IterationContext:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     samples: list[tuple[int, int, int]] = field(default_factory=list)  # (group, prompt, sample) of each local row
     snapshot: Snapshot | None = None  # the algorithm's second weights (lean.models.snapshot), where it keeps them
+    # each local sample's factor [B] on its regulariser, known after the rewards (Algorithm.regulariser_factors: set
+    # with the advantages, before ``finish``); None: 1
+    kl_factors: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def region(self, name: str):
@@ -102,6 +105,20 @@ class IterationContext:
         1/(N K)); the algorithm's choice (GRPO with ``algorithm.skip_zero_advantage`` drops the samples whose
         advantage is 0, BranchGRPO's width pruning some of a tree's last edges)."""
         return self.algorithm.kept_terms(targets, self.steps.trained, self.iteration)
+
+    def total(self, loss: StepLoss, rows) -> torch.Tensor:
+        """The loss terms [b] of a step's ``rows``: policy + beta kl, each row's KL times its factor where the
+        algorithm weighs its regulariser after the rewards (:attr:`kl_factors`)."""
+        beta = self.algorithm.kl_weight
+        if self.kl_factors is None or loss.kl is None:
+            return loss.total(beta)
+        return loss.policy + (beta * self.kl_factors[rows]).to(loss.kl.dtype) * loss.kl
+
+    def logged(self, loss: StepLoss, rows) -> StepLoss:
+        """``loss`` with its rows' regulariser factors, for the logs (``lean.algorithms.loss_stats``)."""
+        if self.kl_factors is None or loss.kl is None:
+            return loss
+        return dataclasses.replace(loss, kl_factor=self.kl_factors[rows])
 
     def with_reference(self, step: Transition) -> Transition:
         """The step with the reference policy's transition mean at its x_i, for the KL term (the step itself when the
@@ -170,7 +187,7 @@ class IterationCosts:
     per_row_grads: bool  # every trainable parameter sits in an nn.Linear (Reweight stays batched)
     held_fraction: float = 1.0  # share of the local batch a schedule holds at once: one finishing unit / B (layout)
     score_at_end: float | None = None  # what a schedule that finishes nothing early waits for (None: ``score``)
-    n_known: bool = True  # the update's sample count N is known before the rewards (not with skip_zero_advantage)
+    n_known: bool = True  # N and the KL terms' weights known before the rewards (not with skip_zero_advantage, GARDO)
     first_share: float = 1.0  # s: the first update's share of the local batch (1/S with S updates per rollout)
     epochs: int = 1  # E: inner epochs (passes over the rollout's samples)
     # Retain's kept graphs (train.retain, docs/design/retain-offload.md): q = m / K of each sample's trained steps

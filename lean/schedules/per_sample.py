@@ -156,7 +156,19 @@ class TermCells(NamedTuple):
 
 
 def logged_with_true_targets(
-    algorithm: Algorithm, kept: list[tuple[TermCells, StepLoss]], targets: torch.Tensor
+    algorithm: Algorithm,
+    kept: list[tuple[TermCells, StepLoss]],
+    targets: torch.Tensor,
+    kl_factors: torch.Tensor | None = None,
 ) -> list[StepLoss]:
-    """Loss terms backpropagated with a provisional target Â, for the logs, with the true targets."""
-    return [StepLoss(algorithm.policy_term(t.ratio, step_targets(targets, cells)), t.kl, t.ratio) for cells, t in kept]
+    """Loss terms backpropagated with a provisional target Â, for the logs, with the true targets (and the rows'
+    regulariser factors [B], where the algorithm has them)."""
+    return [
+        StepLoss(
+            algorithm.policy_term(t.ratio, step_targets(targets, cells)),
+            t.kl,
+            t.ratio,
+            None if kl_factors is None or t.kl is None else kl_factors[cells.rows],
+        )
+        for cells, t in kept
+    ]

@@ -280,8 +280,8 @@ class Recompute(Schedule):
         loss = ctx.algorithm.step_loss(ctx.with_reference(step), step_targets(advantages, step))
         self.ratios[rows, step.index] = loss.ratio.detach().double()
         with ctx.region("backward"):
-            (terms.weight * loss.total(ctx.algorithm.kl_weight)).sum().backward()
-        return loss
+            (terms.weight * ctx.total(loss, rows)).sum().backward()
+        return ctx.logged(loss, rows)
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:

@@ -163,7 +163,9 @@ class Retain(Schedule):
         """Buffers for one finishing unit's per-trajectory gradients where the backward can run during the scoring
         (see the module docstring), else None."""
         params = trainable(ctx.policy)
-        if ctx.finish_unit is None or ctx.cfg.algorithm.skip_zero_advantage or any(is_sharded(p) for p in params):
+        # N, and each KL term's weight, must be known before the rewards (the KL goes to the gradient at once)
+        after_rewards = ctx.cfg.algorithm.skip_zero_advantage or ctx.algorithm.weighs_regulariser
+        if ctx.finish_unit is None or after_rewards or any(is_sharded(p) for p in params):
             return None
         # per-trajectory buffers split by row: a tree's edges share their node's row and differ in target (waits)
         if linear_owners(ctx.policy, params) is None or tree_shape(ctx.cfg.sample) is not None:
@@ -297,8 +299,8 @@ class Retain(Schedule):
         for step in entries:
             loss = ctx.algorithm.step_loss(step, step_targets(advantages, step))
             weights = ctx.term_weights(step.rows, step.index, n, kept)
-            total = total + (weights * loss.total(ctx.algorithm.kl_weight)).sum()
-            self.losses.append(loss)
+            total = total + (weights * ctx.total(loss, step.rows)).sum()
+            self.losses.append(ctx.logged(loss, step.rows))
         if entries:
             with ctx.region("backward"):
                 total.backward()

@@ -48,7 +48,8 @@ in the slice layout, where the folded buffer is not needed):
 
 where Q counts the KL buffers: 0 without the KL term, 1, or U when the algorithm drops samples after the rewards
 (``algorithm.skip_zero_advantage``: a dropped sample's KL term leaves with it, so each trajectory keeps its own Q_b
-and grad = sum_b (A_b / Â_b) P_b + sum_{b kept} Q_b).
+and grad = sum_b (A_b / Â_b) P_b + sum_{b kept} Q_b) or weighs each sample's KL term after them (GARDO's gate,
+``Algorithm.regulariser_factors``: grad = sum_b (A_b / Â_b) P_b + sum_b f_b Q_b).
 
 With S > 1 updates per rollout (the hybrid of ``hybrid.py``, U = s B buffers, one per trajectory of the first
 update): the backpropagated work is s = 1/S of it, and
@@ -114,11 +115,12 @@ class Reweight(Schedule):
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit if self.edges is None else self.edges.count)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
-        # a sample the algorithm may drop after the rewards (skip_zero_advantage) takes its KL term with it: then the
-        # KL gradients are kept per trajectory too, Q_b, and only the kept ones are summed
+        # a sample the algorithm may drop after the rewards (skip_zero_advantage) takes its KL term with it, and an
+        # algorithm may weigh each sample's KL term after the rewards (GARDO's gate): then the KL gradients are kept
+        # per trajectory too, Q_b, and folded with their weights (kept: 1, dropped: 0, times the factor)
         self.kl_buffers = None
         # (on a tree: an edge that width pruning leaves out, per edge)
-        if ctx.algorithm.kl_weight and ctx.algorithm.drops_terms:
+        if ctx.algorithm.kl_weight and (ctx.algorithm.drops_terms or ctx.algorithm.weighs_regulariser):
             count = self.unit if self.edges is None else self.edges.count
             self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, count), None
         if self.edges is not None and self.later is not None:
@@ -218,7 +220,7 @@ class Reweight(Schedule):
         else:
             folded = self.policy_buffers.combine_rows(rows, advantages.to(torch.float64) / self.provisional)
             if self.kl_buffers is not None:  # the kept trajectories' KL terms
-                folded += self.kl_buffers.combine_rows(rows, kept.to(torch.float64))
+                folded += self.kl_buffers.combine_rows(rows, self._kl_weights(kept))
         if self.kl_buffers is not None:
             self.kl_buffers.storage.zero_()
         self.folded += folded
@@ -239,7 +241,7 @@ class Reweight(Schedule):
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
         set_grads(self.params, grad)
-        logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages)
+        logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages, self.ctx.kl_factors)
         first = len(logged)
         step_stats = optimizer_step()
         if self.later is not None:
@@ -267,7 +269,7 @@ class Reweight(Schedule):
         # in float64: a kept count is an integer tensor, and int / int in torch rounds to float32 (4 / 3 to 3e-8)
         scale = self.samples_per_update / torch.as_tensor(n, dtype=torch.float64) if kept is not None else 1.0
         coefficients = advantages.to(torch.float64) / self.provisional * scale
-        kl_coefficients = None if self.kl_buffers is None else kept.to(torch.float64) * scale  # Q_b of kept b
+        kl_coefficients = None if self.kl_buffers is None else self._kl_weights(kept) * scale  # Q_b of kept b
         if self.later is not None:  # a hybrid: the first update's trajectories, each in its slot
             first = self.later.first.to(coefficients.device)
             return self._combine(self.trajectory_ids[first], coefficients[first], kl_coefficients, first)
@@ -279,6 +281,14 @@ class Reweight(Schedule):
             grad = self._combine(self.trajectory_ids[rows], coefficients[rows], kl_coefficients, rows)
             return grad + self.folded * scale
         return self.folded * scale
+
+    def _kl_weights(self, kept: torch.Tensor | None) -> torch.Tensor:
+        """Each local trajectory's weight on its KL buffer Q_b [B] (float64): whether the update keeps it (``kept``
+        [B]; None: all), times its factor where the algorithm weighs its regulariser after the rewards."""
+        weights = torch.ones(self.ctx.batch, dtype=torch.float64, device=self.provisional.device)
+        if kept is not None:
+            weights = weights * kept.to(torch.float64)
+        return weights if self.ctx.kl_factors is None else weights * self.ctx.kl_factors.to(torch.float64)
 
     def _combine(
         self, slots: torch.Tensor, coefficients: torch.Tensor, kl_coefficients: torch.Tensor | None, rows: torch.Tensor

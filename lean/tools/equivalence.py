@@ -24,7 +24,7 @@ from lean.algorithms.base import step_targets
 from lean.config import RunConfig
 from lean.config.dtypes import HALF, dtype_name
 from lean.models.build import build_policy
-from lean.models.snapshot import swapped_in
+from lean.models.snapshot import Snapshot, swapped_in
 from lean.observe.outputs import write_json
 from lean.parallel.sharding import FSDP, full, full_state_dict
 from lean.plan.cost import with_schedule
@@ -115,12 +115,19 @@ class Float64Reference:
         self.params = [p for _, p in self.twin.trainable_parameters()]
         self.sigmas = trainer.pipeline.sigmas.double()
         self.algorithm = build_algorithm(cfg, self.sigmas)  # its loss, over the float64 grid
+        # the KL's reference where it is the algorithm's snapshot (GARDO): the run's, upcast at every load
+        self.snapshot = trainer.pipeline.snapshot if self.algorithm.references_snapshot else None
+        if self.snapshot is not None:
+            self.twin.reference_weights = Snapshot(self.params)
 
     def load(self, trainable: list[torch.Tensor]) -> None:
         """The trainable weights the run had (upcast)."""
         with torch.no_grad():
             for p, value in zip(self.params, trainable):
                 p.copy_(full(value))
+        if self.snapshot is not None:
+            upcast = [full(v).to(p.dtype) for v, p in zip(self.snapshot.values, self.params)]
+            self.twin.reference_weights.values = upcast
 
     def gradient(
         self,
@@ -130,10 +137,12 @@ class Float64Reference:
         advantages: torch.Tensor,
         mask: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
+        kl_factors: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """g_ref at the weights ``trainable``, over the recorded steps (only the (sample, step) terms where ``mask``
         [B, num_steps] is True), of the samples ``rows`` (host ids: the first of several updates per rollout, its N
-        their count; None: every sample)."""
+        their count; None: every sample); ``kl_factors`` [B]: each sample's regulariser factor, where the algorithm
+        weighs it after the rewards (``IterationContext.kl_factors``)."""
         self.load(trainable)
         kept = batch.steps.trained
         if mask is not None:
@@ -155,7 +164,8 @@ class Float64Reference:
                 continue
             weights = (trained[step.rows, step.index] * scale).to(self.sigmas.device)
             targets = step_targets(advantages, step)
-            loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), targets)
+            factor = {} if kl_factors is None else {"kl_factor": kl_factors[step.rows].double()}
+            loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), targets, **factor)
             (weights * loss).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
         self.world.reduce_gradients_(grads)  # averaged over processes, as the optimizer step averages the schedules'
@@ -253,7 +263,8 @@ def one_update(
         if reference is not None and pipeline.algorithm.trains_on == CLEAN_SAMPLES:
             ref = reference.clean_sample_gradient(start, rolled, advantages)
         elif reference is not None:
-            ref = reference.gradient(start, rolled.batch, recorder.steps, advantages, rows=first)
+            factors = rolled.ctx.kl_factors
+            ref = reference.gradient(start, rolled.batch, recorder.steps, advantages, rows=first, kl_factors=factors)
             error = reference.forward_error(start, rolled.batch, recorder.steps)  # (policy at start)
         stats = pipeline.finish(rolled, advantages, state.step)
     update = Update(
@@ -282,7 +293,7 @@ def rounding_report(
 
     clipped = binding(c)
     removed = (
-        reference.gradient(start, rolled.batch, recorded, advantages, mask=clipped, rows=first)
+        reference.gradient(start, rolled.batch, recorded, advantages, clipped, first, rolled.ctx.kl_factors)
         if clipped.any()
         else None
     )
