@@ -60,6 +60,9 @@ def run_figures(
             "measured_on": HERE,
         },
     }
+    # the curves time to reward reads: eval reward 0.5656 + 0.01 i after i iterations of cpu_per_iteration s
+    eval_csv = "iteration,eval_reward_mean\n" + "".join(f"{i},{0.5656 + 0.01 * i}\n" for i in (0, 10, 20))
+    cost_csv = "iteration,cpu_iteration_s\n" + "".join(f"{i},{cpu_per_iteration}\n" for i in range(20))
     for s in SCHEDULES:
         shifted = [r + (curve_shift if s != BASELINE else 0.0) for r in curve]
         files[f"train/{s}/metrics.json"] = {
@@ -68,15 +71,10 @@ def run_figures(
             "eval_reward_gain": eval_gain,
             "eval_reward_noise_std": 0.020,
         }
-    for name in ("grpo_guard", "mixgrpo", "nft", "dpo"):  # the train stage's algorithm runs
+        files[f"train/{s}/eval.csv"], files[f"train/{s}/metrics.csv"] = eval_csv, cost_csv
+    for name in PARAMS["rl"]["algorithms"]:  # the train stage's algorithm runs
         files[f"algorithms/{name}/metrics.json"] = {"eval_reward_gain": 0.21, "eval_reward_noise_std": 0.018}
-        # the curves time to reward reads: eval reward 0.5656 + 0.01 i after i iterations of cpu_per_iteration s
-        files[f"algorithms/{name}/eval.csv"] = "iteration,eval_reward_mean\n" + "".join(
-            f"{i},{0.5656 + 0.01 * i}\n" for i in (0, 10, 20)
-        )
-        files[f"algorithms/{name}/metrics.csv"] = "iteration,cpu_iteration_s\n" + "".join(
-            f"{i},{cpu_per_iteration}\n" for i in range(20)
-        )
+        files[f"algorithms/{name}/eval.csv"], files[f"algorithms/{name}/metrics.csv"] = eval_csv, cost_csv
     return files
 
 
@@ -142,7 +140,7 @@ def test_an_algorithm_slower_to_reward_or_never_reaching_it_is_named(tmp_path, r
     assert check(tmp_path / "slower", reference, run_figures(cpu_per_iteration=0.75))["reproduced"]
     slow = check(tmp_path / "slowest", reference, run_figures(cpu_per_iteration=1.5))
     named = {o["figure"] for o in slow["outside_band"]}
-    assert named == {f"time_to_reward_{name}" for name in ("grpo_guard", "mixgrpo", "nft", "dpo")}
+    assert named == {f"time_to_reward_{name}" for name in ["grpo", *PARAMS["rl"]["algorithms"]]}
     never = run_figures()
     never["algorithms/dpo/eval.csv"] = "iteration,eval_reward_mean\n0,0.5656\n10,0.58\n20,0.6\n"
     missing = check(tmp_path / "never", reference, never)["outside_band"]
@@ -246,7 +244,7 @@ def test_the_committed_reference_pins_every_headline_figure(tmp_path):
     re-pin (`python -m pipelines.report --pin`)."""
     reference = reproduction.load_reference(ROOT / PARAMS["report"]["reference"])
     assert reference is not None and set(reference["measured_on"]) == set(reproduction.MEASURED)
-    produced = reproduction.headline_figures(write_outputs(tmp_path, run_figures()))
+    produced = reproduction.headline_figures(write_outputs(tmp_path, run_figures()), PARAMS)
 
     def names(figures) -> set[str]:
         return {n for n in figures if not n.startswith("overlap_exposed_ms_")}  # one per measured method
