@@ -73,8 +73,13 @@ class StepLoss:
     # for the logs; None: 1 (set by the schedules, not by step_loss)
     kl_factor: Tensor | None = None
 
-    def total(self, kl_weight: float) -> Tensor:
-        return self.policy if self.kl is None else self.policy + kl_weight * self.kl
+    def total(self, kl_weight: float, kl_factor: Tensor | None = None) -> Tensor:
+        """policy + kl_weight kl, each row's kl times its ``kl_factor`` [B] where given (known after the rewards:
+        :meth:`Algorithm.regulariser_factors`)."""
+        if self.kl is None:
+            return self.policy
+        weight = kl_weight if kl_factor is None else (kl_weight * kl_factor).to(self.kl.dtype)
+        return self.policy + weight * self.kl
 
 
 def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[str, float]:
@@ -96,12 +101,13 @@ def loss_stats(losses: list[StepLoss], first_update: int | None = None) -> dict[
         "ratio_max_dev_first_update": (first - 1).abs().max(),
     }
     if losses[0].kl is not None:
-        stats["kl"] = torch.cat([loss.kl.detach() for loss in losses]).mean()
+        kl = torch.cat([loss.kl.detach() for loss in losses])
+        stats["kl"] = kl.mean()
         if losses[0].kl_factor is not None:  # the regulariser as the loss weighs it: factor-weighted mean and sums
-            factors = torch.cat([loss.kl_factor.to(loss.kl.dtype) for loss in losses])
-            stats["kl_weighted_sum"] = (factors * torch.cat([loss.kl.detach() for loss in losses])).sum()
-            stats["kl_factor_sum"] = factors.sum()
-            stats["kl_weighted"] = stats["kl_weighted_sum"] / factors.sum().clamp_min(torch.finfo(factors.dtype).tiny)
+            factors = torch.cat([loss.kl_factor for loss in losses]).to(kl.dtype)
+            weighted, total = (factors * kl).sum(), factors.sum()
+            stats["kl_weighted_sum"], stats["kl_factor_sum"] = weighted, total
+            stats["kl_weighted"] = weighted / total.clamp_min(torch.finfo(kl.dtype).tiny)
     values = torch.stack([v.double() for v in stats.values()]).tolist()  # one read per update, for the logs
     return dict(zip(stats, values))
 

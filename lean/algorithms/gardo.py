@@ -221,7 +221,9 @@ class GARDO(GRPO):
         if not self.weighs_regulariser:
             return None
         kept, _ = self.kept_samples(targets)
-        gated = self.gate(components) & (torch.ones_like(targets, dtype=torch.bool) if kept is None else kept)
+        gated = self.gate(components)  # one controller step per iteration
+        if kept is not None:
+            gated = gated & kept
         n_kept = targets.numel() if kept is None else int(kept.sum())
         return gated.to(torch.float64) * (n_kept / max(int(gated.sum()), 1))
 
@@ -253,9 +255,7 @@ class GARDO(GRPO):
         """The certificate's anchor: GRPO's float64 recompute of the step (the reference: the policy's
         ``reference_weights``, the run's snapshot upcast), each row's KL times its factor ``kl_factor`` [B]."""
         loss = self.step_loss(self.recomputed(policy, step, emb), targets.double())
-        if loss.kl is None or kl_factor is None:
-            return loss.total(self.kl_weight)
-        return loss.policy + self.kl_weight * kl_factor.double() * loss.kl
+        return loss.total(self.kl_weight, kl_factor)
 
 
 @register_options("algorithm.gardo")

@@ -109,10 +109,7 @@ class IterationContext:
     def total(self, loss: StepLoss, rows) -> torch.Tensor:
         """The loss terms [b] of a step's ``rows``: policy + beta kl, each row's KL times its factor where the
         algorithm weighs its regulariser after the rewards (:attr:`kl_factors`)."""
-        beta = self.algorithm.kl_weight
-        if self.kl_factors is None or loss.kl is None:
-            return loss.total(beta)
-        return loss.policy + (beta * self.kl_factors[rows]).to(loss.kl.dtype) * loss.kl
+        return loss.total(self.algorithm.kl_weight, None if self.kl_factors is None else self.kl_factors[rows])
 
     def logged(self, loss: StepLoss, rows) -> StepLoss:
         """``loss`` with its rows' regulariser factors, for the logs (``lean.algorithms.loss_stats``)."""
