@@ -146,6 +146,18 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
         return False
 
 
+def share_main_arena() -> bool:
+    """CPU timing: every thread allocates from glibc's main arena, the heap :func:`keep_freed_memory` keeps warm.
+
+    A thread takes an arena at its first allocation and keeps it. Another arena's heaps hold at most 64 MiB, so a
+    thread with an arena of its own gets each larger block as a fresh mmap, unmapped again on free, whatever the
+    thresholds say: the scoring worker (``lean.run.async_scoring``) decoded FLUX small's 16 images at 256 px with
+    410 k page faults every time, +0.6 s a decode, more after some schedules than after others. Call it before
+    threads allocate (torch's OpenMP workers start at the first parallel op): at a benchmark's start.
+    """
+    return _mallopt((_M_ARENA_MAX, 1))
+
+
 def keep_freed_memory() -> bool:
     """CPU timing: let glibc keep freed memory mapped and serve every allocation from its heap.
 
@@ -154,12 +166,11 @@ def keep_freed_memory() -> bool:
     property of the schedule (the CUDA caching allocator has no such cost). Trimming is off altogether (-1): with the
     largest positive threshold (2 GiB), the heap top that Retain's backward frees on Wan (its kept graphs, > 2 GiB)
     went back to the kernel every iteration, and the next decode page-faulted it in again (~0.5 M faults, +3 s).
-    One arena for all threads: a thread's own arena is a heap of at most 64 MiB, so without mmap the scoring
-    worker's (``lean.run.async_scoring``) large blocks would first fail there and go to the main arena every time.
+    One arena for all threads (:func:`share_main_arena`, which only threads that have not allocated yet follow).
     Memory is measured under :func:`live_bytes_heap` instead.
     """
     global _heap_keeps_freed
-    _heap_keeps_freed = _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    _heap_keeps_freed = share_main_arena() and _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     return _heap_keeps_freed
 
 

@@ -177,8 +177,9 @@ def probe(inp: PlanInput) -> dict:
         "t_forward": _timed(step(full)),
         "t_forward_backward": _timed(step(full, backward=True)),
         "t_forward_backward_one": _timed(step(one, backward=True)),
-        # warm: the memory pass decoded once; a split decode: this process's share of the micro-batch
-        "t_decode": _timed(lambda: policy.decode(x[: len(images)]), repeats=1, warmup=0),
+        # after a discarded decode: the memory pass's blocks went back to the kernel on free (live_bytes_heap), so
+        # its pages are not warm; a split decode: this process's share of the micro-batch
+        "t_decode": _timed(lambda: policy.decode(x[: len(images)]), repeats=1, warmup=1),
         "t_reward": _timed(lambda: inp.reward(images, inp.batch.prompts[: len(images)]), repeats=1),
         "param_mb": sum(p.numel() * p.element_size() for p in inp.trainable) / 2**20,
         "base_mb": tracked.start_mb,

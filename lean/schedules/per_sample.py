@@ -86,24 +86,66 @@ class TrajectoryBuffers:
         return self.storage.numel() * self.storage.element_size()
 
 
+def lora_entries(model: torch.nn.Module, owners: dict[torch.nn.Linear, list]) -> set[torch.nn.Linear] | None:
+    """Per LoRA adapter, the first of its factors that trains (A, or B under a frozen A): each other owner's output
+    lies between the loss and an entry's output. None if an owner is not a LoRA factor."""
+    entries, factors = set(), set()
+    for module in model.modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or not isinstance(lora_b, torch.nn.ModuleDict):
+            continue
+        for name in lora_a.keys() & lora_b.keys():
+            mine = [m for m in (lora_a[name], lora_b[name]) if m in owners]
+            entries.update(mine[:1])
+            factors.update(mine)
+    return entries if factors == set(owners) else None
+
+
 class PerSampleGrads:
-    """Every tracked forward through an owning Linear keeps its input; a backward run while ``accumulating`` adds
-    each row's gradient into the buffer of trajectory ``trajectories[row mod b]``.
+    """Every tracked forward through an owning Linear keeps its input; a backward run by :meth:`backward` adds each
+    row's gradient into the buffer of trajectory ``trajectories[row mod b]``.
+
+    The batched parameter gradient is then not needed. With LoRA owners and ``to_entries`` (a caller that
+    backpropagates each graph before the next is recorded, and calls :meth:`release` after its last backward) the
+    backward goes to the outputs of each adapter's first trained factor instead of to the parameters: it still
+    reaches every owner's output, so every hook fires, and autograd skips the weight gradients beside them.
 
     Code that multiplies by a slice of an owner's weight without calling the module (sequence parallelism's fused
     projections) announces the product through ``module.per_sample.record(module, x, y, rows, cols)``."""
 
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], buffers: TrajectoryBuffers):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        buffers: TrajectoryBuffers,
+        to_entries: bool = False,
+    ):
         owners = linear_owners(model, params)
         if owners is None:
             raise ValueError("per-sample gradients need every trainable parameter to live in an nn.Linear")
-        self.buffers = buffers
+        self.buffers, self.params = buffers, params
         self.trajectories: torch.Tensor | None = None  # local trajectory id of each batch row (before CFG doubling)
         self.accumulating = False  # only the backward of the advantage-weighted term is split per trajectory
         self.handles = [m.register_forward_hook(self._forward_hook) for m in owners]
         self.owners = owners
+        self.entries = lora_entries(model, owners) if to_entries else None
+        self.entry_outputs: list[torch.Tensor] = []  # the entries' outputs of the graph recorded since release()
         for m in owners:
             m.per_sample = self
+
+    def backward(self, loss: torch.Tensor, trajectories: torch.Tensor, retain_graph: bool) -> None:
+        """Each forward row's gradient of ``loss`` into the buffer of its trajectory ``trajectories`` [rows] (on the
+        device)."""
+        self.trajectories, self.accumulating = trajectories, True
+        try:
+            targets = self.entry_outputs or self.params
+            torch.autograd.grad(loss, targets, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self.accumulating = False
+
+    def release(self) -> None:
+        """The recorded graph is freed: drop the entries' outputs that kept a reference into it."""
+        self.entry_outputs = []
 
     def close(self) -> None:
         for h in self.handles:
@@ -121,6 +163,8 @@ class PerSampleGrads:
             return
         x = x.detach()
         y.register_hook(lambda delta: self._accumulate(module, x, delta.detach(), rows, cols))
+        if self.entries is not None and module in self.entries:
+            self.entry_outputs.append(y)
 
     def _accumulate(
         self, module: torch.nn.Linear, x: torch.Tensor, delta: torch.Tensor, rows: slice | None, cols: slice | None
@@ -142,7 +186,8 @@ class PerSampleGrads:
             else:
                 g = torch.bmm(d3.transpose(1, 2), x3)  # [rows, out, in]
                 part = (rows or slice(None), cols or slice(None))
-            g = g.reshape(n // len(traj), len(traj), *g.shape[1:]).sum(dim=0)  # CFG: [uncond, cond] -> trajectory
+            if n > len(traj):  # CFG in the graph: [uncond, cond] rows of one trajectory
+                g = g.reshape(n // len(traj), len(traj), *g.shape[1:]).sum(dim=0)
             block = self.buffers.block(p).view(-1, *p.shape)[(slice(None), *part)]
             block.index_add_(0, traj, g.to(block.dtype))
 

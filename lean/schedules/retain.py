@@ -215,13 +215,9 @@ class Retain(Schedule):
                 kl_term = None if loss.kl is None else loss.kl.detach()
                 terms = StepLoss(loss.policy.detach(), kl_term, loss.ratio.detach())
                 self.provisional_stats.append((TermCells(step.rows, step.index), terms))
-            per_sample.trajectories = torch.tensor(ids, device=params[0].device) % unit
-            per_sample.accumulating = True
             with ctx.region("backward"):
-                try:
-                    torch.autograd.grad(policy, params, retain_graph=torch.is_tensor(kl), allow_unused=True)
-                finally:
-                    per_sample.accumulating = False
+                trajectories = torch.tensor(ids, device=params[0].device) % unit
+                per_sample.backward(policy, trajectories, retain_graph=torch.is_tensor(kl))
                 if torch.is_tensor(kl):
                     kl.backward()
 

@@ -135,7 +135,7 @@ class Reweight(Schedule):
         self.samples_per_update = ctx.batch if self.later is None else self.later.first_size  # N of 1/(N K)
         self.per_sample = None
         if linear_owners(ctx.policy, self.params) is not None:
-            self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers)
+            self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers, to_entries=True)
         else:
             self.grad_micro_batch = 1  # one trajectory per tracked forward: its gradient is its own
 
@@ -170,6 +170,8 @@ class Reweight(Schedule):
                 else:
                     slots = self._slots(step.rows)
                     self._per_trajectory_backward(kl_terms.sum(), slots, self.kl_buffers, retain_graph=False)
+        if self.per_sample is not None:
+            self.per_sample.release()  # the step's graph is freed
         kl = None if loss.kl is None else loss.kl.detach()
         self.kept_stats.append((TermCells(step.rows, step.index), StepLoss(loss.policy.detach(), kl, loss.ratio)))
 
@@ -203,13 +205,8 @@ class Reweight(Schedule):
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
             buffers.add(int(host[0]), grads)
             return
-        self.per_sample.trajectories = device
         self.per_sample.buffers = buffers
-        self.per_sample.accumulating = True
-        try:  # the batched parameter gradient itself is not needed: the hooks have split it by trajectory
-            torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-        finally:
-            self.per_sample.accumulating = False
+        self.per_sample.backward(loss, device, retain_graph)
 
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true

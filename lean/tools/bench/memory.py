@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from lean.config import RunConfig
-from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median
+from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, share_main_arena
 from lean.observe.outputs import JsonLines
 from lean.parallel.distributed import set_threads
 from lean.parallel.sharding import FSDP, effective_shard, shard_sizes
@@ -63,6 +63,8 @@ def bench_memory(
 ) -> dict:
     """Measure every variant (see the module docstring); writes ``out/memory.json`` and returns it."""
     set_threads(options.threads)
+    if not torch.cuda.is_available():
+        share_main_arena()  # before any thread allocates (lean.observe.metrics)
     trainer = trainer or Trainer(cfg)
     own = trainer.pipeline.cfg
     log = measured_log(out, trainer.world.is_main)

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from lean.config import AUTO, ConfigError, RunConfig, read_config, read_params
 from lean.configure import on_policy_form, validate
-from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops
+from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops, share_main_arena
 from lean.observe.outputs import JsonLines, write_json
 from lean.observe.provenance import machine
 from lean.parallel.distributed import pin_cores, set_threads
@@ -308,10 +308,14 @@ def measured_config(cfg: RunConfig, options: BenchOptions) -> dict:
 
 
 def pinned(options: BenchOptions) -> list[int]:
-    """Torch threads and CPU affinity as ``options`` ask (on a CPU); the CPUs the process runs on."""
+    """Torch threads and CPU affinity as ``options`` ask, and one heap for every thread (on a CPU); the CPUs the
+    process runs on."""
     set_threads(options.threads)
+    if torch.cuda.is_available():
+        return []
+    share_main_arena()  # before any thread allocates: the scoring worker's decode then reuses warm pages
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # under a launch each process on cores of its own
-    return pin_cores(options.cores, local_rank) if not torch.cuda.is_available() else []
+    return pin_cores(options.cores, local_rank)
 
 
 def measured_log(out: str | None, is_main: bool) -> JsonLines:
