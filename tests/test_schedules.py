@@ -342,3 +342,26 @@ def test_a_scoring_worker_allocates_from_the_heap_the_timed_rounds_keep_warm():
     assert main >= 32 and all(mb < 32 for mb in others), (main, others)
     _, *others = _arena_in_use_mb("own")  # the check can fail: without it the worker has an arena of its own
     assert max(others) >= 32, others
+
+
+def test_the_per_sample_backward_enters_each_lora_adapter_at_its_first_trained_factor():
+    """``lora_entries``: A where A trains, B under a frozen A; None when a trainable Linear is not a LoRA factor
+    (full fine-tuning: the backward then goes to the parameters)."""
+    import peft
+    import torch
+
+    from lean.schedules.per_sample import linear_owners, lora_entries
+
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0", "1"]))
+    layers = [model.base_model.model[i] for i in (0, 1)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert lora_entries(model, linear_owners(model, params)) == {m.lora_A["default"] for m in layers}
+    layers[1].lora_A["default"].weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert lora_entries(model, linear_owners(model, params)) == {
+        layers[0].lora_A["default"],
+        layers[1].lora_B["default"],
+    }
+    params.append(layers[1].base_layer.weight.requires_grad_(True))
+    assert lora_entries(model, linear_owners(model, params)) is None
