@@ -133,9 +133,16 @@ class PerSampleGrads:
         for m in owners:
             m.per_sample = self
 
-    def backward(self, loss: torch.Tensor, trajectories: torch.Tensor, retain_graph: bool) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        trajectories: torch.Tensor,
+        retain_graph: bool,
+        buffers: TrajectoryBuffers | None = None,
+    ) -> None:
         """Each forward row's gradient of ``loss`` into the buffer of its trajectory ``trajectories`` [rows] (on the
-        device)."""
+        device), in ``buffers`` (None: the ones it holds; given, they are held from then on)."""
+        self.buffers = buffers or self.buffers
         self.trajectories, self.accumulating = trajectories, True
         try:
             targets = self.entry_outputs or self.params

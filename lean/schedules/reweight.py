@@ -205,8 +205,7 @@ class Reweight(Schedule):
             grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
             buffers.add(int(host[0]), grads)
             return
-        self.per_sample.buffers = buffers
-        self.per_sample.backward(loss, device, retain_graph)
+        self.per_sample.backward(loss, device, retain_graph, buffers)
 
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
