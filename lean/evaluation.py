@@ -143,6 +143,11 @@ class Evaluator:
     def due(self, iteration: int) -> bool:
         return iteration in eval_iterations(self.cfg.eval.every, self.cfg.train.iterations)
 
+    def images_due(self, iteration: int) -> bool:
+        """Whether the evaluation of ``iteration`` writes its images (``eval.images_every``; None: every one)."""
+        every = self.cfg.eval.images_every
+        return every is None or iteration in eval_iterations(every, self.cfg.train.iterations)
+
     def file(self, prompt_index: int, sample_index: int) -> str:
         return f"p{prompt_index:03d}_s{sample_index:02d}.{'gif' if self.video else 'png'}"
 
@@ -196,14 +201,15 @@ class Evaluator:
         }
 
     def evaluate(self, iteration: int) -> dict:
-        """Sample, score and write this process's share; gather the rewards; the main process writes the grid and
-        ``samples.csv``. Returns the metrics row (the same on every process)."""
+        """Sample, score and (when its images are due) write this process's share; gather the rewards; the main
+        process writes the grid and ``samples.csv``. Returns the metrics row (the same on every process)."""
         start = time.perf_counter()
-        folder = self.folder(iteration)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.folder(iteration) if self.images_due(iteration) else None
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
         names = list(self.cfg.reward.weights)
         scores = self.score(folder=folder)
-        if self.world.is_main:
+        if self.world.is_main and folder is not None:
             self.write_summary(folder, scores, names)
         rewards = scores[:, 0]
         return {

@@ -224,7 +224,8 @@ class Training:
     def iterate(self, it: int) -> dict:
         """Iteration ``it`` (FLOPs counted in the first this process runs); its row kept and logged to MLflow."""
         tally = FlopTally() if self.flops is None else None
-        row, result = guarded_iteration(self.trainer, it, self.schedule, tally)
+        memory = it == self.start or it % self.cfg.train.memory_every == 0
+        row, result = guarded_iteration(self.trainer, it, self.schedule, tally, measure_memory=memory)
         if tally is not None and result is not None:
             self.flops, row["flops_counted"] = dict(tally.flops), 1
         self.last = result or self.last
@@ -403,9 +404,12 @@ def evaluate(
         noise = f", noise std {row['eval_reward_noise_std']:.4f}" if "eval_reward_noise_std" in row else ""
         tqdm.write(
             f"lean eval at iteration {iteration}: reward {row['eval_reward_mean']:.4f} +- {row['eval_reward_std']:.4f} "
-            f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s{noise}) -> {evaluator.folder(iteration)}"
+            f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s{noise})"
+            + (f" -> {evaluator.folder(iteration)}" if evaluator.images_due(iteration) else "")
         )
         write_csv(evaluator.root.parent / "eval.csv", evaluations)
+        if not evaluator.images_due(iteration):
+            return
         run.log_image(evaluator.folder(iteration) / "grid.png", "eval_grid", iteration)
         if (evaluator.folder(iteration) / "edits.png").exists():  # reference | base | trained, for edits
             run.log_image(evaluator.folder(iteration) / "edits.png", "eval_edits", iteration)
@@ -413,11 +417,11 @@ def evaluate(
 
 
 def guarded_iteration(
-    trainer: Trainer, it: int, schedule: str, tally: FlopTally | None = None
+    trainer: Trainer, it: int, schedule: str, tally: FlopTally | None = None, measure_memory: bool = True
 ) -> tuple[dict, IterationResult | None]:
-    """One iteration with a progress bar over its sampling steps, its FLOPs counted into ``tally`` if given. A
-    non-finite value aborts the run (``train.on_nonfinite: abort``) or undoes the iteration (``skip``: weights and
-    optimizer restored)."""
+    """One iteration with a progress bar over its sampling steps, its FLOPs counted into ``tally`` if given (and its
+    peak memory measured if ``measure_memory``). A non-finite value aborts the run (``train.on_nonfinite: abort``) or
+    undoes the iteration (``skip``: weights and optimizer restored)."""
     before = trainer.state.state_dict() if trainer.cfg.train.on_nonfinite == "skip" else None
     prompts = trainer.pipeline.local_batch(it).prompts
     steps = tqdm(  # every rollout micro-batch takes all the sampling steps
@@ -432,7 +436,9 @@ def guarded_iteration(
             trainer.policy.encode_prompts([prompt])
     try:
         with tally.measuring() if tally is not None else contextlib.nullcontext():
-            result = trainer.iteration(it, schedule, tally=tally, progress=lambda i: steps.update(1))
+            result = trainer.iteration(
+                it, schedule, tally=tally, progress=lambda i: steps.update(1), measure_memory=measure_memory
+            )
         return result.metrics, result
     except NonFiniteError as err:
         if before is None:
@@ -523,8 +529,9 @@ def write_outputs(
             "flops_by_region": flops,
             "skipped_iterations": [row["iteration"] for row in history if row.get("skipped")],
             **{k: median([row[k] for row in timed if k in row]) for k in keys if k.startswith("time_")},
-            "peak_memory_mb": max(
-                (row["peak_memory_mb"] for row in history if "peak_memory_mb" in row), default=float("nan")
+            "peak_memory_mb": max(  # over the iterations that measured it (train.memory_every)
+                (row["peak_memory_mb"] for row in history if not math.isnan(row.get("peak_memory_mb", math.nan))),
+                default=math.nan,
             ),
             **({AUTO: decision} if decision else {}),
             **eval_summary(evaluations),

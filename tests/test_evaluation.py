@@ -62,6 +62,8 @@ def test_bad_eval_keys_are_one_line_errors(tmp_path):
         ("eval.noise_seeds=-1", "eval.noise_seeds"),
         (f"eval.prompts_file={tmp_path / 'missing.txt'}", "eval.prompts_file"),
         ("eval.evry=1", "eval.evry"),
+        ("eval.images_every=0", "eval.images_every"),
+        ("train.memory_every=0", "train.memory_every"),
     ]:
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
@@ -136,6 +138,29 @@ def test_train_evaluates_writes_grids_logs_to_mlflow_and_resumes(monkeypatch):
     )
     images = client.list_artifacts(run.info.run_id, "images")
     assert len([a for a in images if a.path.endswith(".png") and "eval_grid" in a.path]) >= 3  # one per step
+
+
+def test_images_every_is_a_multiple_of_every():
+    with pytest.raises(ConfigError, match=r"eval.images_every.*multiple of eval.every=2: 4") as err:
+        load_config(None, ["eval.every=2", "eval.images_every=5"])
+    assert "\n" not in str(err.value)
+    assert load_config(None, ["eval.every=2", "eval.images_every=4"]).eval.images_every == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_curve_every_iteration_pictures_and_memory_when_due():
+    """eval.every=1 with eval.images_every=2 over 3 iterations: an eval-reward row after each, the pictures at 0, 2
+    and the last (3); train.memory_every=2 measures the peak at iterations 0 and 2 only, and the summary's peak is
+    theirs."""
+    cfg = tiny(*EVAL, *FASTER, "train.iterations=3", "eval.images_every=2", "train.memory_every=2")
+    history = train(cfg, out="out")
+    with open("out/eval.csv") as f:
+        assert [int(r["iteration"]) for r in csv.DictReader(f)] == [0, 1, 2, 3]
+    assert sorted(os.listdir("out/eval"), key=int) == ["0", "2", "3"]
+    assert all("grid.png" in os.listdir(f"out/eval/{it}") for it in ("0", "2", "3"))
+    peaks = [row["peak_memory_mb"] for row in history]
+    assert [math.isnan(p) for p in peaks] == [False, True, False]
+    assert json.loads(open("out/metrics.json").read())["peak_memory_mb"] == max(peaks[0], peaks[2])
 
 
 @pytest.mark.timeout(120)

@@ -172,6 +172,9 @@ ADDED_GARDO: dict[str, object] = {
     "reward.diversity.features": "pixels",
 }
 CHANGED_GARDO: dict[tuple[str, str], tuple[object, object]] = {}
+# issue #55: evaluation's pictures apart from its curve, and the peak-memory measurement when due; both as before by
+# default (every evaluation writes its pictures, every iteration measures)
+ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_every": 1}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -196,6 +199,7 @@ ADDED = {
     **ADDED_VLM,
     **ADDED_GROUPWISE,
     **ADDED_GARDO,
+    **ADDED_WORKBENCH,
 }
 CHANGED = {
     **CHANGED_EDITING,

@@ -195,6 +195,15 @@ TINY = {
                 "train": {"schedule": "retain", "prompts_per_iteration": 4, "optimizer_steps_per_iteration": 2},
             }
         },
+        # the runs whose workbench length is their own (40 iterations): the smoke's 2
+        "nft": {
+            "run": {
+                "algorithm": {"name": "nft"},
+                "sample": {"tail_solver": "dpmsolver++"},
+                "train": {"schedule": "recompute"},
+            }
+        },
+        "awm": {"run": {"algorithm": {"name": "awm"}, "train": {"schedule": "recompute"}}},
         "time_to_reward_gain": -1.0,  # a target every run reaches: the notebook's time-to-reward cell runs through
     },
     "bench": {

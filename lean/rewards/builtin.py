@@ -106,15 +106,17 @@ def color_match(images: Tensor, prompts: list[str]) -> Tensor:
     one is named. Prompts without a colour word score 0."""
     center = center_mask(*images.shape[-2:], device=images.device)
     scores = torch.zeros(images.shape[0], dtype=torch.float64)
+    rows_of: dict[tuple[str | None, str | None], list[int]] = {}  # the images of each colour pair, scored together
     for b, prompt in enumerate(prompts):
-        obj, background = parse_colors(prompt)
+        rows_of.setdefault(parse_colors(prompt), []).append(b)
+    for (obj, background), rows in rows_of.items():
         parts = []
         if obj is not None:
-            parts.append(masked_closeness(images[b : b + 1], center, obj))
+            parts.append(masked_closeness(images[rows], center, obj))
         if background is not None and not center.all():  # tiny images have no border
-            parts.append(masked_closeness(images[b : b + 1], ~center, background))
+            parts.append(masked_closeness(images[rows], ~center, background))
         if parts:
-            scores[b] = torch.cat(parts).mean().cpu()
+            scores[rows] = torch.stack(parts).mean(dim=0).cpu()
     return scores
 
 

@@ -39,7 +39,7 @@ from lean.algorithms import ALGORITHMS
 from lean.observe import provenance
 from lean.observe.outputs import write_json
 from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
-from lean.workbench.time_to_reward import run_time_to_reward
+from lean.workbench.time_to_reward import SAMPLES, run_time_to_reward
 
 GRPO_RUN = LEAN_SCHEDULES[0]
 """GRPO's run among the algorithms side by side: the train stage's Retain run (the others: outputs/algorithms/)."""
@@ -86,9 +86,17 @@ FAMILIES = {
     "reward_curves_max_diff": ("train", "largest gap between a schedule's reward curve and the baseline's"),
     "algorithm_eval_reward_gain": ("train", "eval reward after an algorithm's run minus the base's"),
     "algorithm_gain_over_noise": ("train", "an algorithm's eval gain in units of the eval-noise std"),
+    "algorithm_samples_to_reward": (
+        "train",
+        "a run's training samples until its eval reward reaches the base's + rl.time_to_reward_gain",
+    ),
     "algorithm_time_to_reward": (
         "train",
-        "an algorithm's training CPU seconds until its eval reward reaches the base's + rl.time_to_reward_gain",
+        "a run's training CPU seconds until its eval reward reaches the base's + rl.time_to_reward_gain",
+    ),
+    "time_to_reward_ratio": (
+        "train",
+        "a run's training CPU seconds to reward / GRPO-Recompute's in the same run of the pipeline",
     ),
     "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
     "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
@@ -153,6 +161,15 @@ class FigureSet:
         self.add(f"eval_reward_gain_{name}", gain_family, gain)
         if gain is not None and noise:
             self.add(f"eval_gain_over_noise_{name}", over_noise_family, gain / noise)
+
+    def add_time_to_reward(self, folder: Path, name: str, gain: float, baseline: Path) -> None:
+        """A run's samples and CPU seconds to the base's eval reward + ``gain``, and its CPU seconds over those of
+        the ``baseline`` run (GRPO-Recompute) of the same pipeline run."""
+        self.add(f"samples_to_reward_{name}", "algorithm_samples_to_reward", run_time_to_reward(folder, gain, SAMPLES))
+        seconds = run_time_to_reward(folder, gain)
+        self.add(f"time_to_reward_{name}", "algorithm_time_to_reward", seconds)
+        if seconds is not None and (base := run_time_to_reward(baseline, gain)):
+            self.add(f"time_to_reward_ratio_{name}", "time_to_reward_ratio", seconds / base)
 
 
 def headline_figures(outputs: str | Path, params: Mapping[str, Any] | None = None) -> dict[str, Figure]:
@@ -239,16 +256,21 @@ def _largest_gap(curves: Mapping[str, list[float]]) -> float:
 
 def _algorithm_run_figures(outputs: Path, found: FigureSet, time_to_reward_gain: float | None) -> None:
     """The algorithms side by side: GRPO's is the train stage's Retain run, the others its runs of rl.algorithms.
-    Each one's eval gain and, given the target's gain, its time to reward (absent when never reached: the band then
-    reports the figure missing)."""
+    Each one's eval gain and, given the target's gain, its time to reward: in samples (the same on every machine,
+    checked), in CPU seconds and as a ratio to GRPO-Recompute's CPU seconds (the machine's, shown). A target never
+    reached leaves the figure absent (the band then reports it missing)."""
     runs = {ALGORITHMS.default: outputs / "train" / GRPO_RUN}
     runs.update({p.name: p for p in sorted((outputs / "algorithms").glob("*")) if p.is_dir()})
     for name, folder in runs.items():
         if run := read_json(folder / "metrics.json"):
             found.add_eval_gain(run, name, "algorithm_eval_reward_gain", "algorithm_gain_over_noise")
             if time_to_reward_gain is not None:
-                seconds = run_time_to_reward(folder, time_to_reward_gain)
-                found.add(f"time_to_reward_{name}", "algorithm_time_to_reward", seconds)
+                found.add_time_to_reward(folder, name, time_to_reward_gain, outputs / "train" / BASELINE)
+    if time_to_reward_gain is not None:  # the recipe (2 updates a rollout) and its exact hybrid
+        for folder in sorted((outputs / "train").glob("recipe-*")):
+            if read_json(folder / "metrics.json"):
+                name = folder.name.replace("-", "_")
+                found.add_time_to_reward(folder, name, time_to_reward_gain, outputs / "train" / BASELINE)
 
 
 def _bench_figures(outputs: Path, found: FigureSet) -> None:
@@ -323,6 +345,7 @@ def pin(outputs: str | Path, params: Mapping[str, Any], path: str | Path = REFER
         "measured_on": records,
         "params": {k: params[k] for k in PARAM_SECTIONS if k in params},
         "figures": {name: figure.value for name, figure in figures.items()},
+        "families": {name: figure.family for name, figure in figures.items()},
     }
     write_json(path, reference)
     return reference
@@ -422,8 +445,9 @@ def check(
     figures = headline_figures(outputs, params)
     ref_figures = dict((reference or {}).get("figures") or {})
     measured = measured_groups(outputs, figures, reference, here)
+    ref_families = dict((reference or {}).get("families") or {})
     rows = [
-        figure_row(name, figures.get(name), _number(ref_figures.get(name)), bands, measured)
+        figure_row(name, figures.get(name), _number(ref_figures.get(name)), bands, measured, ref_families.get(name))
         for name in [*figures, *(n for n in ref_figures if n not in figures)]
     ]
     outside = [
@@ -491,11 +515,16 @@ def measured_source(record: dict | None, measured_here: bool | None, committed: 
 
 
 def figure_row(
-    name: str, figure: Figure | None, reference: float | None, bands: Mapping[str, Any], measured: Mapping[str, dict]
+    name: str,
+    figure: Figure | None,
+    reference: float | None,
+    bands: Mapping[str, Any],
+    measured: Mapping[str, dict],
+    reference_family: str | None = None,
 ) -> dict[str, Any]:
-    """The report's row of one figure (absent from this run: ``figure`` None): its value, reference and band, and
-    whether it was checked and is inside its band."""
-    family = figure.family if figure else None
+    """The report's row of one figure (absent from this run: ``figure`` None, its family the reference's): its
+    value, reference and band, and whether it was checked and is inside its band."""
+    family = figure.family if figure else (reference_family if reference_family in FAMILIES else None)
     band = dict(bands.get(family) or {}) if family else {}
     row: dict[str, Any] = {
         "figure": name,
@@ -515,6 +544,8 @@ def band_check(figure: Figure | None, reference: float | None, band: Mapping[str
     """A row's ``checked``, ``inside`` and ``note``, and for a checked figure its ``allowed`` range and ``bound``
     (in the report's key order)."""
     if figure is None:
+        if band.get("info"):
+            return {"checked": False, "inside": None, "note": "missing from this run's outputs (shown, not checked)"}
         return {"checked": True, "inside": False, "note": "missing from this run's outputs"}
     if not band:
         return {"checked": False, "inside": None, "note": f"no band: params.yaml report.bands.{family}"}

@@ -11,15 +11,21 @@ evaluations around the crossing; None when the run never reaches it. The workben
 reward plus ``rl.time_to_reward_gain``: one number for every run (they share the base and the eval noise).
 
 CPU seconds compare runs that shared the cores (the train stage runs them side by side): each process's own work,
-not the time it waited for a core. Samples are the other axis: runs with the same samples per optimizer step
-differ per sample only in how each step learns (on-policy or not).
+not the time it waited for a core; they are the machine's (a slower core, another ISA's kernels), so the workbench
+shows them and checks their ratio to GRPO-Recompute's only as information. Samples are the axis that means the same
+on every machine (``SAMPLES``: the rollout samples of the first i iterations, prompts x group size each, a tree's
+leaves): runs with the same samples per optimizer step differ per sample only in how each step learns.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Sequence
 from pathlib import Path
+
+SAMPLES = "samples"
+"""The cost key of the samples axis: each iteration's rollout samples (``rollout_samples``), not a metrics column."""
 
 
 def cumulative(costs: Sequence[float]) -> list[float]:
@@ -57,10 +63,23 @@ def read_numbers(path: str | Path) -> list[dict]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def rollout_samples(folder: str | Path) -> int | None:
+    """Samples one iteration of the run in ``folder`` rolls out, from its ``config.json``: prompts per iteration x
+    group size (a tree's leaves are its group); None without the file."""
+    try:
+        train = json.loads((Path(folder) / "config.json").read_text())["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(train["prompts_per_iteration"]) * int(train["group_size"])
+
+
 def run_time_to_reward(folder: str | Path, gain: float, key: str = "cpu_iteration_s") -> float | None:
     """The time to reward of the run in ``folder``: when its eval reward first reaches its first evaluation's (the
-    base model's) plus ``gain``; None without evaluations or when it never does."""
+    base model's) plus ``gain``, in ``key`` (a ``metrics.csv`` column, or ``SAMPLES``); None without evaluations or
+    when it never does."""
     evals, iterations = read_numbers(Path(folder) / "eval.csv"), read_numbers(Path(folder) / "metrics.csv")
+    if key == SAMPLES and (per_iteration := rollout_samples(folder)) is not None:
+        iterations = [{**row, SAMPLES: float(per_iteration)} for row in iterations]
     if not evals or not iterations or key not in iterations[0]:
         return None
     return time_to_reward(eval_curve(evals, iterations, key), evals[0]["eval_reward_mean"] + gain)
