@@ -80,9 +80,13 @@ def enabled() -> bool:
 
 
 def import_client() -> None:
-    """Import MLflow now when tracking is on (seconds), opening nothing: a process that forks its runs pays it once."""
+    """Import MLflow now when tracking is on (seconds), opening nothing: a process that forks its runs pays it once.
+    With a database URI its SQL store too (SQLAlchemy and alembic: 0.5-1 CPU s that each forked run paid again)."""
     if enabled():
         import mlflow  # noqa: F401
+
+        if "://" in tracking_uri() and not tracking_uri().startswith(("http://", "https://", "file://")):
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
 
 def ready_store() -> None:
