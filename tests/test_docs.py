@@ -97,3 +97,13 @@ def test_relative_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with anchor #{anchor} in {dest.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_flashoverlap_names_the_published_designs_it_is_and_is_not():
+    """"FlashOverlap" is also a published GEMM + AllReduce system (arXiv 2504.19519); lean's decomposed P2P design is
+    CommFuse's kind (arXiv 2604.24013): the page on it cites both, and the parallelism guide points there."""
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    section = results[results.index("## FlashOverlap") :]
+    assert "arXiv 2504.19519" in section and "arXiv 2604.24013" in section and "CommFuse" in section
+    parallelism = (ROOT / "docs" / "parallelism.md").read_text(encoding="utf-8")
+    assert "2504.19519" in parallelism and "2604.24013" in parallelism
