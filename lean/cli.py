@@ -293,7 +293,8 @@ def _plan(args) -> int:
 
 
 def _equivalence(args) -> int:
-    equivalence.main(load_config(_params(args), args.overrides, preset=args.preset), out=args.out)
+    overrides = equivalence.certificate_overrides(args.overrides)
+    equivalence.main(load_config(_params(args), overrides, preset=args.preset), out=args.out)
     return 0
 
 

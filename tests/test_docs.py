@@ -100,8 +100,8 @@ def test_relative_links_resolve(page: Path):
 
 
 def test_flashoverlap_names_the_published_designs_it_is_and_is_not():
-    """"FlashOverlap" is also a published GEMM + AllReduce system (arXiv 2504.19519); lean's decomposed P2P design is
-    CommFuse's kind (arXiv 2604.24013): the page on it cites both, and the parallelism guide points there."""
+    """The name FlashOverlap is also a published GEMM + AllReduce system (arXiv 2504.19519); lean's decomposed P2P
+    design is CommFuse's kind (arXiv 2604.24013): the page on it cites both, and the parallelism guide points there."""
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     section = results[results.index("## FlashOverlap") :]
     assert "arXiv 2504.19519" in section and "arXiv 2604.24013" in section and "CommFuse" in section

@@ -6,6 +6,8 @@ tests/test_hybrid.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import tiny_preset
@@ -120,3 +122,29 @@ def test_an_offload_over_the_host_budget_stops_in_one_line():
     with pytest.raises(ConfigError, match=r"need more than 1 MiB of host memory per process") as err:
         Trainer(cfg).iteration(0, "retain")
     assert "\n" not in str(err.value) and "train.retain.steps" in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_the_certificate_applies_retains_own_keys_to_retain(capsys, tmp_path):
+    """`lean equivalence --set train.retain.offload=host` on the default config (train.schedule: recompute): the keys
+    configure Retain's run of the certificate instead of being refused, and the report says Retain ran offloaded. An
+    explicit other schedule with them is still refused (a run of it would ignore them)."""
+    from lean.cli import main
+    from lean.tools.equivalence import certificate_overrides
+
+    assert certificate_overrides(["train.retain.offload=host"]) == [
+        "train.retain.offload=host",
+        "train.schedule=retain",
+    ]
+    assert (
+        certificate_overrides(["train.schedule=reweight", "train.retain.offload=host"])[-1]
+        == "train.retain.offload=host"
+    )
+    assert certificate_overrides(["model.dtype=float64"]) == ["model.dtype=float64"]
+    sets = ["model.dtype=float64", "train.retain.offload=host", "sample.num_steps=3", "train.iterations=1"]
+    assert main(["equivalence", *(a for s in sets for a in ("--set", s)), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "retain keeps steps=all of its graphs, offload=host" in out and "PASS" in out
+    report = json.loads((tmp_path / "equivalence.json").read_text())
+    assert report["passes"] and report["retain_kept"]["offload"] == "host"
+    assert report["retain"]["max_rel_grad_diff"] < 1e-10 and report["reweight"]["max_rel_grad_diff"] < 1e-10

@@ -342,6 +342,7 @@ def run_equivalence(
         "reward_mean": base.metrics["reward_mean"],
         "algorithm": cfg.algorithm.name,
         "trains_on": trainer.pipeline.algorithm.trains_on,
+        "retain_kept": {"steps": cfg.train.retain.steps, "offload": cfg.train.retain.offload},  # Retain's graphs
     }
     for name in LEAN_SCHEDULES:
         if name in updates:
@@ -417,6 +418,16 @@ def passes(report: dict, dtype: torch.dtype) -> bool:
     )
 
 
+def certificate_overrides(overrides: list[str]) -> list[str]:
+    """The certificate runs every schedule from one config, and ``train.retain``'s keys configure Retain's run (the
+    others keep no graph and ignore them): a command line that sets them and names no schedule is read as Retain's
+    run, so that ``lean equivalence --set train.retain.offload=host`` certifies the offloaded Retain."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    if any(k.startswith("train.retain.") for k in keys) and "train.schedule" not in keys:
+        return [*overrides, "train.schedule=retain"]
+    return list(overrides)
+
+
 def main(cfg: RunConfig, out: str | None = None) -> dict:
     """``lean equivalence``: write DIR/equivalence.json and print a summary (rank 0)."""
     cfg = compared_config(cfg)
@@ -444,6 +455,8 @@ def print_report(cfg: RunConfig, report: dict, world_size: int) -> None:
         + ("" if dtype in HALF else f"; targets: rel <= {rel_tol:g}, 1-cos <= {cos_tol:g}")
         + ")"
     )
+    if kept := report.get("retain_kept"):
+        print(f"retain keeps steps={kept['steps']} of its graphs, offload={kept['offload']}")
     print(
         f"{'schedule':10} {'max_abs_grad_diff':>18} {'max_rel_grad_diff':>18} {'1-cosine':>10} {'rel_param_diff':>15}"
     )
