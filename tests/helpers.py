@@ -330,3 +330,23 @@ def train_every_schedule(root, family: str, evaluated: tuple[str, ...] = ()) -> 
         args = ["train", *sets(*FAST, f"model.family={family}", f"train.schedule={schedule}", *extra)]
         assert main([*args, "--out", str(out[schedule])]) == 0, schedule
     return out
+
+
+# ---------------------------------------------------------------- the plan the docs show (README quotes it)
+
+DOCUMENTED_PLAN = "$ lean plan --preset dancegrpo-flux --gpu-mem-gb 80"
+"""The command whose printed table docs/parallelism.md shows ("Planning a GPU run from a laptop"): README quotes its
+rows, and test_layout checks them against what the command prints now."""
+
+PLAN_COLUMNS = ("schedule", "layout", "shard", "SP", "ckpt", "m", "offload", "resident", "step", "bwd", "decode")
+PLAN_COLUMNS += ("peak", "host", "moved", "exposed", "time", "fits")
+
+
+def documented_plan_rows() -> list[dict[str, str]]:
+    """The rows of the table docs/parallelism.md shows under :data:`DOCUMENTED_PLAN`, by column."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text(encoding="utf-8")
+    block = text[text.index(DOCUMENTED_PLAN) :].split("```", 1)[0]
+    rows = [line.split() for line in block.splitlines()]
+    return [dict(zip(PLAN_COLUMNS, r)) for r in rows if r[:1] in (["recompute"], ["retain"], ["reweight"])]

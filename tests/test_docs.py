@@ -107,3 +107,29 @@ def test_flashoverlap_names_the_published_designs_it_is_and_is_not():
     assert "arXiv 2504.19519" in section and "arXiv 2604.24013" in section and "CommFuse" in section
     parallelism = (ROOT / "docs" / "parallelism.md").read_text(encoding="utf-8")
     assert "2504.19519" in parallelism and "2604.24013" in parallelism
+
+
+def test_the_readme_quotes_the_plan_the_docs_show():
+    """README's row for DanceGRPO's FLUX LoRA plan and the guide's reading of it quote the table docs/parallelism.md
+    shows (the group layout, sharded, checkpointed as the preset runs); test_layout checks that table against what
+    `lean plan` prints now. One source: a changed plan fails here until both are updated."""
+    from helpers import documented_plan_rows
+
+    rows = documented_plan_rows()
+
+    def row(schedule: str, ckpt: str, m: str = "-", offload: str = "-") -> dict[str, str]:
+        wanted = {"schedule": schedule, "layout": "group", "shard": "fsdp", "ckpt": ckpt, "m": m, "offload": offload}
+        return next(r for r in rows if wanted.items() <= r.items())
+
+    recompute, reweight, retain = row("recompute", "on"), row("reweight", "on"), row("retain", "on", "all", "device")
+    speed = float(recompute["time"]) / float(reweight["time"])
+    quoted = next(
+        line for line in README.read_text(encoding="utf-8").splitlines() if "DanceGRPO's FLUX LoRA run" in line
+    )
+    assert (
+        f"Recompute {recompute['peak']} GiB" in quoted and f"Reweight {reweight['peak']} GiB at {speed:.2f}x" in quoted
+    )
+    assert f"{retain['peak']} GiB" in quoted and retain["fits"] == "no"
+    guide = (ROOT / "docs" / "parallelism.md").read_text(encoding="utf-8")
+    assert f"Recompute needs {recompute['peak']} GiB" in guide and f"Reweight {reweight['peak']} GiB" in guide
+    assert f"at {speed:.2f}x its speed" in guide

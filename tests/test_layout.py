@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import documented_plan_rows, tiny
 
 from lean.config import ConfigError
 from lean.configure import load_config, validate
@@ -239,6 +239,9 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     assert main(["plan", "--preset", "dancegrpo-flux", "--gpu-mem-gb", "80", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "counted on the meta device for 8 GPUs of 80 GB (24 samples per data-parallel rank" in out
+    # the table docs/parallelism.md shows (and README quotes, tests/test_docs.py) is what the command prints now
+    printed = [line.split() for line in out.splitlines()]
+    assert all(list(row.values()) in printed for row in documented_plan_rows())
     report = json.loads((tmp_path / "plan.json").read_text())
     # 3 schedules x 2 layouts x 2 shards x checkpointing off/on, Retain's with its kept steps x offload
     settings = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]) for r in report["combinations"]}
