@@ -402,13 +402,14 @@ def evaluate(
     run.log_metrics({k: v for k, v in row.items() if k != "iteration"}, step=iteration)  # the step says it
     if trainer.world.is_main:
         noise = f", noise std {row['eval_reward_noise_std']:.4f}" if "eval_reward_noise_std" in row else ""
+        images = evaluator.images_due(iteration)
         tqdm.write(
             f"lean eval at iteration {iteration}: reward {row['eval_reward_mean']:.4f} +- {row['eval_reward_std']:.4f} "
             f"({row['eval_samples']} samples, {row['eval_time_s']:.1f} s{noise})"
-            + (f" -> {evaluator.folder(iteration)}" if evaluator.images_due(iteration) else "")
+            + (f" -> {evaluator.folder(iteration)}" if images else "")
         )
         write_csv(evaluator.root.parent / "eval.csv", evaluations)
-        if not evaluator.images_due(iteration):
+        if not images:
             return
         run.log_image(evaluator.folder(iteration) / "grid.png", "eval_grid", iteration)
         if (evaluator.folder(iteration) / "edits.png").exists():  # reference | base | trained, for edits

@@ -83,9 +83,10 @@ def import_client() -> None:
     """Import MLflow now when tracking is on (seconds), opening nothing: a process that forks its runs pays it once.
     With a database URI its SQL store too (SQLAlchemy and alembic: 0.5-1 CPU s that each forked run paid again)."""
     if enabled():
-        import mlflow  # noqa: F401
+        from mlflow.store.db.db_types import DATABASE_ENGINES  # imports mlflow
+        from mlflow.utils.uri import get_uri_scheme
 
-        if "://" in tracking_uri() and not tracking_uri().startswith(("http://", "https://", "file://")):
+        if get_uri_scheme(tracking_uri()).split("+")[0] in DATABASE_ENGINES:  # sqlite, postgresql+psycopg2, ...
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
 

@@ -162,14 +162,14 @@ class FigureSet:
         if gain is not None and noise:
             self.add(f"eval_gain_over_noise_{name}", over_noise_family, gain / noise)
 
-    def add_time_to_reward(self, folder: Path, name: str, gain: float, baseline: Path) -> None:
-        """A run's samples and CPU seconds to the base's eval reward + ``gain``, and its CPU seconds over those of
-        the ``baseline`` run (GRPO-Recompute) of the same pipeline run."""
+    def add_time_to_reward(self, folder: Path, name: str, gain: float, baseline_seconds: float | None) -> None:
+        """A run's samples and CPU seconds to the base's eval reward + ``gain``, and its CPU seconds over
+        ``baseline_seconds`` (GRPO-Recompute's in the same pipeline run)."""
         self.add(f"samples_to_reward_{name}", "algorithm_samples_to_reward", run_time_to_reward(folder, gain, SAMPLES))
         seconds = run_time_to_reward(folder, gain)
         self.add(f"time_to_reward_{name}", "algorithm_time_to_reward", seconds)
-        if seconds is not None and (base := run_time_to_reward(baseline, gain)):
-            self.add(f"time_to_reward_ratio_{name}", "time_to_reward_ratio", seconds / base)
+        if seconds is not None and baseline_seconds:
+            self.add(f"time_to_reward_ratio_{name}", "time_to_reward_ratio", seconds / baseline_seconds)
 
 
 def headline_figures(outputs: str | Path, params: Mapping[str, Any] | None = None) -> dict[str, Figure]:
@@ -264,13 +264,14 @@ def _algorithm_run_figures(outputs: Path, found: FigureSet, time_to_reward_gain:
     for name, folder in runs.items():
         if run := read_json(folder / "metrics.json"):
             found.add_eval_gain(run, name, "algorithm_eval_reward_gain", "algorithm_gain_over_noise")
-            if time_to_reward_gain is not None:
-                found.add_time_to_reward(folder, name, time_to_reward_gain, outputs / "train" / BASELINE)
-    if time_to_reward_gain is not None:  # the recipe (2 updates a rollout) and its exact hybrid
-        for folder in sorted((outputs / "train").glob("recipe-*")):
-            if read_json(folder / "metrics.json"):
-                name = folder.name.replace("-", "_")
-                found.add_time_to_reward(folder, name, time_to_reward_gain, outputs / "train" / BASELINE)
+    if time_to_reward_gain is None:
+        return
+    # and the recipe's runs (2 updates a rollout, its exact hybrid): time to reward only
+    runs.update({p.name.replace("-", "_"): p for p in sorted((outputs / "train").glob("recipe-*"))})
+    baseline_seconds = run_time_to_reward(outputs / "train" / BASELINE, time_to_reward_gain)
+    for name, folder in runs.items():
+        if read_json(folder / "metrics.json"):
+            found.add_time_to_reward(folder, name, time_to_reward_gain, baseline_seconds)
 
 
 def _bench_figures(outputs: Path, found: FigureSet) -> None:
