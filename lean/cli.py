@@ -91,8 +91,17 @@ def _training_commands(sub) -> None:
         default=meta_plan.REFERENCE_HOST_LINK,
         help="with --gpu-mem-gb: the GPU's host link for offloaded graphs (train.retain.host_link_gb_s overrides it)",
     )
-    _add_run_options(
-        sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
+    e = sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
+    _add_run_options(e)
+    e.add_argument(
+        "--save-gradients",
+        action="store_true",
+        help="also write every schedule's synchronised gradient to OUT/gradients.safetensors",
+    )
+    e.add_argument(
+        "--against",
+        default=None,
+        help="a gradients.safetensors of another world size or layout: each schedule's gradient must equal it",
     )
 
 
@@ -294,7 +303,8 @@ def _plan(args) -> int:
 
 def _equivalence(args) -> int:
     overrides = equivalence.certificate_overrides(args.overrides)
-    equivalence.main(load_config(_params(args), overrides, preset=args.preset), out=args.out)
+    cfg = load_config(_params(args), overrides, preset=args.preset)
+    equivalence.main(cfg, out=args.out, save_gradients=args.save_gradients, against=args.against)
     return 0
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from lean import algorithms, models, rewards, schedules
 from lean.algorithms import options as algorithm_options
-from lean.config import SECTIONS, RunConfig, dtypes, read_config, run_sections
+from lean.config import SECTIONS, ConfigError, RunConfig, dtypes, read_config, run_sections
 from lean.models import checks, sequence_parallel
 from lean.models import options as model_options
 from lean.parallel import layout, sharding
@@ -24,6 +24,7 @@ from lean.parallel import options as parallel_options
 from lean.parallel.overlap import p2p
 from lean.rewards import options as reward_options
 from lean.rewards import pickle_servers
+from lean.rewards.base import GROUP_REWARDS
 from lean.sampling import options as sample_options
 from lean.sampling import rollout, sde
 from lean.sampling import tree as sample_tree
@@ -46,6 +47,23 @@ OWNERS = (
     *SECTION_OWNERS,
 )
 
+
+def shared_layout_problem(cfg: RunConfig) -> str | None:
+    """What the shared layout (``lean.parallel.layout``) cannot split over ranks exactly, or None: a tree's leaves
+    share their trunk's forwards and its edges' advantages, and a group-wise reward scores a group's images together;
+    both need a prompt's samples on one process."""
+    if sample_tree.tree_shape(cfg.sample) is not None:
+        return "a tree's leaves share their trunk's forwards, so a prompt's samples stay on one process: use group"
+    if grouped := [name for name in cfg.reward.weights if name in GROUP_REWARDS]:
+        return f"the group-wise reward {grouped[0]} scores a group's images together on one process: use group"
+    return None
+
+
+def check_shared_layout(cfg: RunConfig, world_size: int | None = None) -> None:
+    if cfg.parallel.layout == layout.SHARED and (problem := shared_layout_problem(cfg)):
+        raise ConfigError("parallel.layout", cfg.parallel.layout, problem)
+
+
 Rule = Callable[[RunConfig, "int | None"], None]
 
 RULES: tuple[Rule, ...] = (
@@ -57,6 +75,7 @@ RULES: tuple[Rule, ...] = (
     schedules.check_config,  # what each schedule reproduces exactly: on-policy, the algorithm's facts, sharded
     sequence_parallel.check_config,  # the family has it, the processes form its groups
     layout.check_config,  # the batch over the data-parallel ranks, the group layout, the optimizer steps
+    check_shared_layout,  # what the shared layout cannot split over ranks: trees, group-wise rewards
 )
 
 

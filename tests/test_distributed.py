@@ -100,6 +100,80 @@ def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
     assert report["world_size"] == processes and report["passes"], report
 
 
+# CFG (the tiny FLUX's default) and the KL (beta > 0) in the shared layout
+SHARED = ["--set", "model.dtype=float64", "--set", "algorithm.beta=0.04", "--set", "parallel.layout=shared"]
+# the zero-advantage filter: the colourless prompt's group scores 0 and leaves the update (its KL terms too)
+FILTER = [
+    "--set",
+    "algorithm.skip_zero_advantage=true",
+    "--set",
+    "train.prompts=[a red circle on a white background, plain, a blue square on a green background, a green square]",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "processes,prompts,group,extra,sp",
+    [
+        (2, 2, 4, FILTER, 1),  # Q = 2 samples of each prompt per rank
+        (4, 2, 4, FILTER, 1),  # Q = 1
+        # two worker groups of 2 ranks, one sample each. The filter averages the loss over each process's kept samples
+        # (FlowGRPO's per-rank mean): with the colourless prompt on one worker group only, its ranks keep none, so the
+        # update is not one process's by the algorithm's own definition; without it, every term is
+        (4, 4, 2, [], 1),
+        # 2 data-parallel x 2 sequence-parallel: a sequence-parallel group holds the same samples; the float64
+        # reference (not split over tokens) is averaged over the data-parallel ranks, not summed over the group's
+        (4, 2, 4, [], 2),
+    ],
+)
+def test_the_shared_layout_on_processes_gives_one_process_gradients(tmp_path, processes, prompts, group, extra, sp):
+    """LeanGRPO's layout (App. A): the ranks share each prompt's samples and finish it wave by wave; every schedule's
+    synchronised gradient equals the one process's (a re-indexing of the same terms), and the certificate passes."""
+    shape = ["--set", f"train.prompts_per_iteration={prompts}", "--set", f"train.group_size={group}", *extra]
+    one, many = tmp_path / "one", tmp_path / "many"
+    lean_here("equivalence", *SMALL, *SHARED, *shape, "--save-gradients", "--out", str(one))
+    against = ["--against", str(one / "gradients.safetensors")]
+    against += ["--set", f"parallel.sequence_parallel={sp}"]
+    lean_ranks(processes, "equivalence", *SMALL, *SHARED, *shape, *against, "--out", str(many))
+    report = json.loads((many / "equivalence.json").read_text())
+    assert report["world_size"] == processes and report["layout"] == "shared" and report["passes"], report
+    assert max(report["against"]["max_rel_grad_diff"].values()) <= 1e-10
+    assert set(report["against"]["max_rel_grad_diff"]) == {"recompute", "retain", "reweight"}
+    assert max(r["rel_norm_diff"] for r in report["reference"].values()) <= 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_update_hybrid_in_the_shared_layout_passes_the_certificate(tmp_path):
+    """k = 2 updates per rollout: the Lean schedules' first update from the rollout, the second recomputed
+    (``lean.schedules.hybrid``); each process's update samples are its own share, so the certificate compares the
+    schedules on the same processes."""
+    two = ["--set", "train.optimizer_steps_per_iteration=2", "--set", "train.prompts_per_iteration=4"]
+    lean_ranks(2, "equivalence", *SMALL, *SHARED, *FILTER, *two, "--out", str(tmp_path))
+    report = json.loads((tmp_path / "equivalence.json").read_text())
+    assert report["world_size"] == 2 and report["passes"] and {"retain", "reweight"} <= set(report), report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reweight_holds_one_waves_buffers_in_the_shared_layout(tmp_path):
+    """Two ranks, each with two groups of 4: the group layout folds a group's 4 per-trajectory buffers at a time
+    (4 + the folded sum), the shared layout a wave's Q = 2 (2 + 1)."""
+    sets = ["train.prompts_per_iteration=4", "train.group_size=4", "train.rollout_batch_size=4"]
+    sets.append("train.schedule=reweight")
+    buffers = {}
+    for layout in ("group", "shared"):
+        out = tmp_path / layout
+        lean_ranks(2, "train", *SMALL, *_sets([*sets, f"parallel.layout={layout}"]), "--out", str(out))
+        buffers[layout] = _column(out / "metrics.csv", "reweight_buffer_mb")[0]
+    assert buffers["shared"] == pytest.approx(buffers["group"] * 3 / 5)
+
+
+def _sets(values):
+    return [arg for v in values for arg in ("--set", v)]
+
+
 def test_launch_flags_are_checked(capsys):
     from lean.cli import main
 

@@ -14,7 +14,7 @@ from helpers import documented_plan_rows, tiny
 from lean.config import ConfigError
 from lean.configure import load_config, validate
 from lean.models import family_spec
-from lean.parallel.layout import finish_unit, resolve_layout
+from lean.parallel.layout import SharedShape, finish_unit, resolve_layout, shared_order
 from lean.schedules import SCHEDULES
 from lean.tools.equivalence import one_update
 from lean.train import Trainer
@@ -162,6 +162,37 @@ def test_layout_resolution_and_refusals():
     validate(tiny(*GROUPS, "parallel.layout=slice", "train.rollout_batch_size=3"))
 
 
+@pytest.mark.parametrize(
+    "prompts,group,ranks,wave,q",
+    [(2, 4, 2, 1, 2), (2, 4, 4, 1, 1), (4, 2, 4, 2, 1), (16, 12, 8, 2, 3), (3, 2, 1, 1, 2)],
+)
+def test_the_shared_layout_deals_each_waves_samples_over_the_ranks(prompts, group, ranks, wave, q):
+    """App. A: in a wave of c prompts every rank holds Q of its samples, rank d the wave's samples d, d + W, ...;
+    every sample of the iteration once, each rank's share in wave order."""
+    shape = SharedShape.of(group, ranks)
+    assert (shape.prompts_per_wave, shape.per_rank) == (wave, q)
+    order = shared_order(prompts, group, ranks)
+    assert sorted(order) == list(range(prompts * group))
+    share = len(order) // ranks
+    for d in range(ranks):
+        mine = order[d * share : (d + 1) * share]
+        for w in range(prompts // wave):  # the wave's prompts, its samples d, d + W, ... of the wave
+            wave_samples = mine[w * q : (w + 1) * q]
+            assert wave_samples == [w * wave * group + d + i * ranks for i in range(q)]
+    cfg = tiny(f"train.prompts_per_iteration={prompts}", f"train.group_size={group}", "parallel.layout=shared")
+    assert finish_unit(cfg, ranks) == (q if q < len(order) // ranks else None)
+
+
+def test_the_shared_layout_refuses_what_it_cannot_split():
+    shared = ["parallel.layout=shared"]
+    with pytest.raises(ConfigError, match="tree's leaves share their trunk"):
+        tree = ["algorithm.name=branch_grpo", "sample.num_steps=6", "sample.tree.branch_points=[0, 2]"]
+        validate(tiny(*shared, *tree, "train.group_size=4", "sample.timestep_selection=first"))
+    with pytest.raises(ConfigError, match="group-wise reward win_rate"):
+        validate(tiny(*shared, "reward.weights={win_rate: 1.0}", "reward.win_rate.judge_reward=color_match"))
+    validate(tiny(*shared, "train.prompts_per_iteration=16", "train.group_size=12"), world_size=8)
+
+
 @pytest.mark.timeout(180)
 def test_plan_and_bench_memory_cover_every_schedule_layout_and_checkpointing(tmp_path):
     from lean.plan.cost import main as plan
@@ -243,9 +274,9 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     printed = [line.split() for line in out.splitlines()]
     assert all(list(row.values()) in printed for row in documented_plan_rows())
     report = json.loads((tmp_path / "plan.json").read_text())
-    # 3 schedules x 2 layouts x 2 shards x checkpointing off/on, Retain's with its kept steps x offload
+    # 3 schedules x 3 layouts x 2 shards x checkpointing off/on, Retain's with its kept steps x offload
     settings = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]) for r in report["combinations"]}
-    assert len(settings) == 24 and report["published_size"]["transformer_parameters"] > 11e9
+    assert len(settings) == 36 and report["published_size"]["transformer_parameters"] > 11e9
     fits = {
         (r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"], r["retain_steps"], r["offload"])
         for r in report["combinations"]

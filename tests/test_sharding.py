@@ -134,6 +134,7 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     lean_ranks(4, *bench)
     result = json.loads((out / "memory.json").read_text())
     assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 4
-    assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"} and len(result["variants"]) == 8
+    assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"}
+    assert {e["layout"] for e in result["variants"]} == {"group", "shared", "slice"} and len(result["variants"]) == 12
     for e in result["variants"]:  # a tiny model: the peaks are mostly the process itself, but each is predicted
         assert e["peak_memory_mb"] == pytest.approx(e["plan_peak_memory_mb"], rel=0.15)

@@ -95,6 +95,14 @@ class World:
             x /= self.data_size
         return x
 
+    def average_replicated_(self, x: torch.Tensor) -> torch.Tensor:
+        """A gradient each process holds whole (a sequence-parallel group's processes the same one, not shares of it):
+        averaged over the data-parallel ranks, in place. The certificate's float64 twin, which is not split."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+            x /= self.size
+        return x
+
     def main_value(self, value):
         """The main process's ``value`` on every process (a picklable object): one decision for all of them."""
         if self.size == 1:

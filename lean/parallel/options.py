@@ -17,8 +17,9 @@ class ParallelConfig:
 
     layout: str = choice("layout")
     """Which samples a process holds and when its schedule finishes them: a name of ``lean.parallel.layout.LAYOUTS``
-    (group: whole prompt groups, each finished as soon as it is scored, so Retain holds one group's graphs; slice: a
-    contiguous share, finished after the whole rollout; auto: group where it applies)."""
+    (shared: LeanGRPO's, the ranks share each prompt's samples, Q = G / W each, finished prompt by prompt, so Retain
+    holds Q trajectories' graphs; group: whole prompt groups, each finished as soon as it is scored, so Retain holds
+    one group's; slice: a contiguous share, finished after the whole rollout; auto: group where it applies)."""
     shard: str = choice("shard")
     """How the policy is spread over the processes: a name of ``lean.parallel.sharding.SHARDS`` (none: a whole copy
     each; fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained

@@ -46,13 +46,21 @@ import torch
 
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, ROLLOUT_STEPS, build_algorithm
 from lean.config.dtypes import DTYPES, master_dtype
+from lean.configure import shared_layout_problem
 from lean.models.build import lora_config
 from lean.models.footprint import meta_transformer
 from lean.models.registry import family_spec
 from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import World, init_world
-from lean.parallel.layout import LAYOUTS, finish_unit, group_layout_problem, resolve_layout
+from lean.parallel.layout import (
+    GROUP,
+    LAYOUTS,
+    SHARED,
+    finish_unit,
+    group_layout_problem,
+    resolve_layout,
+)
 from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
 from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.sampling.rollout import Sampler, policy_step
@@ -298,12 +306,15 @@ def retain_terms(cfg: RunConfig, measured: dict, k: int, group_share: float, lin
 
 
 def applicable_layouts(inp: PlanInput) -> list[str]:
-    """The layouts this run can take (slice always; group where ``lean.parallel.layout`` allows it)."""
-    return [
-        name
-        for name in LAYOUTS
-        if name != AUTO and (name != "group" or group_layout_problem(inp.cfg.train, inp.world_size) is None)
-    ]
+    """The layouts this run can take (``lean.parallel.layout``): slice always; group where it holds the run; shared on
+    more than one data-parallel rank where it can split the prompts (on one it is the group layout, finishing prompt
+    by prompt)."""
+    problems = {
+        AUTO: "not a layout",
+        GROUP: group_layout_problem(inp.cfg.train, inp.world_size),
+        SHARED: "one rank" if inp.world_size == 1 else shared_layout_problem(inp.cfg),
+    }
+    return [name for name in LAYOUTS if problems.get(name) is None]
 
 
 def probe_checkpointing(inp: PlanInput, measure: Callable[[PlanInput], dict] = probe) -> dict[bool, dict]:

@@ -17,8 +17,9 @@ the DVC stages (rollout / advantage / update) and ``lean plan``'s probe call the
 the order of an iteration is made in :meth:`IterationPipeline.run` (and :meth:`~IterationPipeline.roll_out`, its
 first half) alone.
 
-Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order; process r
-owns the contiguous slice r of it (``lean.parallel.layout.local_slice``). Random streams are keyed by (seed, iteration,
+Layout: the global batch of an iteration is prompts_per_iteration x group_size samples, in group order (the shared
+layout: rank-major, ``lean.parallel.layout.shared_order``); process r owns the contiguous slice r of it
+(``lean.parallel.layout.local_slice``). Random streams are keyed by (seed, iteration,
 group, prompt, sample), so a trajectory never depends on the batching or on the number of processes, and two groups
 of the same prompt differ.
 """
@@ -54,7 +55,15 @@ from lean.models.sequence_parallel import enable, sequence_problem
 from lean.models.snapshot import Snapshot
 from lean.observe.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
 from lean.parallel.distributed import CPU_TIMEOUT_S, World
-from lean.parallel.layout import finish_unit, finishing_units, local_slice
+from lean.parallel.layout import (
+    SHARED,
+    finish_unit,
+    finishing_units,
+    local_slice,
+    resolve_layout,
+    shared_order,
+    wave_gathered,
+)
 from lean.parallel.overlap.p2p import Overlap
 from lean.parallel.sharding import FSDP, shard_policy
 from lean.rewards import RewardServerError, Scorer
@@ -130,6 +139,8 @@ def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int =
     """This process's samples of ``iteration``: prompts, random streams and trained-step selection. Under
     ``parallel.shard=fsdp`` the selection also holds the steps any process trains (``shared_grad_steps``)."""
     samples = global_samples(cfg, iteration)
+    if resolve_layout(cfg, world_size) == SHARED:  # rank-major: each rank's Q samples of every prompt of its group
+        samples = [samples[i] for i in shared_order(cfg.train.prompts_per_iteration, cfg.train.group_size, world_size)]
     if rolled_out_in_update_order(cfg.train):  # each share in its first update order: every share permuted alike
         share = len(samples) // world_size
         order = shuffled(cfg.train, iteration, share, epoch=0).tolist()
@@ -188,6 +199,7 @@ class FinishedUnits:
 
     advantages: Tensor  # float64 [B_local] (tree: [B_local, num_steps]), host: true at rows [0, rows), 0 after them
     rows: int = 0  # local rows [0, rows) are finished
+    stopped: bool = False  # a wave's rewards failed on some rank (shared layout): no later unit finishes early
 
 
 @dataclass
@@ -470,7 +482,10 @@ class IterationPipeline:
                 if self.algorithm.weighs_regulariser:  # its factors are the whole batch's: batch_wide, never here
                     raise ValueError(f"algorithm {self.cfg.algorithm.name} finishes no unit before the whole batch")
                 advantages, rest = finished.advantages.clone(), slice(finished.rows, len(batch.prompts))
-                if rest.start < rest.stop:
+                if rest.start < rest.stop and wave_gathered(resolve_layout(self.cfg, self.world.data_size)):
+                    every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
+                    advantages[rest] = self.algorithm.targets(rewards, batch.group_ids(), every)[batch.local][rest]
+                elif rest.start < rest.stop:  # whole groups, whose advantages are their own
                     mine, ids = rewards[batch.local], batch.local_group_ids()
                     own = None if parts is None else parts[rest]
                     advantages[rest] = self.algorithm.targets(mine[rest], ids[rest], own)
@@ -566,15 +581,44 @@ class IterationPipeline:
             schedule.unit_rolled_out(rows)
         with ctx.timer("reward_exposed"):
             scored = scoring.rewards()  # rows [0, rows.stop)
-        if scored is None:
+        if wave_gathered(resolve_layout(self.cfg, self.world.data_size)):  # a collective: every rank joins it
+            with ctx.timer("advantage"):
+                targets = self.wave_targets(batch, rows, scored)
+            if targets is None or finished.stopped:  # a rank's rewards failed: the rest finishes after the rollout
+                finished.stopped = True
+                return
+            finished.advantages[rows] = targets
+        elif scored is None:
             return
-        with ctx.timer("advantage"):
-            rewards, parts = scored[0][rows], self.reward_components(scored[1])
-            own = None if parts is None else parts[rows]
-            finished.advantages[rows] = self.algorithm.targets(rewards, batch.local_group_ids()[rows], own)
+        else:
+            with ctx.timer("advantage"):
+                rewards, parts = scored[0][rows], self.reward_components(scored[1])
+                own = None if parts is None else parts[rows]
+                finished.advantages[rows] = self.algorithm.targets(rewards, batch.local_group_ids()[rows], own)
         with ctx.timer("update"):
             schedule.finish_rows(rows, finished.advantages.to(self.world.device))
         finished.rows = rows.stop
+
+    def wave_targets(self, batch: LocalBatch, rows: slice, scored: tuple | None) -> Tensor | None:
+        """Shared layout: the targets of this rank's wave ``rows`` (Q rows, the same rows on every rank) from
+        ``scored`` (its rewards and components so far; None: they failed). The wave's rewards [Q] (and components
+        [Q, C]) are all-gathered rank-major [W Q]: rank d's rows of the wave are the global positions d L + rows (L the
+        local batch), so every group of the wave is whole. Every rank computes the wave's targets and keeps its own
+        Q; None on every rank when any rank's rewards failed or are not finite (then nothing more finishes early)."""
+        q = rows.stop - rows.start
+        if scored is None:
+            rewards, parts = torch.full((q,), torch.nan, dtype=torch.float64), None
+        else:
+            rewards, parts = scored[0][rows], self.reward_components(scored[1])
+        gathered = self.world.gather(rewards.to(self.world.device, torch.float64)).cpu()
+        if not torch.isfinite(gathered).all():
+            return None
+        every = None if parts is None else self.world.gather(parts[rows].to(self.world.device)).cpu()
+        local = len(batch.prompts)
+        at = torch.cat([torch.arange(rows.start, rows.stop) + d * local for d in range(self.world.data_size)])
+        targets = self.algorithm.targets(gathered, batch.group_ids()[at], every)
+        mine = self.world.data_rank * q
+        return targets[mine : mine + q]
 
     def run(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from lean.algorithms import CLEAN_SAMPLES, build_algorithm
 from lean.algorithms.base import step_targets
@@ -26,6 +27,7 @@ from lean.config.dtypes import HALF, dtype_name
 from lean.models.build import build_policy
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.observe.outputs import write_json
+from lean.parallel.layout import resolve_layout
 from lean.parallel.sharding import FSDP, full, full_state_dict
 from lean.plan.cost import with_schedule
 from lean.run.optimizer import capture_synced_grads
@@ -168,7 +170,7 @@ class Float64Reference:
             loss = self.algorithm.reference_loss(self.twin, step, emb.index(step.rows), targets, **factor)
             (weights * loss).sum().backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
-        self.world.reduce_gradients_(grads)  # averaged over processes, as the optimizer step averages the schedules'
+        self.world.average_replicated_(grads)  # averaged over ranks, as the optimizer step averages the schedules'
         return [g.view_as(p) for g, p in zip(grads.split([p.numel() for p in self.params]), self.params)]
 
     def clean_sample_gradient(self, trainable: list[torch.Tensor], rolled, targets: torch.Tensor) -> list[torch.Tensor]:
@@ -201,7 +203,7 @@ class Float64Reference:
                 )
                 (loss.sum() / (len(first) * k)).backward()
         grads = flat_grad(self.params, [p.grad for p in self.params])
-        self.world.reduce_gradients_(grads)
+        self.world.average_replicated_(grads)
         return [g.view_as(p) for g, p in zip(grads.split([p.numel() for p in self.params]), self.params)]
 
     def forward_error(self, trainable: list[torch.Tensor], batch, recorded: list[Transition]) -> float:
@@ -312,13 +314,18 @@ def rounding_report(
 
 
 def run_equivalence(
-    cfg: RunConfig, trainer: Trainer | None = None, perturb_std: float = 0.02, reference: bool = True
+    cfg: RunConfig,
+    trainer: Trainer | None = None,
+    perturb_std: float = 0.02,
+    reference: bool = True,
+    gradients: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """One iteration per schedule from the same state; returns the certificate (identical on every rank).
 
     Every Lean schedule's gradient is compared with the baseline's and, with ``reference``, every schedule's with the
     float64 on-policy gradient of its own trajectories (:class:`Float64Reference`); the baseline's rounding drift is
-    reported beside it."""
+    reported beside it. ``gradients``, when given, receives every schedule's synchronised gradient as
+    ``<schedule>/<tensor name>``."""
     cfg = compared_config(cfg)
     trainer = trainer or Trainer(cfg)
     trainer.policy.perturb_lora_(perturb_std, torch.Generator().manual_seed(cfg.train.seed))
@@ -335,6 +342,8 @@ def run_equivalence(
     trainer.state.load_state_dict(start_state)
 
     base, names = updates[BASELINE], trainer.state.names
+    if gradients is not None:
+        gradients.update({f"{s}/{n}": g.cpu() for s, u in updates.items() for n, g in zip(names, u.grads)})
     report = {
         "dtype": cfg.model.dtype,
         "world_size": trainer.world.size,
@@ -428,14 +437,39 @@ def certificate_overrides(overrides: list[str]) -> list[str]:
     return list(overrides)
 
 
-def main(cfg: RunConfig, out: str | None = None) -> dict:
-    """``lean equivalence``: write DIR/equivalence.json and print a summary (rank 0)."""
+def against_other_run(gradients: dict[str, torch.Tensor], path: str) -> dict:
+    """Each schedule's gradient against the same schedule's in ``path`` (a ``gradients.safetensors`` written by
+    ``--save-gradients``, from another world size or layout: App. A says the layout changes no term of the gradient):
+    the largest relative difference over tensors (:func:`compare`'s definition), per schedule."""
+    other = load_file(path)
+    if missing := sorted(set(gradients) ^ set(other)):
+        raise ValueError(f"--against {path}: the runs' tensors differ, e.g. {missing[0]}")
+    diffs: dict[str, float] = {}
+    for key, grad in gradients.items():
+        schedule, ref = key.split("/", 1)[0], other[key].double()
+        diffs[schedule] = max(diffs.get(schedule, 0.0), _rel(grad.double() - ref, ref))
+    return diffs
+
+
+def main(cfg: RunConfig, out: str | None = None, save_gradients: bool = False, against: str | None = None) -> dict:
+    """``lean equivalence``: write DIR/equivalence.json (with ``save_gradients`` DIR/gradients.safetensors; with
+    ``against`` each schedule's difference from that file's, which must pass the same tolerance) and print a summary
+    (rank 0)."""
     cfg = compared_config(cfg)
     trainer = Trainer(cfg)
-    report = run_equivalence(cfg, trainer)
+    gradients = {} if save_gradients or against else None
+    report = run_equivalence(cfg, trainer, gradients=gradients)
+    report["layout"] = resolve_layout(cfg, trainer.world.data_size)
     report["passes"] = passes(report, cfg.model.torch_dtype)
+    if against:
+        report["against"] = {"path": against, "max_rel_grad_diff": against_other_run(gradients, against)}
+        rel_tol, _ = tolerance(cfg.model.torch_dtype)
+        report["passes"] &= all(d <= rel_tol for d in report["against"]["max_rel_grad_diff"].values())
+    folder = out or "outputs/equivalence"
     if trainer.world.is_main:
-        write_json(f"{out or 'outputs/equivalence'}/equivalence.json", report)
+        write_json(f"{folder}/equivalence.json", report)
+        if save_gradients:
+            save_file({k: g.contiguous() for k, g in gradients.items()}, f"{folder}/gradients.safetensors")
         print_report(cfg, report, trainer.world.size)
     trainer.world.wait_for_everyone()
     return report
@@ -451,10 +485,14 @@ def print_report(cfg: RunConfig, report: dict, world_size: int) -> None:
     dtype = cfg.model.torch_dtype
     rel_tol, cos_tol = tolerance(dtype)
     print(
-        f"objective equivalence vs {BASELINE} ({cfg.model.family}, {cfg.model.dtype}, world_size={world_size}"
+        f"objective equivalence vs {BASELINE} ({cfg.model.family}, {cfg.model.dtype}, world_size={world_size}, "
+        f"layout={report.get('layout', '?')}"
         + ("" if dtype in HALF else f"; targets: rel <= {rel_tol:g}, 1-cos <= {cos_tol:g}")
         + ")"
     )
+    if other := report.get("against"):
+        diffs = ", ".join(f"{s} {d:.3e}" for s, d in other["max_rel_grad_diff"].items())
+        print(f"against {other['path']} (max rel grad diff): {diffs}")
     if kept := report.get("retain_kept"):
         print(f"retain keeps steps={kept['steps']} of its graphs, offload={kept['offload']}")
     print(

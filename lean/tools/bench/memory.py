@@ -9,6 +9,7 @@ same weights. Reported per variant, beside ``lean plan``'s predictions of the sa
     extra       = peak(schedule) - peak(recompute)              what the schedule holds beyond the baseline, in the
                                                                 same layout and checkpointing
     held ratio  = extra(group layout) / extra(slice layout)     Retain: ~ one group / the groups a process holds
+    shared ratio = extra(shared layout) / extra(group layout)   Retain: ~ Q = G / W samples / one group of G
     speedup     = T(recompute) / T(schedule),  bound = T(recompute) / (T(recompute) - recompute forward), both in the
                   same layout and checkpointing (``lean.tools.bench.schedules``)
 """
@@ -151,19 +152,25 @@ def variant_entry(variant: Variant, memory: dict, timed: list[dict], predicted: 
         "time_recompute_forward_s": median(r.get("time_recompute_forward_s", 0.0) for r in timed),
         "plan_peak_memory_mb": predicted["peak_memory_mb"],
         "plan_time_iteration_s": predicted["time_iteration_s"],
+        **({"reweight_buffer_mb": memory["reweight_buffer_mb"]} if "reweight_buffer_mb" in memory else {}),
     }
 
 
+HELD_RATIOS = {"held_ratio": ("group", "slice"), "shared_ratio": ("shared", "group")}  # (numerator, denominator)
+
+
 def held_ratios(entries: list[dict]) -> dict[str, float]:
-    """``held_ratio_<schedule>``: what the schedule holds beyond Recompute, group layout / slice layout (no
-    checkpointing), where both were measured and the slice layout holds more than Recompute."""
+    """What the schedule holds beyond Recompute in one layout over another (no checkpointing), where both were
+    measured and the second holds more than Recompute: ``held_ratio_<schedule>`` group / slice (one group of the
+    groups a process holds), ``shared_ratio_<schedule>`` shared / group (LeanGRPO's Q samples of G)."""
     ratios = {}
     for s in LEAN_SCHEDULES:
         extra = {
             (e["layout"], e["gradient_checkpointing"]): e["extra_memory_mb"] for e in entries if e["schedule"] == s
         }
-        if extra.get(("slice", False), 0) > 0 and ("group", False) in extra:
-            ratios[f"held_ratio_{s}"] = extra["group", False] / extra["slice", False]
+        for name, (num, den) in HELD_RATIOS.items():
+            if extra.get((den, False), 0) > 0 and (num, False) in extra:
+                ratios[f"{name}_{s}"] = extra[num, False] / extra[den, False]
     return ratios
 
 
@@ -198,6 +205,10 @@ def format_table(result: dict) -> str:
             f"{e['time_iteration_s']:8.3f} {e['plan_time_iteration_s']:7.2f} {relative}"
         )
     for s in LEAN_SCHEDULES:
-        if f"held_ratio_{s}" in result:
-            lines.append(f"{s}: memory above Recompute's, group / slice layout: {result[f'held_ratio_{s}']:.3f}")
+        for name, (num, den) in HELD_RATIOS.items():
+            if f"{name}_{s}" in result:
+                lines.append(f"{s}: memory above Recompute's, {num} / {den} layout: {result[f'{name}_{s}']:.3f}")
+    buffers = {e["layout"]: e["reweight_buffer_mb"] for e in result["variants"] if "reweight_buffer_mb" in e}
+    if buffers:  # checkpointing off and on hold the same buffers
+        lines.append("Reweight's buffers (MiB): " + ", ".join(f"{k} {v:.3f}" for k, v in buffers.items()))
     return "\n".join(lines)
