@@ -19,7 +19,7 @@ from lean.algorithms import options as algorithm_options
 from lean.config import SECTIONS, ConfigError, RunConfig, dtypes, read_config, run_sections
 from lean.models import checks, sequence_parallel
 from lean.models import options as model_options
-from lean.parallel import layout, sharding
+from lean.parallel import grad_sync, layout, sharding
 from lean.parallel import options as parallel_options
 from lean.parallel.overlap import p2p
 from lean.rewards import options as reward_options
@@ -35,6 +35,7 @@ SECTION_OWNERS = (model_options, sample_options, reward_options, algorithm_optio
 OWNERS = (
     algorithms,
     dtypes,
+    grad_sync,
     layout,
     models,
     p2p,

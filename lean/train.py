@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -24,10 +25,12 @@ from lean.config import SECTIONS, ConfigError, RunConfig
 from lean.config.moved import relocated
 from lean.evaluation import Evaluator
 from lean.observe import tracking
+from lean.observe.comms import CollectiveLog
 from lean.observe.metrics import FlopTally, median
 from lean.observe.outputs import numbers, write_csv, write_json
 from lean.parallel.distributed import World, init_world, set_threads
-from lean.parallel.sharding import FSDP, effective_shard
+from lean.parallel.grad_sync import PER_BACKWARD, resolve_grad_sync
+from lean.parallel.sharding import FSDP, effective_shard, reduce_scatter_accumulated, set_gradient_sync
 from lean.plan.cost import PlanInput, decide, described_choice, plan_input, with_retain
 from lean.run.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.run.optimizer import TrainState
@@ -43,7 +46,11 @@ class Trainer:
         self.world = world or init_world(cfg.train.dist_timeout_s, cfg.parallel.sequence_parallel)
         self.pipeline = build_pipeline(cfg, self.world)
         self.cfg, self.policy = self.pipeline.cfg, self.pipeline.policy  # sample.shift resolved
-        self.state = TrainState(self.policy.trainable_parameters(), cfg.optimizer, cfg.ema, self.world)
+        each_backward = resolve_grad_sync(self.cfg) == PER_BACKWARD
+        self.state = TrainState(self.policy.trainable_parameters(), cfg.optimizer, cfg.ema, self.world, each_backward)
+        if self.state.sharded and not each_backward:  # FSDP2 accumulates unsharded; one reduce-scatter per update
+            set_gradient_sync(self.policy, False)
+            self.state.reduce_accumulated = functools.partial(reduce_scatter_accumulated, self.policy)
         self.state.snapshot = self.pipeline.snapshot  # checkpointed with the weights
         self.state.algorithm = self.pipeline.algorithm  # its state across iterations too (GARDO's controller)
 
@@ -63,10 +70,17 @@ class Trainer:
         """One GRPO iteration with the named schedule, applied to the trainable state (and its EMA, when
         ``ema.unit`` counts iterations)."""
         self.state.iteration = iteration
-        result = self.pipeline.run(
-            iteration, schedule, self.state.step, tally=tally, progress=progress, measure_memory=measure_memory
-        )
+        self.state.take_sync_seconds()  # from here: this iteration's
+        with CollectiveLog() as comms:
+            result = self.pipeline.run(
+                iteration, schedule, self.state.step, tally=tally, progress=progress, measure_memory=measure_memory
+            )
         self.state.end_iteration()
+        # what crossed processes (lean.observe.comms), and the seconds the gradients' sync took: the whole gradients'
+        # all-reduces, or a sharded full fine-tune's reduce-scatters
+        counted = comms.metrics()
+        sync_s = self.state.take_sync_seconds() + counted.pop("time_reduce_scatter_s")
+        result.metrics.update(grad_sync=resolve_grad_sync(self.cfg), time_sync_s=sync_s, **counted)
         return result
 
     def plan_input(self) -> PlanInput:

@@ -170,6 +170,40 @@ def test_reweight_holds_one_waves_buffers_in_the_shared_layout(tmp_path):
     assert buffers["shared"] == pytest.approx(buffers["group"] * 3 / 5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["recompute", "retain"])
+def test_syncing_every_backward_or_once_per_update_gives_the_same_weights(tmp_path, schedule):
+    """``parallel.grad_sync``: per_backward all-reduces each backward's gradient as it ends (the paper's Native), per
+    update once (coalesced): the same weights after the update, and the collectives counted as they ran."""
+    sets = ["model.dtype=float64", "algorithm.beta=0.04", "train.group_size=4", f"train.schedule={schedule}"]
+    metrics = {}
+    for sync in ("per_update", "per_backward"):
+        out = tmp_path / sync
+        lean_ranks(2, "train", *SMALL, *_sets([*sets, f"parallel.grad_sync={sync}"]), "--out", str(out))
+        metrics[sync] = {k: _column(out / "metrics.csv", k)[0] for k in ("comm_all_reduce_count", "time_sync_s")}
+    a, b = (load_file(tmp_path / sync / "lora.safetensors") for sync in ("per_update", "per_backward"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-12
+    assert metrics["per_update"]["comm_all_reduce_count"] == 1  # the update's gradient, nothing else all-reduced
+    # Recompute: a backward per update micro-batch, each synced; Retain backpropagates its kept graphs in one
+    # backward (one sync either way)
+    backwards = metrics["per_backward"]["comm_all_reduce_count"]
+    assert (backwards > 1 if schedule == "recompute" else backwards == 1) and metrics["per_backward"]["time_sync_s"] > 0
+
+
+def test_what_cannot_sync_every_backward_is_one_config_line():
+    from lean.config import ConfigError
+    from lean.configure import load_config, validate
+
+    with pytest.raises(ConfigError, match="App. C"):  # a provisional gradient synced before its advantage
+        validate(load_config(None, ["parallel.grad_sync=per_backward", "train.schedule=reweight"]), world_size=2)
+    sharded = ["parallel.shard=fsdp", "model.full_finetune=true", "train.schedule=reweight"]
+    with pytest.raises(ConfigError, match="set parallel.grad_sync=per_update"):  # auto: FSDP2's per backward
+        validate(load_config(None, sharded), world_size=2)
+    validate(load_config(None, [*sharded, "parallel.grad_sync=per_update"]), world_size=2)
+    validate(load_config(None, ["parallel.grad_sync=per_backward", "train.schedule=retain"]), world_size=2)
+
+
 def _sets(values):
     return [arg for v in values for arg in ("--set", v)]
 

@@ -7,7 +7,9 @@ from safetensors.torch import load_file
 
 from lean import checkpoint
 from lean.config.run_sections import EMAConfig, OptimizerConfig
+from lean.configure import load_config
 from lean.parallel.distributed import World
+from lean.run.iteration import IterationResult
 from lean.run.optimizer import TrainState, ema_decay
 from lean.train import Trainer, train
 
@@ -47,6 +49,7 @@ def test_trainer_updates_an_iteration_ema_after_the_iterations_last_step():
     ema = EMAConfig(enabled=True, every=1, unit="iteration", warmup=True)
     trainer = Trainer.__new__(Trainer)
     trainer.state = TrainState([("a", params[0])], OptimizerConfig(lr=1e-2), ema, World())
+    trainer.cfg, trainer.world = load_config(None, []), World()
     seen = []
 
     class TwoSteps:
@@ -55,6 +58,7 @@ def test_trainer_updates_an_iteration_ema_after_the_iterations_last_step():
                 params[0].grad = torch.ones_like(params[0])
                 step()
                 seen.append(trainer.state.ema[0].clone())
+            return IterationResult({}, torch.zeros(0), torch.zeros(0))
 
     trainer.pipeline = TwoSteps()
     start = params[0].detach().clone()

@@ -405,7 +405,7 @@ def test_lean_schedules_run_every_recipe_as_hybrids(name, schedule):
     recipe = load_config(None, [], preset=name)
     assert recipe.train.optimizer_steps_per_iteration > 1
     if schedule == "reweight" and recipe.model.full_finetune:  # MixGRPO: a whole-model gradient per trajectory
-        with pytest.raises(ConfigError, match=r"parallel\.shard='fsdp'.*per-trajectory buffers"):
+        with pytest.raises(ConfigError, match=r"parallel\.shard='fsdp'.*parallel\.grad_sync=per_update"):
             load_config(None, [f"train.schedule={schedule}"], preset=name)
         return
     assert load_config(None, [f"train.schedule={schedule}"], preset=name).train.optimizer_steps_per_iteration > 1

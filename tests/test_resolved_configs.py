@@ -175,6 +175,8 @@ CHANGED_GARDO: dict[tuple[str, str], tuple[object, object]] = {}
 # issue #55: evaluation's pictures apart from its curve, and the peak-memory measurement when due; both as before by
 # default (every evaluation writes its pictures, every iteration measures)
 ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_every": 1}
+# issue #56: when the gradients cross processes (lean/parallel/grad_sync.py); auto is what ran before the key
+ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto"}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -200,6 +202,7 @@ ADDED = {
     **ADDED_GROUPWISE,
     **ADDED_GARDO,
     **ADDED_WORKBENCH,
+    **ADDED_SYNC,
 }
 CHANGED = {
     **CHANGED_EDITING,

@@ -3,6 +3,7 @@ unsharded one."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 
@@ -85,6 +86,52 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     assert rewards[1] == pytest.approx(rewards[0], abs=1e-9)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("processes", [2, 4])
+def test_reweight_and_retain_on_a_sharded_full_fine_tune_give_one_process_gradients(tmp_path, processes):
+    """LeanGRPO's headline run, shrunk: FSDP2 full fine-tuning in the shared layout with the sync once per update.
+    Reweight's provisional gradients are whole per trajectory (FSDP2's accumulation taken as each backward ends),
+    corrected by A, then reduce-scattered (Sec. 4.3.2, Eq. 18): every schedule's gradient is one process's."""
+    cfg = [*SMALL, "model.full_finetune=true", "parallel.layout=shared", "train.group_size=4"]
+    one, many = tmp_path / "one", tmp_path / "many"
+    lean_here("equivalence", *_sets(cfg), "--save-gradients", "--out", str(one))
+    sharded = _sets([*cfg, "parallel.shard=fsdp", "parallel.grad_sync=per_update"])
+    lean_ranks(processes, "equivalence", *sharded, "--against", str(one / "gradients.safetensors"), "--out", str(many))
+    report = json.loads((many / "equivalence.json").read_text())
+    assert report["passes"] and not report.get("not_run") and report["world_size"] == processes, report
+    assert set(report["against"]["max_rel_grad_diff"]) == {"recompute", "retain", "reweight"}
+    assert max(report["against"]["max_rel_grad_diff"].values()) < 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sharded_update_reduce_scatters_once_per_unit_or_after_every_backward(tmp_path):
+    """``parallel.grad_sync`` under FSDP2 full fine-tuning: per_backward reduce-scatters every unit after every
+    backward (FSDP2's own), per_update once per unit per optimizer step; the same weights. Retain backpropagates its
+    kept graphs in one backward: its per_backward count is the number of units."""
+    cfg = [*SMALL, "model.full_finetune=true", "parallel.shard=fsdp", "train.group_size=4"]
+    runs = {}
+    for schedule in ("recompute", "retain"):
+        for sync in ("per_backward", "per_update"):
+            out = tmp_path / f"{schedule}_{sync}"
+            sets = [*cfg, f"train.schedule={schedule}", f"parallel.grad_sync={sync}"]
+            lean_ranks(2, "train", *_sets(sets), "--out", str(out))
+            with open(out / "metrics.csv") as f:
+                row = next(csv.DictReader(f))
+            runs[schedule, sync] = {k: float(v) for k, v in row.items() if k.startswith("comm_")}
+            runs[schedule, sync]["weights"] = load_file(out / "lora.safetensors")
+    units = runs["retain", "per_backward"]["comm_reduce_scatter_count"]
+    assert units >= 3  # the blocks and the root
+    assert runs["recompute", "per_update"]["comm_reduce_scatter_count"] == units
+    assert runs["retain", "per_update"]["comm_reduce_scatter_count"] == units
+    backwards = runs["recompute", "per_backward"]["comm_reduce_scatter_count"] / units
+    assert backwards == int(backwards) and backwards > 1  # one per update micro-batch's backward
+    for schedule in ("recompute", "retain"):
+        a, b = (runs[schedule, sync]["weights"] for sync in ("per_backward", "per_update"))
+        assert _max_rel_diff(a, b) < 1e-10
+
+
 def test_processes_track_the_union_of_the_trained_steps():
     """Under fsdp every process's selection carries the steps any process trains; the samples' own stay theirs."""
     sets = [*SMALL, *RANDOM_STEPS, "train.prompts_per_iteration=4", "sample.num_steps=8"]
@@ -100,7 +147,7 @@ def test_processes_track_the_union_of_the_trained_steps():
 @pytest.mark.parametrize(
     "sets,words",
     [
-        (["model.full_finetune=true", "train.schedule=reweight"], "per-trajectory buffers"),
+        (["model.full_finetune=true", "train.schedule=reweight"], "parallel.grad_sync=per_update"),
         (["algorithm.skip_zero_advantage=true"], "lockstep"),
         (["model.family=wan", "model.full_finetune=true", "model.dtype=bfloat16"], "float32 modules"),
         (["parallel.shard=zero3"], "must be one of none, fsdp"),

@@ -20,6 +20,11 @@ class ParallelConfig:
     (shared: LeanGRPO's, the ranks share each prompt's samples, Q = G / W each, finished prompt by prompt, so Retain
     holds Q trajectories' graphs; group: whole prompt groups, each finished as soon as it is scored, so Retain holds
     one group's; slice: a contiguous share, finished after the whole rollout; auto: group where it applies)."""
+    grad_sync: str = choice("grad sync")
+    """When the trained weights' gradients cross processes: a name of ``lean.parallel.grad_sync.GRAD_SYNCS``
+    (per_update: once per optimizer step, after the schedule accumulated and corrected them, the paper's coalesced
+    sync; per_backward: after every backward, as DDP and FSDP do, the paper's Native; auto: per_update, or FSDP's
+    per_backward under a sharded full fine-tune)."""
     shard: str = choice("shard")
     """How the policy is spread over the processes: a name of ``lean.parallel.sharding.SHARDS`` (none: a whole copy
     each; fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained

@@ -185,3 +185,116 @@ def local_mb(tensors) -> float:
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded entry gathered (collective when anything is sharded)."""
     return {name: full(value) for name, value in module.state_dict().items()}
+
+
+# ---------------------------------------------------------------- the accumulated gradient, synced once per update
+# FSDP2 reduce-scatters each unit's gradient after each backward. With ``set_requires_gradient_sync(False)`` it keeps
+# accumulating the unsharded gradient instead (its ``no_sync``), and its next synced backward would reduce-scatter the
+# sum; lean syncs at the optimizer step instead, without a backward, one reduce-scatter per sharded parameter
+# (``parallel.grad_sync=per_update``, lean.parallel.grad_sync). FSDP2 keeps that unsharded gradient on its own
+# parameter objects (``FSDPParam``): :func:`fsdp_params` is the one place lean reads them.
+
+
+def fsdp_modules(policy) -> list[torch.nn.Module]:
+    """Every ``fully_shard`` unit of the policy's networks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for net in policy.networks() for m in net.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_params(policy) -> list:
+    """FSDP2's parameter records of every unit (``FSDPParam``: the sharded parameter, the unsharded one and its
+    accumulated gradient)."""
+    return [
+        fsdp_param
+        for module in fsdp_modules(policy)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+    ]
+
+
+def set_gradient_sync(policy, enabled: bool) -> None:
+    """FSDP2's gradient reduction after each backward, on or off for every unit."""
+    for module in fsdp_modules(policy):
+        module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def take_unsharded_grad(fsdp_param) -> torch.Tensor | None:
+    """The unsharded gradient FSDP2 accumulated for ``fsdp_param`` since its last reduction (None: none), handed
+    over: FSDP2 holds none after it."""
+    grad = fsdp_param.unsharded_accumulated_grad
+    if grad is not None:  # a reduce dtype other than the parameter's (half-precision masters)
+        fsdp_param.unsharded_accumulated_grad = None
+        return grad
+    if not hasattr(fsdp_param, "_unsharded_param") or fsdp_param.unsharded_param.grad is None:
+        return None
+    grad, fsdp_param.unsharded_param.grad = fsdp_param.unsharded_param.grad, None
+    return grad
+
+
+def reduce_scatter_to_shards(grads: list[torch.Tensor], sharded: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The whole gradients ``grads`` of every process (one dtype), summed over them and divided by their number as
+    FSDP2 does, as this process's shards of the ``sharded`` parameters (DTensors of one mesh, laid out by
+    ``fully_shard``: dim-0 chunks of ceil(rows / W), the last ones shorter or empty): one ``reduce_scatter_tensor``
+    for them all, rank r's chunk of every parameter side by side in its block of the input (FSDP2's own layout)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = sharded[0].device_mesh
+    world = mesh.size()
+    chunks = []  # per parameter: [W, ceil(rows / W) x the other dims], zero-padded
+    for g in grads:
+        per = -(-g.shape[0] // world)
+        padded = g.new_zeros((per * world, *g.shape[1:]))
+        padded[: g.shape[0]] = g
+        chunks.append(padded.view(world, -1))
+    out = grads[0].new_empty(sum(c.shape[1] for c in chunks))
+    torch.distributed.reduce_scatter_tensor(out, torch.cat(chunks, dim=1).reshape(-1), group=mesh.get_group())
+    out.div_(world)
+    shards = []
+    for part, g, p in zip(out.split([c.shape[1] for c in chunks]), grads, sharded):
+        local = part.view(-1, *g.shape[1:])[: p.to_local().shape[0]].to(p.dtype)
+        shards.append(DTensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride()))
+    return shards
+
+
+def reduce_scatter_accumulated(policy) -> int:
+    """Every unit's accumulated unsharded gradients (:func:`take_unsharded_grad`) reduce-scattered into its sharded
+    parameters' ``.grad`` (added to what is there), one ``reduce_scatter_tensor`` per unit and dtype (as FSDP2
+    reduces a unit after a backward); returns how many it ran."""
+    collectives = 0
+    for module in fsdp_modules(policy):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            by_dtype: dict[torch.dtype, list] = {}
+            for fsdp_param in group.fsdp_params:
+                if (grad := take_unsharded_grad(fsdp_param)) is not None:
+                    by_dtype.setdefault(grad.dtype, []).append((fsdp_param.sharded_param, grad))
+            for pairs in by_dtype.values():
+                params = [p for p, _ in pairs]
+                for p, shard in zip(params, reduce_scatter_to_shards([g for _, g in pairs], params)):
+                    p.grad = shard if p.grad is None else p.grad + shard
+                collectives += 1
+    return collectives
+
+
+def take_whole_grads(policy, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    """The unsharded gradients FSDP2 accumulated (its sync off) for the sharded ``params``, in their order, handed
+    over (FSDP2 holds none after it): what a backward left of each parameter's whole gradient on this process."""
+    taken = {id(fp.sharded_param): take_unsharded_grad(fp) for fp in fsdp_params(policy)}
+    return [taken.get(id(p)) for p in params]
+
+
+def reduce_scatter_whole(policy, params: list[torch.nn.Parameter], flat: torch.Tensor) -> int:
+    """A whole gradient of the sharded ``params`` (``flat``, in their order) reduce-scattered into their ``.grad``
+    (added to what is there), one ``reduce_scatter_tensor`` per unit and dtype; returns how many it ran."""
+    whole = dict(zip((id(p) for p in params), flat.split([p.numel() for p in params])))
+    collectives = 0
+    for module in fsdp_modules(policy):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            mine = [fp.sharded_param for fp in group.fsdp_params if id(fp.sharded_param) in whole]
+            if not mine:
+                continue
+            grads = [whole[id(p)].view(p.shape).to(torch.promote_types(p.dtype, flat.dtype)) for p in mine]
+            for p, shard in zip(mine, reduce_scatter_to_shards(grads, mine)):
+                p.grad = shard if p.grad is None else p.grad + shard
+            collectives += 1
+    return collectives

@@ -383,6 +383,12 @@ def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, schedule=schedule))
 
 
+def sharded(cfg: RunConfig, schedule: str) -> RunConfig:
+    """``cfg`` with ``train.schedule=schedule`` under ``parallel.shard=fsdp`` (the plan's fsdp rows of a run that
+    does not shard)."""
+    return dataclasses.replace(with_schedule(cfg, schedule), parallel=dataclasses.replace(cfg.parallel, shard=FSDP))
+
+
 def shard_settings(inp: PlanInput) -> list[str]:
     """The ``parallel.shard`` settings a run of ``inp.processes`` processes can take (fsdp from two)."""
     return [name for name in SHARDS if name != FSDP or inp.processes > 1]
@@ -431,7 +437,7 @@ def combinations(
         ):
             costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
             for schedule, p in predict(costs).items():
-                if schedule not in exact or (shard == FSDP and fsdp_problem(with_schedule(inp.cfg, schedule))):
+                if schedule not in exact or (shard == FSDP and fsdp_problem(sharded(inp.cfg, schedule))):
                     continue
                 variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
                 if schedule == RETAIN:  # the run's own train.retain, then the others

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as copy_module
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from lean.config.run_sections import EMA_UNITS, EMAConfig, OptimizerConfig
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.parallel.distributed import World
+from lean.parallel.grad_sync import BackwardSync
 from lean.parallel.sharding import full, is_sharded, like, local_mb
 from lean.run.iteration import NonFiniteError
 from lean.schedules.base import flat_grad, set_grads
@@ -33,6 +35,7 @@ class TrainState:
         optimizer: OptimizerConfig,
         ema: EMAConfig,
         world: World,
+        sync_each_backward: bool = False,
     ):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -45,6 +48,11 @@ class TrainState:
         self.ema_options = ema  # the decay schedule (ema_decay) and its repeats
         self.world = world
         self.sharded = any(is_sharded(p) for p in self.params)  # FSDP full fine-tune (lean.parallel.sharding)
+        # grad_sync=per_backward on whole gradients: each backward's synced as it ends (lean.parallel.grad_sync)
+        self.backward_sync = BackwardSync(self.params, world) if sync_each_backward and not self.sharded else None
+        self.sync_s = 0.0  # seconds in the gradient all-reduces since the last read (the metrics' time_sync_s)
+        # grad_sync=per_update on a sharded full fine-tune: reduce-scatters what FSDP2 accumulated unsharded
+        self.reduce_accumulated: Callable[[], int] | None = None
         self.steps = 0
         self.iteration = 0  # for messages: the iteration whose update is being applied
         self.on_synced_grads: Callable[[list[torch.nn.Parameter]], None] | None = None  # see capture_synced_grads
@@ -53,14 +61,18 @@ class TrainState:
 
     def step(self) -> dict:
         """Average gradients across processes, clip, AdamW, EMA."""
-        if self.sharded:  # FSDP reduce-scattered (and averaged) each backward's gradient into the shards already
+        if self.sharded and self.reduce_accumulated is not None:  # per_update: the accumulation, once
+            start = time.perf_counter()
+            self.reduce_accumulated()
+            self.sync_s += time.perf_counter() - start
+        if self.sharded:  # FSDP reduce-scattered (and averaged) the gradient into the shards (each backward, or now)
             if self.world.sequence_parallel > 1:  # averaged over W = D x P: the sum over a group's tokens is P x that
                 torch._foreach_mul_(
                     [p.grad.to_local() for p in self.params if p.grad is not None], self.world.sequence_parallel
                 )
             finite = all_finite(self.params, self.world)
         else:
-            grads = self.world.reduce_gradients_(flat_grad(self.params, [p.grad for p in self.params]))
+            grads = self._synced_flat_gradient()
             for p in self.params:
                 p.grad = None
             set_grads(self.params, grads)
@@ -79,6 +91,24 @@ class TrainState:
         if self.ema_options.unit == OPTIMIZER_STEP:
             self._update_ema(self.steps)
         return {"grad_norm": float(full(norm))}  # a read, once per update, for the logs
+
+    def _synced_flat_gradient(self) -> Tensor:
+        """The whole gradients averaged over processes, flat: synced as each backward ended
+        (``parallel.grad_sync=per_backward``, :class:`~lean.parallel.grad_sync.BackwardSync`), or in one all-reduce
+        now."""
+        if self.backward_sync is not None:
+            return torch.cat([g.reshape(-1) for g in self.backward_sync.take()])
+        start = time.perf_counter()
+        grads = self.world.reduce_gradients_(flat_grad(self.params, [p.grad for p in self.params]))
+        self.sync_s += time.perf_counter() - start
+        return grads
+
+    def take_sync_seconds(self) -> float:
+        """Seconds in the whole gradients' all-reduces since the last call (the per-backward ones included)."""
+        seconds, self.sync_s = self.sync_s, 0.0
+        if self.backward_sync is not None:
+            seconds, self.backward_sync.seconds = seconds + self.backward_sync.seconds, 0.0
+        return seconds
 
     def end_iteration(self) -> None:
         """After an iteration's last optimizer step: the EMA update of ``ema.unit: iteration`` (Flow-Factory's

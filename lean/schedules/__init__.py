@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
 from lean.config.registry import Registry
+from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE, resolve_grad_sync, sharded_full_finetune
 from lean.parallel.sharding import FSDP
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, RowCounts, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
@@ -61,12 +62,14 @@ def algorithm_schedules(cfg: RunConfig) -> list[str]:
 
 
 def whole_gradient_buffers(cfg: RunConfig, name: str) -> str | None:
-    """Why the schedule ``name`` cannot run a sharded full fine-tune (per-trajectory buffers of unsharded gradients),
-    or None."""
-    if cfg.model.full_finetune and SCHEDULES[name].backward_in_rollout:
+    """Why the schedule ``name`` cannot run a sharded full fine-tune, or None: its provisional gradients are whole
+    (unsharded) per trajectory, corrected before any sync (LeanGRPO Sec. 4.3.2), so FSDP2's reduce-scatter after
+    each backward must be off: ``parallel.grad_sync=per_update``."""
+    if cfg.model.full_finetune and SCHEDULES[name].backward_in_rollout and resolve_grad_sync(cfg) != PER_UPDATE:
         return (
-            f"with model.full_finetune, {name}'s per-trajectory buffers would each be a gradient of the whole "
-            "unsharded transformer; use a schedule that backpropagates after the rewards (or LoRA)"
+            f"with model.full_finetune, {name} keeps each trajectory's provisional gradient whole and corrects it "
+            "before the sync, so FSDP2 must not reduce-scatter after each backward: set parallel.grad_sync=per_update "
+            "(and parallel.layout=shared to hold Q = G / W of them)"
         )
     return None
 
@@ -121,6 +124,29 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
         )
     if cfg.parallel.shard == FSDP and (problem := whole_gradient_buffers(cfg, name)):
         return "parallel.shard", cfg.parallel.shard, problem
+    if (problem := backward_sync_problem(cfg, name)) is not None:
+        return "parallel.grad_sync", cfg.parallel.grad_sync, problem
+    return None
+
+
+def backward_sync_problem(cfg: RunConfig, name: str) -> str | None:
+    """Why the schedule ``name`` cannot sync every backward's gradient (``parallel.grad_sync=per_backward``), or
+    None: Reweight's backwards are provisional (LeanGRPO App. C: once synchronised, a sample's gradient is mixed with
+    the others' and its advantage cannot be applied); Retain scales its early backwards after the last group when N
+    is known only then (the zero-advantage filter)."""
+    if resolve_grad_sync(cfg) != PER_BACKWARD or sharded_full_finetune(cfg):
+        return None  # per_update; or FSDP2's own reduce-scatters of the shards (fsdp_problem's rules)
+    schedule = SCHEDULES[name]
+    if schedule.backward_in_rollout:
+        return (
+            f"{name}'s backwards in the rollout are provisional (advantage 1): synchronised before the advantage is "
+            "applied, the samples' gradients mix and cannot be corrected (LeanGRPO App. C); use per_update"
+        )
+    if schedule is Retain and cfg.algorithm.skip_zero_advantage:
+        return (
+            f"with algorithm.skip_zero_advantage, {name} scales its gradient by the kept samples' count after the "
+            "last group, when the early backwards are synchronised already; use per_update"
+        )
     return None
 
 
@@ -172,6 +198,7 @@ def retain_options_problem(cfg: RunConfig) -> None:
 __all__ = [
     "algorithm_problem",
     "algorithm_schedules",
+    "backward_sync_problem",
     "check_config",
     "compared_config",
     "fsdp_problem",

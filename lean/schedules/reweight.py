@@ -63,6 +63,7 @@ from torch import Tensor
 
 from lean.algorithms import StepLoss, loss_stats
 from lean.algorithms.base import LINEAR_IN_TARGET, RATIO_ONE_ON_POLICY
+from lean.parallel.sharding import is_sharded, reduce_scatter_whole, take_whole_grads
 from lean.sampling.transition import Transition
 from lean.sampling.tree import tree_shape
 from lean.schedules.base import (
@@ -134,7 +135,10 @@ class Reweight(Schedule):
         self.kept_stats: list[tuple[TermCells, StepLoss]] = []  # (where, detached loss terms) for logging
         self.samples_per_update = ctx.batch if self.later is None else self.later.first_size  # N of 1/(N K)
         self.per_sample = None
-        if linear_owners(ctx.policy, self.params) is not None:
+        # a sharded full fine-tune (parallel.grad_sync=per_update): FSDP2 accumulates each backward's gradient
+        # unsharded, which is taken from it as the trajectory's own; the corrected sum is reduce-scattered once
+        self.sharded = any(is_sharded(p) for p in self.params)
+        if linear_owners(ctx.policy, self.params) is not None and not self.sharded:
             self.per_sample = PerSampleGrads(ctx.policy, self.params, self.policy_buffers, to_entries=True)
         else:
             self.grad_micro_batch = 1  # one trajectory per tracked forward: its gradient is its own
@@ -163,8 +167,7 @@ class Reweight(Schedule):
             if step.ref_mean is not None:
                 kl_terms = weights * ctx.algorithm.kl_weight * loss.kl
                 if self.kl_buffers is None:  # every KL term stays: one buffer
-                    grads = torch.autograd.grad(kl_terms.sum(), self.params, allow_unused=True)
-                    self.kl_buffer += flat_grad(self.params, grads)
+                    self.kl_buffer += flat_grad(self.params, self._grads(kl_terms.sum(), retain_graph=False))
                 elif self.edges is not None:
                     self._per_edge_backward(step, kl_terms, self.kl_buffers, keep_graph=False)
                 else:
@@ -202,10 +205,18 @@ class Reweight(Schedule):
         [rows] on the host and on the device."""
         host, device = slots
         if self.per_sample is None:  # one trajectory (or edge) per micro-batch
-            grads = torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True)
-            buffers.add(int(host[0]), grads)
+            buffers.add(int(host[0]), self._grads(loss, retain_graph))
             return
         self.per_sample.backward(loss, device, retain_graph, buffers)
+
+    def _grads(self, loss: torch.Tensor, retain_graph: bool) -> list[torch.Tensor | None]:
+        """The whole gradient of ``loss`` for every trained parameter (None: not reached). Sharded: FSDP2's
+        backward, whose sync is off, accumulates it unsharded, and it is taken from there (every process runs the
+        same backwards: lockstep)."""
+        if not self.sharded:
+            return list(torch.autograd.grad(loss, self.params, retain_graph=retain_graph, allow_unused=True))
+        loss.backward(retain_graph=retain_graph)
+        return take_whole_grads(self.ctx.policy, self.params)
 
     def finish_rows(self, rows: slice, advantages: torch.Tensor) -> None:
         """Group layout: the groups ``rows`` (one finishing unit) are scored: fold their buffers with the true
@@ -236,7 +247,10 @@ class Reweight(Schedule):
             grad = self._trajectory_gradient(advantages)
         if self.kl_buffer is not None:
             grad = grad + self.kl_buffer
-        set_grads(self.params, grad)
+        if self.sharded:  # corrected, then synchronised: one reduce-scatter per unit (Sec. 4.3.2, Eq. 18)
+            reduce_scatter_whole(self.ctx.policy, self.params, grad)
+        else:
+            set_grads(self.params, grad)
         logged = logged_with_true_targets(self.ctx.algorithm, self.kept_stats, advantages, self.ctx.kl_factors)
         first = len(logged)
         step_stats = optimizer_step()

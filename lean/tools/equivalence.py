@@ -37,6 +37,7 @@ from lean.schedules import (
     BASELINE,
     LEAN_SCHEDULES,
     algorithm_schedules,
+    backward_sync_problem,
     compared_config,
     fsdp_problem,
     schedule_class,
@@ -337,6 +338,9 @@ def run_equivalence(
         if cfg.parallel.shard == FSDP and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
             not_run[name] = why  # the run would refuse it: nothing to certify
             continue
+        if why := backward_sync_problem(cfg, name):  # Reweight under per_backward (App. C)
+            not_run[name] = why
+            continue
         trainer.state.load_state_dict(start_state)
         updates[name] = one_update(trainer, name, twin)
     trainer.state.load_state_dict(start_state)
@@ -442,10 +446,11 @@ def against_other_run(gradients: dict[str, torch.Tensor], path: str) -> dict:
     ``--save-gradients``, from another world size or layout: App. A says the layout changes no term of the gradient):
     the largest relative difference over tensors (:func:`compare`'s definition), per schedule."""
     other = load_file(path)
-    if missing := sorted(set(gradients) ^ set(other)):
-        raise ValueError(f"--against {path}: the runs' tensors differ, e.g. {missing[0]}")
+    ran, before = ({key.split("/", 1)[0] for key in g} for g in (gradients, other))
+    if {k for k in gradients if k.split("/", 1)[0] in before} != {k for k in other if k.split("/", 1)[0] in ran}:
+        raise ValueError(f"--against {path}: the runs' trainable tensors differ")
     diffs: dict[str, float] = {}
-    for key, grad in gradients.items():
+    for key, grad in ((k, g) for k, g in gradients.items() if k.split("/", 1)[0] in before):  # schedules both ran
         schedule, ref = key.split("/", 1)[0], other[key].double()
         diffs[schedule] = max(diffs.get(schedule, 0.0), _rel(grad.double() - ref, ref))
     return diffs

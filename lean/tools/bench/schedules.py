@@ -63,7 +63,14 @@ from lean.plan.cost import (
     retain_choice,
 )
 from lean.sampling.tree import tree_shape
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, RowCounts, algorithm_schedules
+from lean.schedules import (
+    BASELINE,
+    LEAN_SCHEDULES,
+    SCHEDULES,
+    RowCounts,
+    algorithm_schedules,
+    backward_sync_problem,
+)
 from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
 
@@ -180,8 +187,9 @@ class Subject:
 
     @property
     def schedules(self) -> list[str]:
-        """The schedules that compute this algorithm's gradient (:func:`algorithm_schedules`)."""
-        return algorithm_schedules(self.cfg)
+        """The schedules that compute this algorithm's gradient (:func:`algorithm_schedules`) under the run's
+        ``parallel.grad_sync`` (per_backward: not Reweight, App. C)."""
+        return [s for s in algorithm_schedules(self.cfg) if backward_sync_problem(self.cfg, s) is None]
 
     @classmethod
     def build(cls, cfg: RunConfig, trainer: Trainer | None = None) -> Subject:
@@ -264,6 +272,10 @@ class Subject:
             )
             if "reweight_buffer_mb" in rows[s][0]:
                 entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
+            # the gradients' sync (parallel.grad_sync) and what crossed processes in a round (lean.observe.comms)
+            entry["grad_sync"] = rows[s][0].get("grad_sync")
+            entry["time_sync_s"] = median(r.get("time_sync_s", 0.0) for r in rows[s])
+            entry.update({k: v for k, v in rows[s][0].items() if k.startswith("comm_")})
             result[s] = entry
         trainer.state.load_state_dict(self.state)
         add_speedups(result, rows, {RETAIN: self.retained}, {RETAIN: self.retained * tree_backward_share(self.rows)})
@@ -485,7 +497,8 @@ def timed_rounds(
     variant once from ``state``, in alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up
     rounds are dropped."""
     if variants is None:
-        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in algorithm_schedules(trainer.cfg)}
+        runs = [s for s in algorithm_schedules(trainer.cfg) if backward_sync_problem(trainer.cfg, s) is None]
+        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in runs}
     names = list(variants)
     rows: dict[str, list[dict]] = {s: [] for s in names}
     for r in tqdm(range(options.warmup + options.repeats), desc="bench rounds", disable=not trainer.world.is_main):
