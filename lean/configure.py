@@ -77,6 +77,7 @@ RULES: tuple[Rule, ...] = (
     sequence_parallel.check_config,  # the family has it, the processes form its groups
     layout.check_config,  # the batch over the data-parallel ranks, the group layout, the optimizer steps
     check_shared_layout,  # what the shared layout cannot split over ranks: trees, group-wise rewards
+    sharding.check_config,  # hsdp's replicas over the processes
 )
 
 

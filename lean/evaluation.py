@@ -52,7 +52,7 @@ from torch import Tensor
 from lean.config.prompts import reference_image
 from lean.models.registry import family_spec
 from lean.observe.outputs import write_csv
-from lean.parallel.sharding import FSDP
+from lean.parallel.sharding import shards
 from lean.sampling.rollout import RolloutPlan, Sampler, rollout, sample_generator
 from lean.sampling.sde import EULER, StepSelection, sigma_schedule
 
@@ -133,7 +133,7 @@ class Evaluator:
     def lockstep_batches(self) -> int:
         """Under ``parallel.shard=fsdp`` every process samples as many batches as the largest share needs
         (``lean.parallel.sharding``); else 0 (no padding)."""
-        if self.cfg.parallel.shard != FSDP or self.world.size < 2:
+        if not shards(self.cfg.parallel.shard) or self.world.size < 2:
             return 0
         return math.ceil(math.ceil(len(self.keys) / self.world.size) / self.cfg.eval.batch_size)
 

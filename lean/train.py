@@ -30,7 +30,7 @@ from lean.observe.metrics import FlopTally, median
 from lean.observe.outputs import numbers, write_csv, write_json
 from lean.parallel.distributed import World, init_world, set_threads
 from lean.parallel.grad_sync import PER_BACKWARD, resolve_grad_sync
-from lean.parallel.sharding import FSDP, effective_shard, reduce_scatter_accumulated, set_gradient_sync
+from lean.parallel.sharding import effective_shard, reduce_scatter_accumulated, set_gradient_sync, shards
 from lean.plan.cost import PlanInput, decide, described_choice, plan_input, with_retain
 from lean.run.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.run.optimizer import TrainState
@@ -294,14 +294,14 @@ def describe_run(trainer: Trainer, schedule: str) -> str:
     and model (:func:`describe_model`)."""
     world, parallel = trainer.world, trainer.cfg.parallel
     shard = effective_shard(parallel.shard, world.size)
-    sharded = f", {shard} over all {world.size}" if shard == FSDP else ""
+    sharded = f", {shard} over all {world.size}" if shards(shard) else ""
     if world.sequence_parallel > 1:
         layout = (
             f" ({world.data_size} data-parallel x {world.sequence_parallel} sequence-parallel, "
             f"overlap={parallel.overlap}{sharded})"
         )
     else:
-        layout = f" ({shard})" if shard == FSDP else ""
+        layout = f" ({shard})" if shards(shard) else ""
     return f"{world.size} process(es){layout} on {world.device}, schedule={schedule}, {describe_model(trainer)}"
 
 

@@ -175,8 +175,9 @@ CHANGED_GARDO: dict[tuple[str, str], tuple[object, object]] = {}
 # issue #55: evaluation's pictures apart from its curve, and the peak-memory measurement when due; both as before by
 # default (every evaluation writes its pictures, every iteration measures)
 ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_every": 1}
-# issue #56: when the gradients cross processes (lean/parallel/grad_sync.py); auto is what ran before the key
-ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto"}
+# issue #56: when the gradients cross processes (lean/parallel/grad_sync.py; auto is what ran before the key) and
+# hsdp's replicas (None: the launch's nodes)
+ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto", "parallel.replicas": None}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)

@@ -132,6 +132,38 @@ def test_a_sharded_update_reduce_scatters_once_per_unit_or_after_every_backward(
         assert _max_rel_diff(a, b) < 1e-10
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sequence_parallel", [1, 2])
+def test_hsdp_as_two_nodes_of_two_gives_one_process_gradients(tmp_path, sequence_parallel):
+    """``parallel.shard=hsdp``: 4 gloo processes as 2 replicas (nodes) x 2, a full fine-tune sharded within each and
+    replicated across them (FSDP2's 2-D mesh: reduce-scatter in a node, all-reduce across), once with each node one
+    sequence-parallel group of 2; one sync per update, so Reweight runs: every schedule's gradient is one process's."""
+    cfg = [*SMALL, "model.full_finetune=true", "parallel.layout=shared", "train.group_size=4"]
+    one, many = tmp_path / "one", tmp_path / "many"
+    lean_here("equivalence", *_sets(cfg), "--save-gradients", "--out", str(one))
+    hsdp = [*cfg, "parallel.shard=hsdp", "parallel.replicas=2", "parallel.grad_sync=per_update"]
+    hsdp.append(f"parallel.sequence_parallel={sequence_parallel}")
+    lean_ranks(4, "equivalence", *_sets(hsdp), "--against", str(one / "gradients.safetensors"), "--out", str(many))
+    report = json.loads((many / "equivalence.json").read_text())
+    assert report["passes"] and not report.get("not_run"), report
+    assert set(report["against"]["max_rel_grad_diff"]) == {"recompute", "retain", "reweight"}
+    assert max(report["against"]["max_rel_grad_diff"].values()) < 1e-10
+
+
+def test_hsdp_replicas_default_to_the_nodes_and_divide_the_processes(monkeypatch):
+    from lean.parallel.sharding import replica_count
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, as `lean launch -n 4 --nnodes 2` starts each node
+    assert replica_count(None) == 2 and replica_count(4) == 4
+    with pytest.raises(ConfigError, match="parallel.replicas"):
+        validate(load_config(None, ["parallel.shard=hsdp", "parallel.replicas=3"]), world_size=4)
+    with pytest.raises(ConfigError, match="parallel.replicas"):  # a node of 2 cannot hold an SP group of 4
+        sets = ["parallel.shard=hsdp", "parallel.replicas=2", "parallel.sequence_parallel=4"]
+        validate(load_config(None, sets), world_size=4)
+
+
 def test_processes_track_the_union_of_the_trained_steps():
     """Under fsdp every process's selection carries the steps any process trains; the samples' own stay theirs."""
     sets = [*SMALL, *RANDOM_STEPS, "train.prompts_per_iteration=4", "sample.num_steps=8"]

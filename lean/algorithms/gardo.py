@@ -94,7 +94,7 @@ from lean.algorithms.groups import _constant, _groups
 from lean.algorithms.grpo import GRPO
 from lean.config.checks import ConfigError, check_positive
 from lean.config.sections import register_options
-from lean.parallel.sharding import FSDP
+from lean.parallel.sharding import shards
 from lean.sampling.transition import Transition
 
 # the update's KL over its gated terms, factor-weighted, and the factors' sum (lean.algorithms.loss_stats): their
@@ -177,8 +177,12 @@ class GARDO(GRPO):
         for key, name in named:
             if name not in weights:
                 return f"algorithm.gardo.{key}", name, f"must be a reward of reward.weights ({', '.join(weights)})"
-        if cfg.parallel.shard == FSDP:
-            return "parallel.shard", FSDP, "gardo's reference weights are swapped into the modules: unsharded only"
+        if shards(cfg.parallel.shard):
+            return (
+                "parallel.shard",
+                cfg.parallel.shard,
+                "gardo's reference weights are swapped into the modules: unsharded only",
+            )
         return None
 
     @property

@@ -14,7 +14,7 @@ from lean.config.dtypes import HALF
 from lean.config.prompts import reference_image
 from lean.models.registry import FAMILIES, family_spec
 from lean.models.spec import FamilySpec
-from lean.parallel.sharding import FSDP
+from lean.parallel.sharding import shards
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -276,7 +276,7 @@ def _check_capabilities(cfg: RunConfig, family: FamilySpec) -> None:
             s.guidance_embed,
             f"model.family={m.family} has no distilled-guidance embedding (only FLUX has one)",
         )
-    if cfg.parallel.shard == FSDP and m.full_finetune and m.torch_dtype in HALF and family.keeps_float32:
+    if shards(cfg.parallel.shard) and m.full_finetune and m.torch_dtype in HALF and family.keeps_float32:
         raise ConfigError(
             "parallel.shard",
             cfg.parallel.shard,

@@ -32,7 +32,7 @@ import torch
 
 from lean.config import AUTO
 from lean.config.registry import Registry
-from lean.parallel.sharding import FSDP
+from lean.parallel.sharding import shards
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -54,7 +54,7 @@ GRAD_SYNCS: Registry[str] = Registry(
 
 def sharded_full_finetune(cfg: RunConfig) -> bool:
     """FSDP2 shards the trained weights (on one process nothing is sharded, nor synchronised)."""
-    return cfg.parallel.shard == FSDP and cfg.model.full_finetune
+    return shards(cfg.parallel.shard) and cfg.model.full_finetune
 
 
 def resolve_grad_sync(cfg: RunConfig) -> str:

@@ -28,7 +28,10 @@ class ParallelConfig:
     shard: str = choice("shard")
     """How the policy is spread over the processes: a name of ``lean.parallel.sharding.SHARDS`` (none: a whole copy
     each; fsdp: FSDP2 ``fully_shard`` of the transformer blocks; the frozen base, and under full fine-tuning the trained
-    weights, gradients and AdamW state)."""
+    weights, gradients and AdamW state; hsdp: the same within each node, replicated across ``replicas`` nodes)."""
+    replicas: int | None = None
+    """Under ``shard: hsdp``: the groups of consecutive processes the weights are replicated across (each sharded
+    within), the nodes of a multi-node launch; None: the launch's nodes (``lean launch --nnodes``)."""
     sequence_parallel: int = 1
     """Processes that split each trajectory's tokens (Ulysses attention, ``lean.models.sequence_parallel``): groups of
     this many consecutive processes hold the same samples, so ``lean launch -n 4`` with 2 is 2 data-parallel x 2
@@ -45,6 +48,8 @@ class ParallelConfig:
     def validate(self) -> None:
         choices(self, "parallel")
         check_positive("parallel.sequence_parallel", self.sequence_parallel)
+        if self.replicas is not None:
+            check_positive("parallel.replicas", self.replicas)
 
     def data_parallel_size(self, world_size: int | None) -> int:
         """Data-parallel ranks of ``world_size`` processes (None: not known yet, as if one)."""

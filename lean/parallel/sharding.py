@@ -57,14 +57,48 @@ SHARDS: Registry[str] = Registry(
             "FSDP2: transformer blocks sharded over the processes (frozen base; under full fine-tuning also the "
             "trained weights, gradients and AdamW state)",
         ),
+        (
+            "hsdp",
+            "FSDP2 on a (replicate across nodes x shard within a node) mesh: sharded as fsdp inside each node, "
+            "replicated across parallel.replicas nodes (the gradients reduce-scattered in a node, all-reduced across)",
+        ),
     ],
 )
-FSDP = "fsdp"
+FSDP, HSDP = "fsdp", "hsdp"
+SHARDING = (FSDP, HSDP)  # the settings under which FSDP2 shards the policy
+HSDP_DIMS = ("replicate", "shard")  # hsdp's mesh: nodes x processes of a node
+
+
+def shards(shard: str) -> bool:
+    """Whether ``parallel.shard=shard`` shards the policy with FSDP2 (fsdp, hsdp)."""
+    return shard in SHARDING
+
+
+def node_count() -> int:
+    """The launch's nodes: processes / processes per node (torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE; 1 unknown)."""
+    import os
+
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return world // local if local and world % local == 0 else 1
+
+
+def replica_count(replicas: int | None) -> int:
+    """``parallel.replicas``, or the launch's nodes (:func:`node_count`) when None."""
+    return replicas or node_count()
 
 
 def effective_shard(shard: str, world_size: int) -> str:
-    """What ``parallel.shard=shard`` does with ``world_size`` processes: fsdp needs two (with one, nothing to shard)."""
+    """What ``parallel.shard=shard`` does with ``world_size`` processes: fsdp and hsdp need two (with one, nothing
+    to shard)."""
     return shard if world_size > 1 else SHARDS.default
+
+
+def planned_shard(shard: str, world_size: int) -> str:
+    """The ``parallel.shard`` row ``lean plan`` and the benchmarks model for ``shard`` (:func:`effective_shard`;
+    hsdp as fsdp: the plan does not model the sharding within a node yet, so an hsdp run's figures are fsdp's over
+    every process)."""
+    shard = effective_shard(shard, world_size)
+    return FSDP if shard == HSDP else shard
 
 
 def shard_units(net: torch.nn.Module) -> list[torch.nn.Module]:
@@ -73,9 +107,11 @@ def shard_units(net: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for child in net.children() if isinstance(child, torch.nn.ModuleList) for block in child]
 
 
-def shard_policy(policy, world, dtype: torch.dtype) -> bool:
+def shard_policy(policy, world, dtype: torch.dtype, replicas: int = 1) -> bool:
     """``fully_shard`` each of the policy's denoisers (and reference copies) over ``world``'s processes, blocks
-    first, as described in the module docstring. Returns whether anything was sharded (not with one process)."""
+    first, as described in the module docstring; with ``replicas`` > 1 (hsdp) on a (replicate x shard) mesh: sharded
+    within each of ``replicas`` groups of consecutive processes (a node), replicated across them. Returns whether
+    anything was sharded (not with one process)."""
     if world.size < 2:
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -87,6 +123,10 @@ def shard_policy(policy, world, dtype: torch.dtype) -> bool:
     # processes (tests/test_sharding.py) would see a skipped gather, so the warning says nothing here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = device_mesh(world)._flatten("dp_sp")  # every process its own shard, sequence-parallel groups included
+    if replicas > 1:  # HSDP: FSDP2 reduce-scatters within a node and all-reduces across the nodes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(world.device.type, (replicas, world.size // replicas), mesh_dim_names=HSDP_DIMS)
     adapter = None if policy.full_finetune else {p for _, p in policy.trainable_parameters()}
     mixed = MixedPrecisionPolicy()
     if policy.full_finetune and policy.drop_master_casts():  # half precision: FSDP gathers the masters at dtype
@@ -240,7 +280,7 @@ def reduce_scatter_to_shards(grads: list[torch.Tensor], sharded: list[torch.nn.P
     from torch.distributed.tensor import DTensor
 
     mesh = sharded[0].device_mesh
-    world = mesh.size()
+    world = mesh.size(-1)  # the shard dimension (hsdp: the processes of a node)
     chunks = []  # per parameter: [W, ceil(rows / W) x the other dims], zero-padded
     for g in grads:
         per = -(-g.shape[0] // world)
@@ -248,8 +288,10 @@ def reduce_scatter_to_shards(grads: list[torch.Tensor], sharded: list[torch.nn.P
         padded[: g.shape[0]] = g
         chunks.append(padded.view(world, -1))
     out = grads[0].new_empty(sum(c.shape[1] for c in chunks))
-    torch.distributed.reduce_scatter_tensor(out, torch.cat(chunks, dim=1).reshape(-1), group=mesh.get_group())
-    out.div_(world)
+    torch.distributed.reduce_scatter_tensor(out, torch.cat(chunks, dim=1).reshape(-1), group=mesh.get_group(-1))
+    if mesh.ndim > 1:  # hsdp: the shards summed across the replicas too
+        torch.distributed.all_reduce(out, group=mesh.get_group(0))
+    out.div_(mesh.size())
     shards = []
     for part, g, p in zip(out.split([c.shape[1] for c in chunks]), grads, sharded):
         local = part.view(-1, *g.shape[1:])[: p.to_local().shape[0]].to(p.dtype)
@@ -298,3 +340,20 @@ def reduce_scatter_whole(policy, params: list[torch.nn.Parameter], flat: torch.T
                 p.grad = shard if p.grad is None else p.grad + shard
             collectives += 1
     return collectives
+
+
+def check_config(cfg, world_size: int | None = None) -> None:
+    """hsdp: the replicas divide the processes, and each replica's processes hold whole sequence-parallel groups."""
+    from lean.config import ConfigError
+
+    p = cfg.parallel
+    if p.shard != HSDP or not world_size or world_size < 2:
+        return
+    replicas = replica_count(p.replicas)
+    if world_size % replicas or (world_size // replicas) % p.sequence_parallel:
+        raise ConfigError(
+            "parallel.replicas",
+            replicas,
+            f"must divide the {world_size} processes into replicas of whole sequence-parallel groups of "
+            f"{p.sequence_parallel}",
+        )

@@ -61,7 +61,7 @@ from lean.parallel.layout import (
     group_layout_problem,
     resolve_layout,
 )
-from lean.parallel.sharding import FSDP, SHARDS, ShardSizes, effective_shard, shard_sizes
+from lean.parallel.sharding import FSDP, HSDP, SHARDS, ShardSizes, planned_shard, shard_sizes
 from lean.run.iteration import IterationPipeline, LocalBatch, build_pipeline
 from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import StepSelection, rollout_sigmas
@@ -391,7 +391,7 @@ def sharded(cfg: RunConfig, schedule: str) -> RunConfig:
 
 def shard_settings(inp: PlanInput) -> list[str]:
     """The ``parallel.shard`` settings a run of ``inp.processes`` processes can take (fsdp from two)."""
-    return [name for name in SHARDS if name != FSDP or inp.processes > 1]
+    return [name for name in SHARDS if name != HSDP and (name != FSDP or inp.processes > 1)]
 
 
 def shard_probes(
@@ -405,7 +405,7 @@ def shard_probes(
     shard, as its processes ran the probe) as given, the other modelled (:func:`shard_variant`)."""
     sizes = shard_sizes(inp.policy)
     if probed is None:
-        probed = effective_shard(inp.cfg.parallel.shard, inp.processes)
+        probed = planned_shard(inp.cfg.parallel.shard, inp.processes)
     return {
         (shard, on): shard_variant(measured, sizes, inp.processes, shard, probed, link_mb_s, overlap)
         for shard in shard_settings(inp)
@@ -690,7 +690,7 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
     }
     if pipeline.world.is_main:
         print_plan(cfg, measured, costs, decision)
-        own = (report["layout"], effective_shard(cfg.parallel.shard, inp.processes), cfg.model.gradient_checkpointing)
+        own = (report["layout"], planned_shard(cfg.parallel.shard, inp.processes), cfg.model.gradient_checkpointing)
         print_combinations(report["combinations"], own)
         if out:
             write_json(f"{out}/plan.json", report)

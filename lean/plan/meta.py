@@ -62,7 +62,7 @@ from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN, SavedBytes
 from lean.observe.outputs import write_json
 from lean.parallel.overlap import sim
 from lean.parallel.overlap.p2p import SimulatedOverlap
-from lean.parallel.sharding import SHARDS, effective_shard
+from lean.parallel.sharding import SHARDS, planned_shard
 from lean.plan.cost import (
     PlanInput,
     combinations,
@@ -519,7 +519,7 @@ def own_row(cfg, rows: list[dict], gpus: int) -> dict:
     settings = {
         "schedule": cfg.train.schedule,
         "layout": cfg.parallel.layout,
-        "shard": effective_shard(cfg.parallel.shard, gpus),
+        "shard": planned_shard(cfg.parallel.shard, gpus),
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "retain_steps": cfg.train.retain.steps,

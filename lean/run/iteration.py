@@ -65,7 +65,7 @@ from lean.parallel.layout import (
     wave_gathered,
 )
 from lean.parallel.overlap.p2p import Overlap
-from lean.parallel.sharding import FSDP, shard_policy
+from lean.parallel.sharding import HSDP, replica_count, shard_policy, shards
 from lean.rewards import RewardServerError, Scorer
 from lean.rewards.scorer import ScoreStream
 from lean.run.async_scoring import RolloutScoring, ScoredBatch, merge_shares, score_worker
@@ -148,7 +148,7 @@ def local_batch(cfg: RunConfig, iteration: int, rank: int = 0, world_size: int =
     local = local_slice(len(samples), rank, world_size)
     generators = [sample_generator(cfg.train.seed, iteration, g, p, k) for g, p, k in samples[local]]
     steps = select_local_steps(cfg, iteration, samples[local], generators)
-    if cfg.parallel.shard == FSDP and world_size > 1:  # every process tracks the same steps (lean.parallel.sharding)
+    if shards(cfg.parallel.shard) and world_size > 1:  # every process tracks the same steps (lean.parallel.sharding)
         everyone = [
             select_local_steps(cfg, iteration, samples[other], None).grad_steps
             for other in (local_slice(len(samples), r, world_size) for r in range(world_size))
@@ -232,8 +232,9 @@ def build_pipeline(cfg: RunConfig, world: World) -> IterationPipeline:
     refuse_what_cannot_fit(cfg, world.device)
     set_matmul_precision(cfg.model.torch_dtype, cfg.model.tf32, world.device)
     policy = build_policy(cfg.model, cfg.train.prompts, device=world.device)
-    if cfg.parallel.shard == FSDP:
-        shard_policy(policy, world, cfg.model.torch_dtype)
+    if shards(cfg.parallel.shard):
+        replicas = replica_count(cfg.parallel.replicas) if cfg.parallel.shard == HSDP else 1
+        shard_policy(policy, world, cfg.model.torch_dtype, replicas)
     if world.sequence_parallel > 1:
         if problem := sequence_problem(policy, world.sequence_parallel):
             raise ConfigError("parallel.sequence_parallel", world.sequence_parallel, problem)

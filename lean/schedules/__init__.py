@@ -10,7 +10,7 @@ from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, FACTS, Algorithm
 from lean.config import AUTO, ConfigError  # auto: not a schedule; lean picks one of LEAN_SCHEDULES
 from lean.config.registry import Registry
 from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE, resolve_grad_sync, sharded_full_finetune
-from lean.parallel.sharding import FSDP
+from lean.parallel.sharding import shards
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, RowCounts, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
@@ -122,7 +122,7 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
             f"them out with gradients; set algorithm.zero_advantage_order=split_then_filter (or auto), or "
             f"{on_policy}use train.schedule={BASELINE}",
         )
-    if cfg.parallel.shard == FSDP and (problem := whole_gradient_buffers(cfg, name)):
+    if shards(cfg.parallel.shard) and (problem := whole_gradient_buffers(cfg, name)):
         return "parallel.shard", cfg.parallel.shard, problem
     if (problem := backward_sync_problem(cfg, name)) is not None:
         return "parallel.grad_sync", cfg.parallel.grad_sync, problem
@@ -176,7 +176,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             t.recompute_batching,
             f"batches one on-policy update like the rollout; change {' and '.join(f'{k} (set 1)' for k in later)}",
         )
-    if cfg.parallel.shard == FSDP and (problem := fsdp_problem(cfg)):
+    if shards(cfg.parallel.shard) and (problem := fsdp_problem(cfg)):
         raise ConfigError("parallel.shard", cfg.parallel.shard, problem)
     retain_options_problem(cfg)
 

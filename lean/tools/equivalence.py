@@ -28,7 +28,7 @@ from lean.models.build import build_policy
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.observe.outputs import write_json
 from lean.parallel.layout import resolve_layout
-from lean.parallel.sharding import FSDP, full, full_state_dict
+from lean.parallel.sharding import full, full_state_dict, shards
 from lean.plan.cost import with_schedule
 from lean.run.optimizer import capture_synced_grads
 from lean.sampling.rollout import velocity
@@ -335,7 +335,7 @@ def run_equivalence(
     start = start_state["params"]
     updates, not_run = {}, {}
     for name in algorithm_schedules(cfg):
-        if cfg.parallel.shard == FSDP and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
+        if shards(cfg.parallel.shard) and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
             not_run[name] = why  # the run would refuse it: nothing to certify
             continue
         if why := backward_sync_problem(cfg, name):  # Reweight under per_backward (App. C)

@@ -24,7 +24,7 @@ from lean.config import RunConfig
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, share_main_arena
 from lean.observe.outputs import JsonLines
 from lean.parallel.distributed import set_threads
-from lean.parallel.sharding import FSDP, effective_shard, shard_sizes
+from lean.parallel.sharding import FSDP, planned_shard, shard_sizes
 from lean.plan.cost import (
     applicable_layouts,
     combinations,
@@ -71,7 +71,7 @@ def bench_memory(
     log = measured_log(out, trainer.world.is_main)
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
-    shard = effective_shard(cfg.parallel.shard, trainer.world.size)  # what runs: the measured rows
+    shard = planned_shard(cfg.parallel.shard, trainer.world.size)  # what runs (hsdp: as fsdp): the measured rows
     variants = [
         (s, lay, ck)
         for lay in applicable_layouts(inp)
