@@ -62,7 +62,7 @@ def shared_layout_problem(cfg: RunConfig) -> str | None:
 
 def check_shared_layout(cfg: RunConfig, world_size: int | None = None) -> None:
     if cfg.parallel.layout == layout.SHARED and (problem := shared_layout_problem(cfg)):
-        raise ConfigError("parallel.layout", cfg.parallel.layout, problem)
+        raise ConfigError("parallel.layout", cfg.parallel.layout, problem, [f"parallel.layout={layout.GROUP}"])
 
 
 Rule = Callable[[RunConfig, "int | None"], None]

@@ -7,6 +7,7 @@ new file plus one :data:`ALGORITHMS` line (docs/architecture.md).
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING
 
 from lean.algorithms.awm import AWM
@@ -59,8 +60,12 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     problem = algorithm.problem(cfg, world_size)
     if problem is not None:
-        key, value, allowed = problem
-        raise ConfigError(key, value, f"{allowed} (algorithm.name={cfg.algorithm.name})")
+        key, value, allowed, *own = problem  # a problem may name its own fix
+        fix = own[0] if own else algorithm.working_overrides(cfg)
+        if fix and not own:  # the whole command, so that the line itself runs
+            sets = " ".join(f"--set {shlex.quote(o)}" for o in [f"algorithm.name={cfg.algorithm.name}", *fix])
+            allowed = f"{allowed}; it runs with: lean train {sets}"
+        raise ConfigError(key, value, f"{allowed} (algorithm.name={cfg.algorithm.name})", fix)
 
 
 def build_algorithm(cfg: RunConfig, sigmas: Tensor | None) -> Algorithm:

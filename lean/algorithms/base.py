@@ -142,6 +142,13 @@ class Algorithm:
         when known), or None."""
         return None
 
+    @classmethod
+    def working_overrides(cls, cfg: RunConfig) -> list[str] | None:
+        """``key=value`` overrides with which the algorithm runs on ``cfg`` when :meth:`problem` refuses it (its own
+        settings that the shared defaults lack: a tree's shape, the rewards it reads), or None. The refusal prints
+        them as a whole ``lean train`` command."""
+        return None
+
     @property
     def kl_weight(self) -> float:
         """The weight of the target-free regulariser in the total loss (0: off, and no reference forward runs)."""

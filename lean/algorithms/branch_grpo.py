@@ -58,12 +58,13 @@ class BranchGRPO(GRPO):
     trains_trees = True
 
     @classmethod
-    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple[str, object, str] | None:
+    def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple | None:
         shape, t = tree_shape(cfg.sample), cfg.train
         if shape is None:
-            return "sample.tree.branch_points", [], "BranchGRPO rolls out trees: name its branch points ([0, 3, 6, 9])"
+            return "sample.tree.branch_points", [], "BranchGRPO rolls out trees: name its branch points"
         if t.group_size != shape.leaves:
-            return "train.group_size", t.group_size, f"a tree of this shape has {shape.leaves} leaves: set that"
+            why = f"a tree of this shape has {shape.leaves} leaves: set that"
+            return "train.group_size", t.group_size, why, [f"train.group_size={shape.leaves}"]
         if cfg.sample.timestep_selection == "random":
             return "sample.timestep_selection", "random", "a tree's node is shared by leaves: not drawn per sample"
         if cfg.algorithm.skip_zero_advantage:
@@ -71,6 +72,26 @@ class BranchGRPO(GRPO):
         if t.optimizer_steps_per_iteration != 1 or t.num_inner_epochs != 1:
             return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, "one update per tree rollout"
         return None
+
+    @classmethod
+    def working_overrides(cls, cfg: RunConfig) -> list[str]:
+        """A tree on ``cfg``'s steps: k branch points of ``sample.tree.branching`` b, k = log_b(group_size) where the
+        group is a power of b (else 2, and the group b^2), every 3 steps from step 0 as BranchGRPO's [0, 3, 6, 9]
+        (closer where the steps are few: a branch needs a step after it); one update per tree, steps not drawn per
+        sample, every sample trained."""
+        s, t, b = cfg.sample, cfg.train, cfg.sample.tree.branching
+        k = next((k for k in range(1, 8) if b**k == t.group_size), None)
+        fix = [] if k is not None else [f"train.group_size={b**2}"]
+        k = k or 2
+        spacing = min(3, (s.num_steps - 2) // max(k - 1, 1)) or 1
+        fix.insert(0, f"sample.tree.branch_points=[{','.join(str(i * spacing) for i in range(k))}]")
+        if s.timestep_selection == "random":
+            fix.append("sample.timestep_selection=first")
+        if cfg.algorithm.skip_zero_advantage:
+            fix.append("algorithm.skip_zero_advantage=false")
+        if t.optimizer_steps_per_iteration != 1 or t.num_inner_epochs != 1:
+            fix += ["train.optimizer_steps_per_iteration=1", "train.num_inner_epochs=1"]
+        return fix
 
     @classmethod
     def prunes(cls, cfg: RunConfig, iteration: int) -> bool:

@@ -169,6 +169,25 @@ class GARDO(GRPO):
         return self.cfg.gardo
 
     @classmethod
+    def working_overrides(cls, cfg) -> list[str] | None:
+        """GARDO on the run's first reward: it is the main reward, a second one scored at weight 0 is the gate's
+        (jpeg_compressibility, or the run's second), and the diversity reward is scored at weight 0 (the
+        workbench's GARDO run, params.yaml)."""
+        weights = dict(cfg.reward.weights)
+        main = next(iter(weights))
+        gate = next((name for name in weights if name != main), "jpeg_compressibility")
+        weights.setdefault(gate, 0.0)
+        diversity = cfg.algorithm.gardo.diversity_reward
+        if diversity is not None:
+            weights.setdefault(diversity, 0.0)
+        rewards = ", ".join(f"{name}: {w}" for name, w in weights.items())
+        return [
+            f"algorithm.gardo.main_reward={main}",
+            f"algorithm.gardo.gate_rewards=[{gate}]",
+            f"reward.weights={{{rewards}}}",
+        ]
+
+    @classmethod
     def problem(cls, cfg, world_size: int | None = None) -> tuple[str, object, str] | None:
         o, weights = cfg.algorithm.gardo, cfg.reward.weights
         named = [("main_reward", o.main_reward), *(("gate_rewards", r) for r in o.gate_rewards)]

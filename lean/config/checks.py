@@ -17,22 +17,34 @@ AUTO = "auto"  # train.schedule: lean picks the fastest predicted schedule that 
 
 
 class ConfigError(ValueError):
-    """A bad configuration value. ``str(err)`` is a single line meant for the user."""
+    """A bad configuration value. ``str(err)`` is a single line meant for the user. ``fix``: the overrides
+    (``key=value``) that a refusal suggests, which make the refused config pass on its key (tests/test_refusals.py
+    applies every one)."""
 
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key, self.value, self.allowed = key, value, allowed
+    def __init__(self, key: str, value: Any, allowed: str, fix: list[str] | None = None):
+        self.key, self.value, self.allowed, self.fix = key, value, allowed, fix
         super().__init__(f"config error: {key}={value!r}: {allowed}")
 
 
-def suggest(name: str, options: Iterable[str]) -> str:
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The option closest to ``name``, if any is close."""
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def suggest(name: str, options: Iterable[str]) -> str:
+    close = closest(name, options)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def check_choice(key: str, value: Any, options: Iterable[str]) -> None:
     options = list(options)
     if value not in options:
-        raise ConfigError(key, value, f"must be one of {', '.join(map(str, options))}" + suggest(str(value), options))
+        close = closest(str(value), options)
+        hint = f" (did you mean {close!r}?)" if close else ""
+        raise ConfigError(
+            key, value, f"must be one of {', '.join(map(str, options))}{hint}", [f"{key}={close}"] if close else None
+        )
 
 
 def check_positive(key: str, value: float, strict: bool = True) -> None:

@@ -142,10 +142,14 @@ class TreeOptions:
         """The tree over ``num_steps`` sampling steps; a branch at the last step is refused (its children would decode
         the same x0-prediction), and so are pruned depths off the tree or pruning every step."""
         if self.branch_points and self.branch_points[-1] > num_steps - 2:
+            k = len(self.branch_points)  # as many points (the same leaves), spread over the steps there are
+            spacing = max(1, (num_steps - 2) // max(k - 1, 1))
+            fits = [i * spacing for i in range(k)]
             raise ConfigError(
                 "sample.tree.branch_points",
                 self.branch_points,
-                f"a branch needs a step after it: at most sample.num_steps - 2 = {num_steps - 2}",
+                f"a branch needs a step after it: at most sample.num_steps - 2 = {num_steps - 2}, e.g. {fits}",
+                [f"sample.tree.branch_points=[{','.join(map(str, fits))}]"] if fits[-1] <= num_steps - 2 else None,
             )
         depths = set(self.depth_pruning)
         if any(not 1 <= d <= num_steps for d in depths) or len(depths) >= num_steps - 1:

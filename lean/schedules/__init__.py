@@ -101,10 +101,10 @@ def several_updates(cfg: RunConfig) -> list[str]:
     ]
 
 
-def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | None:
-    """(key, value, why) when the schedule ``name`` cannot run ``cfg`` exactly, or None: the algorithm's facts it
-    needs, the first update's samples before the rollout for a Lean schedule's hybrid (``hybrid.py``), per-trajectory
-    buffers under a sharded full fine-tune."""
+def schedule_problem(cfg: RunConfig, name: str) -> tuple | None:
+    """(key, value, why[, the overrides that fix it]) when the schedule ``name`` cannot run ``cfg`` exactly, or
+    None: the algorithm's facts it needs, the first update's samples before the rollout for a Lean schedule's hybrid
+    (``hybrid.py``), provisional gradients under a sharded full fine-tune or a per-backward sync."""
     t, a = cfg.train, cfg.algorithm
     schedule = SCHEDULES[name]
     if problem := algorithm_problem(schedule, ALGORITHMS[a.name]):
@@ -121,11 +121,12 @@ def schedule_problem(cfg: RunConfig, name: str) -> tuple[str, object, str] | Non
             f"the first update's samples are known only after the rewards, and train.schedule={name} cannot roll "
             f"them out with gradients; set algorithm.zero_advantage_order=split_then_filter (or auto), or "
             f"{on_policy}use train.schedule={BASELINE}",
+            [f"algorithm.zero_advantage_order={SPLIT_THEN_FILTER}"],
         )
     if shards(cfg.parallel.shard) and (problem := whole_gradient_buffers(cfg, name)):
-        return "parallel.shard", cfg.parallel.shard, problem
+        return "parallel.shard", cfg.parallel.shard, problem, [f"parallel.grad_sync={PER_UPDATE}"]
     if (problem := backward_sync_problem(cfg, name)) is not None:
-        return "parallel.grad_sync", cfg.parallel.grad_sync, problem
+        return "parallel.grad_sync", cfg.parallel.grad_sync, problem, [f"parallel.grad_sync={PER_UPDATE}"]
     return None
 
 
@@ -191,7 +192,10 @@ def retain_options_problem(cfg: RunConfig) -> None:
     for key, default in (("steps", ALL_STEPS), ("offload", DEVICE)):
         if getattr(r, key) != default:
             raise ConfigError(
-                f"train.retain.{key}", getattr(r, key), f"applies to train.schedule={RETAIN}; {schedule} {why}"
+                f"train.retain.{key}",
+                getattr(r, key),
+                f"applies to train.schedule={RETAIN}; {schedule} {why}",
+                [f"train.schedule={RETAIN}"],
             )
 
 
