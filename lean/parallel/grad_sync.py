@@ -91,11 +91,15 @@ class BackwardSync:
 
     def _sync_ready(self) -> None:
         ready, self.ready = sorted(set(self.ready)), []
-        grads = [self.params[i].grad for i in ready]
+        self._sync(ready)
+
+    def _sync(self, indices: list[int]) -> None:
+        """The gradients of ``indices`` in one flat all-reduce, added to their synced sums; their ``.grad`` None."""
+        grads = [self.params[i].grad for i in indices]
         start = time.perf_counter()
         flat = self.world.reduce_gradients_(torch.cat([g.reshape(-1) for g in grads]))
         self.seconds += time.perf_counter() - start
-        for i, part in zip(ready, flat.split([g.numel() for g in grads])):
+        for i, part in zip(indices, flat.split([g.numel() for g in grads])):
             self.synced[i] += part.view_as(self.synced[i])
             self.params[i].grad = None
 
@@ -104,13 +108,7 @@ class BackwardSync:
         otherwise, synced now when there is any), and a zero sum for the next update; ``param.grad`` is left None."""
         rest = [i for i, p in enumerate(self.params) if p.grad is not None]
         if rest:  # a fold of buffers (Retain's provisional backward, a hybrid's writes): one more sync
-            grads = [self.params[i].grad for i in rest]
-            start = time.perf_counter()
-            flat = self.world.reduce_gradients_(torch.cat([g.reshape(-1) for g in grads]))
-            self.seconds += time.perf_counter() - start
-            for i, part in zip(rest, flat.split([g.numel() for g in grads])):
-                self.synced[i] += part.view_as(self.synced[i])
-                self.params[i].grad = None
+            self._sync(rest)
         out, self.synced = self.synced, [torch.zeros_like(p) for p in self.params]
         return out
 
