@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,18 +87,33 @@ def test_a_sharded_full_fine_tune_on_two_processes_equals_one_process(tmp_path, 
     assert rewards[1] == pytest.approx(rewards[0], abs=1e-9)
 
 
+# a full fine-tune in the shared layout: the one process's gradients the sharded runs below are compared with
+SHARED_FULL = [*SMALL, "model.full_finetune=true", "parallel.layout=shared", "train.group_size=4"]
+
+
+@pytest.fixture(scope="module")
+def one_process_gradients(tmp_path_factory) -> Path:
+    """``lean equivalence --save-gradients`` of :data:`SHARED_FULL` on one process, once per worker (run in its own
+    folder, as every test is: no params.yaml there, the code's defaults)."""
+    one = tmp_path_factory.mktemp("one_process")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(one)
+        lean_here("equivalence", *_sets(SHARED_FULL), "--save-gradients", "--out", str(one))
+    return one / "gradients.safetensors"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("processes", [2, 4])
-def test_reweight_and_retain_on_a_sharded_full_fine_tune_give_one_process_gradients(tmp_path, processes):
+def test_reweight_and_retain_on_a_sharded_full_fine_tune_give_one_process_gradients(
+    tmp_path, processes, one_process_gradients
+):
     """LeanGRPO's headline run, shrunk: FSDP2 full fine-tuning in the shared layout with the sync once per update.
     Reweight's provisional gradients are whole per trajectory (FSDP2's accumulation taken as each backward ends),
     corrected by A, then reduce-scattered (Sec. 4.3.2, Eq. 18): every schedule's gradient is one process's."""
-    cfg = [*SMALL, "model.full_finetune=true", "parallel.layout=shared", "train.group_size=4"]
-    one, many = tmp_path / "one", tmp_path / "many"
-    lean_here("equivalence", *_sets(cfg), "--save-gradients", "--out", str(one))
-    sharded = _sets([*cfg, "parallel.shard=fsdp", "parallel.grad_sync=per_update"])
-    lean_ranks(processes, "equivalence", *sharded, "--against", str(one / "gradients.safetensors"), "--out", str(many))
+    many = tmp_path / "many"
+    sharded = _sets([*SHARED_FULL, "parallel.shard=fsdp", "parallel.grad_sync=per_update"])
+    lean_ranks(processes, "equivalence", *sharded, "--against", str(one_process_gradients), "--out", str(many))
     report = json.loads((many / "equivalence.json").read_text())
     assert report["passes"] and not report.get("not_run") and report["world_size"] == processes, report
     assert set(report["against"]["max_rel_grad_diff"]) == {"recompute", "retain", "reweight"}
@@ -109,42 +125,38 @@ def test_reweight_and_retain_on_a_sharded_full_fine_tune_give_one_process_gradie
 def test_a_sharded_update_reduce_scatters_once_per_unit_or_after_every_backward(tmp_path):
     """``parallel.grad_sync`` under FSDP2 full fine-tuning: per_backward reduce-scatters every unit after every
     backward (FSDP2's own), per_update once per unit per optimizer step; the same weights. Retain backpropagates its
-    kept graphs in one backward: its per_backward count is the number of units."""
+    kept graphs in one backward: its per_backward count is the number of units (Retain under per_update: the
+    equivalence tests above)."""
     cfg = [*SMALL, "model.full_finetune=true", "parallel.shard=fsdp", "train.group_size=4"]
     runs = {}
-    for schedule in ("recompute", "retain"):
-        for sync in ("per_backward", "per_update"):
-            out = tmp_path / f"{schedule}_{sync}"
-            sets = [*cfg, f"train.schedule={schedule}", f"parallel.grad_sync={sync}"]
-            lean_ranks(2, "train", *_sets(sets), "--out", str(out))
-            with open(out / "metrics.csv") as f:
-                row = next(csv.DictReader(f))
-            runs[schedule, sync] = {k: float(v) for k, v in row.items() if k.startswith("comm_")}
-            runs[schedule, sync]["weights"] = load_file(out / "lora.safetensors")
+    for schedule, sync in (("recompute", "per_backward"), ("recompute", "per_update"), ("retain", "per_backward")):
+        out = tmp_path / f"{schedule}_{sync}"
+        sets = [*cfg, f"train.schedule={schedule}", f"parallel.grad_sync={sync}"]
+        lean_ranks(2, "train", *_sets(sets), "--out", str(out))
+        with open(out / "metrics.csv") as f:
+            row = next(csv.DictReader(f))
+        runs[schedule, sync] = {k: float(v) for k, v in row.items() if k.startswith("comm_")}
+        runs[schedule, sync]["weights"] = load_file(out / "lora.safetensors")
     units = runs["retain", "per_backward"]["comm_reduce_scatter_count"]
     assert units >= 3  # the blocks and the root
     assert runs["recompute", "per_update"]["comm_reduce_scatter_count"] == units
-    assert runs["retain", "per_update"]["comm_reduce_scatter_count"] == units
     backwards = runs["recompute", "per_backward"]["comm_reduce_scatter_count"] / units
     assert backwards == int(backwards) and backwards > 1  # one per update micro-batch's backward
-    for schedule in ("recompute", "retain"):
-        a, b = (runs[schedule, sync]["weights"] for sync in ("per_backward", "per_update"))
-        assert _max_rel_diff(a, b) < 1e-10
+    a, b = (runs["recompute", sync]["weights"] for sync in ("per_backward", "per_update"))
+    assert _max_rel_diff(a, b) < 1e-10
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sequence_parallel", [1, 2])
-def test_hsdp_as_two_nodes_of_two_gives_one_process_gradients(tmp_path, sequence_parallel):
+def test_hsdp_as_two_nodes_of_two_gives_one_process_gradients(tmp_path, sequence_parallel, one_process_gradients):
     """``parallel.shard=hsdp``: 4 gloo processes as 2 replicas (nodes) x 2, a full fine-tune sharded within each and
     replicated across them (FSDP2's 2-D mesh: reduce-scatter in a node, all-reduce across), once with each node one
     sequence-parallel group of 2; one sync per update, so Reweight runs: every schedule's gradient is one process's."""
-    cfg = [*SMALL, "model.full_finetune=true", "parallel.layout=shared", "train.group_size=4"]
-    one, many = tmp_path / "one", tmp_path / "many"
-    lean_here("equivalence", *_sets(cfg), "--save-gradients", "--out", str(one))
-    hsdp = [*cfg, "parallel.shard=hsdp", "parallel.replicas=2", "parallel.grad_sync=per_update"]
+    many = tmp_path / "many"
+    hsdp = [*SHARED_FULL, "parallel.shard=hsdp", "parallel.replicas=2", "parallel.grad_sync=per_update"]
     hsdp.append(f"parallel.sequence_parallel={sequence_parallel}")
-    lean_ranks(4, "equivalence", *_sets(hsdp), "--against", str(one / "gradients.safetensors"), "--out", str(many))
+    lean_ranks(4, "equivalence", *_sets(hsdp), "--against", str(one_process_gradients), "--out", str(many))
     report = json.loads((many / "equivalence.json").read_text())
     assert report["passes"] and not report.get("not_run"), report
     assert set(report["against"]["max_rel_grad_diff"]) == {"recompute", "retain", "reweight"}
