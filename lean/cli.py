@@ -119,6 +119,9 @@ def _bench_commands(sub) -> None:
     m = bench.add_parser("memory", help="peak memory and time per schedule x layout x activation checkpointing")
     _add_bench_options(m)
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
+    m.add_argument(
+        "--layouts", default=None, help="comma-separated parallel.layout values to measure (default: every applicable)"
+    )
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
 
 
@@ -317,7 +320,8 @@ def _bench(args) -> int:
     if args.bench == "memory":
         from lean.tools.bench.memory import bench_memory
 
-        bench_memory(cfg, out=args.out, options=options)
+        layouts = args.layouts.split(",") if args.layouts else None
+        bench_memory(cfg, out=args.out, options=options, layouts=layouts)
     elif cfg.parallel.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
         from lean.tools.bench.sequence_parallel import bench_sequence_parallel
 

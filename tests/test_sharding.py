@@ -222,10 +222,10 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     # probed on the sequence-parallel processes (its own tokens, its share of the decode)
     out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32", "parallel.sequence_parallel=2"]
     bench = ["bench", "memory", *_sets([*cfg, *tiny]), "--repeats", "1", "--warmup", "0", "--out", str(out)]
-    lean_ranks(4, *bench)
+    lean_ranks(4, *bench, "--layouts", "group,shared")  # slice: as group there, bar the finishing unit
     result = json.loads((out / "memory.json").read_text())
     assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 4
     assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"}
-    assert {e["layout"] for e in result["variants"]} == {"group", "shared", "slice"} and len(result["variants"]) == 12
+    assert {e["layout"] for e in result["variants"]} == {"group", "shared"} and len(result["variants"]) == 8
     for e in result["variants"]:  # a tiny model: the peaks are mostly the process itself, but each is predicted
         assert e["peak_memory_mb"] == pytest.approx(e["plan_peak_memory_mb"], rel=0.15)

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from lean.config import RunConfig
+from lean.config import ConfigError, RunConfig
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, share_main_arena
 from lean.observe.outputs import JsonLines
 from lean.parallel.distributed import set_threads
@@ -60,9 +60,14 @@ Variant = tuple[str, str, bool]  # (schedule, layout, activation checkpointing)
 
 
 def bench_memory(
-    cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
+    cfg: RunConfig,
+    out: str | None = None,
+    options: BenchOptions = BenchOptions(),
+    trainer: Trainer | None = None,
+    layouts: list[str] | None = None,
 ) -> dict:
-    """Measure every variant (see the module docstring); writes ``out/memory.json`` and returns it."""
+    """Measure every variant (see the module docstring) in ``layouts`` (None: every applicable one); writes
+    ``out/memory.json`` and returns it."""
     set_threads(options.threads)
     if not torch.cuda.is_available():
         share_main_arena()  # before any thread allocates (lean.observe.metrics)
@@ -72,9 +77,12 @@ def bench_memory(
     state = trainer.state.state_dict()
     inp = trainer.plan_input()
     shard = planned_shard(cfg.parallel.shard, trainer.world.size)  # what runs (hsdp: as fsdp): the measured rows
+    applicable = applicable_layouts(inp)
+    if unknown := [lay for lay in layouts or [] if lay not in applicable]:
+        raise ConfigError("--layouts", ",".join(layouts), f"{unknown[0]} does not apply; these do: {applicable}")
     variants = [
         (s, lay, ck)
-        for lay in applicable_layouts(inp)
+        for lay in layouts or applicable
         for ck in CHECKPOINTING
         for s in SCHEDULES
         if shard != FSDP or not fsdp_problem(with_schedule(cfg, s))
