@@ -19,11 +19,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from lean import export
-from lean.config import ConfigError, suggest
+from lean.config import AUTO, ConfigError, suggest
 from lean.config.prompts import with_metadata
 from lean.configure import load_config
 from lean.observe import tracking
 from lean.parallel.launch import Nodes, launch
+from lean.parallel.layout import LAYOUTS
 from lean.plan import cost as plan
 from lean.plan import meta as meta_plan
 from lean.rewards import RewardServerError
@@ -305,10 +306,23 @@ def _plan(args) -> int:
 
 
 def _equivalence(args) -> int:
+    if args.against and not os.path.isfile(args.against):
+        raise ConfigError("--against", args.against, "no such file: a gradients.safetensors of --save-gradients")
     overrides = equivalence.certificate_overrides(args.overrides)
     cfg = load_config(_params(args), overrides, preset=args.preset)
     equivalence.main(cfg, out=args.out, save_gradients=args.save_gradients, against=args.against)
     return 0
+
+
+def _layouts(value: str | None) -> list[str] | None:
+    """``--layouts a,b``: names of ``parallel.layout`` (auto is not one), checked before anything is built."""
+    if not value:
+        return None
+    names, known = value.split(","), [name for name in LAYOUTS if name != AUTO]
+    if unknown := [n for n in names if n not in known]:
+        why = f"{unknown[0]} is not a layout: {', '.join(known)}{suggest(unknown[0], known)}"
+        raise ConfigError("--layouts", value, why)
+    return names
 
 
 def _bench(args) -> int:
@@ -320,8 +334,7 @@ def _bench(args) -> int:
     if args.bench == "memory":
         from lean.tools.bench.memory import bench_memory
 
-        layouts = args.layouts.split(",") if args.layouts else None
-        bench_memory(cfg, out=args.out, options=options, layouts=layouts)
+        bench_memory(cfg, out=args.out, options=options, layouts=_layouts(args.layouts))
     elif cfg.parallel.sequence_parallel > 1:  # every schedule x overlap method, exposed communication in ms
         from lean.tools.bench.sequence_parallel import bench_sequence_parallel
 

@@ -87,3 +87,20 @@ def test_the_refusals_command_trains(name, tmp_path, monkeypatch):
     assert words[:2] == ["lean", "train"]
     lean_here(*words[1:], "--set", "train.iterations=1", "--set", "eval.every=0", "--out", str(tmp_path))
     assert (tmp_path / "metrics.csv").exists()
+
+
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["bench", "memory", "--layouts", "group,sharde"], "--layouts"),  # checked before anything is built
+        (["equivalence", "--against", "no/such/gradients.safetensors"], "--against"),
+        (["train", "--set", "parallel.grad_sync=per_step"], "parallel.grad_sync"),
+        (["train", "--set", "parallel.replicas=0"], "parallel.replicas"),
+    ],
+)
+def test_the_new_options_refuse_nonsense_in_one_line(args, key, capsys):
+    from lean.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err, err

@@ -32,19 +32,20 @@ def closest(name: str, options: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-def suggest(name: str, options: Iterable[str]) -> str:
-    close = closest(name, options)
+def did_you_mean(close: str | None) -> str:
     return f" (did you mean {close!r}?)" if close else ""
+
+
+def suggest(name: str, options: Iterable[str]) -> str:
+    return did_you_mean(closest(name, options))
 
 
 def check_choice(key: str, value: Any, options: Iterable[str]) -> None:
     options = list(options)
     if value not in options:
         close = closest(str(value), options)
-        hint = f" (did you mean {close!r}?)" if close else ""
-        raise ConfigError(
-            key, value, f"must be one of {', '.join(map(str, options))}{hint}", [f"{key}={close}"] if close else None
-        )
+        allowed = f"must be one of {', '.join(map(str, options))}{did_you_mean(close)}"
+        raise ConfigError(key, value, allowed, [f"{key}={close}"] if close else None)
 
 
 def check_positive(key: str, value: float, strict: bool = True) -> None:

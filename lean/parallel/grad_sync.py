@@ -103,14 +103,17 @@ class BackwardSync:
             self.synced[i] += part.view_as(self.synced[i])
             self.params[i].grad = None
 
-    def take(self) -> list[torch.Tensor]:
-        """The synced gradient of every parameter (what the backwards synced plus what reached ``param.grad``
-        otherwise, synced now when there is any), and a zero sum for the next update; ``param.grad`` is left None."""
+    def take(self) -> torch.Tensor:
+        """The synced gradient of every parameter, flat in their order (what the backwards synced plus what reached
+        ``param.grad`` otherwise, synced now when there is any); the sums start again from zero, ``param.grad`` is
+        left None."""
         rest = [i for i, p in enumerate(self.params) if p.grad is not None]
         if rest:  # a fold of buffers (Retain's provisional backward, a hybrid's writes): one more sync
             self._sync(rest)
-        out, self.synced = self.synced, [torch.zeros_like(p) for p in self.params]
-        return out
+        flat = torch.cat([g.reshape(-1) for g in self.synced])
+        for g in self.synced:
+            g.zero_()
+        return flat
 
     def close(self) -> None:
         for handle in self.handles:

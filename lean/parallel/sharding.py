@@ -230,9 +230,9 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the accumulated gradient, synced once per update
 # FSDP2 reduce-scatters each unit's gradient after each backward. With ``set_requires_gradient_sync(False)`` it keeps
 # accumulating the unsharded gradient instead (its ``no_sync``), and its next synced backward would reduce-scatter the
-# sum; lean syncs at the optimizer step instead, without a backward, one reduce-scatter per sharded parameter
+# sum; lean syncs at the optimizer step instead, without a backward, one reduce-scatter per unit as FSDP2 does
 # (``parallel.grad_sync=per_update``, lean.parallel.grad_sync). FSDP2 keeps that unsharded gradient on its own
-# parameter objects (``FSDPParam``): :func:`fsdp_params` is the one place lean reads them.
+# parameter records (``FSDPParam``, grouped per unit): :func:`param_groups` is the one place lean reads them.
 
 
 def fsdp_modules(policy) -> list[torch.nn.Module]:
@@ -242,14 +242,11 @@ def fsdp_modules(policy) -> list[torch.nn.Module]:
     return [m for net in policy.networks() for m in net.modules() if isinstance(m, FSDPModule)]
 
 
-def fsdp_params(policy) -> list:
+def param_groups(policy) -> list[list]:
     """FSDP2's parameter records of every unit (``FSDPParam``: the sharded parameter, the unsharded one and its
-    accumulated gradient)."""
+    accumulated gradient), one list per unit's parameter group."""
     return [
-        fsdp_param
-        for module in fsdp_modules(policy)
-        for group in module._get_fsdp_state()._fsdp_param_groups
-        for fsdp_param in group.fsdp_params
+        group.fsdp_params for module in fsdp_modules(policy) for group in module._get_fsdp_state()._fsdp_param_groups
     ]
 
 
@@ -299,47 +296,48 @@ def reduce_scatter_to_shards(grads: list[torch.Tensor], sharded: list[torch.nn.P
     return shards
 
 
-def reduce_scatter_accumulated(policy) -> int:
-    """Every unit's accumulated unsharded gradients (:func:`take_unsharded_grad`) reduce-scattered into its sharded
-    parameters' ``.grad`` (added to what is there), one ``reduce_scatter_tensor`` per unit and dtype (as FSDP2
-    reduces a unit after a backward); returns how many it ran."""
+def _reduce_scatter_units(policy, whole_grad) -> int:
+    """Reduce-scatter ``whole_grad(fsdp_param)`` (this process's whole gradient of that parameter, or None: none)
+    into each sharded parameter's ``.grad`` (added to what is there): one ``reduce_scatter_tensor`` per unit and
+    dtype, as FSDP2 reduces a unit after a backward. Returns how many it ran."""
     collectives = 0
-    for module in fsdp_modules(policy):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            by_dtype: dict[torch.dtype, list] = {}
-            for fsdp_param in group.fsdp_params:
-                if (grad := take_unsharded_grad(fsdp_param)) is not None:
-                    by_dtype.setdefault(grad.dtype, []).append((fsdp_param.sharded_param, grad))
-            for pairs in by_dtype.values():
-                params = [p for p, _ in pairs]
-                for p, shard in zip(params, reduce_scatter_to_shards([g for _, g in pairs], params)):
-                    p.grad = shard if p.grad is None else p.grad + shard
-                collectives += 1
+    for group in param_groups(policy):
+        by_dtype: dict[torch.dtype, list] = {}
+        for fsdp_param in group:
+            if (grad := whole_grad(fsdp_param)) is not None:
+                by_dtype.setdefault(grad.dtype, []).append((fsdp_param.sharded_param, grad))
+        for pairs in by_dtype.values():
+            params = [p for p, _ in pairs]
+            for p, shard in zip(params, reduce_scatter_to_shards([g for _, g in pairs], params)):
+                p.grad = shard if p.grad is None else p.grad + shard
+            collectives += 1
     return collectives
+
+
+def reduce_scatter_accumulated(policy) -> int:
+    """Every unit's accumulated unsharded gradients (:func:`take_unsharded_grad`) reduce-scattered into their sharded
+    parameters' ``.grad`` (:func:`_reduce_scatter_units`); returns how many collectives it ran."""
+    return _reduce_scatter_units(policy, take_unsharded_grad)
 
 
 def take_whole_grads(policy, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
     """The unsharded gradients FSDP2 accumulated (its sync off) for the sharded ``params``, in their order, handed
     over (FSDP2 holds none after it): what a backward left of each parameter's whole gradient on this process."""
-    taken = {id(fp.sharded_param): take_unsharded_grad(fp) for fp in fsdp_params(policy)}
+    taken = {id(fp.sharded_param): take_unsharded_grad(fp) for group in param_groups(policy) for fp in group}
     return [taken.get(id(p)) for p in params]
 
 
 def reduce_scatter_whole(policy, params: list[torch.nn.Parameter], flat: torch.Tensor) -> int:
     """A whole gradient of the sharded ``params`` (``flat``, in their order) reduce-scattered into their ``.grad``
-    (added to what is there), one ``reduce_scatter_tensor`` per unit and dtype; returns how many it ran."""
+    (:func:`_reduce_scatter_units`); returns how many collectives it ran."""
     whole = dict(zip((id(p) for p in params), flat.split([p.numel() for p in params])))
-    collectives = 0
-    for module in fsdp_modules(policy):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            mine = [fp.sharded_param for fp in group.fsdp_params if id(fp.sharded_param) in whole]
-            if not mine:
-                continue
-            grads = [whole[id(p)].view(p.shape).to(torch.promote_types(p.dtype, flat.dtype)) for p in mine]
-            for p, shard in zip(mine, reduce_scatter_to_shards(grads, mine)):
-                p.grad = shard if p.grad is None else p.grad + shard
-            collectives += 1
-    return collectives
+
+    def grad_of(fsdp_param) -> torch.Tensor | None:
+        p = fsdp_param.sharded_param
+        part = whole.get(id(p))
+        return None if part is None else part.view(p.shape).to(torch.promote_types(p.dtype, flat.dtype))
+
+    return _reduce_scatter_units(policy, grad_of)
 
 
 def check_config(cfg, world_size: int | None = None) -> None:

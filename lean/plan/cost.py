@@ -80,6 +80,7 @@ from lean.schedules import (
     fsdp_problem,
     runnable,
     schedule_problem,
+    with_schedule,
 )
 from lean.schedules.per_sample import linear_owners
 from lean.schedules.recompute import first_update_rows
@@ -378,12 +379,7 @@ def with_layout(cfg: RunConfig, layout: str) -> RunConfig:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
 
 
-def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
-    """``cfg`` with ``train.schedule=schedule``."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, schedule=schedule))
-
-
-def sharded(cfg: RunConfig, schedule: str) -> RunConfig:
+def under_fsdp(cfg: RunConfig, schedule: str) -> RunConfig:
     """``cfg`` with ``train.schedule=schedule`` under ``parallel.shard=fsdp`` (the plan's fsdp rows of a run that
     does not shard)."""
     return dataclasses.replace(with_schedule(cfg, schedule), parallel=dataclasses.replace(cfg.parallel, shard=FSDP))
@@ -437,7 +433,7 @@ def combinations(
         ):
             costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
             for schedule, p in predict(costs).items():
-                if schedule not in exact or (shard == FSDP and fsdp_problem(sharded(inp.cfg, schedule))):
+                if schedule not in exact or (shard == FSDP and fsdp_problem(under_fsdp(inp.cfg, schedule))):
                     continue
                 variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
                 if schedule == RETAIN:  # the run's own train.retain, then the others

@@ -461,9 +461,10 @@ class IterationPipeline:
 
         Rewards are host values (they come from decoded pixels), so the group statistics are computed on the host
         once all ranks' rewards are gathered (a collective of device tensors); the local share goes back to the
-        device for the loss. The units finished during the rollout (group layout) keep the advantages they were
-        finished with, and only the rows after them (a last unit shorter than the others: whole groups) are computed
-        here, from their own rewards. When nothing finished early, the targets need the whole batch: a group may
+        device for the loss. The units finished during the rollout (group and shared layouts) keep the advantages they
+        were finished with, and only the rows after them (a last unit shorter than the others; the shared layout's
+        waves after a failed one) take the whole batch's targets here. When nothing finished early, the targets need
+        the whole batch: a group may
         straddle processes (slice layout), ``algorithm.global_std`` takes every reward's std. Each reward's values
         are gathered too where the targets read them (``algorithm.reward_combination``). Where the algorithm weighs
         each sample's regulariser after the rewards (GARDO's gate), its local factors go to
@@ -473,8 +474,7 @@ class IterationPipeline:
             rewards = self.world.gather(rollout.rewards.to(self.world.device)).cpu()
             parts = self.reward_components(rollout.parts)
             if finished is None:
-                every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
-                targets = self.algorithm.targets(rewards, batch.group_ids(), every)
+                targets, every = self.batch_targets(batch, rewards, parts)
                 factors = self.algorithm.regulariser_factors(targets, rewards, batch.group_ids(), every)
                 if factors is not None:  # each sample's KL weight, known now (GARDO's gate)
                     rollout.ctx.kl_factors = factors[batch.local].to(self.world.device)
@@ -483,17 +483,18 @@ class IterationPipeline:
                 if self.algorithm.weighs_regulariser:  # its factors are the whole batch's: batch_wide, never here
                     raise ValueError(f"algorithm {self.cfg.algorithm.name} finishes no unit before the whole batch")
                 advantages, rest = finished.advantages.clone(), slice(finished.rows, len(batch.prompts))
-                if rest.start < rest.stop and wave_gathered(resolve_layout(self.cfg, self.world.data_size)):
-                    every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
-                    advantages[rest] = self.algorithm.targets(rewards, batch.group_ids(), every)[batch.local][rest]
-                elif rest.start < rest.stop:  # whole groups, whose advantages are their own
-                    mine, ids = rewards[batch.local], batch.local_group_ids()
-                    own = None if parts is None else parts[rest]
-                    advantages[rest] = self.algorithm.targets(mine[rest], ids[rest], own)
+                if rest.start < rest.stop:  # the same rows on every rank: a last shorter unit, or after a failure
+                    advantages[rest] = self.batch_targets(batch, rewards, parts)[0][batch.local][rest]
         if not torch.isfinite(rewards).all():
             bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
             raise NonFiniteError(f"non-finite reward of samples {bad} at iteration {batch.iteration}")
         return rewards, advantages.to(self.world.device)
+
+    def batch_targets(self, batch: LocalBatch, rewards: Tensor, parts: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The algorithm's targets of the whole batch [N] from every rank's ``rewards`` [N] (host, float64), and the
+        components they read, gathered here from this rank's ``parts`` [B_local, C] (None where it reads none)."""
+        every = None if parts is None else self.world.gather(parts.to(self.world.device)).cpu()
+        return self.algorithm.targets(rewards, batch.group_ids(), every), every
 
     def reward_components(self, parts: dict[str, Tensor]) -> Tensor | None:
         """Each reward's values [B, R] (float64, columns in ``reward.weights`` order) where the algorithm's targets

@@ -97,7 +97,7 @@ class TrainState:
         (``parallel.grad_sync=per_backward``, :class:`~lean.parallel.grad_sync.BackwardSync`), or in one all-reduce
         now."""
         if self.backward_sync is not None:
-            return torch.cat([g.reshape(-1) for g in self.backward_sync.take()])
+            return self.backward_sync.take()
         start = time.perf_counter()
         grads = self.world.reduce_gradients_(flat_grad(self.params, [p.grad for p in self.params]))
         self.sync_s += time.perf_counter() - start

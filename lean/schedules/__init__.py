@@ -91,6 +91,20 @@ def fsdp_problem(cfg: RunConfig) -> str | None:
     return None
 
 
+def with_schedule(cfg: RunConfig, schedule: str) -> RunConfig:
+    """``cfg`` with ``train.schedule=schedule``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, schedule=schedule))
+
+
+def run_problem(cfg: RunConfig, name: str, world_size: int) -> str | None:
+    """Why a run of ``cfg`` on ``world_size`` processes refuses the schedule ``name`` for where its gradients live
+    (a sharded run's rules, :func:`fsdp_problem`; a sync after every backward, :func:`backward_sync_problem`), or None:
+    what the certificate and the benchmarks leave out of the schedules they compare, saying why."""
+    if shards(cfg.parallel.shard) and world_size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
+        return why
+    return backward_sync_problem(cfg, name)
+
+
 def several_updates(cfg: RunConfig) -> list[str]:
     """``train.<key>=<value>`` of each key that gives a rollout more than one update (empty: one, on-policy)."""
     t = cfg.train
@@ -206,9 +220,11 @@ __all__ = [
     "check_config",
     "compared_config",
     "fsdp_problem",
+    "run_problem",
     "runnable",
     "schedule_class",
     "schedule_problem",
+    "with_schedule",
     "AUTO",
     "BASELINE",
     "LEAN_SCHEDULES",

@@ -22,14 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from lean.algorithms import CLEAN_SAMPLES, build_algorithm
 from lean.algorithms.base import step_targets
-from lean.config import RunConfig
+from lean.config import ConfigError, RunConfig
 from lean.config.dtypes import HALF, dtype_name
 from lean.models.build import build_policy
 from lean.models.snapshot import Snapshot, swapped_in
 from lean.observe.outputs import write_json
 from lean.parallel.layout import resolve_layout
-from lean.parallel.sharding import full, full_state_dict, shards
-from lean.plan.cost import with_schedule
+from lean.parallel.sharding import full, full_state_dict
 from lean.run.optimizer import capture_synced_grads
 from lean.sampling.rollout import velocity
 from lean.sampling.transition import Transition
@@ -37,11 +36,11 @@ from lean.schedules import (
     BASELINE,
     LEAN_SCHEDULES,
     algorithm_schedules,
-    backward_sync_problem,
     compared_config,
-    fsdp_problem,
+    run_problem,
     schedule_class,
     schedule_problem,
+    with_schedule,
 )
 from lean.schedules.base import flat_grad
 from lean.schedules.recompute import _chunks, first_update_rows, rows_mask, update_order
@@ -335,10 +334,7 @@ def run_equivalence(
     start = start_state["params"]
     updates, not_run = {}, {}
     for name in algorithm_schedules(cfg):
-        if shards(cfg.parallel.shard) and trainer.world.size > 1 and (why := fsdp_problem(with_schedule(cfg, name))):
-            not_run[name] = why  # the run would refuse it: nothing to certify
-            continue
-        if why := backward_sync_problem(cfg, name):  # Reweight under per_backward (App. C)
+        if why := run_problem(cfg, name, trainer.world.size):  # the run would refuse it: nothing to certify
             not_run[name] = why
             continue
         trainer.state.load_state_dict(start_state)
@@ -448,7 +444,7 @@ def against_other_run(gradients: dict[str, torch.Tensor], path: str) -> dict:
     other = load_file(path)
     ran, before = ({key.split("/", 1)[0] for key in g} for g in (gradients, other))
     if {k for k in gradients if k.split("/", 1)[0] in before} != {k for k in other if k.split("/", 1)[0] in ran}:
-        raise ValueError(f"--against {path}: the runs' trainable tensors differ")
+        raise ConfigError("--against", path, "its trainable tensors are not this run's (another model or adapter)")
     diffs: dict[str, float] = {}
     for key, grad in ((k, g) for k, g in gradients.items() if k.split("/", 1)[0] in before):  # schedules both ran
         schedule, ref = key.split("/", 1)[0], other[key].double()

@@ -24,7 +24,7 @@ from lean.config import ConfigError, RunConfig
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, share_main_arena
 from lean.observe.outputs import JsonLines
 from lean.parallel.distributed import set_threads
-from lean.parallel.sharding import FSDP, planned_shard, shard_sizes
+from lean.parallel.sharding import planned_shard, shard_sizes
 from lean.plan.cost import (
     applicable_layouts,
     combinations,
@@ -32,9 +32,8 @@ from lean.plan.cost import (
     link_speed,
     probe_checkpointing,
     shard_probes,
-    with_schedule,
 )
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, fsdp_problem
+from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES, run_problem
 from lean.tools.bench.schedules import BenchOptions, measured_log, publish, timed_rounds
 from lean.train import Trainer
 
@@ -85,7 +84,7 @@ def bench_memory(
         for lay in layouts or applicable
         for ck in CHECKPOINTING
         for s in SCHEDULES
-        if shard != FSDP or not fsdp_problem(with_schedule(cfg, s))
+        if run_problem(cfg, s, trainer.world.size) is None
     ]
     memory = memory_pass(trainer, state, variants, log)
     if trainer.world.device.type == "cpu":

@@ -69,7 +69,7 @@ from lean.schedules import (
     SCHEDULES,
     RowCounts,
     algorithm_schedules,
-    backward_sync_problem,
+    run_problem,
 )
 from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
 from lean.train import Trainer, count_iteration_flops, needed_flops
@@ -187,9 +187,8 @@ class Subject:
 
     @property
     def schedules(self) -> list[str]:
-        """The schedules that compute this algorithm's gradient (:func:`algorithm_schedules`) under the run's
-        ``parallel.grad_sync`` (per_backward: not Reweight, App. C)."""
-        return [s for s in algorithm_schedules(self.cfg) if backward_sync_problem(self.cfg, s) is None]
+        """The schedules that compute this algorithm's gradient and the run allows (:func:`compared_schedules`)."""
+        return compared_schedules(self.trainer)
 
     @classmethod
     def build(cls, cfg: RunConfig, trainer: Trainer | None = None) -> Subject:
@@ -486,6 +485,13 @@ def iteration_metrics(trainer: Trainer, schedule: str) -> dict:
     return trainer.iteration(0, schedule, measure_memory=False).metrics
 
 
+def compared_schedules(trainer: Trainer) -> list[str]:
+    """The schedules that compute the algorithm's gradient (:func:`algorithm_schedules`) and that the run's processes
+    and ``parallel.grad_sync`` allow (:func:`run_problem`: not Reweight syncing every backward, App. C)."""
+    cfg, world = trainer.cfg, trainer.world.size
+    return [s for s in algorithm_schedules(cfg) if run_problem(cfg, s, world) is None]
+
+
 def timed_rounds(
     trainer: Trainer,
     state: dict,
@@ -497,8 +503,7 @@ def timed_rounds(
     variant once from ``state``, in alternating order (A B C, C B A, ...: a drifting machine speed cancels); warm-up
     rounds are dropped."""
     if variants is None:
-        runs = [s for s in algorithm_schedules(trainer.cfg) if backward_sync_problem(trainer.cfg, s) is None]
-        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in runs}
+        variants = {s: functools.partial(iteration_metrics, trainer, s) for s in compared_schedules(trainer)}
     names = list(variants)
     rows: dict[str, list[dict]] = {s: [] for s in names}
     for r in tqdm(range(options.warmup + options.repeats), desc="bench rounds", disable=not trainer.world.is_main):
