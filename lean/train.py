@@ -31,7 +31,7 @@ from lean.observe.outputs import numbers, write_csv, write_json
 from lean.parallel.distributed import World, init_world, set_threads
 from lean.parallel.grad_sync import PER_BACKWARD, resolve_grad_sync
 from lean.parallel.sharding import effective_shard, reduce_scatter_accumulated, set_gradient_sync, shards
-from lean.plan.cost import PlanInput, decide, described_choice, plan_input, with_retain
+from lean.plan.cost import PlanInput, decide, described_choice, plan_input, with_layout, with_retain
 from lean.run.iteration import IterationResult, NonFiniteError, build_pipeline
 from lean.run.optimizer import TrainState
 from lean.run.preemption import Preempted, StopOnSigterm
@@ -100,15 +100,17 @@ def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
         if "retain_steps" in decision:  # train.retain's auto keys, resolved for the run's schedule
             resolved = with_retain(trainer.cfg, decision["retain_steps"], decision["retain_offload"])
             trainer.cfg = trainer.pipeline.cfg = resolved
+        take_layout(trainer, decision["layout"])
         if trainer.world.is_main:
             print(
                 f"lean auto: {', '.join(f'{k} {v:.0f} MiB' for k, v in decision.items() if k.endswith('_mb'))} "
-                f"-> {described_choice(decision)}",
+                f"-> {described_choice(decision)}, parallel.layout={decision['layout']}",
                 flush=True,
             )
         return decision["choice"], decision
     if SCHEDULES[t.schedule].exact_only_on_policy and t.memory_budget_mb is not None:
-        decision = decide(trainer.plan_input())
+        decision = trainer.world.main_value(decide(trainer.plan_input()))  # one layout for every process
+        take_layout(trainer, decision["layout"])
         peak = decision[f"{t.schedule}_predicted_peak_mb"]
         if peak > t.memory_budget_mb:
             others = [f"train.schedule={s}" for s in (*LEAN_SCHEDULES, AUTO) if s != t.schedule]
@@ -119,6 +121,13 @@ def resolve_schedule(trainer: Trainer) -> tuple[str, dict]:
             )
         return t.schedule, decision
     return t.schedule, {}
+
+
+def take_layout(trainer: Trainer, layout: str) -> None:
+    """``parallel.layout: auto`` set to the planner's ``layout`` before the first iteration (each iteration's local
+    batch and finishing units follow the config's layout: ``lean.parallel.layout``); an explicit layout stays."""
+    if trainer.cfg.parallel.layout == AUTO:
+        trainer.cfg = trainer.pipeline.cfg = with_layout(trainer.cfg, layout)
 
 
 def count_iteration_flops(trainer: Trainer, schedule: str, iteration: int = 0) -> dict[str, int]:

@@ -338,8 +338,8 @@ DOCUMENTED_PLAN = "$ lean plan --preset dancegrpo-flux --gpu-mem-gb 80"
 """The command whose printed table docs/parallelism.md shows ("Planning a GPU run from a laptop"): README quotes its
 rows, and test_layout checks them against what the command prints now."""
 
-PLAN_COLUMNS = ("schedule", "layout", "shard", "SP", "ckpt", "m", "offload", "resident", "step", "bwd", "decode")
-PLAN_COLUMNS += ("peak", "host", "moved", "exposed", "time", "fits")
+PLAN_COLUMNS = ("schedule", "layout", "shard", "SP", "ckpt", "sync", "m", "offload", "resident", "step", "bwd")
+PLAN_COLUMNS += ("decode", "held", "peak", "host", "moved", "exposed", "time", "fits")
 
 
 def documented_plan_rows() -> list[dict[str, str]]:

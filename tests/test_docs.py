@@ -121,7 +121,8 @@ def test_the_readme_quotes_the_plan_the_docs_show():
         wanted = {"schedule": schedule, "layout": "group", "shard": "fsdp", "ckpt": ckpt, "m": m, "offload": offload}
         return next(r for r in rows if wanted.items() <= r.items())
 
-    recompute, reweight, retain = row("recompute", "on"), row("reweight", "on"), row("retain", "on", "all", "device")
+    # the preset's own Recompute (checkpointed) against the fastest row: Reweight, which fits without checkpointing
+    recompute, reweight, retain = row("recompute", "on"), row("reweight", "off"), row("retain", "on", "all", "device")
     speed = float(recompute["time"]) / float(reweight["time"])
     quoted = next(
         line for line in README.read_text(encoding="utf-8").splitlines() if "DanceGRPO's FLUX LoRA run" in line
@@ -131,5 +132,5 @@ def test_the_readme_quotes_the_plan_the_docs_show():
     )
     assert f"{retain['peak']} GiB" in quoted and retain["fits"] == "no"
     guide = (ROOT / "docs" / "parallelism.md").read_text(encoding="utf-8")
-    assert f"Recompute needs {recompute['peak']} GiB" in guide and f"Reweight {reweight['peak']} GiB" in guide
-    assert f"at {speed:.2f}x its speed" in guide
+    assert f"Recompute needs {recompute['peak']} GiB" in guide
+    assert f"fits at {reweight['peak']} GiB for {reweight['time']} s, the fastest row" in " ".join(guide.split())

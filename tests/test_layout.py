@@ -264,6 +264,7 @@ def test_the_plan_extrapolated_from_shallow_stacks_is_the_whole_count(family):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("flux_lora_plan")
 def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
     from lean.cli import main
 
@@ -306,6 +307,37 @@ def test_plan_of_a_published_recipe_on_gpus(capsys, tmp_path):
             assert row["peak_memory_mb"] < whole["peak_memory_mb"] - 15 * 1024
 
 
+PAPER_RUN = ["--set", "sample.timestep_fraction=1.0", "--set", "train.on_policy=true"]  # LeanGRPO's Table 1
+
+
+def paper_plan(main, tmp_path, *sets: str) -> dict:
+    """``lean plan`` of DanceGRPO's FLUX run as LeanGRPO's Table 1 ran it: 8 GPUs of 48 GB (RTX A6000), every step
+    trained, one update per rollout; its shared-layout rows by (schedule, fits)."""
+    args = ["plan", "--preset", "dancegrpo-flux", "--gpus", "8", "--gpu-mem-gb", "48", *PAPER_RUN, *sets]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "plan.json").read_text())
+    shared = [r for r in report["combinations"] if r["layout"] == "shared" and r["shard"] == "fsdp"]
+    return {**report, "fits": {(r["schedule"], r["fits"]) for r in shared}, "shared": shared}
+
+
+@pytest.mark.xdist_group("flux_lora_plan")  # one worker: the recipe's test counts the LoRA transformer, this reuses it
+def test_the_papers_lora_run_plans_a_lean_schedule_fastest(capsys, tmp_path):
+    """On the paper's 8 x 48 GB, LoRA: Retain and Reweight rows fit in the shared layout and a Lean schedule is the
+    fastest row (Reweight: one trajectory-step's activations at a time beside Q + 1 adapter buffers)."""
+    from lean.cli import main
+
+    report = paper_plan(main, tmp_path)
+    assert {("retain", True), ("reweight", True)} <= report["fits"]
+    fastest = report["fastest_fitting"]
+    assert fastest["schedule"] == "reweight" and fastest["grad_sync"] == "per_update"
+    recompute = min(r["time_iteration_s"] for r in report["combinations"] if r["fits"] and r["schedule"] == "recompute")
+    assert 1.3 < recompute / fastest["time_iteration_s"] < 1.6  # the paper: 1.45x
+    reweight = next(r for r in report["shared"] if r["schedule"] == "reweight")
+    adapter = report["published_size"]["trainable_parameters"] * 4 / 2**20  # float32 masters
+    assert reweight["held_mb"] == pytest.approx(4 * adapter)  # Q + 1: 3 samples of a wave and the folded sum
+    assert "parallel.grad_sync=per_update" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(240)
 def test_plan_of_a_published_full_fine_tune_on_gpus(capsys, tmp_path):
     """A full fine-tune of the 12B transformer fits 80 GB only sharded (weights, gradients and AdamW moments / 8):
@@ -316,7 +348,13 @@ def test_plan_of_a_published_full_fine_tune_on_gpus(capsys, tmp_path):
     assert main(["plan", "--preset", "dancegrpo-flux", *sets, "--gpu-mem-gb", "80", "--out", str(tmp_path)]) == 2
     rows = json.loads((tmp_path / "plan.json").read_text())["combinations"]
     assert {r["shard"] for r in rows if r["fits"]} == {"fsdp"}
-    assert not any(r["shard"] == "fsdp" and r["schedule"] == "reweight" for r in rows)  # refused: see fsdp_problem
+    # Reweight under a sharded full fine-tune runs with parallel.grad_sync=per_update (what its refusal under auto
+    # names), and its row says why it does not fit: a whole gradient per trajectory of the first update (a hybrid)
+    reweight = [r for r in rows if r["shard"] == "fsdp" and r["schedule"] == "reweight"]
+    assert reweight and all(r["grad_sync"] == "per_update" and not r["fits"] for r in reweight)
+    whole = json.loads((tmp_path / "plan.json").read_text())["published_size"]["trainable_parameters"] * 4 / 2**20
+    assert all(r["held_mb"] == pytest.approx(12 * whole) for r in reweight)  # the first update's 12 trajectories
+    assert {r["grad_sync"] for r in rows if r["shard"] == "fsdp" and r["schedule"] != "reweight"} == {"per_backward"}
     # Retain's graphs on the device do not fit beside the sharded state; offloaded (or fewer of them) they do, faster
     # than Recompute
     fitting = {
@@ -334,6 +372,15 @@ def test_plan_of_a_published_full_fine_tune_on_gpus(capsys, tmp_path):
     assert "--set parallel.shard=fsdp" in refusal and "train.schedule" not in refusal.split("nearest")[1]
     assert main(["plan", "--preset", "flowgrpo-wan", "--gpus", "3"]) == 2  # 16 samples do not divide over 3 GPUs
     assert "must divide over 3 processes" in capsys.readouterr().err
+    # the paper's full fine-tune on 8 x 48 GB (the count above, reused): Retain fits and is the fastest row; Reweight's
+    # row says why it does not: Q + 1 = 4 whole float32 gradients of the transformer per GPU (waves of 2 prompts, 3
+    # samples each), over the budget by themselves
+    paper = paper_plan(main, tmp_path / "paper", "--set", "model.full_finetune=true")
+    assert ("retain", True) in paper["fits"] and paper["fastest_fitting"]["schedule"] == "retain"
+    reweight = [r for r in paper["shared"] if r["schedule"] == "reweight"]
+    assert reweight and all(
+        r["held_mb"] == pytest.approx(4 * whole) and r["held_mb"] > paper["budget_mb"] for r in reweight
+    )
 
 
 @pytest.mark.timeout(240)

@@ -155,6 +155,29 @@ def test_auto_takes_the_fastest_schedule_that_fits_and_never_one_slower_than_rec
     assert decision["choice"] == "recompute" and decision["retain_predicted_time_s"] == 12.0
 
 
+def test_auto_layout_takes_the_fastest_fitting_then_the_smallest():
+    """``parallel.layout: auto`` weighs each layout's choice: the fastest that fits, of equally fast ones the smaller
+    peak (the shared layout holds a wave where the group layout holds a group), else the smallest; an explicit
+    schedule is weighed as itself."""
+    from lean.plan.cost import choose, choose_layout
+    from lean.schedules import Prediction
+
+    def layout(**rows):
+        predictions = {s: Prediction(peak, seconds) for s, (peak, seconds) in rows.items()}
+        return choose(predictions, budget_mb=300), predictions, float("inf")
+
+    by_layout = {
+        "slice": layout(recompute=(100, 10.0), retain=(900, 7.0)),  # Retain's graphs do not fit: Recompute
+        "group": layout(recompute=(100, 10.0), retain=(280, 7.0)),
+        "shared": layout(recompute=(100, 10.0), retain=(160, 7.0)),
+    }
+    assert choose_layout(by_layout, budget_mb=300) == "shared"
+    assert choose_layout({k: by_layout[k] for k in ("slice", "group")}, budget_mb=300) == "group"
+    assert choose_layout(by_layout, budget_mb=300, schedule="recompute") == "slice"  # a tie: the first, all equal
+    tight = {**by_layout, "group": layout(recompute=(100, 10.0), retain=(60, 7.0))}
+    assert choose_layout(tight, budget_mb=50) == "group"  # nothing fits: the smallest peak
+
+
 @pytest.mark.timeout(120)
 def test_auto_decides_from_the_probe_and_budget():
     small = Trainer(tiny("train.schedule=auto", "train.memory_budget_mb=1"))

@@ -216,16 +216,17 @@ def test_plan_and_bench_memory_on_sharded_processes(tmp_path):
     assert {r["shard"] for r in rows} == {"none", "fsdp"}
     by = {(r["schedule"], r["layout"], r["shard"], r["gradient_checkpointing"]): r["peak_memory_mb"] for r in rows}
     assert by["recompute", "group", "fsdp", False] < by["recompute", "group", "none", False]  # sharded state
-    assert ("reweight", "group", "fsdp", False) not in by  # fsdp_problem: its buffers would be whole gradients
+    # Reweight's sharded rows run parallel.grad_sync=per_update (its provisional gradients whole until corrected)
+    assert {r["grad_sync"] for r in rows if r["schedule"] == "reweight" and r["shard"] == "fsdp"} == {"per_update"}
 
     # FSDP x SP: 4 processes, 2 data-parallel x 2 sequence-parallel, the weights sharded over all 4; the plan is
     # probed on the sequence-parallel processes (its own tokens, its share of the decode)
     out, tiny = tmp_path / "bench", ["model.size=tiny", "model.resolution=32", "parallel.sequence_parallel=2"]
     bench = ["bench", "memory", *_sets([*cfg, *tiny]), "--repeats", "1", "--warmup", "0", "--out", str(out)]
-    lean_ranks(4, *bench, "--layouts", "group,shared")  # slice: as group there, bar the finishing unit
+    lean_ranks(4, *bench, "--layouts", "shared")  # LeanGRPO's (the group and slice layouts: tests/test_layout.py)
     result = json.loads((out / "memory.json").read_text())
     assert result["config"]["shard"] == "fsdp" and result["config"]["world_size"] == 4
     assert {e["schedule"] for e in result["variants"]} == {"recompute", "retain"}
-    assert {e["layout"] for e in result["variants"]} == {"group", "shared"} and len(result["variants"]) == 8
+    assert {e["layout"] for e in result["variants"]} == {"shared"} and len(result["variants"]) == 4
     for e in result["variants"]:  # a tiny model: the peaks are mostly the process itself, but each is predicted
         assert e["peak_memory_mb"] == pytest.approx(e["plan_peak_memory_mb"], rel=0.15)

@@ -85,6 +85,7 @@ def test_cli_train_default_params(tmp_path):
     lean_here("train", "--params", str(params), "--set", "train.schedule=auto", "--out", str(tmp_path / "out"))
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["auto"]["choice"] in ("retain", "reweight") and metrics["schedule"] == metrics["auto"]["choice"]
+    assert metrics["auto"]["layout"] in ("slice", "group")  # parallel.layout: auto, weighed too (shared: 2+ ranks)
 
 
 @pytest.mark.timeout(120)

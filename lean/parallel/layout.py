@@ -49,7 +49,12 @@ if TYPE_CHECKING:
 LAYOUTS: Registry[str] = Registry(
     "layout",
     [
-        (AUTO, "group where the groups divide over the processes and the rollout micro-batches, else slice"),
+        (
+            AUTO,
+            "where lean plans at train start (train.schedule: auto, or a memory budget): the layout whose schedule "
+            "is predicted fastest among those that fit; else group where the groups divide over the processes and "
+            "the rollout micro-batches, else slice",
+        ),
         ("group", "each process holds whole prompt groups and finishes each as soon as it is scored"),
         ("shared", "the processes share each prompt's samples (LeanGRPO's layout) and finish prompt by prompt"),
         ("slice", "each process holds a contiguous slice of the batch and finishes it after the whole rollout"),

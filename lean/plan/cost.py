@@ -53,6 +53,7 @@ from lean.models.registry import family_spec
 from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import World, init_world
+from lean.parallel.grad_sync import PER_UPDATE, resolve_grad_sync
 from lean.parallel.layout import (
     GROUP,
     LAYOUTS,
@@ -80,6 +81,7 @@ from lean.schedules import (
     fsdp_problem,
     runnable,
     schedule_problem,
+    whole_gradient_buffers,
     with_schedule,
 )
 from lean.schedules.per_sample import linear_owners
@@ -222,8 +224,7 @@ def iteration_costs(
     layout or in ``layout`` (``lean.parallel.layout``). Retain's kept share and offload are the run's
     (``train.retain``; ``auto`` counts as all steps, on the device: :func:`retain_variants` tries the others); the
     host link and host budget are ``train.retain``'s where set, else ``link_mb_s`` and ``host_budget_mb``."""
-    cfg = inp.cfg
-    laid_out = cfg if layout is None else with_layout(cfg, layout)
+    cfg, laid_out = inp.cfg, inp.cfg if layout is None else with_layout(inp.cfg, layout)
     local, probed = len(inp.batch.prompts), measured["batch"]
     rounds = -(-local // probed)  # rollout micro-batches per step
     f = measured["t_forward"] * rounds
@@ -269,6 +270,7 @@ def iteration_costs(
         epochs=cfg.train.num_inner_epochs,
         **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
         act_moved_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
+        act_micro_mb=measured["activation_mb"],
         rows=rows,
     )
 
@@ -379,10 +381,21 @@ def with_layout(cfg: RunConfig, layout: str) -> RunConfig:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, layout=layout))
 
 
-def under_fsdp(cfg: RunConfig, schedule: str) -> RunConfig:
-    """``cfg`` with ``train.schedule=schedule`` under ``parallel.shard=fsdp`` (the plan's fsdp rows of a run that
-    does not shard)."""
-    return dataclasses.replace(with_schedule(cfg, schedule), parallel=dataclasses.replace(cfg.parallel, shard=FSDP))
+def as_row(cfg: RunConfig, schedule: str, shard: str, grad_sync: str | None = None) -> RunConfig:
+    """``cfg`` with ``train.schedule=schedule``, ``parallel.shard=shard`` and (where given) ``parallel.grad_sync``:
+    a plan row's run."""
+    parallel = dataclasses.replace(cfg.parallel, shard=shard, grad_sync=grad_sync or cfg.parallel.grad_sync)
+    return dataclasses.replace(with_schedule(cfg, schedule), parallel=parallel)
+
+
+def row_grad_sync(cfg: RunConfig, schedule: str, shard: str) -> str:
+    """The ``parallel.grad_sync`` a row runs: the config's, resolved (``auto``: per_backward under a sharded full
+    fine-tune, FSDP2's reduce-scatter per backward); where ``auto`` would refuse the schedule's whole provisional
+    gradients (Reweight under a sharded full fine-tune), per_update, the setting its refusal names."""
+    row = as_row(cfg, schedule, shard)
+    if cfg.parallel.grad_sync == AUTO and whole_gradient_buffers(row, schedule):
+        return PER_UPDATE
+    return resolve_grad_sync(row)
 
 
 def shard_settings(inp: PlanInput) -> list[str]:
@@ -422,8 +435,9 @@ def combinations(
     host_budget_mb: float = float("inf"),
 ) -> list[dict]:
     """Every schedule's predicted peak memory and time in every applicable layout, for every (shard,
-    checkpointing) of ``probes`` (:func:`shard_probes`); a schedule fsdp cannot run (``lean.schedules.fsdp_problem``) is
-    left out of the fsdp rows. Retain has a row per :func:`retain_variants` (kept steps m x offload, against
+    checkpointing) of ``probes`` (:func:`shard_probes`), each with the ``parallel.grad_sync`` it runs
+    (:func:`row_grad_sync`); a schedule fsdp cannot run even so (``lean.schedules.fsdp_problem``) is left out of the
+    fsdp rows. Retain has a row per :func:`retain_variants` (kept steps m x offload, against
     ``budget_mb`` and the host budget), each row with its ``retain_steps`` and ``offload`` (the other schedules: the
     defaults, which they require)."""
     rows, exact = [], algorithm_schedules(inp.cfg)  # the schedules that compute the algorithm's gradient
@@ -433,7 +447,8 @@ def combinations(
         ):
             costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
             for schedule, p in predict(costs).items():
-                if schedule not in exact or (shard == FSDP and fsdp_problem(under_fsdp(inp.cfg, schedule))):
+                sync = row_grad_sync(inp.cfg, schedule, shard)
+                if schedule not in exact or (shard == FSDP and fsdp_problem(as_row(inp.cfg, schedule, shard, sync))):
                     continue
                 variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
                 if schedule == RETAIN:  # the run's own train.retain, then the others
@@ -446,6 +461,7 @@ def combinations(
                             "layout": layout,
                             "shard": shard,
                             "gradient_checkpointing": checkpointing,
+                            "grad_sync": sync,
                             "steps_trained": costs.k,
                             "retain_steps": steps,
                             "offload": offload,
@@ -564,12 +580,45 @@ def host_link_mb_s(device: torch.device, mb: float = 256.0) -> float:
 def decide(inp: PlanInput) -> dict:
     """Probe, predict and choose among the schedules that run the config exactly (``train.schedule: auto``, the budget
     check of an explicit Lean schedule, and ``train.retain``'s ``auto`` keys): ``choice`` is a schedule; for Retain
-    (or ``auto`` keys) also ``retain_steps`` and ``retain_offload``, the keys' resolved values."""
+    (or ``auto`` keys) also ``retain_steps`` and ``retain_offload``, the keys' resolved values. With
+    ``parallel.layout: auto`` every applicable layout is weighed too (:func:`choose_layout`): ``layout`` names the
+    one taken."""
     cfg, device = inp.cfg, inp.policy.device
     link = host_link_mb_s(device) if cfg.train.retain.offload != DEVICE else float("inf")  # timed only where it matters
-    costs = iteration_costs(inp, probe(inp), link_mb_s=link, host_budget_mb=host_budget_mb(cfg))
-    decision = choose(exact_predictions(cfg, costs), budget_mb(cfg, device), costs.host_budget_mb)
-    return {**decision, **retain_choice(decision["choice"], cfg)}
+    measured, budget, host = probe(inp), budget_mb(cfg, device), host_budget_mb(cfg)
+    layouts = applicable_layouts(inp) if cfg.parallel.layout == AUTO else [resolve_layout(cfg, inp.world_size)]
+    by_layout = {}
+    for layout in layouts:
+        costs = iteration_costs(inp, measured, layout, link_mb_s=link, host_budget_mb=host)
+        predictions = exact_predictions(with_layout(cfg, layout), costs)
+        by_layout[layout] = (choose(predictions, budget, costs.host_budget_mb), predictions, costs.host_budget_mb)
+    r = cfg.train.retain
+    explicit = cfg.train.schedule if cfg.train.schedule != AUTO and AUTO not in (r.steps, r.offload) else None
+    layout = choose_layout(by_layout, budget, explicit)
+    decision = by_layout[layout][0]
+    return {**decision, **retain_choice(decision["choice"], cfg), "layout": layout}
+
+
+def choose_layout(
+    by_layout: dict[str, tuple[dict, dict[str, Prediction], float]], budget_mb: float, schedule: str | None = None
+) -> str:
+    """``parallel.layout: auto``: of each layout's (:func:`choose` decision, predictions, host budget), the layout
+    whose chosen schedule (or the run's explicit ``schedule``) is predicted fastest among those that fit (of equally
+    fast ones, the smaller peak: the shared layout holds Q samples where the group layout holds G), else the one
+    predicted smallest."""
+
+    def taken(layout: str) -> Prediction:
+        decision, predictions, _ = by_layout[layout]
+        return predictions[schedule or decision["choice"]]
+
+    def fits(layout: str) -> bool:
+        p, host = taken(layout), by_layout[layout][2]
+        return p.peak_memory_mb <= budget_mb and p.host_mb <= host
+
+    fitting = [name for name in by_layout if fits(name)]
+    if fitting:
+        return min(fitting, key=lambda name: (round(taken(name).time_iteration_s, 6), taken(name).peak_memory_mb))
+    return min(by_layout, key=lambda name: taken(name).peak_memory_mb)
 
 
 def exact_predictions(cfg: RunConfig, costs: IterationCosts) -> dict[str, Prediction]:

@@ -60,6 +60,7 @@ from lean.models.registry import family_spec
 from lean.models.sequence_parallel import base_model, enable, sequence_problem
 from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN, SavedBytes
 from lean.observe.outputs import write_json
+from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE
 from lean.parallel.overlap import sim
 from lean.parallel.overlap.p2p import SimulatedOverlap
 from lean.parallel.sharding import SHARDS, planned_shard
@@ -435,18 +436,33 @@ def meta_plan(
     return report
 
 
-# The config keys a count does not read: the plan's rows vary them (a config differing only there counts the same)
-ROW_ONLY = {"train": ("schedule", RETAIN_OPTIONS.split(".")[1]), "parallel": ("layout",)}
+# The config keys a count does not read (a config differing only there counts the same): what the plan's rows vary,
+# when the gradients sync, which steps train, and how many samples and updates an iteration has (the count runs one
+# step at the rollout micro-batch, which count_key keys instead)
+NOT_COUNTED = {
+    "train": (
+        "schedule",
+        RETAIN_OPTIONS.split(".")[1],
+        "iterations",
+        "prompts_per_iteration",
+        "optimizer_steps_per_iteration",
+        "num_inner_epochs",
+        "on_policy",
+    ),
+    "parallel": ("layout", "grad_sync", "shard"),  # the count is of one replica; fsdp is modelled from it
+    "sample": ("timestep_fraction",),
+}
 _COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
 
 
-def count_key(cfg, gpus: int, degrees: list[int], flops_per_s: float) -> tuple:
-    """What :func:`count_degrees` depends on: the config (less :data:`ROW_ONLY`), the GPUs, the degrees and the
-    FLOP/s."""
-    settings = cfg.to_dict()
-    for section, keys in ROW_ONLY.items():
+def count_key(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> tuple:
+    """What :func:`count_degrees` depends on: the config (less :data:`NOT_COUNTED`), each degree's rollout
+    micro-batch, the GPUs, the degrees and the FLOP/s."""
+    settings = inp.cfg.to_dict()
+    for section, keys in NOT_COUNTED.items():
         settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
-    return json.dumps(settings, sort_keys=True, default=repr), gpus, tuple(degrees), flops_per_s
+    rows = [rollout_rows(inp.cfg, len(at_degree(inp, gpus, d).batch.prompts)) for d in degrees]
+    return json.dumps(settings, sort_keys=True, default=repr), tuple(rows), gpus, tuple(degrees), flops_per_s
 
 
 def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
@@ -455,7 +471,7 @@ def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: fl
     :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size. A count is pure and the
     slowest part of a plan: kept per :func:`count_key`, so that a second plan of a config in one process (``lean
     plan`` after :func:`meta_plan`, a notebook's re-run) reuses it."""
-    key = count_key(inp.cfg, gpus, degrees, flops_per_s)
+    key = count_key(inp, gpus, degrees, flops_per_s)
     if key not in _COUNTS:
         _COUNTS[key] = _count_degrees(inp, gpus, degrees, flops_per_s)
     return copy.deepcopy(_COUNTS[key])
@@ -507,6 +523,7 @@ SETTINGS = {  # a row's settings, as the config keys that choose them
     "shard": "parallel.shard",
     "sequence_parallel": "parallel.sequence_parallel",
     "gradient_checkpointing": "model.gradient_checkpointing",
+    "grad_sync": "parallel.grad_sync",
     "retain_steps": "train.retain.steps",
     "offload": "train.retain.offload",
 }
@@ -522,6 +539,7 @@ def own_row(cfg, rows: list[dict], gpus: int) -> dict:
         "shard": planned_shard(cfg.parallel.shard, gpus),
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "grad_sync": cfg.parallel.grad_sync,
         "retain_steps": cfg.train.retain.steps,
         "offload": cfg.train.retain.offload,
     }
@@ -567,6 +585,9 @@ def _value(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+SYNC_COLUMN = {PER_UPDATE: "update", PER_BACKWARD: "backward"}  # parallel.grad_sync as the table prints it
+
+
 def print_meta_plan(cfg, r: dict) -> None:
     p, a = r["probe"], r["assumed"]
     print(
@@ -584,24 +605,28 @@ def print_meta_plan(cfg, r: dict) -> None:
         print("not tabulated: " + "; ".join(f"SP={d} ({why})" for d, why in skipped.items()))
     print(
         "Memory terms per GPU (GiB): resident = weights + trainable state (after sharding); step = activations one "
-        "tracked step keeps at the micro-batch; bwd = a backward's working set beyond them; decode = the VAE's. "
+        "tracked step keeps at the micro-batch; bwd = a backward's working set beyond them; decode = the VAE's; "
+        "held = what the schedule holds through the rollout for its update (Retain's kept graphs on the device, "
+        "Reweight's gradient buffers: Q + 1 whole ones per rank under a sharded full fine-tune). sync = "
+        "parallel.grad_sync: once per update, or after every backward (FSDP2's reduce-scatter, the paper's Native). "
         f"Retain: m = trained steps per sample whose graphs are kept (the others recomputed), offload host = kept "
         f"graphs in pinned host memory ({a['host_link']} at {a['host_link_gb_s']:g} GB/s each way, "
         f"{a['host_budget_mb'] / 1024:.0f} GiB per process): host = held there, moved = each way per iteration, "
         "exposed = copy time not hidden behind compute (in time/iter)"
     )
     print(
-        f"{'schedule':10} {'layout':6} {'shard':5} {'SP':>2} {'ckpt':>4} {'m':>3} {'offload':7} {'resident':>8} "
-        f"{'step':>6} {'bwd':>6} {'decode':>6} {'peak':>6} {'host':>6} {'moved':>6} {'exposed':>7} {'time/iter s':>11}"
-        "  fits"
+        f"{'schedule':10} {'layout':6} {'shard':5} {'SP':>2} {'ckpt':>4} {'sync':8} {'m':>3} {'offload':7} "
+        f"{'resident':>8} {'step':>6} {'bwd':>6} {'decode':>6} {'held':>6} {'peak':>6} {'host':>6} {'moved':>6} "
+        f"{'exposed':>7} {'time/iter s':>11}  fits"
     )
     for row in r["combinations"]:
         m, offload = retain_columns(row)
         print(
             f"{row['schedule']:10} {row['layout']:6} {row['shard']:5} {row['sequence_parallel']:2d} "
-            f"{'on' if row['gradient_checkpointing'] else 'off':>4} {m:>3} {offload:7} {row['base_mb'] / 1024:8.1f} "
-            f"{row['activation_mb'] / 1024:6.2f} {row['backward_transient_mb'] / 1024:6.2f} "
-            f"{row['decode_mb'] / 1024:6.2f} {row['peak_memory_mb'] / 1024:6.1f} {row['host_mb'] / 1024:6.1f} "
+            f"{'on' if row['gradient_checkpointing'] else 'off':>4} {SYNC_COLUMN[row['grad_sync']]:8} {m:>3} "
+            f"{offload:7} {row['base_mb'] / 1024:8.1f} {row['activation_mb'] / 1024:6.2f} "
+            f"{row['backward_transient_mb'] / 1024:6.2f} {row['decode_mb'] / 1024:6.2f} {row['held_mb'] / 1024:6.1f} "
+            f"{row['peak_memory_mb'] / 1024:6.1f} {row['host_mb'] / 1024:6.1f} "
             f"{row['d2h_mb'] / 1024:6.1f} {row['exposed_transfer_s']:7.2f} {row['time_iteration_s']:11.1f}  "
             f"{'yes' if row['fits'] else 'no'}"
         )
@@ -612,7 +637,7 @@ def print_meta_plan(cfg, r: dict) -> None:
         print(
             f"fastest that fits in {r['budget_mb'] / 1024:.0f} GiB: {best['schedule']}, layout {best['layout']}, "
             f"shard {best['shard']}, sequence parallel {best['sequence_parallel']}, checkpointing "
-            f"{'on' if best['gradient_checkpointing'] else 'off'}"
+            f"{'on' if best['gradient_checkpointing'] else 'off'}, parallel.grad_sync={best['grad_sync']}"
             + (
                 f", train.retain.steps={best['retain_steps']}, offload={best['offload']}"
                 if best["schedule"] == RETAIN

@@ -194,6 +194,9 @@ class IterationCosts:
     retained: float = 1.0
     offload: bool = False
     act_moved_mb: float | None = None  # None: all of act_mb
+    # one tracked step at one rollout micro-batch (of act_mb's rounds): what a backward during the rollout frees before
+    # the next micro-batch's forward (Reweight); None: act_mb (one micro-batch)
+    act_micro_mb: float | None = None
     act_group_mb: float = 0.0
     link_mb_s: float = float("inf")
     host_budget_mb: float = float("inf")  # pinned host memory one process may take
@@ -215,6 +218,11 @@ class IterationCosts:
         """The trained edges in steps of the local batch (Recompute's update recomputes each): K, or a tree's
         trained_edges / B."""
         return self.k if self.rows is None else self.rows.trained_edges / self.local
+
+    @property
+    def backward_act_mb(self) -> float:
+        """What a backward in the rollout holds: one tracked step at one rollout micro-batch (:attr:`act_micro_mb`)."""
+        return self.act_mb if self.act_micro_mb is None else self.act_micro_mb
 
     @property
     def later(self) -> bool:
@@ -241,6 +249,9 @@ class Prediction:
     d2h_mb: float = 0.0  # bytes moved to the host per iteration (MiB), and back
     h2d_mb: float = 0.0
     exposed_transfer_s: float = 0.0  # the copies' time not hidden behind compute or scoring (in time_iteration_s)
+    # device MiB a schedule holds through the rollout for its update (in peak_memory_mb): Retain's kept graphs,
+    # Reweight's gradient buffers (the terms `lean plan` names when a Lean row does not fit)
+    held_mb: float = 0.0
 
 
 class Schedule:

@@ -318,18 +318,19 @@ class Retain(Schedule):
         k, n = c.tracked_steps, c.forward_steps  # K and n, or a tree's trained nodes and nodes, / B
         held = k * q * (s if c.later else c.held_fraction)  # tracked steps' activations held at once, / act
         kept = kept_graphs(c, held, units=1 if c.later else round(1 / c.held_fraction))
-        memory = kept.peak_memory_mb + max(c.decode_mb, c.transient_mb)
+        held_mb = kept.peak_memory_mb
         # the backward runs beside the scoring (group layout, every step kept on the device, a flat rollout: the
         # module docstring; a tree waits for its rewards)
         early = c.held_fraction < 1 and c.per_row_grads and c.n_known and q == 1 and not c.offload
         if early and not c.later and c.rows is None:
-            memory += (c.local * c.held_fraction + 1) * c.trainable_mb
+            held_mb += (c.local * c.held_fraction + 1) * c.trainable_mb
             score = max(c.score - k * (c.fb - c.f), 0.0)
+        memory = held_mb + max(c.decode_mb, c.transient_mb)
         if c.later or q < 1:  # the recomputed terms: Recompute's update, after the kept graphs are freed
             memory = max(memory, c.later_update_mb)
         time = (n - k * q * s) * c.f + k * s * c.fb + score + s * c.ref + (c.later_update_s if c.later else 0)
         return dataclasses.replace(
-            kept, peak_memory_mb=c.base_mb + memory, time_iteration_s=time + kept.exposed_transfer_s
+            kept, peak_memory_mb=c.base_mb + memory, time_iteration_s=time + kept.exposed_transfer_s, held_mb=held_mb
         )
 
 

@@ -41,7 +41,7 @@ and a branch step's backward runs in b rounds of one child per node (``edge_buff
 Cost (``predict``, in the terms of ``base.IterationCosts``; kl = 2 backwards per step with the KL term, else 1; U = B
 in the slice layout, where the folded buffer is not needed):
 
-    batched     memory = base + (U + Q [+ 1]) P + max(decode, act + transient)
+    batched     memory = base + (U + Q [+ 1]) P + max(decode, act_micro + transient)
                 time   = n f + K kl (fb - f) + score + ref
     one by one  memory = base + (U + Q [+ 1]) P + max(decode, act_one + transient)
                 time   = (n - K) f + K B kl fb_one + score + ref
@@ -324,12 +324,14 @@ class Reweight(Schedule):
         score = c.score if c.score_at_end is None or not c.later else c.score_at_end
         if c.per_row_grads:
             return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb, later_mb),
+                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb, later_mb),
                 c.n * c.f + c.k * s * backwards * (c.fb - c.f) + score + s * c.ref + c.later_update_s,
+                held_mb=buffers,
             )
         return Prediction(
             c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, later_mb),
             (c.n - c.k * s) * c.f + c.k * s * c.local * c.fb_one * backwards + score + s * c.ref + c.later_update_s,
+            held_mb=buffers,
         )
 
     @staticmethod
@@ -345,6 +347,8 @@ class Reweight(Schedule):
         n, k, e = c.forward_steps, c.tracked_steps, c.edge_steps
         if c.per_row_grads:
             time = n * c.f + e * backwards * (c.fb - c.f) + c.score + c.ref
-            return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_mb + c.transient_mb), time)
+            return Prediction(
+                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb), time, held_mb=buffers
+            )
         time = (n - k) * c.f + e * c.local * c.fb_one * backwards + c.score + c.ref
-        return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb), time)
+        return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb), time, held_mb=buffers)
