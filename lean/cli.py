@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from lean import export
 from lean.config import AUTO, ConfigError, suggest
 from lean.config.prompts import with_metadata
-from lean.configure import load_config
+from lean.configure import load_config, on_policy_form
 from lean.observe import tracking
 from lean.parallel.launch import Nodes, launch
 from lean.parallel.layout import LAYOUTS
@@ -87,10 +87,17 @@ def _training_commands(sub) -> None:
     p.add_argument("--gpus", type=int, default=8, help="with --gpu-mem-gb: the number of GPUs (processes)")
     p.add_argument("--mfu", type=float, default=None, help="with --gpu-mem-gb: the assumed model FLOP utilisation")
     p.add_argument(
+        "--gpu",
+        choices=sorted(meta_plan.GPUS),
+        default=None,
+        help=f"plan for this GPU, counted on the meta device: its peak, memory, host link and all-gather bandwidth "
+        f"(default for a published size on a CPU: {meta_plan.REFERENCE})",
+    )
+    p.add_argument(
         "--host-link",
         choices=sorted(meta_plan.HOST_LINK_GB_S),
-        default=meta_plan.REFERENCE_HOST_LINK,
-        help="with --gpu-mem-gb: the GPU's host link for offloaded graphs (train.retain.host_link_gb_s overrides it)",
+        default=None,
+        help="the GPU's host link for offloaded graphs (default: the --gpu's; train.retain.host_link_gb_s wins)",
     )
     e = sub.add_parser("equivalence", help="one iteration of each schedule from the same weights; gradient differences")
     _add_run_options(e)
@@ -107,7 +114,7 @@ def _training_commands(sub) -> None:
 
 
 def _bench_commands(sub) -> None:
-    """bench schedules | memory | overlap."""
+    """bench schedules | memory | ablation | overlap."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     b = bench.add_parser("schedules", help="the schedules interleaved: speedup, bound, MFU/HFU, peak memory")
     _add_bench_options(b)
@@ -117,12 +124,21 @@ def _bench_commands(sub) -> None:
     b.add_argument(
         "--cores", type=int, default=None, help="CPUs the process may run on, 0: all (default: bench.cores, 1)"
     )
+    b.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KEY=V1,V2,...",
+        help="benchmark at each value of one key (e.g. sample.timestep_fraction=0.25,0.5,0.75,1.0): speedup and bound",
+    )
     m = bench.add_parser("memory", help="peak memory and time per schedule x layout x activation checkpointing")
     _add_bench_options(m)
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
     m.add_argument(
         "--layouts", default=None, help="comma-separated parallel.layout values to measure (default: every applicable)"
     )
+    a = bench.add_parser("ablation", help="LeanGRPO's Table 1: native, + shared layout, + coalesced sync, Lean")
+    _add_bench_options(a)
+    a.add_argument("--threads", type=int, default=None, help="torch threads (default: bench.threads)")
     bench_overlap.add_arguments(bench.add_parser("overlap", help="FlashOverlap ops: collective vs sliced vs flash"))
 
 
@@ -290,7 +306,7 @@ def _train(args) -> int:
 def _plan(args) -> int:
     cfg = load_config(_params(args), args.overrides, preset=args.preset)
     published_on_cpu = cfg.model.size == "full" and not torch.cuda.is_available()
-    if args.gpu_mem_gb is None and not published_on_cpu:
+    if args.gpu_mem_gb is None and args.gpu is None and not published_on_cpu:
         plan.main(cfg, out=args.out)
         return 0
     if args.gpus < 1:
@@ -299,8 +315,9 @@ def _plan(args) -> int:
         raise ConfigError("--gpu-mem-gb", args.gpu_mem_gb, "must be positive")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu", args.mfu, "must be in (0, 1]: the share of the peak FLOP/s a step reaches")
+    gpu = args.gpu or meta_plan.REFERENCE
     meta_plan.meta_plan(
-        cfg, args.gpus, args.gpu_mem_gb or 80.0, args.mfu or meta_plan.DEFAULT_MFU, args.out, args.host_link
+        cfg, args.gpus, args.gpu_mem_gb, args.mfu or meta_plan.DEFAULT_MFU, args.out, args.host_link, gpu
     )
     return 0
 
@@ -330,8 +347,14 @@ def _bench(args) -> int:
         return bench_overlap.main(bench_overlap.options_from_args(args))
     # the params.yaml `bench` section is the benchmark's default config
     chosen = {k: getattr(args, k, None) for k in ("repeats", "warmup", "threads", "cores")}
+    if getattr(args, "sweep", None):
+        return _bench_sweep(args, chosen)
     cfg, options = bench_config(_params(args), args.overrides, args.preset, **chosen)
-    if args.bench == "memory":
+    if args.bench == "ablation":
+        from lean.tools.bench.ablation import bench_ablation
+
+        bench_ablation(cfg, out=args.out, options=options)
+    elif args.bench == "memory":
         from lean.tools.bench.memory import bench_memory
 
         bench_memory(cfg, out=args.out, options=options, layouts=_layouts(args.layouts))
@@ -343,6 +366,23 @@ def _bench(args) -> int:
         bench_recipe(cfg, out=args.out, options=options)
     else:
         bench_schedules(cfg, out=args.out, options=options)
+    return 0
+
+
+def _bench_sweep(args, chosen: dict) -> int:
+    """``lean bench schedules --sweep KEY=V1,V2,...``: the benchmark at each value (``lean.tools.bench.sweep``)."""
+    from lean.tools.bench.sweep import bench_sweep, parse_sweep
+
+    key, values = parse_sweep(args.sweep)
+    configs = {}
+    for value in values:  # every value's config checked before any model is built; a recipe in its on-policy form
+        cfg, options = bench_config(_params(args), [*args.overrides, f"{key}={value}"], args.preset, **chosen)
+        configs[value] = on_policy_form(cfg) if several_updates(cfg) else cfg
+
+    def run(cfg, folder):
+        return bench_schedules(cfg, out=folder, options=options)
+
+    bench_sweep(key, values, configs.__getitem__, run, args.out, int(os.environ.get("RANK", "0")) == 0)
     return 0
 
 

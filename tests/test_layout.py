@@ -311,9 +311,9 @@ PAPER_RUN = ["--set", "sample.timestep_fraction=1.0", "--set", "train.on_policy=
 
 
 def paper_plan(main, tmp_path, *sets: str) -> dict:
-    """``lean plan`` of DanceGRPO's FLUX run as LeanGRPO's Table 1 ran it: 8 GPUs of 48 GB (RTX A6000), every step
-    trained, one update per rollout; its shared-layout rows by (schedule, fits)."""
-    args = ["plan", "--preset", "dancegrpo-flux", "--gpus", "8", "--gpu-mem-gb", "48", *PAPER_RUN, *sets]
+    """``lean plan`` of DanceGRPO's FLUX run as LeanGRPO's Table 1 ran it: 8 RTX A6000 (48 GB), every step trained,
+    one update per rollout; its shared-layout rows by (schedule, fits)."""
+    args = ["plan", "--preset", "dancegrpo-flux", "--gpus", "8", "--gpu", "rtx-a6000", *PAPER_RUN, *sets]
     assert main([*args, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "plan.json").read_text())
     shared = [r for r in report["combinations"] if r["layout"] == "shared" and r["shard"] == "fsdp"]
@@ -327,6 +327,8 @@ def test_the_papers_lora_run_plans_a_lean_schedule_fastest(capsys, tmp_path):
     from lean.cli import main
 
     report = paper_plan(main, tmp_path)
+    assert report["gpu_mem_gb"] == 48 and report["assumed"]["gpu"] == "NVIDIA RTX A6000"
+    assert report["assumed"]["peak_tflops"] == 154.8 and report["assumed"]["host_link"] == "pcie4"
     assert {("retain", True), ("reweight", True)} <= report["fits"]
     fastest = report["fastest_fitting"]
     assert fastest["schedule"] == "reweight" and fastest["grad_sync"] == "per_update"

@@ -1,5 +1,6 @@
 """Retain and Reweight reproduce Recompute's update (objective equivalence), and `auto` decides by memory."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,28 @@ def test_the_per_sample_backward_enters_each_lora_adapter_at_its_first_trained_f
     }
     params.append(layers[1].base_layer.weight.requires_grad_(True))
     assert lora_entries(model, linear_owners(model, params)) is None
+
+
+@pytest.mark.timeout(300)
+def test_bench_sweeps_a_key_and_reports_speedup_and_bound_per_value(tmp_path, capsys):
+    """``lean bench schedules --sweep sample.timestep_fraction=0.5,1.0``: the benchmark at each value into its own
+    folder, and per value and Lean schedule the speedup and its bound (more trained steps: a larger bound), in
+    sweep.json, a table and a figure; a recipe of several updates per rollout is swept in its on-policy form."""
+    from lean.cli import main
+
+    sets = ["model.size=tiny", "model.resolution=32", "train.group_size=2"]
+    sets += ["sample.num_steps=4", "train.optimizer_steps_per_iteration=2", "train.prompts_per_iteration=2"]
+    args = [a for s in sets for a in ("--set", s)]
+    sweep = ["--sweep", "sample.timestep_fraction=0.5,1.0", "--repeats", "1", "--warmup", "0"]
+    assert main(["bench", "schedules", *args, *sweep, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    half, whole = report["points"]
+    assert (half["value"], whole["value"]) == ("0.5", "1.0")
+    assert half["trained_steps_per_sample"] < whole["trained_steps_per_sample"]
+    for schedule in LEAN_SCHEDULES:
+        assert half[schedule]["speedup_bound"] < whole[schedule]["speedup_bound"]
+        assert whole[schedule]["speedup"] > 0
+    run = json.loads((tmp_path / "sample.timestep_fraction=1.0" / "schedules.json").read_text())
+    assert run["config"]["optimizer_steps_per_iteration"] == 1  # the on-policy form
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and "of bound" in capsys.readouterr().out
+    assert main(["bench", "schedules", *args, "--sweep", "sample.timestep_fraction=0.5"]) == 2  # one value

@@ -54,6 +54,9 @@ GPU_PEAK_TFLOPS = {
     "NVIDIA A100-SXM4-40GB": _AMPERE,
     "NVIDIA A100-PCIE-40GB": _AMPERE,
     "NVIDIA A100 80GB PCIe": _AMPERE,
+    # GA102: the RTX A6000 datasheet's 38.7 FP32 TFLOPS and 309.7 tensor TFLOPS with sparsity (154.8 dense, bf16 and
+    # fp16), TF32 at twice FP32 as the A40's datasheet gives it for the same chip; FP64 at 1/32 of FP32
+    "NVIDIA RTX A6000": _rates(154.8, 77.4, 38.7, 1.2),
 }
 
 

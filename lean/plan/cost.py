@@ -53,7 +53,7 @@ from lean.models.registry import family_spec
 from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import World, init_world
-from lean.parallel.grad_sync import PER_UPDATE, resolve_grad_sync
+from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE, resolve_grad_sync
 from lean.parallel.layout import (
     GROUP,
     LAYOUTS,
@@ -354,7 +354,11 @@ def shard_variant(
     state, plus the gathered units). Time: every pass gathers the net's sharded weights once (a forward; a backward
     gathers them again, and under full fine-tuning reduce-scatters their gradients), c = MiB (W - 1) / W / link
     each. Measured on gloo, where the collectives share the CPU with the compute, the pass takes t + c; with
-    ``overlap`` (NCCL: FSDP prefetches the next unit while one computes) max(t, c)."""
+    ``overlap`` (NCCL: FSDP prefetches the next unit while one computes) max(t, c).
+
+    Under ``parallel.grad_sync=per_update`` a sharded full fine-tune's backwards do not reduce-scatter: the figures
+    also carry the backwards without it (``coalesced_`` + key) and the one reduce-scatter of the accumulated gradient
+    per update, after the last backward (``t_reduce_scatter_update``, exposed): :func:`coalesced`."""
     if shard == probed or world_size < 2:
         return measured
     sign = 1 if shard == FSDP else -1
@@ -367,13 +371,29 @@ def shard_variant(
         return max(t, comm) if overlap else t + comm
 
     backward_comm = 2 * gather + reduce
-    return {
+    variant = {
         **measured,
         "base_mb": measured["base_mb"] - sign * sizes.resident_saved(world_size),
         "t_forward": passed(measured["t_forward"], gather),
-        "t_forward_backward": passed(measured["t_forward_backward"], backward_comm),
-        "t_forward_backward_one": passed(measured["t_forward_backward_one"], backward_comm),
+        **{k: passed(measured[k], backward_comm) for k in BACKWARD_TIMES},
     }
+    if sign > 0 and reduce > 0:
+        variant.update({COALESCED + k: passed(measured[k], 2 * gather) for k in BACKWARD_TIMES})
+        variant["t_reduce_scatter_update"] = reduce
+    return variant
+
+
+SYNCS = (PER_BACKWARD, PER_UPDATE)  # what a row's parallel.grad_sync resolves to
+BACKWARD_TIMES = ("t_forward_backward", "t_forward_backward_one")  # the probe's times that include a backward
+COALESCED = "coalesced_"  # their prefix without a reduce-scatter per backward (shard_variant)
+
+
+def coalesced(measured: dict) -> dict:
+    """A sharded full fine-tune's figures under ``parallel.grad_sync=per_update`` (:func:`shard_variant`'s
+    ``coalesced_`` times in place of the per-backward ones); ``measured`` itself where they were not modelled."""
+    if "t_reduce_scatter_update" not in measured:
+        return measured
+    return {**measured, **{k: measured[COALESCED + k] for k in BACKWARD_TIMES}}
 
 
 def with_layout(cfg: RunConfig, layout: str) -> RunConfig:
@@ -441,19 +461,26 @@ def combinations(
     ``budget_mb`` and the host budget), each row with its ``retain_steps`` and ``offload`` (the other schedules: the
     defaults, which they require)."""
     rows, exact = [], algorithm_schedules(inp.cfg)  # the schedules that compute the algorithm's gradient
+    links = {"link_mb_s": link_mb_s, "host_budget_mb": host_budget_mb}
     for layout in applicable_layouts(inp):
         for (shard, checkpointing), measured in sorted(
             probes.items(), key=lambda kv: (SHARDS.names.index(kv[0][0]), kv[0][1])
         ):
-            costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
-            for schedule, p in predict(costs).items():
+            by_sync = {sync: predicted_at_sync(inp, measured, layout, sync, **links) for sync in SYNCS}
+            for schedule in SCHEDULES:
                 sync = row_grad_sync(inp.cfg, schedule, shard)
                 if schedule not in exact or (shard == FSDP and fsdp_problem(as_row(inp.cfg, schedule, shard, sync))):
                     continue
+                costs, adjusted = by_sync[sync]
+                p = adjusted(schedule, predict(costs)[schedule])
                 variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
                 if schedule == RETAIN:  # the run's own train.retain, then the others
                     variants = [(*own_retain(inp.cfg, costs.k), p)]
-                    variants += [v for v in retain_variants(costs, budget_mb) if v[:2] != variants[0][:2]]
+                    variants += [
+                        (m, offload, adjusted(schedule, prediction))
+                        for m, offload, prediction in retain_variants(costs, budget_mb)
+                        if (m, offload) != variants[0][:2]
+                    ]
                 for steps, offload, prediction in variants:
                     rows.append(
                         {
@@ -471,6 +498,35 @@ def combinations(
                         }
                     )
     return rows
+
+
+def predicted_at_sync(
+    inp: PlanInput, measured: dict, layout: str, sync: str, link_mb_s: float, host_budget_mb: float
+) -> tuple[IterationCosts, Callable[[str, Prediction], Prediction]]:
+    """The costs of ``measured`` under ``parallel.grad_sync=sync``, and how a schedule's prediction from them is
+    adjusted for it. Under a sharded full fine-tune with per_update (:func:`coalesced` figures): one reduce-scatter
+    per optimizer step added to the time, and for a schedule whose backwards accumulate in FSDP2 (not Reweight's,
+    which takes each one's whole gradient into its buffers) the whole unsharded gradient FSDP2 holds between them."""
+    if sync != PER_UPDATE or "t_reduce_scatter_update" not in measured:
+        return iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb), lambda name, p: p
+    costs = iteration_costs(inp, coalesced(measured), layout, link_mb_s, host_budget_mb)
+    t = inp.cfg.train
+    seconds = t.optimizer_steps_per_iteration * t.num_inner_epochs * measured["t_reduce_scatter_update"]
+
+    def adjusted(name: str, p: Prediction) -> Prediction:
+        return at_sync(p, seconds, 0.0 if SCHEDULES[name].backward_in_rollout else costs.trainable_mb)
+
+    return costs, adjusted
+
+
+def at_sync(p: Prediction, seconds: float, held_mb: float) -> Prediction:
+    """``p`` with ``seconds`` of exposed sync and ``held_mb`` more held through the iteration."""
+    return dataclasses.replace(
+        p,
+        time_iteration_s=p.time_iteration_s + seconds,
+        peak_memory_mb=p.peak_memory_mb + held_mb,
+        held_mb=p.held_mb + held_mb,
+    )
 
 
 def own_retain(cfg: RunConfig, k: int) -> tuple[int | str, str]:

@@ -30,8 +30,9 @@ checkpointing setting, against ``gpu_mem_gb`` (times :data:`lean.observe.metrics
           and the output projection (all-to-all + matmul) at the pass's tokens, a backward the same again.
   fsdp    modelled from the replica's count (:func:`lean.plan.cost.shard_variant`): 1/``gpus`` of the sharded weights
           and state plus the gathered units (FSDP x SP shards over every GPU, ``lean.parallel.sharding``), and every
-          pass's all-gather at :data:`ALLGATHER_GB_S`, hidden behind the pass's compute as FSDP's prefetch does (a pass
-          takes max(compute, gather)).
+          pass's all-gather at the GPU's assumed bandwidth (:data:`GPUS`), hidden behind the pass's compute as FSDP's
+          prefetch does (a pass takes max(compute, gather)). ``--gpu`` picks the GPU (H100 by default; LeanGRPO's RTX
+          A6000 among them): its datasheet peak, memory, host link and all-gather bandwidth.
 
 The rows are printed fastest first among those that fit, with each memory term; when the config's own row (its
 schedule, layout, shard, ``parallel.sequence_parallel`` and checkpointing) does not fit, ``lean plan`` refuses it in
@@ -41,11 +42,11 @@ one config line naming the nearest row that does (fewest settings changed, then 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,15 +82,38 @@ from lean.sampling.transition import Transition
 from lean.schedules import RETAIN
 from lean.schedules.retain import OPTIONS_KEY as RETAIN_OPTIONS
 
-REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose datasheet peak the times assume (H200: the same compute)
-ALLGATHER_GB_S = 350.0  # assumed all-gather bus bandwidth of 8 NVLink-4 GPUs (nccl-tests on 8x H100: ~360 GB/s)
 # Host link per direction, GB/s, for offloaded graphs (what a pinned cudaMemcpyAsync reaches, not the signalling rate;
 # docs/design/retain-offload.md). PCIe: x16 lanes at 16 / 32 GT/s, 128b/130b = 31.5 / 63 GB/s raw per direction (PCI-SIG
 # PCIe 4.0 / 5.0 base specifications), ~80% of it assumed after packet and protocol overhead (not measured here).
 # NVLink-C2C: 900 GB/s total bidirectional (NVIDIA, "NVIDIA Grace Hopper Superchip Architecture In-Depth", and the
 # GH200 whitepaper), 450 each way, the datasheet figure.
 HOST_LINK_GB_S = {"pcie4": 25.0, "pcie5": 50.0, "nvlink-c2c": 450.0}
-REFERENCE_HOST_LINK = "pcie5"  # REFERENCE_GPU's: an H100 / H200 SXM sits on PCIe Gen5 (A100: pcie4; GH200: nvlink-c2c)
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """A GPU ``lean plan --gpu`` plans for: its name as ``torch.cuda.get_device_name()`` reports it (the key of the
+    datasheet peaks, ``lean.observe.metrics.GPU_PEAK_TFLOPS``), its memory, its host link (:data:`HOST_LINK_GB_S`)
+    and the all-gather bus bandwidth assumed across a node of 8 (what FSDP's gathers run at)."""
+
+    device: str
+    memory_gb: float
+    host_link: str
+    allgather_gb_s: float
+
+
+# All-gather bus bandwidths: nccl-tests on 8 NVLink-4 H100s reach ~360 GB/s (350 assumed), 8 NVLink-3 A100s ~230; the
+# RTX A6000 has no NVSwitch (its NVLink bridge joins pairs), so 8 of them gather over PCIe Gen4: 20 GB/s assumed, not
+# measured. The all-to-all timeline model stays the H100's (lean.parallel.overlap.sim).
+GPUS = {
+    "h100": GpuProfile("NVIDIA H100 80GB HBM3", 80.0, "pcie5", 350.0),
+    "h200": GpuProfile("NVIDIA H200", 141.0, "pcie5", 350.0),  # the H100's arithmetic, more memory
+    "a100-80gb": GpuProfile("NVIDIA A100-SXM4-80GB", 80.0, "pcie4", 230.0),
+    "rtx-a6000": GpuProfile("NVIDIA RTX A6000", 48.0, "pcie4", 20.0),  # LeanGRPO's 8 x 48 GB (Sec. 5.1)
+}
+REFERENCE = "h100"  # what a plan assumes without --gpu
+REFERENCE_GPU = GPUS[REFERENCE].device  # whose datasheet peak the times assume (H200: the same compute)
+REFERENCE_HOST_LINK = GPUS[REFERENCE].host_link  # an H100 / H200 SXM sits on PCIe Gen5 (A100: pcie4)
 # Host memory assumed per node where train.retain.host_memory_budget_mb is not set: a DGX H100's 2 TiB for its 8 GPUs,
 # x MEMORY_MARGIN, shared by the node's processes
 HOST_RAM_PER_NODE_GB, GPUS_PER_NODE = 2048.0, 8
@@ -383,23 +407,26 @@ def counted(inp: PlanInput, count: Callable[[PlanInput], dict]) -> dict[bool, di
 def meta_plan(
     cfg,
     gpus: int = 8,
-    gpu_mem_gb: float = 80.0,
+    gpu_mem_gb: float | None = None,
     mfu: float = DEFAULT_MFU,
     out: str | None = None,
-    host_link: str = REFERENCE_HOST_LINK,
+    host_link: str | None = None,
+    gpu: str = REFERENCE,
 ) -> dict:
     """Every schedule x layout x shard x sequence-parallel degree x checkpointing (and Retain's kept steps x offload)
-    on ``gpus`` GPUs of ``gpu_mem_gb`` with a ``host_link`` (:data:`HOST_LINK_GB_S`): predicted per-GPU peak memory
-    (and its terms), host memory and time per iteration, whether it fits, fastest first; printed and returned
-    (``out/plan.json``). Raises a ConfigError naming the nearest fitting row when the config's own row does not
-    fit."""
-    peak = GPU_PEAK_TFLOPS[REFERENCE_GPU][cfg.model.torch_dtype] * 1e12
+    on ``gpus`` GPUs of ``gpu`` (:data:`GPUS`: its peak, all-gather bandwidth, memory and host link, the last two
+    unless ``gpu_mem_gb`` / ``host_link`` say otherwise): predicted per-GPU peak memory (and its terms), host memory and
+    time per iteration, whether it fits, fastest first; printed and returned (``out/plan.json``). Raises a ConfigError
+    naming the nearest fitting row when the config's own row does not fit."""
+    profile = GPUS[gpu]
+    gpu_mem_gb, host_link = gpu_mem_gb or profile.memory_gb, host_link or profile.host_link
+    peak = GPU_PEAK_TFLOPS[profile.device][cfg.model.torch_dtype] * 1e12
     inp = meta_input(cfg, gpus)
     budget_mb = gpu_mem_gb * 1024 * MEMORY_MARGIN
     host = host_side(cfg, gpus, host_link)
     degrees = sequence_degrees(inp, gpus)
     probes_by_degree = count_degrees(inp, gpus, [d for d, why in degrees.items() if why is None], peak * mfu)
-    rows = tabulate(inp, gpus, probes_by_degree, {"budget_mb": budget_mb, **host})
+    rows = tabulate(inp, gpus, probes_by_degree, {"budget_mb": budget_mb, **host}, profile.allgather_gb_s)
     fitting = [r for r in rows if r["fits"]]
     own_degree = cfg.parallel.sequence_parallel if cfg.parallel.sequence_parallel in probes_by_degree else 1
     report = {
@@ -408,10 +435,10 @@ def meta_plan(
         "gpu_mem_gb": gpu_mem_gb,
         "budget_mb": budget_mb,
         "assumed": {
-            "gpu": REFERENCE_GPU,
+            "gpu": profile.device,
             "peak_tflops": peak / 1e12,
             "mfu": mfu,
-            "allgather_gb_s": ALLGATHER_GB_S,
+            "allgather_gb_s": profile.allgather_gb_s,
             "host_link": host_link,
             "host_link_gb_s": host["link_mb_s"] * 2**20 / 1e9,
             "host_budget_mb": host["host_budget_mb"],
@@ -455,40 +482,48 @@ NOT_COUNTED = {
 _COUNTS: dict[tuple, dict[int, dict[bool, dict]]] = {}  # count_key -> count_degrees' figures, in this process
 
 
-def count_key(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> tuple:
-    """What :func:`count_degrees` depends on: the config (less :data:`NOT_COUNTED`), each degree's rollout
-    micro-batch, the GPUs, the degrees and the FLOP/s."""
+def count_key(inp: PlanInput, gpus: int, degrees: list[int]) -> tuple:
+    """What :func:`count_degrees` counts from: the config (less :data:`NOT_COUNTED`), each degree's rollout
+    micro-batch, the GPUs and the degrees."""
     settings = inp.cfg.to_dict()
     for section, keys in NOT_COUNTED.items():
         settings[section] = {k: v for k, v in settings[section].items() if k not in keys}
     rows = [rollout_rows(inp.cfg, len(at_degree(inp, gpus, d).batch.prompts)) for d in degrees]
-    return json.dumps(settings, sort_keys=True, default=repr), tuple(rows), gpus, tuple(degrees), flops_per_s
+    return json.dumps(settings, sort_keys=True, default=repr), tuple(rows), gpus, tuple(degrees)
 
 
 def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
     """Per sequence-parallel degree, the probe's figures with checkpointing off and on (:func:`counted`), each pass's
     exposed all-to-all time added. The family's own Ulysses code is installed once and each degree swaps its
     :class:`SimulatedOverlap`; the decode is counted once per decoded micro-batch size. A count is pure and the
-    slowest part of a plan: kept per :func:`count_key`, so that a second plan of a config in one process (``lean
-    plan`` after :func:`meta_plan`, a notebook's re-run) reuses it."""
-    key = count_key(inp, gpus, degrees, flops_per_s)
+    slowest part of a plan: kept per :func:`count_key` in FLOPs (the times at 1 FLOP/s), so that a second plan of a
+    config in one process (``lean plan`` after :func:`meta_plan`, another GPU's, a notebook's re-run) reuses it."""
+    key = count_key(inp, gpus, degrees)
     if key not in _COUNTS:
-        _COUNTS[key] = _count_degrees(inp, gpus, degrees, flops_per_s)
-    return copy.deepcopy(_COUNTS[key])
+        _COUNTS[key] = _count_degrees(inp, gpus, degrees)
+    out = {}
+    for degree, by_checkpointing in _COUNTS[key].items():
+        at = at_degree(inp, gpus, degree)
+        out[degree] = {on: with_all_to_alls(at_rate(m, flops_per_s), at, degree) for on, m in by_checkpointing.items()}
+    return out
 
 
-def _count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: float) -> dict[int, dict[bool, dict]]:
-    """:func:`count_degrees`, counted."""
+def at_rate(counted_flops: dict, flops_per_s: float) -> dict:
+    """A count's figures with its times (``t_*``, counted in FLOPs) at ``flops_per_s``."""
+    return {k: v / flops_per_s if k.startswith("t_") else v for k, v in counted_flops.items()}
+
+
+def _count_degrees(inp: PlanInput, gpus: int, degrees: list[int]) -> dict[int, dict[bool, dict]]:
+    """:func:`count_degrees`, counted, the times in FLOPs."""
     decodes = {}
-    count = lambda at: meta_probe(at, flops_per_s, decodes)  # noqa: E731
+    count = lambda at: meta_probe(at, 1.0, decodes)  # noqa: E731
     sp, out = None, {}
     for degree in degrees:
         if degree > 1 and sp is None:
             sp = inp.policy.sequence_parallel = enable(inp.policy.networks(), inp.policy.runtime, SimulatedOverlap())
         if sp is not None:
             sp.ov = SimulatedOverlap(inp.cfg.parallel.overlap, size=degree)
-        at = at_degree(inp, gpus, degree)
-        out[degree] = {on: with_all_to_alls(m, at, degree) for on, m in counted(at, count).items()}
+        out[degree] = counted(at_degree(inp, gpus, degree), count)
     return out
 
 
@@ -501,11 +536,14 @@ def host_side(cfg, gpus: int, host_link: str) -> dict:
     return {"link_mb_s": link_gb_s * 1e9 / 2**20, "host_budget_mb": r.host_memory_budget_mb or per_process}
 
 
-def tabulate(inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budgets: dict) -> list[dict]:
-    """Every row (:func:`lean.plan.cost.combinations` of each degree, fsdp modelled from the counted replica) with its
-    degree and whether it fits ``budgets`` (``budget_mb`` per GPU; ``host_budget_mb`` per process for what it
-    offloads, over ``link_mb_s``): the fitting rows first, fastest first, then the others, smallest first."""
-    link = ALLGATHER_GB_S * 1e9 / 2**20
+def tabulate(
+    inp: PlanInput, gpus: int, probes_by_degree: dict[int, dict[bool, dict]], budgets: dict, allgather_gb_s: float
+) -> list[dict]:
+    """Every row (:func:`lean.plan.cost.combinations` of each degree, fsdp modelled from the counted replica, its
+    gathers at ``allgather_gb_s``) with its degree and whether it fits ``budgets`` (``budget_mb`` per GPU;
+    ``host_budget_mb`` per process for what it offloads, over ``link_mb_s``): the fitting rows first, fastest first,
+    then the others, smallest first."""
+    link = allgather_gb_s * 1e9 / 2**20
     rows = []
     for degree, by_checkpointing in probes_by_degree.items():
         at = at_degree(inp, gpus, degree)
@@ -595,7 +633,8 @@ def print_meta_plan(cfg, r: dict) -> None:
         + (f" x {cfg.model.num_frames} frames" if family_spec(cfg.model.family).video else "")
         + f" {cfg.model.dtype}, counted on the meta device for {r['gpus']} GPUs of {r['gpu_mem_gb']:g} GB "
         f"({r['local_samples']} samples per data-parallel rank, rollout micro-batch {p['batch']}). Times: FLOPs / "
-        f"({a['peak_tflops']:.0f} TFLOP/s x MFU {a['mfu']:g}), rewards not included; fsdp: the transformer sharded "
+        f"({a['gpu']}'s {a['peak_tflops']:.0f} TFLOP/s x MFU {a['mfu']:g}), rewards not included; fsdp: the "
+        "transformer sharded "
         f"over all {r['gpus']} GPUs, all-gathers at {a['allgather_gb_s']:g} GB/s behind the compute; SP: Ulysses "
         f"over P GPUs, its all-to-alls' exposed time from the timeline model ({a['all_to_all_profile']}, "
         f"{a['overlap']})"
