@@ -22,6 +22,7 @@ from lean import export
 from lean.config import AUTO, ConfigError, suggest
 from lean.config.prompts import with_metadata
 from lean.configure import load_config, on_policy_form
+from lean.models.spec import is_published
 from lean.observe import tracking
 from lean.parallel.launch import Nodes, launch
 from lean.parallel.layout import LAYOUTS
@@ -305,7 +306,7 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     cfg = load_config(_params(args), args.overrides, preset=args.preset)
-    published_on_cpu = cfg.model.size == "full" and not torch.cuda.is_available()
+    published_on_cpu = is_published(cfg.model.size) and not torch.cuda.is_available()
     if args.gpu_mem_gb is None and args.gpu is None and not published_on_cpu:
         plan.main(cfg, out=args.out)
         return 0

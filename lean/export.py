@@ -39,12 +39,13 @@ from torch import Tensor
 from lean.config import ConfigError, RunConfig
 from lean.config.moved import relocated
 from lean.configure import load_config
-from lean.models.build import DEVICE_INIT_SIZE, build_policy, lora_config
+from lean.models.build import build_policy, lora_config
 from lean.models.footprint import meta_transformer
 from lean.models.options import ModelConfig
 from lean.models.policy import Policy
 from lean.models.registry import family_spec
 from lean.models.scheduler import build_scheduler
+from lean.models.spec import is_published
 from lean.parallel.sharding import full_state_dict
 
 LORA_DIR, LORA_EMA_DIR = "lora", "lora_ema"  # under a run's output folder
@@ -186,8 +187,8 @@ def write_run_exports(
 
 
 def rebuildable(model_cfg: ModelConfig) -> bool:
-    """A random base (``model.pretrained`` null) below the ``full`` size: rebuilt exactly from its seeds."""
-    return model_cfg.pretrained is None and model_cfg.size != DEVICE_INIT_SIZE
+    """A random base (``model.pretrained`` null) below the published sizes: rebuilt exactly from its seeds."""
+    return model_cfg.pretrained is None and not is_published(model_cfg.size)
 
 
 def diffusers_version() -> str:
@@ -255,7 +256,7 @@ def rebuild_policy(cfg: RunConfig, run: str | Path, weights: Path) -> Policy:
     """The run's policy on the CPU with its trained weights: the base from ``model.pretrained``, or the random base
     rebuilt and checked against the run's ``base.json``."""
     m = cfg.model
-    if m.pretrained is None and m.size == DEVICE_INIT_SIZE:
+    if m.pretrained is None and is_published(m.size):
         raise ConfigError(
             "model.pretrained",
             None,

@@ -539,6 +539,7 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
         ("flowgrpo-sd3", 2.243e9),
         ("flowgrpo-flux", 11.9e9),
         ("flowgrpo-wan", 1.42e9),
+        ("flowgrpo-wan:model.size=full-14b", 14.29e9),  # Wan2.1-T2V-14B (LeanGRPO Fig. 3(f)): 14.3B as published
         ("flowgrpo-kontext", 11.9e9),
         ("flowgrpo-qwen-image", 20.43e9),
         ("flowgrpo-qwen-image-edit", 20.43e9),
@@ -549,7 +550,8 @@ def test_cli_trains_the_preset_and_its_on_policy_variant(tmp_path, capsys):
 def test_plan_reports_the_published_size_without_building_it(name, published, tmp_path):
     from lean.plan.cost import main
 
-    cfg = load_config(None, [], preset=name)
+    preset, _, size = name.partition(":")
+    cfg = load_config(None, [size] if size else [], preset=preset)
     report = main(cfg, out=str(tmp_path))["published_size"]
     assert report["transformer_parameters"] == pytest.approx(published, rel=0.01)
     itemsize = 4 if cfg.model.dtype == "float32" else 2

@@ -25,14 +25,13 @@ from lean.models.policy import LORA_FILE, Policy, PolicyParts
 from lean.models.precision import keep_rms_norm_dtype
 from lean.models.processors import load_processor, random_processor
 from lean.models.registry import LORA_INITS, family_spec
-from lean.models.spec import FamilyRuntime, FamilySpec
+from lean.models.spec import FamilyRuntime, FamilySpec, is_published
 from lean.models.text import train_tokenizer
 
 if TYPE_CHECKING:
     from lean.models.options import ModelConfig
 
 INIT_SEED = 20240601  # every process draws the same random weights
-DEVICE_INIT_SIZE = "full"  # the published size is drawn on the run's device, every other one on the CPU
 
 
 def component_classes(spec: FamilySpec, name: str) -> tuple[type, type | None]:
@@ -101,7 +100,7 @@ def _drawn_components(
     tokenizer.chat_template = spec.chat_template  # FLUX.2's pipelines format prompts with it
     # Weights are drawn on the CPU (identical on every machine), except the published size: 12B parameters take
     # minutes to initialise on a CPU, so it is drawn on its device directly.
-    init_device = device if model_cfg.size == DEVICE_INIT_SIZE else torch.device("cpu")
+    init_device = device if is_published(model_cfg.size) else torch.device("cpu")  # a published size: on the device
     modules = _random_components(spec, model_cfg.size, tokenizer, init_device)
     tokenizers = {name: tokenizer for name in spec.tokenizers.values()}
     tokenizers.update({name: random_processor(p, tokenizer) for name, p in spec.processors.items()})

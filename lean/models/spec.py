@@ -88,6 +88,15 @@ class VaeConvention:
     temporal_compression: int | None = None  # video: frames per latent frame t (F = t k + 1 frames); None: images
 
 
+PUBLISHED = "full"  # a family's published size; its other published sizes are "full-<variant>" (Wan2.1's 14B)
+
+
+def is_published(size: str) -> bool:
+    """Whether ``model.size`` names a published size (drawn on the run's device, planned on the meta device on a
+    CPU): ``full``, or ``full-<variant>``."""
+    return size == PUBLISHED or size.startswith(PUBLISHED + "-")
+
+
 @dataclass(frozen=True)
 class Size:
     """One size of a family: the constructor arguments of each component (a text encoder: its config class's),

@@ -50,6 +50,7 @@ from lean.configure import shared_layout_problem
 from lean.models.build import lora_config
 from lean.models.footprint import meta_transformer
 from lean.models.registry import family_spec
+from lean.models.spec import is_published
 from lean.observe.metrics import PeakMemory, SavedBytes, device_memory_mb, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.parallel.distributed import World, init_world
@@ -760,7 +761,7 @@ def published_size(cfg: RunConfig, model: torch.nn.Module | None = None) -> dict
 def main(cfg: RunConfig, out: str | None = None) -> dict:
     """``lean plan``: print the predicted peak memory and time per iteration of each schedule (on a CPU, for a
     published size: the meta-device counts of :func:`published_size` instead)."""
-    if cfg.model.size == "full" and not torch.cuda.is_available():
+    if is_published(cfg.model.size) and not torch.cuda.is_available():
         report = {"published_size": published_size(cfg)}
         print_published_size(cfg, report["published_size"])
         if out:
@@ -801,7 +802,8 @@ def main(cfg: RunConfig, out: str | None = None) -> dict:
 def print_published_size(cfg: RunConfig, r: dict) -> None:
     experts = len(family_spec(cfg.model.family).denoiser_folders)
     per = f" (per expert: {experts} of them, each its own LoRA)" if experts > 1 else ""
-    where = "is not built on a CPU; on the meta device" if cfg.model.size == "full" else "counted on the meta device:"
+    published = is_published(cfg.model.size)
+    where = "is not built on a CPU; on the meta device" if published else "counted on the meta device:"
     print(
         f"lean plan: {cfg.model.family}/{cfg.model.size} {where} its transformer{per} has "
         f"{r['transformer_parameters'] / 1e9:.2f}B parameters ({r['weight_mb'] / 1024:.1f} GiB in "

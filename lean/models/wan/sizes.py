@@ -1,4 +1,4 @@
-"""Wan's sizes: tiny (tests), small (CPU bench) and full (Wan2.1-T2V-1.3B as published)."""
+"""Wan's sizes: tiny (tests), small (CPU bench), full (Wan2.1-T2V-1.3B as published) and full-14b (Wan2.1-T2V-14B)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ SIZES = {
     ),
     "full": Size(  # Wan2.1-T2V-1.3B as published: 1.42B transformer, Wan-VAE, UMT5-XXL encoder
         transformer=_dit(heads=12, head_dim=128, text_dim=4096, freq_dim=256, ffn_dim=8960, layers=30),
+        vae=_vae(96, [1, 2, 4, 4], 2, [False, True, True], spatial=8),
+        text_encoders=dict(text_encoder=t5_encoder(*T5_XXL)),
+    ),
+    # Wan2.1-T2V-14B as published (its transformer/config.json: 40 heads x 128, ffn 13824, 40 layers); the same
+    # Wan-VAE and UMT5-XXL. Planned on the meta device (lean plan), LeanGRPO's Fig. 3(f)
+    "full-14b": Size(
+        transformer=_dit(heads=40, head_dim=128, text_dim=4096, freq_dim=256, ffn_dim=13824, layers=40),
         vae=_vae(96, [1, 2, 4, 4], 2, [False, True, True], spatial=8),
         text_encoders=dict(text_encoder=t5_encoder(*T5_XXL)),
     ),
