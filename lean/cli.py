@@ -33,6 +33,7 @@ from lean.rewards.options import RewardModelConfig
 from lean.run.preemption import EXIT_PREEMPTED, Preempted
 from lean.schedules import several_updates
 from lean.tools import equivalence, sampling
+from lean.tools.alignment import deterministic_overrides
 from lean.tools.bench import overlap as bench_overlap
 from lean.tools.bench.schedules import bench_config, bench_recipe, bench_schedules
 from lean.train import train
@@ -111,6 +112,12 @@ def _training_commands(sub) -> None:
         "--against",
         default=None,
         help="a gradients.safetensors of another world size or layout: each schedule's gradient must equal it",
+    )
+    e.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="LeanGRPO's alignment protocol (App. E): deterministic kernels, Recompute at the rollout's micro-batches, "
+        "Retain's graphs one backward each; cosine, RelL2, MaxAbs of gradient, update and AdamW moments",
     )
 
 
@@ -326,9 +333,11 @@ def _plan(args) -> int:
 def _equivalence(args) -> int:
     if args.against and not os.path.isfile(args.against):
         raise ConfigError("--against", args.against, "no such file: a gradients.safetensors of --save-gradients")
-    overrides = equivalence.certificate_overrides(args.overrides)
-    cfg = load_config(_params(args), overrides, preset=args.preset)
-    equivalence.main(cfg, out=args.out, save_gradients=args.save_gradients, against=args.against)
+    overrides = deterministic_overrides(args.overrides) if args.deterministic else args.overrides
+    cfg = load_config(_params(args), equivalence.certificate_overrides(overrides), preset=args.preset)
+    equivalence.main(
+        cfg, out=args.out, save_gradients=args.save_gradients, against=args.against, deterministic=args.deterministic
+    )
     return 0
 
 

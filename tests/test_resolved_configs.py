@@ -99,6 +99,7 @@ ADDED_RETAIN: dict[str, object] = {  # issue #42: what Retain keeps and where (l
     "train.retain.offload": "device",
     "train.retain.host_memory_budget_mb": None,
     "train.retain.host_link_gb_s": None,
+    "train.retain.backward": "unit",  # issue #57: one backward per kept graph in Recompute's order (App. E)
 }
 # issue #43: tree rollouts (lean/sampling/tree.py); no branch point is the flat rollout
 ADDED_TREE: dict[str, object] = {

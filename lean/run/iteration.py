@@ -362,6 +362,7 @@ class IterationPipeline:
                 micro_batch=self.cfg.train.rollout_batch_size,
                 grad_micro_batch=schedule.grad_micro_batch,
                 decode=self.cfg.reward.decode,
+                joint_cfg=schedule.joint_cfg,
             )
             hooks = RolloutHooks(
                 track_grad=schedule.track_grad,

@@ -254,6 +254,9 @@ class RolloutPlan:
     micro_batch: int | None = None  # trajectories rolled out together, through all their steps (None: all B)
     grad_micro_batch: int | None = None  # rows per tracked forward (None: the micro-batch's)
     decode: str = "sample"  # what the rollout returns: a name of DECODE_TARGETS
+    # a tracked CFG step as one [uncond, cond] batch (v_u detached after it), as train.recompute_batching=rollout
+    # recomputes it, instead of v_u in its own no-grad forward (Retain's train.retain.backward=step: the same graph)
+    joint_cfg: bool = False
 
 
 def _untracked(i: int) -> bool:
@@ -354,7 +357,9 @@ class RolloutLoop:
         for sub, grad in forward_rows(x_rows.shape[0], tracked, plan.grad_micro_batch, mine):
             at = local_rows(rows.start, sub)  # the same rows of the local batch
             with torch.set_grad_enabled(grad):
-                v = velocity(self.policy, x_rows[sub], self.grid[i], plan.emb.index(at), plan.sampler.cfg)
+                v = velocity(
+                    self.policy, x_rows[sub], self.grid[i], plan.emb.index(at), plan.sampler.cfg, plan.joint_cfg
+                )
             if i == self.num_steps - 1 and x0 is not None:
                 x0[sub] = predicted_x0(v.detach(), x_rows[sub], self.grid, i)
             ode.observe(i, sub, v.detach(), x_rows)

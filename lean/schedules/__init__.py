@@ -14,7 +14,7 @@ from lean.parallel.sharding import shards
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, RowCounts, Schedule
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
-from lean.schedules.retain import ALL_STEPS, DEVICE, Retain
+from lean.schedules.retain import ALL_STEPS, DEVICE, UNIT_BACKWARD, Retain
 from lean.schedules.reweight import Reweight
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ SCHEDULES: Registry[type[Schedule]] = Registry(
 BASELINE = SCHEDULES.default
 LEAN_SCHEDULES = tuple(name for name in SCHEDULES if name != BASELINE)  # the ones that skip the recompute
 RETAIN = next(name for name, schedule in SCHEDULES.items() if schedule is Retain)  # whose graphs train.retain sets
+REWEIGHT = next(name for name, schedule in SCHEDULES.items() if schedule is Reweight)
 SCHEDULE_CHOICES = (*SCHEDULES, AUTO)
 
 
@@ -203,7 +204,7 @@ def retain_options_problem(cfg: RunConfig) -> None:
     if schedule in (RETAIN, AUTO):
         return
     why = "backpropagates each step at once and keeps no graph" if schedule == "reweight" else "keeps no graph"
-    for key, default in (("steps", ALL_STEPS), ("offload", DEVICE)):
+    for key, default in (("steps", ALL_STEPS), ("offload", DEVICE), ("backward", UNIT_BACKWARD)):
         if getattr(r, key) != default:
             raise ConfigError(
                 f"train.retain.{key}",

@@ -258,6 +258,7 @@ class Schedule:
     """Base class; see the module docstring for the contract."""
 
     grad_micro_batch: int | None = None
+    joint_cfg: bool = False  # tracked CFG steps as one [uncond, cond] batch, as Recompute recomputes them (rollout)
     track_rows: torch.Tensor | None = None  # host bool [B]: the only rows the tracked steps track (None: all)
     exact_only_on_policy = False  # its graphs give the on-policy update only: several per rollout run as hybrid.py
     needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)

@@ -74,6 +74,9 @@ from lean.schedules.recompute import Recompute
 ALL_STEPS = "all"  # train.retain.steps: every trained step's graph is kept (Retain as first published)
 DEVICE, HOST = "device", "host"  # train.retain.offload: where the kept graphs wait (YAML reads a bare off as false)
 OFFLOADS = (DEVICE, HOST)
+# train.retain.backward: one backward per finishing unit (all its kept graphs at once), or one per kept step and
+# micro-batch in Recompute's order (train.recompute_batching=rollout): its gradient then Recompute's to the bit
+UNIT_BACKWARD, STEP_BACKWARD = "unit", "step"
 
 
 OPTIONS_KEY = "train.retain"  # where these options sit: a group of the train section
@@ -99,6 +102,11 @@ class RetainOptions:
     host_link_gb_s: float | None = None
     """Host link bandwidth per direction, GB/s, for the plan; None: measured on a CUDA device, else the GPU kind's
     table value (``lean.plan.meta``)."""
+    backward: str = UNIT_BACKWARD
+    """unit: one backward per finishing unit, of every kept graph's loss at once | step: one backward per kept step
+    and rollout micro-batch, steps in order, as Recompute runs its update under ``train.recompute_batching=rollout``:
+    where the kernels are deterministic the gradient, the update and the AdamW moments are Recompute's bit for bit
+    (LeanGRPO App. E; ``lean equivalence --deterministic``), at one backward launch per kept graph."""
 
     def validate(self, prefix: str) -> None:
         if isinstance(self.steps, str):
@@ -106,13 +114,14 @@ class RetainOptions:
         elif self.steps < 1:
             raise ConfigError(f"{prefix}.steps", self.steps, "keeps no graph: that is train.schedule=recompute")
         check_choice(f"{prefix}.offload", self.offload, (*OFFLOADS, AUTO))
+        check_choice(f"{prefix}.backward", self.backward, (UNIT_BACKWARD, STEP_BACKWARD))
         for key in ("host_memory_budget_mb", "host_link_gb_s"):
             if getattr(self, key) is not None:
                 check_positive(f"{prefix}.{key}", getattr(self, key))
 
     @property
     def is_default(self) -> bool:
-        return self.steps == ALL_STEPS and self.offload == DEVICE
+        return self.steps == ALL_STEPS and self.offload == DEVICE and self.backward == UNIT_BACKWARD
 
 
 class Retain(Schedule):
@@ -121,6 +130,9 @@ class Retain(Schedule):
 
     def __init__(self, ctx):
         super().__init__(ctx)
+        # train.retain.backward=step: each kept graph as Recompute's recomputed one (its CFG batch too), backpropagated
+        # on its own in Recompute's order: Recompute's gradient bit for bit where the kernels are deterministic
+        self.joint_cfg = ctx.cfg.train.retain.backward == STEP_BACKWARD
         self.kept: list[Transition] = []  # the tracked steps with their graphs (and the reference's means)
         self.losses = []  # every backpropagated step's loss terms, for the stats
         self.provisional_stats: list[tuple[TermCells, StepLoss]] = []  # (where, terms) backpropagated with Â
@@ -290,16 +302,21 @@ class Retain(Schedule):
         }
 
     def _backward(self, entries: list, advantages: torch.Tensor, kept: torch.Tensor | None, n) -> None:
-        """One backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K)."""
-        ctx, total = self.ctx, 0.0
+        """The backward of the loss terms of ``entries`` (their graphs die with it), weighted 1/(n K): one of them
+        all, or with ``train.retain.backward: step`` one per entry, in Recompute's order (step, then micro-batch)."""
+        ctx = self.ctx
+        per_step = ctx.cfg.train.retain.backward == STEP_BACKWARD
+        if per_step:
+            entries = sorted(entries, key=lambda step: (step.index, int(row_ids(step.rows)[0])))
+        terms = []
         for step in entries:
             loss = ctx.algorithm.step_loss(step, step_targets(advantages, step))
             weights = ctx.term_weights(step.rows, step.index, n, kept)
-            total = total + (weights * ctx.total(loss, step.rows)).sum()
+            terms.append((weights * ctx.total(loss, step.rows)).sum())
             self.losses.append(ctx.logged(loss, step.rows))
-        if entries:
-            with ctx.region("backward"):
-                total.backward()
+        with ctx.region("backward"):
+            for term in terms if per_step else [sum(terms)] if terms else []:
+                term.backward()
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:

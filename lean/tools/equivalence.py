@@ -15,6 +15,7 @@ A, and the KL term, vanish and the check weaker than it looks).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +36,7 @@ from lean.sampling.transition import Transition
 from lean.schedules import (
     BASELINE,
     LEAN_SCHEDULES,
+    RETAIN,
     algorithm_schedules,
     compared_config,
     run_problem,
@@ -45,6 +47,7 @@ from lean.schedules import (
 from lean.schedules.base import flat_grad
 from lean.schedules.recompute import _chunks, first_update_rows, rows_mask, update_order
 from lean.schedules.renoised import ConditionalVelocities, UnitDraws
+from lean.tools.alignment import alignment, deterministic_kernels, format_alignment
 from lean.train import Trainer
 
 CLIP_RANGES = (1e-4, 1e-3, 1e-2)  # FlowGRPO's and DanceGRPO's 1e-4, and larger ones: how the drift compares
@@ -245,6 +248,7 @@ class Update:
     metrics: dict
     reference: list[torch.Tensor] | None = None  # the float64 on-policy gradient of the same trajectories
     rounding: dict = field(default_factory=dict)  # the baseline's ratio drift (with a reference)
+    moments: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # AdamW's after the step
 
 
 def one_update(
@@ -272,10 +276,17 @@ def one_update(
     update = Update(
         list(grads), [p.detach().clone() for p in trainer.params], {"reward_mean": rewards.mean().item(), **stats}, ref
     )
+    update.moments = adam_moments(trainer)
     if reference is not None and hasattr(rolled.schedule, "ratios"):
         update.rounding = rounding_report(trainer, reference, rolled, recorder.steps, advantages, ref, start, first)
         update.rounding["forward_error"] = error
     return update
+
+
+def adam_moments(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """AdamW's first and second moments of every trainable tensor (this process's part), copied."""
+    state = trainer.state.optimizer.state
+    return [(state[p]["exp_avg"].detach().clone(), state[p]["exp_avg_sq"].detach().clone()) for p in trainer.params]
 
 
 def rounding_report(
@@ -319,13 +330,15 @@ def run_equivalence(
     perturb_std: float = 0.02,
     reference: bool = True,
     gradients: dict[str, torch.Tensor] | None = None,
+    aligned: bool = False,
 ) -> dict:
     """One iteration per schedule from the same state; returns the certificate (identical on every rank).
 
     Every Lean schedule's gradient is compared with the baseline's and, with ``reference``, every schedule's with the
     float64 on-policy gradient of its own trajectories (:class:`Float64Reference`); the baseline's rounding drift is
     reported beside it. ``gradients``, when given, receives every schedule's synchronised gradient as
-    ``<schedule>/<tensor name>``."""
+    ``<schedule>/<tensor name>``; with ``aligned``, App. E's metrics of gradient, update and AdamW moments
+    (``lean.tools.alignment``)."""
     cfg = compared_config(cfg)
     trainer = trainer or Trainer(cfg)
     trainer.policy.perturb_lora_(perturb_std, torch.Generator().manual_seed(cfg.train.seed))
@@ -358,6 +371,8 @@ def run_equivalence(
             report[name] = compare(updates[name].grads, base.grads, updates[name].params, base.params, start, names)
     if not_run:
         report["not_run"] = not_run
+    if aligned:
+        report["alignment"] = alignment(updates, BASELINE, start)
     if reference:
         report["reference"] = {name: against_reference(u.grads, u.reference, names) for name, u in updates.items()}
         report["rounding"] = base.rounding
@@ -452,16 +467,26 @@ def against_other_run(gradients: dict[str, torch.Tensor], path: str) -> dict:
     return diffs
 
 
-def main(cfg: RunConfig, out: str | None = None, save_gradients: bool = False, against: str | None = None) -> dict:
+def main(
+    cfg: RunConfig,
+    out: str | None = None,
+    save_gradients: bool = False,
+    against: str | None = None,
+    deterministic: bool = False,
+) -> dict:
     """``lean equivalence``: write DIR/equivalence.json (with ``save_gradients`` DIR/gradients.safetensors; with
     ``against`` each schedule's difference from that file's, which must pass the same tolerance) and print a summary
-    (rank 0)."""
+    (rank 0). ``deterministic``: LeanGRPO's alignment protocol (``lean.tools.alignment``; the config carries its
+    overrides, :func:`~lean.tools.alignment.deterministic_overrides`): Retain must then equal Recompute bit for bit."""
     cfg = compared_config(cfg)
-    trainer = Trainer(cfg)
-    gradients = {} if save_gradients or against else None
-    report = run_equivalence(cfg, trainer, gradients=gradients)
+    with deterministic_kernels() if deterministic else contextlib.nullcontext():
+        trainer = Trainer(cfg)
+        gradients = {} if save_gradients or against else None
+        report = run_equivalence(cfg, trainer, gradients=gradients, aligned=deterministic)
     report["layout"] = resolve_layout(cfg, trainer.world.data_size)
     report["passes"] = passes(report, cfg.model.torch_dtype)
+    if deterministic and RETAIN in report["alignment"]:  # the protocol's claim: Retain's update is Recompute's
+        report["passes"] &= all(m["bitwise_equal"] for m in report["alignment"][RETAIN].values())
     if against:
         report["against"] = {"path": against, "max_rel_grad_diff": against_other_run(gradients, against)}
         rel_tol, _ = tolerance(cfg.model.torch_dtype)
@@ -472,6 +497,8 @@ def main(cfg: RunConfig, out: str | None = None, save_gradients: bool = False, a
         if save_gradients:
             save_file({k: g.contiguous() for k, g in gradients.items()}, f"{folder}/gradients.safetensors")
         print_report(cfg, report, trainer.world.size)
+        if deterministic:
+            print(format_alignment(report["alignment"], BASELINE))
     trainer.world.wait_for_everyone()
     return report
 

@@ -43,12 +43,9 @@ from lean.observe.provenance import machine
 from lean.parallel.distributed import init_world
 from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE
 from lean.parallel.layout import GROUP, SHARED, SLICE, group_layout_problem
-from lean.schedules import BASELINE, RETAIN, SCHEDULES, run_problem, several_updates
-from lean.schedules.reweight import Reweight
+from lean.schedules import BASELINE, RETAIN, REWEIGHT, run_problem, several_updates
 from lean.tools.bench.schedules import BenchOptions, Subject, measured_config, measured_log, pinned, timed_rounds
 from lean.train import Trainer
-
-REWEIGHT = next(name for name, schedule in SCHEDULES.items() if schedule is Reweight)
 
 
 @dataclass(frozen=True)
