@@ -472,8 +472,8 @@ def combinations(
                 sync = row_grad_sync(inp.cfg, schedule, shard)
                 if schedule not in exact or (shard == FSDP and fsdp_problem(as_row(inp.cfg, schedule, shard, sync))):
                     continue
-                costs, adjusted = by_sync[sync]
-                p = adjusted(schedule, predict(costs)[schedule])
+                costs, predictions, adjusted = by_sync[sync]
+                p = adjusted(schedule, predictions[schedule])
                 variants = [(ALL_STEPS, DEVICE, p)]  # the defaults, which the other schedules require
                 if schedule == RETAIN:  # the run's own train.retain, then the others
                     variants = [(*own_retain(inp.cfg, costs.k), p)]
@@ -503,13 +503,15 @@ def combinations(
 
 def predicted_at_sync(
     inp: PlanInput, measured: dict, layout: str, sync: str, link_mb_s: float, host_budget_mb: float
-) -> tuple[IterationCosts, Callable[[str, Prediction], Prediction]]:
-    """The costs of ``measured`` under ``parallel.grad_sync=sync``, and how a schedule's prediction from them is
-    adjusted for it. Under a sharded full fine-tune with per_update (:func:`coalesced` figures): one reduce-scatter
-    per optimizer step added to the time, and for a schedule whose backwards accumulate in FSDP2 (not Reweight's,
-    which takes each one's whole gradient into its buffers) the whole unsharded gradient FSDP2 holds between them."""
+) -> tuple[IterationCosts, dict[str, Prediction], Callable[[str, Prediction], Prediction]]:
+    """The costs of ``measured`` under ``parallel.grad_sync=sync``, every schedule's prediction from them, and how a
+    schedule's prediction is adjusted for the sync. Under a sharded full fine-tune with per_update (:func:`coalesced`
+    figures): one reduce-scatter per optimizer step added to the time, and for a schedule whose backwards accumulate
+    in FSDP2 (not Reweight's, which takes each one's whole gradient into its buffers) the whole unsharded gradient
+    FSDP2 holds between them."""
     if sync != PER_UPDATE or "t_reduce_scatter_update" not in measured:
-        return iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb), lambda name, p: p
+        costs = iteration_costs(inp, measured, layout, link_mb_s, host_budget_mb)
+        return costs, predict(costs), lambda name, p: p
     costs = iteration_costs(inp, coalesced(measured), layout, link_mb_s, host_budget_mb)
     t = inp.cfg.train
     seconds = t.optimizer_steps_per_iteration * t.num_inner_epochs * measured["t_reduce_scatter_update"]
@@ -517,7 +519,7 @@ def predicted_at_sync(
     def adjusted(name: str, p: Prediction) -> Prediction:
         return at_sync(p, seconds, 0.0 if SCHEDULES[name].backward_in_rollout else costs.trainable_mb)
 
-    return costs, adjusted
+    return costs, predict(costs), adjusted
 
 
 def at_sync(p: Prediction, seconds: float, held_mb: float) -> Prediction:

@@ -112,8 +112,6 @@ GPUS = {
     "rtx-a6000": GpuProfile("NVIDIA RTX A6000", 48.0, "pcie4", 20.0),  # LeanGRPO's 8 x 48 GB (Sec. 5.1)
 }
 REFERENCE = "h100"  # what a plan assumes without --gpu
-REFERENCE_GPU = GPUS[REFERENCE].device  # whose datasheet peak the times assume (H200: the same compute)
-REFERENCE_HOST_LINK = GPUS[REFERENCE].host_link  # an H100 / H200 SXM sits on PCIe Gen5 (A100: pcie4)
 # Host memory assumed per node where train.retain.host_memory_budget_mb is not set: a DGX H100's 2 TiB for its 8 GPUs,
 # x MEMORY_MARGIN, shared by the node's processes
 HOST_RAM_PER_NODE_GB, GPUS_PER_NODE = 2048.0, 8

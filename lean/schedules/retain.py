@@ -314,8 +314,10 @@ class Retain(Schedule):
             weights = ctx.term_weights(step.rows, step.index, n, kept)
             terms.append((weights * ctx.total(loss, step.rows)).sum())
             self.losses.append(ctx.logged(loss, step.rows))
+        if not terms:
+            return
         with ctx.region("backward"):
-            for term in terms if per_step else [sum(terms)] if terms else []:
+            for term in terms if per_step else [sum(terms)]:  # per kept graph, or all at once
                 term.backward()
 
     @staticmethod

@@ -276,7 +276,6 @@ def one_update(
     update = Update(
         list(grads), [p.detach().clone() for p in trainer.params], {"reward_mean": rewards.mean().item(), **stats}, ref
     )
-    update.moments = adam_moments(trainer)
     if reference is not None and hasattr(rolled.schedule, "ratios"):
         update.rounding = rounding_report(trainer, reference, rolled, recorder.steps, advantages, ref, start, first)
         update.rounding["forward_error"] = error
@@ -352,6 +351,8 @@ def run_equivalence(
             continue
         trainer.state.load_state_dict(start_state)
         updates[name] = one_update(trainer, name, twin)
+        if aligned:  # AdamW's moments after the step (the alignment compares them)
+            updates[name].moments = adam_moments(trainer)
     trainer.state.load_state_dict(start_state)
 
     base, names = updates[BASELINE], trainer.state.names

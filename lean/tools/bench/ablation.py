@@ -98,9 +98,11 @@ def bench_ablation(cfg: RunConfig, out: str | None = None, options: BenchOptions
     data_ranks = world.data_size
     if problem := ablation_problem(cfg, data_ranks):  # before any model is built
         raise ConfigError(*problem)
-    first = Trainer(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grad_sync=PER_BACKWARD)), world)
-    trainers = {PER_BACKWARD: first}
-    trainers[PER_UPDATE] = Trainer(row_config(first.cfg, ROWS[2], data_ranks), first.world)
+    trainers = {  # one per sync, from the same seed: the same weights
+        sync: Trainer(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, grad_sync=sync)), world)
+        for sync in (PER_BACKWARD, PER_UPDATE)
+    }
+    first = trainers[PER_BACKWARD]
     subjects = {}
     for row in ROWS:
         trainer = trainers[row.grad_sync]
