@@ -26,6 +26,7 @@ from lean.config.moved import relocated
 from lean.evaluation import Evaluator
 from lean.observe import tracking
 from lean.observe.comms import CollectiveLog
+from lean.observe.memory_trace import MemoryTrace
 from lean.observe.metrics import FlopTally, median
 from lean.observe.outputs import numbers, write_csv, write_json
 from lean.parallel.distributed import World, init_world, set_threads
@@ -66,6 +67,7 @@ class Trainer:
         tally: FlopTally | None = None,
         progress: Callable[[int], None] | None = None,
         measure_memory: bool = True,
+        trace: MemoryTrace | None = None,
     ) -> IterationResult:
         """One GRPO iteration with the named schedule, applied to the trainable state (and its EMA, when
         ``ema.unit`` counts iterations)."""
@@ -73,7 +75,13 @@ class Trainer:
         self.state.take_sync_seconds()  # from here: this iteration's
         with CollectiveLog() as comms:
             result = self.pipeline.run(
-                iteration, schedule, self.state.step, tally=tally, progress=progress, measure_memory=measure_memory
+                iteration,
+                schedule,
+                self.state.step,
+                tally=tally,
+                progress=progress,
+                measure_memory=measure_memory,
+                trace=trace,
             )
         self.state.end_iteration()
         # what crossed processes (lean.observe.comms), and the seconds the gradients' sync took: the whole gradients'

@@ -73,6 +73,17 @@ def pytest_collection_modifyitems(config, items):
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.chdir(tmp_path)  # relative outputs/ land in the test's own folder
+    threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+    yield
+    # what a test changed of the worker stays with the test: a worker left on one core (a benchmark's affinity) ran
+    # every later test, and every process they started, on that core, some 10-40x slower beside the other workers
+    torch.set_num_threads(threads)
+    if os.sched_getaffinity(0) != cpus:
+        for thread in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(thread), cpus)
+            except OSError:  # a thread that has ended
+                pass
 
 
 @pytest.fixture(scope="session")

@@ -414,3 +414,33 @@ def test_bench_sweeps_a_key_and_reports_speedup_and_bound_per_value(tmp_path, ca
     assert run["config"]["optimizer_steps_per_iteration"] == 1  # the on-policy form
     assert (tmp_path / "sweep.png").stat().st_size > 0 and "of bound" in capsys.readouterr().out
     assert main(["bench", "schedules", *args, "--sweep", "sample.timestep_fraction=0.5"]) == 2  # one value
+
+
+@pytest.mark.timeout(120)
+def test_bench_traces_memory_through_the_rollout_and_the_optimizer_stage():
+    """``lean bench schedules`` records each schedule's resident memory after every SDE step and the peaks of the
+    update and the optimizer stage (LeanGRPO Fig. 6): Retain's curve climbs by about one kept graph per tracked step,
+    Recompute's and Reweight's stay flat; the optimizer stage's peak is the plan's within its band; the benchmark leaves
+    the process's threads and CPU affinity as they were."""
+    import os
+
+    import torch
+
+    from lean.tools.bench.schedules import bench_config, bench_schedules
+
+    sets = ["model.size=tiny", "model.resolution=64", "sample.num_steps=6", "train.prompts_per_iteration=1"]
+    sets += ["train.group_size=4", "model.full_finetune=true"]
+    cfg, options = bench_config(None, sets, repeats=1, warmup=0, cores=1, flops=False)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    result = bench_schedules(cfg, options=options)
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
+    curves = {s: result[s]["memory_curve"] for s in ("recompute", "retain", "reweight")}
+    for s, curve in curves.items():
+        assert [p["step"] for p in curve["steps"]] == list(range(6)), s  # one point per SDE step
+        assert set(curve["phases"]) == {"rollout", "update", "optimizer"}
+        assert result[s]["peak_memory_mb"] == max(curve["phases"].values())
+        assert result[s]["optimizer_peak_mb"] == pytest.approx(result[s]["plan_optimizer_peak_mb"], rel=0.15), s
+    assert curves["retain"]["tracked_steps"] == 5 and curves["recompute"]["tracked_steps"] == 0
+    slope = curves["retain"]["slope_mb"]
+    assert slope > 0.5 * result["retain"]["plan_memory_slope_mb"]
+    assert abs(curves["recompute"]["slope_mb"]) < 0.2 * slope and abs(curves["reweight"]["slope_mb"]) < 0.2 * slope

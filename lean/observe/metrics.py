@@ -91,7 +91,7 @@ class PhaseTimer:
 _STATUS = "/proc/self/status"
 
 
-def _read_status_kb(key: str) -> int | None:
+def read_status_kb(key: str) -> int | None:
     try:
         with open(_STATUS) as f:
             m = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
@@ -101,7 +101,7 @@ def _read_status_kb(key: str) -> int | None:
 
 
 def rss_mb() -> float:
-    kb = _read_status_kb("VmRSS")
+    kb = read_status_kb("VmRSS")
     return kb / 1024 if kb is not None else float("nan")
 
 
@@ -190,10 +190,24 @@ def live_bytes_heap():
         if _heap_keeps_freed:
             keep_freed_memory()
         else:
-            _mallopt((_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 64 * 2**20))
+            _fixed_thresholds()
 
 
-def _reset_cpu_peak() -> bool:
+def _fixed_thresholds() -> None:
+    _mallopt((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 64 * 2**20))
+
+
+def default_heap() -> None:
+    """Undo :func:`keep_freed_memory`: the heap returns freed memory again (at fixed 32 MiB thresholds), and what it
+    kept goes back now."""
+    global _heap_keeps_freed
+    _heap_keeps_freed = False
+    _fixed_thresholds()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def reset_cpu_peak() -> bool:
     # Give freed heap pages back to the kernel first, or a previous region's high tide would count as resident.
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -224,7 +238,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
         else:
-            self._resettable = _reset_cpu_peak()
+            self._resettable = reset_cpu_peak()
             self.start_mb = rss_mb()
         return self
 
@@ -235,7 +249,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            kb = _read_status_kb("VmHWM") if self._resettable else None
+            kb = read_status_kb("VmHWM") if self._resettable else None
             if kb is None:  # ru_maxrss is in kB on Linux
                 kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.peak_mb = kb / 1024
@@ -246,11 +260,16 @@ class PeakMemory:
         return self.peak_mb - self.start_mb
 
 
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 def stays_on_device(t: torch.Tensor) -> bool:
     """Whether a saved tensor stays where it is when kept graphs are offloaded (``lean.schedules.offload``): a
     parameter or a view of one (resident anyway; FSDP2 re-gathers its own), a leaf (an input the caller holds), a
     sparse or empty tensor. What moves has a ``grad_fn``: an activation of the tracked forward."""
-    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+    if is_parameter(t):
         return True
     return t.grad_fn is None or t.layout != torch.strided or t.numel() == 0
 
@@ -280,7 +299,7 @@ class SavedBytes:
     def _pack(self, tensor):
         if isinstance(tensor, torch.Tensor):
             storage = tensor.untyped_storage()
-            if tensor.device.type != "meta":
+            if tensor.device.type != "meta" and not is_parameter(tensor):  # resident before the step, and after
                 self.pending[storage.data_ptr()] = storage.nbytes()
             if not stays_on_device(tensor):  # the offload's record key: a view of a live storage
                 key = (storage._cdata, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)

@@ -15,12 +15,18 @@ that :func:`device_mesh` names ("dp", "sp"); Ulysses splits over "sp", FSDP shar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import ParamSpec, TypeVar
 
 import torch
+
+from lean.observe.metrics import default_heap
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,30 @@ def pin_cores(cores: int, index: int = 0) -> list[int]:
     for thread in os.listdir("/proc/self/task"):  # Linux: an affinity is per thread; new threads inherit it
         os.sched_setaffinity(int(thread), chosen)
     return chosen
+
+
+P, R = ParamSpec("P"), TypeVar("R")
+
+
+def keeps_process_settings(measure: Callable[P, R]) -> Callable[P, R]:
+    """``measure`` (a benchmark) restores on return what it changes of the process to measure: torch's threads, the
+    CPU affinity (:func:`pin_cores`) and the heap's thresholds (``lean.observe.metrics.keep_freed_memory``). A
+    benchmark called in a longer-lived process (a notebook, a test worker) would otherwise leave it on one core, with
+    a heap that never returns memory, and every process it starts afterwards inherits the affinity."""
+
+    @functools.wraps(measure)
+    def restoring(*args: P.args, **kwargs: P.kwargs) -> R:
+        threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+            for thread in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):  # a thread may have ended since the listing
+                    os.sched_setaffinity(int(thread), cpus)
+            default_heap()
+
+    return restoring
 
 
 CPU_TIMEOUT_S, GPU_TIMEOUT_S = 60.0, 1800.0  # gloo on a laptop vs NCCL, where checkpoints and loading take minutes

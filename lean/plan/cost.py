@@ -196,6 +196,8 @@ def probe(inp: PlanInput) -> dict:
         "param_mb": sum(p.numel() * p.element_size() for p in inp.trainable) / 2**20,
         "base_mb": tracked.start_mb,
     }
+    # the gradient, its flat copy and AdamW's two moments (allocated at the first optimizer step, after the probe)
+    result["optimizer_stage_mb"] = 4 * result["param_mb"]
     # What the backward needs beyond the saved activations (gradients of the activations in flight).
     result["backward_transient_mb"] = max(tracked.delta_mb - result["activation_mb"], 0.0)
     result["decode_mb"] = max(decoding.delta_mb, 0.0)  # the VAE's working set at the probe batch
@@ -255,12 +257,7 @@ def iteration_costs(
         score_at_end=(measured["t_decode"] + measured["t_reward"])
         * (min(probed, local) if concurrent else local)
         / probed,
-        base_mb=measured["base_mb"],
-        act_mb=measured["activation_mb"] * rounds,
-        act_one_mb=measured["activation_one_mb"],
-        transient_mb=measured["backward_transient_mb"],
-        decode_mb=measured["decode_mb"],
-        trainable_mb=measured["param_mb"],
+        **memory_terms(measured, rounds),
         train_rows_fraction=min(cfg.train.train_batch_size, local) / max(probed * rounds, 1),
         kl=bool(algorithm.kl_weight),
         per_row_grads=linear_owners(inp.policy, inp.trainable) is not None,
@@ -270,10 +267,24 @@ def iteration_costs(
         first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
         epochs=cfg.train.num_inner_epochs,
         **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
-        act_moved_mb=measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
-        act_micro_mb=measured["activation_mb"],
         rows=rows,
     )
+
+
+def memory_terms(measured: dict, rounds: int) -> dict:
+    """:class:`IterationCosts`'s memory terms (MiB) from the probe's, a tracked step's at ``rounds`` rollout
+    micro-batches."""
+    return {
+        "base_mb": measured["base_mb"],
+        "act_mb": measured["activation_mb"] * rounds,
+        "act_one_mb": measured["activation_one_mb"],
+        "act_micro_mb": measured["activation_mb"],
+        "act_moved_mb": measured.get("activation_moved_mb", measured["activation_mb"]) * rounds,
+        "transient_mb": measured["backward_transient_mb"],
+        "decode_mb": measured["decode_mb"],
+        "trainable_mb": measured["param_mb"],
+        "optimizer_stage_mb": measured.get("optimizer_stage_mb", 0.0),
+    }
 
 
 def tree_rows(cfg: RunConfig, steps: StepSelection, local: int) -> RowCounts | None:
@@ -375,6 +386,10 @@ def shard_variant(
     variant = {
         **measured,
         "base_mb": measured["base_mb"] - sign * sizes.resident_saved(world_size),
+        "backward_transient_mb": max(measured["backward_transient_mb"] - sign * sizes.gradient_saved(world_size), 0.0),
+        # the optimizer stage's gradient and temporaries: 1/W of them a process under fsdp, which holds no gathered
+        # unit while the optimizer steps (each is resharded after its backward)
+        "optimizer_stage_mb": measured.get("optimizer_stage_mb", 0.0) * world_size ** (-sign) - sign * sizes.gathered,
         "t_forward": passed(measured["t_forward"], gather),
         **{k: passed(measured[k], backward_comm) for k in BACKWARD_TIMES},
     }

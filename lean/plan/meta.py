@@ -7,7 +7,8 @@ device, and the probe of :mod:`lean.plan.cost` runs there:
   memory  every tensor an op creates counts while its storage lives (:class:`MetaMemory`, a dispatch mode): the
           activations one tracked step keeps, the peak of its backward beyond them, the VAE decode's working set.
           Resident: every component's weights at ``model.dtype`` (the trainable ones as float32 masters in half
-          precision), plus the trainable parameters' gradients and AdamW's two moments.
+          precision), plus AdamW's two moments; the gradients count in the backward's transient and in the
+          optimizer stage.
   time    each call's FLOPs (``FlopCounterMode``) / (the GPU's datasheet peak x ``mfu``, an assumed utilisation).
           The rewards are not modelled (0 s).
 
@@ -306,7 +307,8 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
         rows = inp.decoded_rows(batch)  # a split decode: this process's share
         decode, decoded_flops = decode_counts(policy, x, rows, memory, {} if decodes is None else decodes)
     trainable = sum(p.numel() * p.element_size() for p in inp.trainable)
-    resident = sum(p.numel() * p.element_size() for p in policy.parameters()) + 3 * trainable  # grads, 2 moments
+    # the weights and AdamW's two moments; the gradients are the backward's (in its transient) and the optimizer stage's
+    resident = sum(p.numel() * p.element_size() for p in policy.parameters()) + 2 * trainable
     return {
         "batch": batch,
         "activation_mb": activation / 2**20,
@@ -321,6 +323,8 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
         "t_reward": 0.0,
         "param_mb": trainable / 2**20,
         "base_mb": resident / 2**20,
+        # the gradient and as much again: its flat copy for the sync, or AdamW's foreach temporaries (a GPU's)
+        "optimizer_stage_mb": 2 * trainable / 2**20,
     }
 
 

@@ -53,6 +53,7 @@ from lean.models.registry import family_spec
 from lean.models.scheduler import terminal_stretch, time_shift
 from lean.models.sequence_parallel import enable, sequence_problem
 from lean.models.snapshot import Snapshot
+from lean.observe.memory_trace import MemoryTrace
 from lean.observe.metrics import FlopTally, PeakMemory, PhaseTimer, device_memory_mb, synchronize
 from lean.parallel.distributed import CPU_TIMEOUT_S, World
 from lean.parallel.layout import (
@@ -632,14 +633,24 @@ class IterationPipeline:
         tally: FlopTally | None = None,
         progress: Callable[[int], None] | None = None,
         measure_memory: bool = True,
+        trace: MemoryTrace | None = None,
     ) -> IterationResult:
         """One whole iteration with the named schedule: local batch -> embed -> for each finishing unit: roll out,
-        score, finish it (:meth:`roll_out`) -> advantages -> the rest of finish, which calls ``optimizer_step``."""
+        score, finish it (:meth:`roll_out`) -> advantages -> the rest of finish, which calls ``optimizer_step``.
+        Its peak memory is measured if ``measure_memory``, by ``trace`` when given (which records the curve through
+        the rollout and the update too: ``lean.observe.memory_trace``)."""
         timer = PhaseTimer(self.world.device)
         cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
-        with PeakMemory(self.world.device, enabled=measure_memory) as memory, timer("iteration"):
+        memory = trace or PeakMemory(self.world.device, enabled=measure_memory)
+        with memory, timer("iteration"):
             make_schedule = schedule_class(schedule, self.algorithm)
-            rolled = self.roll_out(iteration, make_schedule, timer=timer, tally=tally, progress=progress)
+            on_step = None if trace is None else trace.on_step
+            rolled = self.roll_out(
+                iteration, make_schedule, timer=timer, tally=tally, on_step=on_step, progress=progress
+            )
+            if trace is not None:
+                trace.end_rollout()
+                optimizer_step = trace.optimizer_step(optimizer_step)
             rewards, advantages = self.advantages(rolled)  # every rank's rewards; the finished units' advantages kept
             stats = self.finish(rolled, advantages, optimizer_step)  # the rest of finish -> the optimizer step(s)
             self.end_iteration(iteration, stats)

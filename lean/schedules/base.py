@@ -201,6 +201,12 @@ class IterationCosts:
     link_mb_s: float = float("inf")
     host_budget_mb: float = float("inf")  # pinned host memory one process may take
     rows: RowCounts | None = None  # a tree rollout's counts (None: flat, B n forwards and B K trained)
+    # what the optimizer stage holds beyond the base (and beyond what a schedule still holds then): the gradient and
+    # its flat copy for the sync (lean.run.optimizer), and AdamW's moments where the base lacks them (a probe before
+    # the first optimizer step, which allocates them); clipping's and AdamW's per-tensor temporaries come to one
+    # parameter's size at most. It sets a full fine-tune's peak where the activations are small (LeanGRPO, arXiv
+    # 2609.03528, Fig. 6: Native's peak)
+    optimizer_stage_mb: float = 0.0
 
     @property
     def forward_steps(self) -> float:
@@ -252,6 +258,7 @@ class Prediction:
     # device MiB a schedule holds through the rollout for its update (in peak_memory_mb): Retain's kept graphs,
     # Reweight's gradient buffers (the terms `lean plan` names when a Lean row does not fit)
     held_mb: float = 0.0
+    optimizer_peak_mb: float = 0.0  # the optimizer stage's peak (IterationCosts.optimizer_stage_mb beyond the held)
 
 
 class Schedule:

@@ -286,8 +286,9 @@ class Recompute(Schedule):
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
         return Prediction(
-            c.base_mb + max(c.decode_mb, c.later_update_mb),
+            c.base_mb + max(c.decode_mb, c.later_update_mb, c.optimizer_stage_mb),
             c.forward_steps * c.f
             + (c.score if c.score_at_end is None else c.score_at_end)
             + c.epochs * (c.edge_steps * c.fb + c.ref),
+            optimizer_peak_mb=c.base_mb + c.optimizer_stage_mb,
         )

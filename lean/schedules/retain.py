@@ -347,9 +347,14 @@ class Retain(Schedule):
         memory = held_mb + max(c.decode_mb, c.transient_mb)
         if c.later or q < 1:  # the recomputed terms: Recompute's update, after the kept graphs are freed
             memory = max(memory, c.later_update_mb)
+        memory = max(memory, c.optimizer_stage_mb)  # the kept graphs are freed by then
         time = (n - k * q * s) * c.f + k * s * c.fb + score + s * c.ref + (c.later_update_s if c.later else 0)
         return dataclasses.replace(
-            kept, peak_memory_mb=c.base_mb + memory, time_iteration_s=time + kept.exposed_transfer_s, held_mb=held_mb
+            kept,
+            peak_memory_mb=c.base_mb + memory,
+            time_iteration_s=time + kept.exposed_transfer_s,
+            held_mb=held_mb,
+            optimizer_peak_mb=c.base_mb + c.optimizer_stage_mb,
         )
 
 

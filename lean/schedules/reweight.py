@@ -58,6 +58,8 @@ Recompute's later updates come on top: time + (E - s)(K fb + ref), memory at lea
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -311,8 +313,12 @@ class Reweight(Schedule):
 
     @staticmethod
     def predict(c: IterationCosts) -> Prediction:
-        if c.rows is not None:
-            return Reweight._predict_tree(c)
+        p = Reweight._predict_tree(c) if c.rows is not None else Reweight._predict_flat(c)
+        # its buffers are held through the optimizer stage
+        return dataclasses.replace(p, optimizer_peak_mb=c.base_mb + p.held_mb + c.optimizer_stage_mb)
+
+    @staticmethod
+    def _predict_flat(c: IterationCosts) -> Prediction:
         backwards = 2 if c.kl else 1  # the KL part needs its own vector-Jacobian product
         # a hybrid (hybrid.py) backpropagates the first update's share s, finishes at the end, then recomputes
         s, later_mb = c.first_share, (c.later_update_mb if c.later else 0.0)
@@ -324,12 +330,14 @@ class Reweight(Schedule):
         score = c.score if c.score_at_end is None or not c.later else c.score_at_end
         if c.per_row_grads:
             return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb, later_mb),
+                c.base_mb
+                + buffers
+                + max(c.decode_mb, c.backward_act_mb + c.transient_mb, later_mb, c.optimizer_stage_mb),
                 c.n * c.f + c.k * s * backwards * (c.fb - c.f) + score + s * c.ref + c.later_update_s,
                 held_mb=buffers,
             )
         return Prediction(
-            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, later_mb),
+            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, later_mb, c.optimizer_stage_mb),
             (c.n - c.k * s) * c.f + c.k * s * c.local * c.fb_one * backwards + score + s * c.ref + c.later_update_s,
             held_mb=buffers,
         )
@@ -348,7 +356,13 @@ class Reweight(Schedule):
         if c.per_row_grads:
             time = n * c.f + e * backwards * (c.fb - c.f) + c.score + c.ref
             return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb), time, held_mb=buffers
+                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb, c.optimizer_stage_mb),
+                time,
+                held_mb=buffers,
             )
         time = (n - k) * c.f + e * c.local * c.fb_one * backwards + c.score + c.ref
-        return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb), time, held_mb=buffers)
+        return Prediction(
+            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, c.optimizer_stage_mb),
+            time,
+            held_mb=buffers,
+        )

@@ -38,7 +38,7 @@ from typing import Any
 from lean.algorithms import ALGORITHMS
 from lean.observe import provenance
 from lean.observe.outputs import write_json
-from lean.schedules import BASELINE, LEAN_SCHEDULES, SCHEDULES
+from lean.schedules import BASELINE, LEAN_SCHEDULES, RETAIN, SCHEDULES
 from lean.workbench.time_to_reward import SAMPLES, run_time_to_reward
 
 GRPO_RUN = LEAN_SCHEDULES[0]
@@ -101,6 +101,8 @@ FAMILIES = {
     "speedup_vs_bound": ("bench", "speedup over the baseline / its analytic bound"),
     "peak_memory_ratio": ("bench", "peak memory / the baseline's"),
     "time_iteration_s": ("bench", "seconds per iteration (the machine's speed)"),
+    "memory_slope_vs_plan": ("bench", "Retain's resident growth per kept step / the plan's per-step term"),
+    "optimizer_peak_vs_plan": ("bench", "the optimizer stage's measured peak / the plan's"),
     "sp_speedup": ("overlap", "sequence-parallel compute-only iteration: the baseline's time / this schedule's"),
     "overlap_exposed_ms": ("overlap", "exposed communication of the overlap ops on gloo, ms"),
     "sp_decode_ratio": (
@@ -275,7 +277,8 @@ def _algorithm_run_figures(outputs: Path, found: FigureSet, time_to_reward_gain:
 
 
 def _bench_figures(outputs: Path, found: FigureSet) -> None:
-    """The baseline's iteration time; each Lean schedule's speedup / its bound and peak memory / the baseline's."""
+    """The baseline's iteration time; each Lean schedule's speedup / its bound and peak memory / the baseline's; the
+    memory curve's figures against the plan's (Retain's per-step slope, every schedule's optimizer stage)."""
     if not (bench := read_json(outputs / "bench" / "schedules.json")):
         return
     base = bench.get(BASELINE) or {}
@@ -288,6 +291,15 @@ def _bench_figures(outputs: Path, found: FigureSet) -> None:
         peak, base_peak = _number(entry.get("peak_memory_mb")), _number(base.get("peak_memory_mb"))
         if peak is not None and base_peak:
             found.add(f"peak_memory_ratio_{s}", "peak_memory_ratio", peak / base_peak)
+    for s in (BASELINE, *LEAN_SCHEDULES):
+        entry = bench.get(s) or {}
+        measured, planned = _number(entry.get("optimizer_peak_mb")), _number(entry.get("plan_optimizer_peak_mb"))
+        if measured is not None and planned:
+            found.add(f"optimizer_peak_vs_plan_{s}", "optimizer_peak_vs_plan", measured / planned)
+    retain = bench.get(RETAIN) or {}
+    slope, planned = (retain.get("memory_curve") or {}).get("slope_mb"), _number(retain.get("plan_memory_slope_mb"))
+    if _number(slope) is not None and planned:
+        found.add(f"memory_slope_vs_plan_{RETAIN}", "memory_slope_vs_plan", slope / planned)
 
 
 def _overlap_figures(outputs: Path, found: FigureSet) -> None:

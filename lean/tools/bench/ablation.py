@@ -40,7 +40,7 @@ from lean.configure import shared_layout_problem
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median
 from lean.observe.outputs import write_json
 from lean.observe.provenance import machine
-from lean.parallel.distributed import init_world
+from lean.parallel.distributed import init_world, keeps_process_settings
 from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE
 from lean.parallel.layout import GROUP, SHARED, SLICE, group_layout_problem
 from lean.schedules import BASELINE, RETAIN, REWEIGHT, run_problem, several_updates
@@ -90,6 +90,7 @@ def row_config(cfg: RunConfig, row: AblationRow, data_ranks: int) -> RunConfig:
     return dataclasses.replace(cfg, parallel=parallel, train=dataclasses.replace(cfg.train, schedule=row.schedule))
 
 
+@keeps_process_settings
 def bench_ablation(cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions()) -> dict:
     """Table 1's rows on ``cfg`` (see the module docstring), measured interleaved on the launching processes; writes
     ``out/ablation.json`` (and each measured iteration to ``out/measured.jsonl``) and returns the report."""

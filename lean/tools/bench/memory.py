@@ -23,7 +23,7 @@ import torch
 from lean.config import ConfigError, RunConfig
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, share_main_arena
 from lean.observe.outputs import JsonLines
-from lean.parallel.distributed import set_threads
+from lean.parallel.distributed import keeps_process_settings, set_threads
 from lean.parallel.sharding import planned_shard, shard_sizes
 from lean.plan.cost import (
     applicable_layouts,
@@ -58,6 +58,7 @@ def variant_name(schedule: str, layout: str, checkpointing: bool) -> str:
 Variant = tuple[str, str, bool]  # (schedule, layout, activation checkpointing)
 
 
+@keeps_process_settings
 def bench_memory(
     cfg: RunConfig,
     out: str | None = None,

@@ -49,10 +49,11 @@ from tqdm.auto import tqdm
 
 from lean.config import AUTO, ConfigError, RunConfig, read_config, read_params
 from lean.configure import on_policy_form, validate
+from lean.observe.memory_trace import MemoryTrace
 from lean.observe.metrics import keep_freed_memory, live_bytes_heap, median, peak_flops, share_main_arena
 from lean.observe.outputs import JsonLines, write_json
 from lean.observe.provenance import machine
-from lean.parallel.distributed import pin_cores, set_threads
+from lean.parallel.distributed import keeps_process_settings, pin_cores, set_threads
 from lean.plan.cost import (
     budget_mb,
     choose,
@@ -214,7 +215,8 @@ class Subject:
         self.activate()
         for s in self.schedules:
             self.trainer.state.load_state_dict(self.state)
-            self.memory[s] = self.trainer.iteration(0, s).metrics
+            trace = MemoryTrace(self.trainer.world.device)  # the peak, and the curve through the iteration
+            self.memory[s] = {**self.trainer.iteration(0, s, trace=trace).metrics, "memory_curve": trace.curve()}
             log.append({"pass": "memory", "variant": f"{label}{s}", **self.memory[s]})
 
     def plan(self) -> None:
@@ -255,6 +257,7 @@ class Subject:
                 )
             entry.update(
                 {
+                    "memory_curve": self.memory[s]["memory_curve"],  # lean.observe.memory_trace
                     "peak_memory_mb": self.memory[s]["peak_memory_mb"],
                     "peak_memory_delta_mb": self.memory[s]["peak_memory_delta_mb"],
                     "plan_peak_memory_mb": prediction[s]["peak_memory_mb"],
@@ -269,6 +272,11 @@ class Subject:
                     ),
                 }
             )
+            # the optimizer stage's peak, measured (lean.observe.memory_trace) and planned
+            entry["optimizer_peak_mb"] = self.memory[s]["memory_curve"]["phases"].get("optimizer", nan)
+            entry["plan_optimizer_peak_mb"] = prediction[s]["optimizer_peak_mb"]
+            if s == RETAIN:  # the plan's per-step term: one tracked step's graph at one rollout micro-batch
+                entry["plan_memory_slope_mb"] = self.measured["activation_mb"]
             if "reweight_buffer_mb" in rows[s][0]:
                 entry["reweight_buffer_mb"] = rows[s][0]["reweight_buffer_mb"]
             # the gradients' sync (parallel.grad_sync) and what crossed processes in a round (lean.observe.comms)
@@ -344,6 +352,7 @@ def publish(result: dict, format_table: Callable[[dict], str], out: str | None, 
             write_json(Path(out) / filename, result)
 
 
+@keeps_process_settings
 def bench_schedules(
     cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
 ) -> dict:
@@ -405,6 +414,7 @@ def flat_comparison(rows: dict[str, list[dict]], schedules: list[str], flat_cfg:
 FORMS = ("recipe", "on_policy")  # a recipe of several updates per rollout, and its one-step form (train.on_policy)
 
 
+@keeps_process_settings
 def bench_recipe(cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions()) -> dict:
     """A recipe with several updates per rollout (every published preset): Recompute and the exact hybrids on the
     recipe, and the three schedules on its on-policy form (``train.on_policy``: the samples per optimizer step kept,

@@ -26,7 +26,7 @@ import dataclasses
 from lean.config import ConfigError, RunConfig
 from lean.observe.metrics import median
 from lean.observe.provenance import machine
-from lean.parallel.distributed import set_threads
+from lean.parallel.distributed import keeps_process_settings, set_threads
 from lean.parallel.overlap.p2p import METHODS, Overlap
 from lean.schedules import BASELINE, SCHEDULES
 from lean.tools.bench.schedules import (
@@ -43,6 +43,7 @@ COMPUTE_ONLY = "compute-only"
 WHOLE_DECODE = "whole-decode"  # the baseline's variant without parallel.split_decode
 
 
+@keeps_process_settings
 def bench_sequence_parallel(
     cfg: RunConfig, out: str | None = None, options: BenchOptions = BenchOptions(), trainer: Trainer | None = None
 ) -> dict:
