@@ -108,8 +108,14 @@ ADDED_TREE: dict[str, object] = {
     "sample.tree.branch_noise_scale": 1.0,
 }
 # Flow-DPPO (issue #43, lean/algorithms/flow_dppo.py): its trust-region threshold, read only under
-# algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5)
-ADDED_DPPO: dict[str, object] = {"algorithm.flow_dppo.kl_threshold": 1e-5}
+# algorithm.name=flow_dppo (UniRL flowdppo.py:32 at 1a7b501: 1e-5). Issue #58: the precision of the means in its KL
+# (compute: the step's own, as before; the preset's bfloat16 is UniRL's, diffusion.py:496), and k SDE steps drawn
+# from the window (0: the whole window, as before; the preset's 3 of 0..4 is UniRL's, scheduler_utils.py:118-124)
+ADDED_DPPO: dict[str, object] = {
+    "algorithm.flow_dppo.kl_threshold": 1e-5,
+    "algorithm.flow_dppo.trust_region_means_dtype": "compute",
+    "sample.sde_steps_drawn": 0,
+}
 CHANGED_DPPO: dict[tuple[str, str], tuple[object, object]] = {}
 # AWM (issue #43, lean/algorithms/awm.py): its keys, read only under algorithm.name=awm; defaults are the PickScore
 # config's (scxue/advantage_weighted_matching at 12b1397, config/dgx_awm.py:333-346, :367)

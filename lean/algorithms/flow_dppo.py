@@ -21,6 +21,17 @@ mask is not differentiated (:107 ``.detach()``): kl_bj enters only through it. U
 trust region keeps -A r however far r is from 1, and a term that left it keeps its gradient when r moves against its
 advantage; only a term both far (in KL) and moving with its advantage is dropped.
 
+The means' precision (``algorithm.flow_dppo.trust_region_means_dtype``): ``compute`` (the default) takes kl_bj from
+the step's own means, float32 (float64 in a float64 run). UniRL's replay returns them cast to its
+trajectory_precision (unirl/models/sd3/diffusion.py:496, bf16 in the recipe, sd3.yaml:36), and flowdppo.py:51 takes
+mu - mu_old and its square in that dtype before dividing by the float32 2 s_j^2; ``bfloat16`` does the same:
+
+    kl_bj     = mean_D float32(bf16(bf16(bf16(mu) - bf16(mu_old))^2)) / (2 s_j^2)
+
+Rounding both means to bf16 (8 significant bits) adds to a small difference: a term whose exact KL is tau = 1e-5
+reads 1.3x (step 0) to 2.1x (step 4) of it on SD3's 10-step grid with unit-scale latents and velocities
+(tests/test_flow_dppo.py), so more terms count as outside. On-policy mu_old = mu rounds alike: kl_bj = 0 either way.
+
 Differences from the source:
 * s_j is the rollout's transition std. flowdppo.py:366-367 recomputes it as eta sqrt(s / (1 - min(s, 0.99)))
   sqrt(-dt), the rollout's std (unirl/sde/kernels.py:223, :234) except at sigma = 1, where the rollout puts sigmas[1]
@@ -48,10 +59,24 @@ import torch
 from torch import Tensor
 
 from lean.algorithms.base import StepLoss
-from lean.algorithms.grpo import GRPO, kl_penalty
-from lean.config.checks import check_positive
+from lean.algorithms.grpo import GRPO, kl_penalty, transition_std
+from lean.config.checks import check_positive, choice, choices
+from lean.config.dtypes import DTYPES
 from lean.config.sections import register_options
 from lean.sampling.transition import OLD_MEAN, Transition
+
+COMPUTE_DTYPE = "compute"  # algorithm.flow_dppo.trust_region_means_dtype: the step's own means, unrounded
+
+
+def trust_region_divergence(step: Transition, means_dtype: torch.dtype | None) -> Tensor:
+    """kl_bj [B] of the module docstring: of the step's means as computed (``means_dtype`` None), or with the two means,
+    their difference and its square rounded to ``means_dtype`` as UniRL's replay and flowdppo.py:51 do."""
+    if means_dtype is None:
+        return kl_penalty(step.mean, step.old_mean, step.std)
+    mean, old_mean = step.mean.detach().to(means_dtype), step.old_mean.to(means_dtype)
+    # the difference and its square stay in the narrow dtype, as the source's tensors are; the mean is float32's
+    sq = ((mean - old_mean) ** 2).to(step.std.dtype)
+    return sq.mean(dim=tuple(range(1, sq.ndim))) / (2 * transition_std(step.std) ** 2)
 
 
 def trust_region_surrogate(ratio: Tensor, advantages: Tensor, divergence: Tensor, threshold: float) -> Tensor:
@@ -72,6 +97,12 @@ class FlowDPPO(GRPO):
     def kl_threshold(self) -> float:
         return self.cfg.flow_dppo.kl_threshold
 
+    @property
+    def trust_region_means_dtype(self) -> torch.dtype | None:
+        """What the mask's KL rounds the means to; None: the step's compute dtype."""
+        name = self.cfg.flow_dppo.trust_region_means_dtype
+        return None if name == COMPUTE_DTYPE else DTYPES[name]
+
     def policy_term(self, ratio: Tensor, targets: Tensor) -> Tensor:
         """The masked surrogate at divergence 0, where it is read (the on-policy terms of a provisional backward)."""
         advantages = targets.to(ratio.dtype)
@@ -81,7 +112,7 @@ class FlowDPPO(GRPO):
         """GRPO's terms with the policy term masked by the KL of the current step to the rollout's."""
         loss = super().step_loss(step, targets)
         ratio = torch.exp(self.log_ratio(step))
-        divergence = kl_penalty(step.mean, step.old_mean, step.std)
+        divergence = trust_region_divergence(step, self.trust_region_means_dtype)
         policy = trust_region_surrogate(ratio, targets.to(ratio.dtype), divergence, self.kl_threshold)
         return dataclasses.replace(loss, policy=policy)
 
@@ -95,5 +126,11 @@ class FlowDPPOConfig:
     """tau: a term whose KL to the rollout's step is not under it and that moves the way its advantage pushes is
     dropped (UniRL flowdppo.py:32 kl_mask_threshold = 1e-5, sd3_flowdppo.yaml:116)."""
 
+    trust_region_means_dtype: str = choice("dtype", COMPUTE_DTYPE, also=(COMPUTE_DTYPE,))
+    """The precision the two means are rounded to before the mask's KL, their difference and its square taken in it
+    (a name of ``lean.config.dtypes.DTYPES``); ``compute``: the step's own means, float32 (float64 in a float64 run).
+    UniRL's recipe: bfloat16, its trajectory_precision (diffusion.py:496, sd3.yaml:36; flowdppo.py:51)."""
+
     def validate(self, prefix: str) -> None:
         check_positive(f"{prefix}.kl_threshold", self.kl_threshold, strict=False)
+        choices(self, prefix)

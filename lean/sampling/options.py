@@ -60,6 +60,10 @@ class SampleConfig:
     sde_window_start: int | None = None
     """The window's first step, the same at every iteration (FlowGRPO's Qwen-Image pipeline re-seeds its draw with a
     process index the script never passes); None: drawn uniformly in [0, sde_window_max_start] at each iteration."""
+    sde_steps_drawn: int = 0
+    """> 0: only this many steps of the window, drawn uniformly without replacement at each iteration (the same for
+    every sample), are stochastic and trained; its other steps are ODE steps (UniRL's AllSDEScheduler num_sde_steps:
+    3 of steps 0..4, each 60 % of the rollouts). 0: the whole window. Needs ``sde_window`` >= this."""
     tail_solver: str = choice("ODE solver")
     """The solver of the deterministic steps after the last SDE step: a name of ``lean.sampling.sde.ODE_SOLVERS``
     (euler, or MixGRPO-Flash's dpmsolver++). The steps before it are Euler steps either way."""
@@ -109,6 +113,10 @@ class SampleConfig:
         if self.sde_window > self.num_steps - 1:
             raise ConfigError(
                 "sample.sde_window", self.sde_window, f"must be <= sample.num_steps - 1 = {self.num_steps - 1}"
+            )
+        if self.sde_steps_drawn and not 0 < self.sde_steps_drawn <= self.sde_window:
+            raise ConfigError(
+                "sample.sde_steps_drawn", self.sde_steps_drawn, f"must be in [0, sample.sde_window = {self.sde_window}]"
             )
         if not 0 < self.tail_compress <= 1:
             raise ConfigError("sample.tail_compress", self.tail_compress, "must be in (0, 1]")

@@ -424,10 +424,12 @@ class StepRule:
     With a window ``w = sde_window > 0`` (FlowGRPO-Fast) a start ``s`` is drawn uniformly from
     ``[sde_window_min_start, sde_window_max_start]`` (min 0 by default; Flow-Factory's sde_steps start at 1), or is
     ``sde_window_start`` at every iteration when set; steps ``s..s+w−1`` are stochastic and trained for every sample,
-    all others are ODE steps; ``timestep_fraction`` and ``selection`` are ignored then. The default
-    ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in the first half of the schedule (steps ``<
-    num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy ``s + w ≤ num_steps − 1`` so the last step
-    is never in the window.
+    all others are ODE steps; ``timestep_fraction`` and ``selection`` are ignored then. With ``sde_steps_drawn = k >
+    0`` only ``k`` steps of the window, the first ``k`` of a ``randperm(w)`` drawn after the start (UniRL's
+    ``rng.choice(pool, k, replace=False)``, scheduler_utils.py:118-124 at 1a7b501), are stochastic and trained, the
+    window's others ODE steps. The default ``sde_window_max_start = max(0, num_steps // 2 − w)`` keeps the window in
+    the first half of the schedule (steps ``< num_steps // 2``) where it fits, as FlowGRPO-Fast does; it must satisfy
+    ``s + w ≤ num_steps − 1`` so the last step is never in the window.
     """
 
     num_steps: int
@@ -438,6 +440,7 @@ class StepRule:
     sde_window_max_start: int | None = None
     sde_window_start: int | None = None
     sde_window_min_start: int = 0
+    sde_steps_drawn: int = 0
 
     @classmethod
     def of(cls, cfg: SampleConfig) -> StepRule:
@@ -451,12 +454,13 @@ class StepRule:
             sde_window_max_start=cfg.sde_window_max_start,
             sde_window_start=cfg.sde_window_start,
             sde_window_min_start=cfg.sde_window_min_start,
+            sde_steps_drawn=cfg.sde_steps_drawn,
         )
 
 
 def _drawn_window(rule: StepRule, batch_size: int, generator: torch.Generator | None) -> StepSelection:
     """The window of ``rule`` (``sde_window > 0``) at its fixed start, else at one drawn with ``generator`` (the
-    global RNG when None)."""
+    global RNG when None); with ``sde_steps_drawn`` only that many of its steps, drawn next from ``generator``."""
     n, w = rule.num_steps, rule.sde_window
     if w > n - 1:
         raise ValueError(f"sde_window={w}: must be <= num_steps - 1 = {n - 1}")
@@ -468,7 +472,16 @@ def _drawn_window(rule: StepRule, batch_size: int, generator: torch.Generator | 
     start = rule.sde_window_start
     if start is None:
         start = int(torch.randint(rule.sde_window_min_start, max_start + 1, (1,), generator=generator))
-    return window_selection(n, batch_size, start, w)
+    window = window_selection(n, batch_size, start, w)
+    k = rule.sde_steps_drawn
+    if not k:
+        return window
+    if not 0 < k <= w:
+        raise ValueError(f"sde_steps_drawn={k}: must be in [0, sde_window = {w}]")
+    # after the start, from the same stream: a window drawn as before is drawn the same
+    stochastic = torch.zeros(n, dtype=torch.bool)
+    stochastic[start + torch.randperm(w, generator=generator)[:k]] = True
+    return StepSelection(stochastic=stochastic, trained=stochastic.expand(batch_size, -1).clone(), window_start=start)
 
 
 def select_steps(

@@ -192,6 +192,7 @@ def sample_reward(
                 sample_cfg,
                 timestep_selection=STEP_SELECTIONS.default,
                 sde_window=0,
+                sde_steps_drawn=0,
                 sde_window_max_start=None,
                 sde_window_start=None,
             )
