@@ -13,12 +13,12 @@ from helpers import python
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def run(script: str, tmp_path: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "benchmarks" / script), str(tmp_path / "out")],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         env={**os.environ, "PYTHON": python(), **env},
     )
 
@@ -69,3 +69,23 @@ def test_the_retain_offload_check_runs_its_code_on_the_cpu_in_a_dry_run(tmp_path
         proc = subprocess.run([python(), script, "--out", str(tmp_path / "gpu")], capture_output=True, text=True)
         assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_papers_experiments_script_runs_each_command_in_a_dry_run(tmp_path):
+    """benchmarks/gpu_paper_experiments.sh with DRY_RUN=1: Table 1's ablation on 2 gloo processes, the sweep over the
+    timestep fraction, the memory curves from its largest fraction and the bfloat16 alignment protocol, each writing
+    its tables at the tiny size; the summary holds them all."""
+    import json
+
+    proc = run("gpu_paper_experiments.sh", tmp_path, timeout=280, DRY_RUN="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    ablation = json.loads((out / "ablation" / "lora" / "ablation.json").read_text())
+    assert [r["row"] for r in ablation["rows"]][:1] == ["native"]
+    sweep = json.loads((out / "sweep" / "sweep.json").read_text())
+    assert [p["value"] for p in sweep["points"]] == ["0.5", "1.0"]
+    assert "| retain |" in (out / "memory.md").read_text()
+    assert json.loads((out / "alignment" / "equivalence.json").read_text())
+    summary = (out / "summary.md").read_text()
+    assert all(f"## {part}" in summary for part in ("Table 1", "Fig. 3", "Fig. 6", "App. E"))

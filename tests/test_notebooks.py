@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ("speedup", "equivalence", "training", "overlap")
+NOTEBOOKS = ("speedup", "equivalence", "training", "overlap", "paper")
 REQUIRED = {
     "speedup": (
         "speedup_retain",
@@ -46,6 +46,15 @@ REQUIRED = {
         "eval_reward_gain_awm",
     ),
     "overlap": ("overlap_exposed_ms_flash", "overlap_exposed_ms_collective", "sp_exposed_ms_reweight_collective"),
+    "paper": (
+        "ablation_vs_paper_lora_retain",  # Table 1's rows beside the paper's
+        "ablation_vs_paper_full_finetune_reweight",
+        "sweep_speedup_retain_1.0",  # Fig. 3
+        "memory_slope_vs_plan_retain",  # Fig. 6
+        "optimizer_peak_vs_plan_recompute",
+        "alignment_flux-bfloat16_retain_bitwise",  # App. E
+        "alignment_wan-float32_reweight_gradient_rel_l2",
+    ),
 }
 
 

@@ -15,7 +15,17 @@ from pathlib import Path
 
 from lean.config import ConfigError, RunConfig
 from lean.observe.outputs import write_json
-from lean.schedules import BASELINE, LEAN_SCHEDULES
+from lean.schedules import BASELINE, LEAN_SCHEDULES, RETAIN, REWEIGHT
+
+# LeanGRPO's Fig. 3 (arXiv 2609.03528): each schedule's speedup range over timestep fractions 0.25-1.0, per setting
+PAPER_FIG3 = {
+    "DanceGRPO FLUX full fine-tune": {REWEIGHT: (1.44, 1.81), RETAIN: (1.18, 1.29)},
+    "DanceGRPO FLUX LoRA (bf16)": {REWEIGHT: (1.26, 1.43), RETAIN: (1.27, 1.42)},
+    "DanceGRPO Wan 1.3B/5B/14B": {REWEIGHT: (1.24, 1.49), RETAIN: (1.22, 1.46)},
+    "FlowGRPO-Fast": {REWEIGHT: (1.25, 1.67), RETAIN: (1.19, 1.30)},
+    "MixGRPO-Flash": {REWEIGHT: (1.22, 1.47), RETAIN: (1.15, 1.29)},
+    "FlowGRPO SD3.5-M": {REWEIGHT: (1.43, 1.83), RETAIN: (1.12, 1.21)},
+}
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:
