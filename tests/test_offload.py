@@ -226,8 +226,9 @@ def test_a_tiny_flux_step_through_the_hooks():
     offload = SavedTensorOffload("copy")
     hooked = step(offload.saving())
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
-    seen = offload.stats.moved_bytes + offload.stats.resident_bytes
-    assert abs(seen - saved.take()) <= 0.1 * seen  # 642736 vs 641456 bytes: spans of views against whole storages
+    total, moved = saved.take_split()  # SavedBytes leaves out the parameters, which the offload leaves in place
+    assert abs(offload.stats.moved_bytes - moved) <= 0.1 * moved  # spans of views against whole storages
+    assert moved <= total <= offload.stats.moved_bytes + offload.stats.resident_bytes
 
 
 def test_one_backward_over_several_steps_reads_them_in_reverse():
