@@ -1,0 +1,144 @@
+"""BranchGRPO's updates per tree rollout (``lean/schedules/edge_updates.py``): the trained edges shuffled and split
+into optimizer steps of G = ``train.edges_per_update`` edges plus one for the remainder, as the tree script does
+(Fredreic1849/BranchGRPO@19fbb9f, fastvideo/train_branchgrpo_flux.py:1481, :1592-1610); Retain and Reweight run them
+as exact hybrids (``lean.schedules.hybrid.EdgeUpdates``) and end every iteration with Recompute's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_preset
+
+from lean.configure import load_config
+from lean.sampling.tree import TreeShape, edge_cells
+from lean.schedules.edge_updates import edge_chunks, update_count
+
+PRESET = "branchgrpo-flux"
+# the preset's tree, SDE, clip, G = 12 and optimizer on 4 steps: b = 2 at steps 0 and 1, 4 leaves a tree, 2 trees;
+# LoRA (Reweight splits its backward by row) and a sync per update (Reweight corrects before it)
+TINY = ["model.dtype=float64", "sample.num_steps=4", "sample.tree.branch_points=[0, 1]", "train.group_size=4"]
+TINY += ["model.full_finetune=false", "parallel.grad_sync=per_update"]
+PRUNED = ["algorithm.branch_grpo.width_pruning=best_and_worst", "algorithm.branch_grpo.width_pruning_ratio=0.5"]
+KL = ["algorithm.beta=0.04"]  # Reweight's one KL buffer, at the first update's edges' weights
+
+
+def _source_steps(trees: int, num_steps: int, points: list[int], trained_steps: int, g: int) -> int:
+    """The tree script's optimizer steps per iteration on one process, counted its way: each of its trees has
+    2^|{q in P : q <= i}| edges at step i (:404-405, two children at a split), the trained ones collected
+    (:1199-1220), and the loop steps after every g-th edge and once more when edges remain (:1592-1610)."""
+    edges = trees * sum(2 ** sum(q <= i for q in points) for i in range(num_steps)[:trained_steps])
+    steps = 0
+    for i in range(edges):
+        steps += (i + 1) % g == 0
+    return steps + (edges % g != 0)
+
+
+def _trained(cfg, iterations: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """(the trainable weights before, after ``iterations`` iterations of ``cfg``'s schedule, the optimizer steps)."""
+    from lean.train import Trainer
+
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    for it in range(iterations):
+        trainer.iteration(it, cfg.train.schedule)
+    return start, [p.detach().clone() for p in trainer.params], trainer.state.steps
+
+
+def _rel(weights: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    return max(((w - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for w, r in zip(weights, reference))
+
+
+def test_the_preset_takes_the_tree_scripts_optimizer_steps_per_rollout():
+    """At the published shape (P = 0, 3, 6, 9 of 20 steps, 2 trees a process, G = 12): the tree script's 37 steps
+    over its 218 edges a tree, and lean's 34 over the 202 it trains (the last step never, the preset's header)."""
+    cfg = load_config(None, [], preset=PRESET)
+    g, t = cfg.train.edges_per_update, cfg.train
+    shape = TreeShape(20, (0, 3, 6, 9), 2)
+    assert g == 12 and shape.total_edges == 218
+    assert update_count(2 * 218, g) == _source_steps(2, 20, [0, 3, 6, 9], 20, g) == 37
+    assert update_count(2 * (218 - 16), g) == _source_steps(2, 20, [0, 3, 6, 9], 19, g) == 34
+    assert (
+        t.on_policy is False
+        and load_config(None, ["train.on_policy=true"], preset=PRESET).train.edges_per_update is None
+    )
+
+
+def test_the_chunks_split_every_edge_once_the_same_way_every_time():
+    cfg = tiny_preset(PRESET, *TINY)
+    cells = torch.rand(8, 4, generator=torch.Generator().manual_seed(0)) < 0.6
+    chunks = edge_chunks(cfg, 3, cells)
+    assert [int(c.sum()) for c in chunks] == [12] * (int(cells.sum()) // 12) + [int(cells.sum()) % 12] * (
+        cells.sum() % 12 > 0
+    )
+    assert torch.equal(torch.stack(chunks).sum(0), cells.long())
+    assert all(torch.equal(a, b) for a, b in zip(chunks, edge_chunks(cfg, 3, cells)))
+    assert not torch.equal(chunks[0], edge_chunks(cfg, 4, cells)[0])  # another iteration, another order
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [KL, PRUNED], ids=["first-edges-before-the-rollout", "width-pruned-after-rewards"])
+def test_hybrids_take_the_tree_scripts_steps_and_end_with_recomputes_weights(extra):
+    """Tiny branchgrpo-flux, two iterations: Recompute takes the tree script's steps per rollout for the edges it
+    trains (2 trees x 10 edges, G = 12: 2), and Retain's and Reweight's weights (the first update from the kept
+    graphs / the provisional buffers, the second recomputed) are Recompute's to 1e-10 in float64, with C_1 drawn before
+    the rollout, or among the kept edges after the rewards (width pruning)."""
+    cfg = tiny_preset(PRESET, *TINY, *extra)
+    start, reference, steps = _trained(cfg)
+    assert steps == 2 * _source_steps(2, 4, [0, 1], 3, 12) == 4 and _rel(start, reference) > 1e-6
+    for schedule in ("retain", "reweight"):
+        _, weights, steps = _trained(tiny_preset(PRESET, *TINY, *extra, f"train.schedule={schedule}"))
+        assert steps == 4 and _rel(weights, reference) < 1e-10, schedule
+
+
+def test_the_rollout_tracks_only_the_first_updates_nodes():
+    """Without width pruning C_1 is drawn before the rollout: Retain's rollout tracks the nodes with an edge in C_1
+    (their edges, C_1's and their siblings', in a transition of their own), every other node without autograd, and
+    Reweight keeps a buffer for C_1's 12 edges alone, not the rollout's 20."""
+    from lean.schedules import Retain, Reweight
+    from lean.train import Trainer
+
+    trainer = Trainer(tiny_preset(PRESET, *TINY))
+    tracked, untracked = torch.zeros(8, 4, dtype=torch.bool), torch.zeros(8, 4, dtype=torch.bool)
+
+    def record(step):
+        (tracked if step.log_prob.requires_grad else untracked)[step.rows, step.index] = True
+
+    rolled = trainer.pipeline.roll_out(0, Retain, on_step=record)
+    first, trained = rolled.schedule.later.cells, rolled.ctx.steps.trained.cpu()
+    assert int(first.sum()) == 12 and int(trained.sum()) == 20
+    every_edge = edge_cells(TreeShape(4, (0, 1), 2), 8)  # each handed over once, tracked or not
+    assert not (tracked & untracked).any() and torch.equal(tracked | untracked, every_edge)
+    assert (first <= tracked).all() and tracked.sum() < trained.sum()
+    siblings = tracked & ~first  # each the other child of a node C_1 branches from (steps 0 and 1 branch)
+    assert all(i in (0, 1) for i in torch.nonzero(siblings)[:, 1].tolist())
+    assert trainer.pipeline.roll_out(0, Reweight).schedule.edges.count == 12
+
+
+def test_the_certificate_compares_the_first_updates_edges():
+    """``lean equivalence`` on the preset's updates: every schedule's first optimizer step (C_1's edges) against the
+    float64 twin's gradient of C_1 at the tree script's normaliser, KL on."""
+    from lean.tools.equivalence import passes, run_equivalence
+
+    cfg = tiny_preset(PRESET, *TINY, *KL)
+    report = run_equivalence(cfg, reference=True)
+    assert passes(report, cfg.model.torch_dtype) and not report.get("not_run")
+    for schedule in ("recompute", "retain", "reweight"):
+        assert report["reference"][schedule]["max_rel_grad_diff"] < 1e-10, schedule
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_updates_on_two_sharded_processes_pass_the_certificate(tmp_path):
+    """Sharded passes in lockstep (FSDP, a tree a process, 4 edges a step: 3 steps): every process draws the same
+    C_1..C_S cells (shape-only without width pruning), so Recompute's chunks, Retain's tracked nodes and Reweight's
+    rounds match across processes, and the first update's gradient is the twin's."""
+    import json
+
+    from helpers import lean_ranks, tiny_preset_sets
+
+    sets = [*tiny_preset_sets(PRESET), *TINY, *KL, "parallel.shard=fsdp", "train.edges_per_update=4"]
+    lean_ranks(2, "equivalence", "--preset", PRESET, *[a for v in sets for a in ("--set", v)], "--out", str(tmp_path))
+    report = json.loads((tmp_path / "equivalence.json").read_text())
+    assert report["world_size"] == 2 and report["passes"] and not report.get("not_run")
+    for schedule in ("retain", "reweight"):
+        assert report[schedule]["max_rel_grad_diff"] < 1e-10, schedule
