@@ -142,3 +142,27 @@ def test_the_updates_on_two_sharded_processes_pass_the_certificate(tmp_path):
     assert report["world_size"] == 2 and report["passes"] and not report.get("not_run")
     for schedule in ("retain", "reweight"):
         assert report[schedule]["max_rel_grad_diff"] < 1e-10, schedule
+
+
+def test_the_plan_predicts_a_tree_hybrid_between_its_one_update_and_recompute():
+    """``lean plan`` on the preset's updates (s = G / E of the trained edges): Retain's graphs and Reweight's buffers
+    for C_1's share alone, Recompute's later updates on top; every update recomputed under Recompute either way."""
+    from lean.plan.cost import first_share
+    from lean.run.iteration import local_batch
+    from lean.schedules import IterationCosts, Recompute, Retain, Reweight, RowCounts
+
+    cfg = tiny_preset(PRESET, *TINY)
+    assert first_share(cfg, local_batch(cfg, 0).steps, 8) == 12 / 20
+    assert first_share(tiny_preset(PRESET, *TINY, "train.on_policy=true"), local_batch(cfg, 0).steps, 8) == 1.0
+    one = IterationCosts(
+        n=4, k=3, local=8, f=1.0, fb=3.0, fb_one=0.5, ref=0.0, score=2.0, base_mb=100, act_mb=8, act_one_mb=1,
+        transient_mb=1, decode_mb=5, trainable_mb=1, train_rows_fraction=1.0, kl=False, per_row_grads=True,
+        rows=RowCounts(forwards=14, trained_forwards=10, trained_edges=20, leaves=8),
+    )  # fmt: skip
+    hybrid = IterationCosts(**{**vars(one), "first_share": 12 / 20})
+    assert Recompute.predict(hybrid) == Recompute.predict(one)
+    for schedule in (Retain, Reweight):
+        full, part = schedule.predict(one), schedule.predict(hybrid)
+        assert full.time_iteration_s < part.time_iteration_s < Recompute.predict(hybrid).time_iteration_s
+        assert part.held_mb < full.held_mb
+    assert Reweight.predict(hybrid).held_mb == 12 * 1  # a buffer per first-update edge

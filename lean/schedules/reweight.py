@@ -344,19 +344,22 @@ class Reweight(Schedule):
 
     @staticmethod
     def _predict_tree(c: IterationCosts) -> Prediction:
-        """A tree rollout (one update per rollout): a buffer per trained edge of one finishing unit (and per edge for
-        the KL part when edges are dropped after the rewards), every node's forward once, and a backward per edge's
-        round: a branch step's b rounds each backpropagate the step's nodes, so the backwards count the edges
-        (``edge_steps``) where the forwards count the nodes (``tracked_steps``)."""
-        backwards = 2 if c.kl else 1
-        edges = c.rows.trained_edges * c.held_fraction
+        """A tree rollout: a buffer per trained edge of one finishing unit (and per edge for the KL part when edges are
+        dropped after the rewards), every node's forward once, and a backward per edge's round: a branch step's b
+        rounds each backpropagate the step's nodes, so the backwards count the edges (``edge_steps``) where the
+        forwards count the nodes (``tracked_steps``). With several updates by edges (the hybrid's ``EdgeUpdates``):
+        s = G / E of it, buffers for the first update's edges, and Recompute's later updates on top."""
+        backwards, s = 2 if c.kl else 1, c.first_share if c.later else 1.0
+        edges = c.rows.trained_edges * (s if c.later else c.held_fraction)
         kl_buffers = 0 if not c.kl else (1 if c.n_known else edges)
         buffers = (edges + kl_buffers + (c.held_fraction < 1)) * c.trainable_mb
-        n, k, e = c.forward_steps, c.tracked_steps, c.edge_steps
+        n, k, e = c.forward_steps, c.tracked_steps * s, c.edge_steps * s
+        score = c.score_at_end if c.later and c.score_at_end is not None else c.score
+        later_s, later_mb = (c.later_update_s, c.later_update_mb) if c.later else (0.0, 0.0)
         if c.per_row_grads:
-            time = n * c.f + e * backwards * (c.fb - c.f) + c.score + c.ref
-            return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb), time, held_mb=buffers
-            )
-        time = (n - k) * c.f + e * c.local * c.fb_one * backwards + c.score + c.ref
-        return Prediction(c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb), time, held_mb=buffers)
+            time = n * c.f + e * backwards * (c.fb - c.f) + score + s * c.ref + later_s
+            act = c.backward_act_mb + c.transient_mb
+        else:
+            time = (n - k) * c.f + e * c.local * c.fb_one * backwards + score + s * c.ref + later_s
+            act = c.act_one_mb + c.transient_mb
+        return Prediction(c.base_mb + buffers + max(c.decode_mb, act, later_mb), time, held_mb=buffers)
