@@ -22,11 +22,16 @@ PRUNED = ["algorithm.branch_grpo.width_pruning=best_and_worst", "algorithm.branc
 KL = ["algorithm.beta=0.04"]  # Reweight's one KL buffer, at the first update's edges' weights
 
 
-def _source_steps(trees: int, num_steps: int, points: list[int], trained_steps: int, g: int) -> int:
-    """The tree script's optimizer steps per iteration on one process, counted its way: each of its trees has
-    2^|{q in P : q <= i}| edges at step i (:404-405, two children at a split), the trained ones collected
-    (:1199-1220), and the loop steps after every g-th edge and once more when edges remain (:1592-1610)."""
-    edges = trees * sum(2 ** sum(q <= i for q in points) for i in range(num_steps)[:trained_steps])
+def _edges(num_steps: int, points: list[int], steps: list[int]) -> int:
+    """A tree's edges at ``steps`` counted the tree script's way: 2^|{q in P : q <= i}| at step i (two children at a
+    split, :404-405; every edge collected, :1199-1220)."""
+    assert all(i < num_steps for i in steps)
+    return sum(2 ** sum(q <= i for q in points) for i in steps)
+
+
+def _source_steps(edges: int, g: int) -> int:
+    """The tree script's optimizer steps over a process's ``edges``: after every g-th edge, and once more when edges
+    remain (:1592-1610)."""
     steps = 0
     for i in range(edges):
         steps += (i + 1) % g == 0
@@ -55,8 +60,8 @@ def test_the_preset_takes_the_tree_scripts_optimizer_steps_per_rollout():
     g, t = cfg.train.edges_per_update, cfg.train
     shape = TreeShape(20, (0, 3, 6, 9), 2)
     assert g == 12 and shape.total_edges == 218
-    assert update_count(2 * 218, g) == _source_steps(2, 20, [0, 3, 6, 9], 20, g) == 37
-    assert update_count(2 * (218 - 16), g) == _source_steps(2, 20, [0, 3, 6, 9], 19, g) == 34
+    assert 2 * _edges(20, [0, 3, 6, 9], list(range(20))) == 436 and update_count(436, g) == _source_steps(436, g) == 37
+    assert 2 * _edges(20, [0, 3, 6, 9], list(range(19))) == 404 and update_count(404, g) == _source_steps(404, g) == 34
     assert (
         t.on_policy is False
         and load_config(None, ["train.on_policy=true"], preset=PRESET).train.edges_per_update is None
@@ -75,19 +80,38 @@ def test_the_chunks_split_every_edge_once_the_same_way_every_time():
     assert not torch.equal(chunks[0], edge_chunks(cfg, 4, cells)[0])  # another iteration, another order
 
 
+HYBRID_CASES = {  # (overrides, the process's trained edges: 2 trees, as the tree script counts them)
+    "first-edges-before-the-rollout": (KL, 2 * _edges(4, [0, 1], [0, 1, 2])),  # 20 edges: 12 + 8
+    "width-pruned-after-rewards": (PRUNED, 2 * (_edges(4, [0, 1], [0, 1]) + 2)),  # step 2's best and worst kept
+    "full-finetune": (["model.full_finetune=true", *KL], 20),  # Reweight backpropagates one edge at a time
+    # depth 2 pruned (step 1's edges), G = 3: 4 steps; the trees finished at the end in the group layout
+    "group-layout-depth-pruned": (
+        [
+            "parallel.layout=group",
+            "train.rollout_batch_size=4",
+            "sample.tree.depth_pruning=[2]",
+            "train.edges_per_update=3",
+        ],
+        2 * _edges(4, [0, 1], [0, 2]),
+    ),
+}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("extra", [KL, PRUNED], ids=["first-edges-before-the-rollout", "width-pruned-after-rewards"])
-def test_hybrids_take_the_tree_scripts_steps_and_end_with_recomputes_weights(extra):
-    """Tiny branchgrpo-flux, two iterations: Recompute takes the tree script's steps per rollout for the edges it
-    trains (2 trees x 10 edges, G = 12: 2), and Retain's and Reweight's weights (the first update from the kept
-    graphs / the provisional buffers, the second recomputed) are Recompute's to 1e-10 in float64, with C_1 drawn before
-    the rollout, or among the kept edges after the rewards (width pruning)."""
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_hybrids_take_the_tree_scripts_steps_and_end_with_recomputes_weights(case):
+    """Tiny branchgrpo-flux, two iterations: Recompute takes the tree script's optimizer steps per rollout for the
+    edges it trains, and Retain's and Reweight's weights (the first update from the kept graphs / the provisional
+    buffers, the later ones recomputed) are Recompute's to 1e-10 in float64, with C_1 drawn before the rollout, or
+    among the kept edges after the rewards (width pruning)."""
+    extra, edges = HYBRID_CASES[case]
     cfg = tiny_preset(PRESET, *TINY, *extra)
+    per_rollout = _source_steps(edges, cfg.train.edges_per_update)
     start, reference, steps = _trained(cfg)
-    assert steps == 2 * _source_steps(2, 4, [0, 1], 3, 12) == 4 and _rel(start, reference) > 1e-6
+    assert per_rollout > 1 and steps == 2 * per_rollout and _rel(start, reference) > 1e-6
     for schedule in ("retain", "reweight"):
         _, weights, steps = _trained(tiny_preset(PRESET, *TINY, *extra, f"train.schedule={schedule}"))
-        assert steps == 4 and _rel(weights, reference) < 1e-10, schedule
+        assert steps == 2 * per_rollout and _rel(weights, reference) < 1e-10, schedule
 
 
 def test_the_rollout_tracks_only_the_first_updates_nodes():

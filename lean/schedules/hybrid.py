@@ -98,7 +98,7 @@ class EdgeUpdates(LaterUpdates):
 
     def __init__(self, ctx: IterationContext):
         super().__init__(ctx, torch.arange(ctx.batch))
-        # C_1 before the rollout where the cells are shape-only (no width pruning): its steps alone are tracked
+        # C_1 before the rollout where the cells are shape-only (no width pruning): its nodes alone are tracked
         self.cells = None if ctx.algorithm.drops_terms else first_edges(ctx, None)
         self.tracked_steps = None if self.cells is None else self.cells.any(0)
 

@@ -179,12 +179,12 @@ class Recompute(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx = self.ctx
         like_rollout = ctx.cfg.train.recompute_batching == ROLLOUT_BATCHING
-        losses: list[StepLoss] = []
-        step_stats = {}
-        kept, n = ctx.kept_samples(advantages)
         if tree_shape(ctx.cfg.sample) is not None:  # a tree's trained edges sit on cells, not K per row
             losses, first, step_stats = self.tree_updates(advantages, optimizer_step)
             return {**loss_stats(losses, first), **step_stats}
+        losses: list[StepLoss] = []
+        step_stats = {}
+        kept, n = ctx.kept_samples(advantages)
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
         first = None  # how many of the losses are the first update's
         for u, update in enumerate(batches):

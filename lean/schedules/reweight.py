@@ -103,7 +103,7 @@ class Reweight(Schedule):
         self.first_cells = None  # a tree hybrid's first edges known before the rollout, on the device (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows
-            if self.later.tracked_steps is not None:  # their steps alone are tracked, their cells alone buffered
+            if self.later.tracked_steps is not None:  # a tree's first edges: their nodes tracked, their cells buffered
                 self.any_trained, self.track_cells = self.later.tracked_steps, self.later.cells
                 self.first_cells = self.later.cells.to(ctx.sigmas.device)
         # a hybrid: one buffer per trajectory of the first update, in its slot; else per row of a finishing unit
