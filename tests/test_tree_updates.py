@@ -54,14 +54,19 @@ def _rel(weights: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
 
 
 def test_the_preset_takes_the_tree_scripts_optimizer_steps_per_rollout():
-    """At the published shape (P = 0, 3, 6, 9 of 20 steps, 2 trees a process, G = 12): the tree script's 37 steps
-    over its 218 edges a tree, and lean's 34 over the 202 it trains (the last step never, the preset's header)."""
+    """At the published shape (P = 0, 3, 6, 9 of 20 steps, 2 trees a process of 8, G = 12): the tree script's 37 steps
+    over its 218 edges a tree, and lean's 34 over the 202 it trains (the last step never, the preset's header), as
+    lean's own chunks of a process's trained cells count them."""
+    from lean.run.iteration import local_batch
+
     cfg = load_config(None, [], preset=PRESET)
     g, t = cfg.train.edges_per_update, cfg.train
     shape = TreeShape(20, (0, 3, 6, 9), 2)
     assert g == 12 and shape.total_edges == 218
     assert 2 * _edges(20, [0, 3, 6, 9], list(range(20))) == 436 and update_count(436, g) == _source_steps(436, g) == 37
     assert 2 * _edges(20, [0, 3, 6, 9], list(range(19))) == 404 and update_count(404, g) == _source_steps(404, g) == 34
+    trained = local_batch(cfg, 0, rank=0, world_size=8).steps.trained
+    assert int(trained.sum()) == 404 and len(edge_chunks(cfg, 0, trained)) == 34
     assert (
         t.on_policy is False
         and load_config(None, ["train.on_policy=true"], preset=PRESET).train.edges_per_update is None
@@ -71,10 +76,8 @@ def test_the_preset_takes_the_tree_scripts_optimizer_steps_per_rollout():
 def test_the_chunks_split_every_edge_once_the_same_way_every_time():
     cfg = tiny_preset(PRESET, *TINY)
     cells = torch.rand(8, 4, generator=torch.Generator().manual_seed(0)) < 0.6
-    chunks = edge_chunks(cfg, 3, cells)
-    assert [int(c.sum()) for c in chunks] == [12] * (int(cells.sum()) // 12) + [int(cells.sum()) % 12] * (
-        cells.sum() % 12 > 0
-    )
+    chunks, edges = edge_chunks(cfg, 3, cells), int(cells.sum())
+    assert [int(c.sum()) for c in chunks] == [12] * (edges // 12) + ([edges % 12] if edges % 12 else [])
     assert torch.equal(torch.stack(chunks).sum(0), cells.long())
     assert all(torch.equal(a, b) for a, b in zip(chunks, edge_chunks(cfg, 3, cells)))
     assert not torch.equal(chunks[0], edge_chunks(cfg, 4, cells)[0])  # another iteration, another order
