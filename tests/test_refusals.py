@@ -38,6 +38,7 @@ REFUSED = {
     ),
     "Reweight with a sync per backward": (["parallel.grad_sync=per_backward", "train.schedule=reweight"], 2),
     "Retain's keys under another schedule": (["train.schedule=recompute", "train.retain.offload=host"], 1),
+    "edges per update on a flat rollout": (["train.edges_per_update=12"], 1),
     "a tree in the shared layout": (
         [*TREE, "sample.tree.branch_points=[0,3]", "parallel.layout=shared"],
         1,

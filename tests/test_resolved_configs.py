@@ -133,8 +133,10 @@ ADDED_AWM: dict[str, object] = {
 CHANGED_AWM: dict[tuple[str, str], tuple[object, object]] = {}
 # BranchGRPO's pruning of the gradient (issue #43): the tree's depth pruning (lean/sampling/tree.py) and its width
 # pruning (lean/algorithms/branch_grpo.py), all off as before (the tree script's defaults, train_branchgrpo_flux.py
-# :2101-2109 at 19fbb9f: no depth, mode 0, ratio 0.5, pruning_step_ratio 1.0)
+# :2101-2109 at 19fbb9f: no depth, mode 0, ratio 0.5, pruning_step_ratio 1.0); issue #58: a tree's updates as chunks
+# of its edges (lean/schedules/edge_updates.py), off (one update per tree rollout) but in branchgrpo-flux
 ADDED_BRANCH: dict[str, object] = {
+    "train.edges_per_update": None,
     "sample.tree.depth_pruning": [],
     "sample.tree.depth_pruning_slide_interval": None,
     "sample.tree.depth_pruning_stop_depth": None,

@@ -58,6 +58,13 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
             cfg.sample.tree.branch_points,
             f"algorithm.name={cfg.algorithm.name} has one target per sample; a tree's are per edge (branch_grpo)",
         )
+    if cfg.train.edges_per_update is not None and not cfg.sample.tree.branch_points:
+        raise ConfigError(
+            "train.edges_per_update",
+            cfg.train.edges_per_update,
+            "splits a tree rollout's edges into updates; a flat rollout's: train.optimizer_steps_per_iteration",
+            ["train.edges_per_update=null"],
+        )
     problem = algorithm.problem(cfg, world_size)
     if problem is not None:
         key, value, allowed, *own = problem  # a problem may name its own fix

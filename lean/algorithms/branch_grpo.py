@@ -8,11 +8,22 @@ trains with A(c), clamped to +-adv_clip_max (:1204, :1547):
 
     L = 1/(B K) sum_{trained edges e} [ max(-A_e r_e, -A_e clip(r_e, 1 - c, 1 + c)) + beta KL_e ]
 
-with B the local leaves and K the trained steps (the flat normaliser: a constant factor on BranchGRPO's 1/(G E/T),
-the same for every schedule). Targets sit on the [B, num_steps] grid at each edge's first leaf. On-policy r = 1 and the
-gradient is linear in A, so Retain is exact (one kept graph per trained node), and Reweight (a buffer per trained edge,
-``lean.schedules.edge_buffers``); Recompute recomputes each trained edge
+with B the local leaves and K the trained steps (the flat normaliser, one update per tree rollout: a constant factor
+on BranchGRPO's 1/(G floor(E/T)), the same for every schedule). Targets sit on the [B, num_steps] grid at each edge's
+first leaf. On-policy r = 1 and the gradient is linear in A, so Retain is exact (one kept graph per trained node), and
+Reweight (a buffer per trained edge, ``lean.schedules.edge_buffers``); Recompute recomputes each trained edge
 (BranchGRPO's ``grpo_one_step`` per edge, :714-752).
+
+The tree script's updates (``train.edges_per_update`` = G, its --gradient_accumulation_steps): the E trained edges of
+the process shuffled (:1481) and split into S = ceil(E / G) optimizer steps C_1..C_S of G edges and the remainder
+(:1592-1610; ``lean.schedules.edge_updates``), each step s minimising
+
+    L_s = 1/(G floor(E/T)) sum_{e in C_s} [ max(-A_e r_e, -A_e clip(r_e, 1 - c, 1 + c)) + beta KL_e ]
+
+with T the local trees and r_e against the rollout's old log-prob (:1551-1575): the first step on-policy (r = 1),
+the later ones under moved weights (the clip 1e-3 acts). Retain and Reweight run it as the exact hybrid of
+``lean.schedules.hybrid.EdgeUpdates`` (C_1 from the rollout's graphs or buffers, C_2..C_S recomputed);
+``train.on_policy=true`` keeps one update per tree rollout (the form above).
 
 Pruning of the gradient (:1256-1470), while iteration + 1 <= int(train.iterations * ``pruning_until``) (:1258-1264):
 depth pruning is the tree's (``sample.tree.depth_pruning``, shape-only: the trained mask loses those steps before the
@@ -31,7 +42,7 @@ edges (the pruned weigh 0), Reweight folds the kept edges' buffers only, Recompu
 three are exact. Differences: the ranking reads
 the targets clamped to +-adv_clip_max (the script ranks before its clamp, :1547; equal unless the clamp binds, which
 needs more than 26 leaves at the recipe's 5), and best_and_worst ranks each tree's layer, not the pool of the
-process's trees (a world-size-free choice). Not yet: the log-prob softmax fusion, several updates per rollout.
+process's trees (a world-size-free choice). Not yet: the log-prob softmax fusion.
 """
 
 from __future__ import annotations
@@ -70,7 +81,8 @@ class BranchGRPO(GRPO):
         if cfg.algorithm.skip_zero_advantage:
             return "algorithm.skip_zero_advantage", True, "a tree's targets are per edge, not per sample"
         if t.optimizer_steps_per_iteration != 1 or t.num_inner_epochs != 1:
-            return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, "one update per tree rollout"
+            why = "a tree rollout's updates are chunks of its edges: set train.edges_per_update (null: one update)"
+            return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, why
         return None
 
     @classmethod
@@ -109,15 +121,21 @@ class BranchGRPO(GRPO):
 
     def kept_terms(self, targets: Tensor, trained: Tensor, iteration: int) -> tuple[Tensor | None, int | Tensor]:
         """With width pruning, while it applies: the trained cells the update keeps [B, num_steps] and N = B x (kept
-        cells / trained cells), so a kept edge weighs (trained / kept) / (B K)."""
-        if not self.drops_terms or not self.prunes(self.run_cfg, iteration):
-            return self.kept_samples(targets)
-        options = self.cfg.branch_grpo
+        cells / trained cells), so a kept edge weighs (trained / kept) / (B K). With ``train.edges_per_update`` = G:
+        N = G floor(E / T) / K, E the kept edges and T the trees: an edge weighs the tree script's 1/(G floor(E/T))."""
+        kept, n = self.kept_samples(targets)
         trained = trained.cpu()
-        kept = width_pruned(
-            tree_shape(self.sample), targets.cpu(), trained, options.width_pruning, options.width_pruning_ratio
-        )
-        return kept.to(targets.device), len(targets) * float(kept.sum()) / float(trained.sum())
+        if self.drops_terms and self.prunes(self.run_cfg, iteration):
+            options = self.cfg.branch_grpo
+            kept = width_pruned(
+                tree_shape(self.sample), targets.cpu(), trained, options.width_pruning, options.width_pruning_ratio
+            )
+            n, kept = len(targets) * float(kept.sum()) / float(trained.sum()), kept.to(targets.device)
+        if (size := self.run_cfg.train.edges_per_update) is not None:
+            edges = int(trained.sum() if kept is None else kept.sum())
+            trees = len(targets) // self.run_cfg.train.group_size
+            n = size * max(1, edges // trees) / int(trained[0].sum())  # :1500-1503 (at least 1), :1575
+        return kept, n
 
     def targets(self, rewards: Tensor, group_ids: Tensor, components: Tensor | None = None) -> Tensor:
         """[N, num_steps] float64: each edge's advantage at (its first leaf, its step), 0 elsewhere."""

@@ -61,12 +61,16 @@ class TrainConfig:
     """Samples per forward during Recompute's update, per process."""
     optimizer_steps_per_iteration: int = 1
     """> 1 is off-policy (FlowGRPO's gradient accumulation)."""
+    edges_per_update: int | None = None
+    """On a tree rollout: the trained edges of one optimizer step, the rollout's edges shuffled and split into steps of
+    this many plus one for the remainder (BranchGRPO's --gradient_accumulation_steps: ``lean/schedules/
+    edge_updates.py``); null: one update per tree rollout. ``on_policy`` sets it null."""
     on_policy: bool = False
     """The recipe's on-policy form: each rollout feeds one optimizer step with the recipe's samples per step. With
     S = optimizer_steps_per_iteration: prompts_per_iteration / S prompts per rollout, iterations x S rollouts, one
     optimizer step each (S becomes 1). The samples per step and the number of steps stay the recipe's; every step's
     ratio is 1, so retain, reweight and auto run it exactly. Needs num_inner_epochs 1 (a second pass reuses samples
-    under moved weights)."""
+    under moved weights). A tree cannot be split: ``edges_per_update`` becomes null, one update per tree rollout."""
     shuffle_update: bool = True
     """Recompute's update visits the local samples in a shuffled order (FlowGRPO's SD3, FLUX and Wan scripts); false:
     in rollout order (Flow-GRPO-Fast, DanceGRPO). It decides which samples share an optimizer step."""
@@ -118,6 +122,8 @@ class TrainConfig:
         check_choice("train.on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.memory_budget_mb is not None:
             check_positive("train.memory_budget_mb", self.memory_budget_mb)
+        if self.edges_per_update is not None:
+            check_positive("train.edges_per_update", self.edges_per_update)
         if self.prompts_file is not None:
             self.prompts = prompts_of_file("train.prompts_file", self.prompts_file)
         if self.on_policy:
@@ -144,7 +150,7 @@ class TrainConfig:
                 f"={steps} rollouts: use a multiple of {steps}",
             )
         self.prompts_per_iteration, self.iterations = prompts // steps, self.iterations * steps
-        self.optimizer_steps_per_iteration = 1
+        self.optimizer_steps_per_iteration, self.edges_per_update = 1, None
 
 
 @register_options("optimizer")

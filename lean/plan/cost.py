@@ -85,6 +85,7 @@ from lean.schedules import (
     whole_gradient_buffers,
     with_schedule,
 )
+from lean.schedules.edge_updates import edges_per_update
 from lean.schedules.per_sample import linear_owners
 from lean.schedules.recompute import first_update_rows
 from lean.schedules.retain import ALL_STEPS, DEVICE, HOST, OFFLOADS, Retain
@@ -264,7 +265,7 @@ def iteration_costs(
         held_fraction=unit / local,
         # N, and the KL terms' weights, known before the rewards (else Reweight keeps a KL buffer per trajectory)
         n_known=not cfg.algorithm.skip_zero_advantage and not algorithm.weighs_regulariser,
-        first_share=len(first) / local if (first := first_update_rows(cfg, 0, local)) is not None else 1.0,
+        first_share=first_share(cfg, inp.batch.steps, local),
         epochs=cfg.train.num_inner_epochs,
         **retain_terms(cfg, measured, k, min(probed, unit) / probed, link_mb_s, host_budget_mb),
         rows=rows,
@@ -285,6 +286,16 @@ def memory_terms(measured: dict, rounds: int) -> dict:
         "trainable_mb": measured["param_mb"],
         "optimizer_stage_mb": measured.get("optimizer_stage_mb", 0.0),
     }
+
+
+def first_share(cfg: RunConfig, steps: StepSelection, local: int) -> float:
+    """s, the first update's share of what the iteration trains: |C_1| / B of the local samples, or on a tree with
+    ``train.edges_per_update`` = G, min(G, E) / E of its E trained edges (``lean.schedules.edge_updates``)."""
+    if (size := edges_per_update(cfg)) is not None:
+        edges = max(int(steps.trained.sum()), 1)
+        return min(size, edges) / edges
+    first = first_update_rows(cfg, 0, local)
+    return 1.0 if first is None else len(first) / local
 
 
 def tree_rows(cfg: RunConfig, steps: StepSelection, local: int) -> RowCounts | None:

@@ -27,7 +27,15 @@ import torch
 
 from lean.config import ConfigError, check_positive, register_options
 from lean.config.dtypes import storage_dtype
-from lean.sampling.rollout import RolloutHooks, RolloutLoop, RolloutPlan, StepNoise, predicted_x0, velocity
+from lean.sampling.rollout import (
+    RolloutHooks,
+    RolloutLoop,
+    RolloutPlan,
+    StepNoise,
+    forward_rows,
+    predicted_x0,
+    velocity,
+)
 from lean.sampling.sde import compute_dtype, ode_step, sde_step_with_logprob
 from lean.sampling.transition import Transition
 
@@ -195,8 +203,10 @@ def tree_rollout(policy, plan: RolloutPlan, shape: TreeShape, hooks: RolloutHook
     ``hooks.on_step`` has those leaves as ``rows``, so a tree's edges sit on the local batch's [B, num_steps] grid at
     (first leaf, step) and every schedule's per-row bookkeeping applies. Without branch points every leaf is a tree
     and this is the flat rollout, draw for draw. Trees run in micro-batches of ``plan.micro_batch // L`` trees (at
-    least one), each through all its steps; a step is tracked for all its nodes (``hooks.track_grad``), in forwards
-    of ``plan.grad_micro_batch`` nodes."""
+    least one), each through all its steps; a tracked step (``hooks.track_grad``) tracks the nodes with an edge among
+    ``hooks.rows_tracked(i)`` (cells of step i by first leaf; None: every node), in forwards of
+    ``plan.grad_micro_batch`` nodes, the others in one forward without autograd: each part's edges go to ``on_step``
+    as a transition of their own (a hybrid's first update: ``lean.schedules.hybrid.EdgeUpdates``)."""
     hooks = hooks or RolloutHooks()
     leaves, batch = shape.leaves, len(plan.generators)
     trees = batch // leaves
@@ -216,6 +226,16 @@ def tree_rollout(policy, plan: RolloutPlan, shape: TreeShape, hooks: RolloutHook
         if hooks.on_finished is not None:
             hooks.on_finished(rows, done)
     return target
+
+
+def placed(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One tensor of the rows of ``parts`` (host ids, values), each at its id: the one part itself when it is all."""
+    if len(parts) == 1:
+        return parts[0][1]
+    out = parts[0][1].new_empty((sum(len(ids) for ids, _ in parts), *parts[0][1].shape[1:]))
+    for ids, values in parts:
+        out[ids.to(out.device)] = values
+    return out
 
 
 class TreeSteps:
@@ -242,22 +262,38 @@ class TreeSteps:
             nodes = x.shape[0]
             emb = plan.emb.index(self.shape.first_leaves(i, tree_ids))  # each node's prompt: its tree's
             tracked = loop.stochastic[i] and hooks.track_grad(i)
-            v = self.velocity(x, loop.grid[i], emb, nodes, tracked)
-            if i == loop.num_steps - 1 and plan.decode == "x0_prediction":
-                x0 = predicted_x0(v.detach(), x, loop.grid, i)
-            if not loop.stochastic[i]:
-                if i in self.shape.branch_points:
-                    raise ValueError(f"a branch at step {i}, an ODE step: a branch needs a stochastic step")
-                x = ode_step(v.detach(), x, loop.grid, i).to(x.dtype)
-            else:
-                x = self.branch(i, x, v, tree_ids)
+            x_next, x0_parts = [], []  # (ids, values) of each forward's part
+            for part, grad in forward_rows(nodes, tracked, None, self.tracked_nodes(i, tree_ids) if tracked else None):
+                ids = torch.arange(nodes)[part]
+                v = self.velocity(x[part], loop.grid[i], emb.index(part), grad)
+                if i == loop.num_steps - 1 and plan.decode == "x0_prediction":
+                    x0_parts.append((ids, predicted_x0(v.detach(), x[part], loop.grid, i)))
+                if not loop.stochastic[i]:
+                    if i in self.shape.branch_points:
+                        raise ValueError(f"a branch at step {i}, an ODE step: a branch needs a stochastic step")
+                    x_next.append((ids, ode_step(v.detach(), x[part], loop.grid, i).to(x.dtype)))
+                else:
+                    x_next.append(self.branch(i, x, v, tree_ids, ids))
+            x0 = placed(x0_parts) if x0_parts else x0
+            x = placed(x_next)
             if hooks.progress is not None:
                 hooks.progress(i)
         return x if x0 is None else x0
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, emb, nodes: int, tracked: bool) -> torch.Tensor:
+    def tracked_nodes(self, i: int, tree_ids: torch.Tensor) -> torch.Tensor | None:
+        """Host bool [nodes of step i]: the nodes one of whose edges is among ``hooks.rows_tracked(i)`` (None: all)."""
+        rows = self.hooks.rows_tracked(i)
+        if rows is None:
+            return None
+        parents, leaves = self.edges(i, tree_ids)
+        mine = torch.zeros(len(tree_ids) * self.shape.live(i), dtype=torch.bool)
+        mine[parents[rows[leaves]]] = True
+        return mine
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, emb, tracked: bool) -> torch.Tensor:
         """The nodes' velocities: tracked in forwards of ``plan.grad_micro_batch`` nodes (one graph each), else one
         forward without autograd."""
+        nodes = x.shape[0]
         size = (self.plan.grad_micro_batch or nodes) if tracked else nodes
         parts = []
         for start in range(0, nodes, size):
@@ -266,22 +302,28 @@ class TreeSteps:
                 parts.append(velocity(self.policy, x[rows], sigma, emb.index(rows), self.plan.sampler.cfg))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def branch(self, i: int, x: torch.Tensor, v: torch.Tensor, tree_ids: torch.Tensor) -> torch.Tensor:
-        """Step i's edges from the nodes' (x, v): each child drawn from its parent's Gaussian, its transition handed to
-        ``on_step``; returns the children x_{i+1}, detached."""
+    def branch(
+        self, i: int, x: torch.Tensor, v: torch.Tensor, tree_ids: torch.Tensor, nodes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step i's edges from the nodes ``nodes`` (host ids among x's rows; ``v`` their velocities): each child drawn
+        from its parent's Gaussian, their transition handed to ``on_step``; returns (the edges' ids among the step's,
+        their children x_{i+1}, detached). The edges stay node by node, b at a branch."""
         parents, leaves = self.edges(i, tree_ids)
+        at = torch.full((x.shape[0],), -1, dtype=torch.long)
+        at[nodes] = torch.arange(len(nodes))  # each node's row in v
+        edges = torch.nonzero(at[parents] >= 0).flatten()
+        parents, leaves = parents[edges], leaves[edges]
         noise = StepNoise(
             [self.plan.generators[int(leaf)] for leaf in leaves], tuple(x.shape[1:]), compute_dtype(x), x.device
         )
         scale = self.kappa if i in self.shape.branch_points else 1.0
-        on_device = parents.to(x.device)
-        sample = x[on_device]
+        sample = x[parents.to(x.device)]
         with torch.set_grad_enabled(v.requires_grad):
             nxt, log_prob, mean, std = sde_step_with_logprob(
-                self.plan.sampler.sde, v[on_device], sample, i, noise=scale * noise.take(i)
+                self.plan.sampler.sde, v[at[parents].to(x.device)], sample, i, noise=scale * noise.take(i)
             )
         if self.hooks.on_step is not None:
             step = Transition(index=i, rows=leaves, sample=sample, next_sample=nxt, log_prob=log_prob)
             step = dataclasses.replace(step, mean=mean, std=std, sigmas=self.plan.sampler.sigmas)
             self.hooks.on_step(step.on_policy())
-        return nxt.detach()
+        return edges, nxt.detach()

@@ -12,6 +12,7 @@ from lean.config.registry import Registry
 from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE, resolve_grad_sync, sharded_full_finetune
 from lean.parallel.sharding import shards
 from lean.schedules.base import IterationContext, IterationCosts, Prediction, RowCounts, Schedule
+from lean.schedules.edge_updates import edges_per_update
 from lean.schedules.recompute import RECOMPUTE_BATCHINGS, SPLIT_THEN_FILTER, Recompute, splits_first
 from lean.schedules.renoised import Renoised
 from lean.schedules.retain import ALL_STEPS, DEVICE, UNIT_BACKWARD, Retain
@@ -109,11 +110,11 @@ def run_problem(cfg: RunConfig, name: str, world_size: int) -> str | None:
 def several_updates(cfg: RunConfig) -> list[str]:
     """``train.<key>=<value>`` of each key that gives a rollout more than one update (empty: one, on-policy)."""
     t = cfg.train
-    return [
-        f"train.{k}={getattr(t, k)}"
-        for k in ("optimizer_steps_per_iteration", "num_inner_epochs")
-        if getattr(t, k) != 1
-    ]
+    keys = ("optimizer_steps_per_iteration", "num_inner_epochs")
+    later = [f"train.{k}={getattr(t, k)}" for k in keys if getattr(t, k) != 1]
+    if (size := edges_per_update(cfg)) is not None:  # a tree's edges, G a step (edge_updates.py)
+        later.append(f"train.edges_per_update={size}")
+    return later
 
 
 def schedule_problem(cfg: RunConfig, name: str) -> tuple | None:

@@ -267,6 +267,7 @@ class Schedule:
     grad_micro_batch: int | None = None
     joint_cfg: bool = False  # tracked CFG steps as one [uncond, cond] batch, as Recompute recomputes them (rollout)
     track_rows: torch.Tensor | None = None  # host bool [B]: the only rows the tracked steps track (None: all)
+    track_cells: torch.Tensor | None = None  # host bool [B, num_steps]: the only cells they track (a tree's edges)
     exact_only_on_policy = False  # its graphs give the on-policy update only: several per rollout run as hybrid.py
     needs: frozenset[str] = frozenset()  # the algorithm's facts its exactness rests on (lean.algorithms.FACTS)
     tracks_rollout_graphs = True  # False: it can update from stored steps (a rollout made in another process)
@@ -283,7 +284,10 @@ class Schedule:
         """Host bool [B]: the rows whose step i runs with autograd when ``track_grad(i)`` (None: every row): the rows
         that train step i (DanceGRPO draws the trained steps per sample), among ``track_rows``. A row that does not
         train step i would carry a graph that nothing backpropagates, or that is backpropagated with weight 0. In
-        lockstep (sharded passes) every process tracks the same forwards, so step i is tracked for every row."""
+        lockstep (sharded passes) every process tracks the same forwards, so step i is tracked for every row, but for
+        ``track_cells`` (the same on every process)."""
+        if self.track_cells is not None:
+            return self.track_cells[:, i]
         if self.ctx.lockstep:
             return self.track_rows
         trained = self.ctx.steps.trained[:, i]

@@ -29,7 +29,9 @@ Cost (``predict``, in the terms of ``base.IterationCosts``): it peaks in the VAE
 
 On a tree rollout (``lean.sampling.tree``) the rollout runs one forward per node and the update one per trained edge
 (``recompute_terms``: each edge recomputes its parent's forward, BranchGRPO's ``grpo_one_step``), so n f becomes the
-nodes' forwards and K fb the trained edges' (``IterationCosts.forward_steps``, ``edge_steps``).
+nodes' forwards and K fb the trained edges' (``IterationCosts.forward_steps``, ``edge_steps``). Its updates
+(``tree_updates``): one of every trained edge, or with ``train.edges_per_update`` the tree script's chunks of edges
+(``edge_updates.py``), each recomputed and followed by an optimizer step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from lean.sampling.rollout import iteration_generator, policy_step
 from lean.sampling.transition import RECOMPUTE_INPUTS, Transition
 from lean.sampling.tree import tree_shape
 from lean.schedules.base import IterationContext, IterationCosts, OptimizerStep, Prediction, Schedule
+from lean.schedules.edge_updates import edge_chunks, edges_per_update
 
 if TYPE_CHECKING:
     from lean.config import RunConfig, TrainConfig
@@ -176,15 +179,12 @@ class Recompute(Schedule):
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         ctx = self.ctx
         like_rollout = ctx.cfg.train.recompute_batching == ROLLOUT_BATCHING
+        if tree_shape(ctx.cfg.sample) is not None:  # a tree's trained edges sit on cells, not K per row
+            losses, first, step_stats = self.tree_updates(advantages, optimizer_step)
+            return {**loss_stats(losses, first), **step_stats}
         losses: list[StepLoss] = []
         step_stats = {}
         kept, n = ctx.kept_samples(advantages)
-        if tree_shape(ctx.cfg.sample) is not None:  # a tree's trained edges sit on cells, not K per row: one update
-            terms = ctx.steps.trained.cpu()
-            if kept is not None and kept.dim() == 2:  # width-pruned edges are not recomputed (they weigh 0)
-                terms = terms & kept.cpu()
-            losses = self.recompute_terms(terms, advantages, n, kept)
-            return {**loss_stats(losses, len(losses)), **optimizer_step()}
         batches = self._batches_like_rollout(kept, n) if like_rollout else self._shuffled_batches(kept)
         first = None  # how many of the losses are the first update's
         for u, update in enumerate(batches):
@@ -206,26 +206,55 @@ class Recompute(Schedule):
             step_stats = optimizer_step()
         return losses, step_stats
 
+    def tree_updates(
+        self, advantages: torch.Tensor, optimizer_step: OptimizerStep, skip_first: bool = False
+    ) -> tuple[list[StepLoss], int, dict]:
+        """A tree's updates: its trained (kept) edges in one update, or with ``train.edges_per_update`` in the chunks
+        of ``edge_updates.py``, each recomputed and followed by an optimizer step; ``skip_first``: all but the first
+        (a hybrid's). Returns (the loss terms, how many of them are the first update's, the last step's stats)."""
+        ctx = self.ctx
+        kept, n = ctx.kept_samples(advantages)
+        terms = ctx.steps.trained.cpu()
+        if kept is not None and kept.dim() == 2:  # width-pruned edges are not recomputed (they weigh 0)
+            terms = terms & kept.cpu()
+        chunks = [terms] if edges_per_update(ctx.cfg) is None else edge_chunks(ctx.cfg, ctx.iteration, terms)
+        # the same cells on every process unless width pruning chose them (sharded passes then pad, in lockstep)
+        padded = ctx.lockstep and ctx.algorithm.drops_terms
+        losses, first, step_stats = [], 0, {}
+        for u, chunk in enumerate(chunks):
+            if skip_first and u == 0:
+                continue
+            region = RECOMPUTE_FORWARD if u == 0 else LATER_UPDATE_FORWARD
+            losses += self.recompute_terms(chunk, advantages, n, kept, region, padded or len(chunks) == 1)
+            first = first or len(losses)
+            step_stats = optimizer_step()
+        return losses, first, step_stats
+
     def recompute_terms(
-        self, terms: torch.Tensor, advantages: torch.Tensor, n: int | torch.Tensor, kept: torch.Tensor | None
+        self,
+        terms: torch.Tensor,
+        advantages: torch.Tensor,
+        n: int | torch.Tensor,
+        kept: torch.Tensor | None,
+        region: str = RECOMPUTE_FORWARD,
+        padded: bool = True,
     ) -> list[StepLoss]:
         """The first update's loss terms restricted to ``terms`` (host bool [B, num_steps], among the trained
         ones), recomputed and backpropagated with the weights 1/(n K) of the whole update, latest step first: the
-        steps Retain's partial retention did not keep (``retain.py``). No optimizer step. In lockstep every process
-        recomputes every local row of the same steps (the rows that do not train a step weigh 0), so the sharded
-        forwards match."""
+        steps Retain's partial retention did not keep (``retain.py``), or one update of a tree's edges. No optimizer
+        step. In lockstep every process recomputes every local row of the same steps (the rows that do not train a
+        step weigh 0), so the sharded forwards match; not ``padded``: ``terms`` are the same on every process."""
         ctx, size = self.ctx, self.ctx.cfg.train.train_batch_size
         device, losses = ctx.sigmas.device, []
-        for i in sorted((i for i in self.stored if terms[:, i].any() or ctx.lockstep), reverse=True):
-            rows = torch.arange(ctx.batch) if ctx.lockstep else torch.nonzero(terms[:, i]).flatten()
+        lockstep = ctx.lockstep and padded
+        for i in sorted((i for i in self.stored if terms[:, i].any() or lockstep), reverse=True):
+            rows = torch.arange(ctx.batch) if lockstep else torch.nonzero(terms[:, i]).flatten()
             for chunk in rows.split(size):
                 on_device = chunk.to(device)
                 weight = ctx.term_weights(on_device, i, n, kept) * terms[chunk, i].to(device, ctx.sigmas.dtype)
                 stored = {name: value[on_device] for name, value in self.stored[i].items()}
                 step = Transition(index=i, rows=on_device, **stored)
-                losses.append(
-                    self._backward(Terms(step, weight), advantages, joint_cfg=False, region=RECOMPUTE_FORWARD)
-                )
+                losses.append(self._backward(Terms(step, weight), advantages, joint_cfg=False, region=region))
         return losses
 
     def _shuffled_batches(self, kept: torch.Tensor | None, skip_first: bool = False) -> Iterator[list[Terms]]:

@@ -140,6 +140,8 @@ class Retain(Schedule):
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows keep graphs (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows
+            if self.later.tracked_steps is not None:  # a tree's first edges: their nodes alone (hybrid.EdgeUpdates)
+                self.any_trained, self.track_cells = self.later.tracked_steps, self.later.cells
         options = ctx.cfg.train.retain
         # a hybrid's later updates store every trained step already: its Recompute recomputes the terms not kept
         recompute = None if self.later is None else self.later.recompute
@@ -250,8 +252,8 @@ class Retain(Schedule):
 
     def finish(self, advantages: torch.Tensor, optimizer_step: OptimizerStep) -> dict:
         kept, n = self.ctx.kept_samples(advantages)
-        if self.later is not None:  # the first update's (kept) samples
-            n = self.later.first_count(kept)
+        if self.later is not None:  # the first update's (kept) samples, or a tree's first edges
+            kept, n = self.later.first_update(kept, n)
         held = self._offload_held()  # what is still on the device while the graphs wait
         self._backward(self.kept, advantages, kept, 1 if self.unscaled else n)
         self.kept = []

@@ -78,7 +78,7 @@ from lean.schedules.base import (
     trainable,
 )
 from lean.schedules.edge_buffers import EdgeSlots
-from lean.schedules.hybrid import later_updates
+from lean.schedules.hybrid import EdgeUpdates, later_updates
 from lean.schedules.per_sample import (
     PROVISIONAL_ADVANTAGE,
     PerSampleGrads,
@@ -102,8 +102,12 @@ class Reweight(Schedule):
         # Buffers for one finishing unit (lean.parallel.layout): the whole local batch, or in the group layout the
         # groups scored together, whose buffers are folded into ``folded`` (sum_b (A_b / Â_b) P_b) and reused.
         self.later = later_updates(ctx)  # several updates per rollout: only the first's rows backpropagate (hybrid.py)
+        self.first_cells = None  # a tree hybrid's first edges known before the rollout, on the device (hybrid.py)
         if self.later is not None:
             self.track_rows = self.later.track_rows
+            if self.later.tracked_steps is not None:  # a tree's first edges: their nodes tracked, their cells buffered
+                self.any_trained, self.track_cells = self.later.tracked_steps, self.later.cells
+                self.first_cells = self.later.cells.to(ctx.sigmas.device)
         # a hybrid: one buffer per trajectory of the first update, in its slot; else per row of a finishing unit
         self.unit = (ctx.finish_unit if self.finishes_early else None) or ctx.batch
         slots = torch.arange(ctx.batch) % self.unit  # host: local row -> its buffer
@@ -112,9 +116,8 @@ class Reweight(Schedule):
             slots[self.later.first] = torch.arange(self.later.first_size)  # the other rows are never backpropagated
         # a tree rollout: a buffer per trained edge of the unit (edge_buffers.py), its targets differing along a path
         shape = tree_shape(ctx.cfg.sample)
-        self.edges = (
-            None if shape is None else EdgeSlots(ctx.steps.trained.cpu(), self.unit, shape, self.params[0].device)
-        )
+        cells = ctx.steps.trained.cpu() if self.first_cells is None else self.later.cells
+        self.edges = None if shape is None else EdgeSlots(cells, self.unit, shape, self.params[0].device)
         self.policy_buffers = TrajectoryBuffers(self.params, self.unit if self.edges is None else self.edges.count)
         device = self.params[0].device
         self.kl_buffer = torch.zeros(n, dtype=dtype, device=device) if ctx.algorithm.kl_weight else None
@@ -126,8 +129,8 @@ class Reweight(Schedule):
         if ctx.algorithm.kl_weight and (ctx.algorithm.drops_terms or ctx.algorithm.weighs_regulariser):
             count = self.unit if self.edges is None else self.edges.count
             self.kl_buffers, self.kl_buffer = TrajectoryBuffers(self.params, count), None
-        if self.edges is not None and self.later is not None:
-            raise ValueError("Reweight on a tree folds one update's per-edge targets")
+        if self.edges is not None and self.later is not None and not isinstance(self.later, EdgeUpdates):
+            raise ValueError("Reweight on a tree folds its first update's edges, not samples (train.edges_per_update)")
         self.folded = (
             torch.zeros(n, dtype=dtype, device=device) if self.finishes_early and self.unit < ctx.batch else None
         )
@@ -159,7 +162,8 @@ class Reweight(Schedule):
         ctx = self.ctx
         step = ctx.with_reference(step)  # the rollout's own step: its old values are its own, the ratio is 1
         loss = ctx.algorithm.step_loss(step, self.provisional[step.rows])
-        weights = ctx.term_weights(step.rows, step.index, self.samples_per_update)
+        # a tree hybrid's other edges weigh 0 here (they have no buffer): their updates are recomputed
+        weights = ctx.term_weights(step.rows, step.index, self.samples_per_update, self.first_cells)
         with ctx.region("backward"):
             if self.edges is None:
                 slots, retain_graph = self._slots(step.rows), step.ref_mean is not None
@@ -241,14 +245,18 @@ class Reweight(Schedule):
             self.per_sample.close()
         if self.edges is not None:  # a tree's edges not folded yet (all in the slice layout), each with its target
             kept, n = self.ctx.kept_samples(advantages)
+            if self.later is not None:  # a hybrid's first edges (hybrid.EdgeUpdates)
+                kept, n = self.later.first_update(kept, n)
             grad = self._edge_fold(slice(self.finished, self.ctx.batch), advantages, kept)
             grad = grad if self.folded is None else grad + self.folded
-            # the buffers are at 1/(B K): 1/(n K) with the edges kept
+            if self.kl_buffer is not None:  # every kept edge's KL term, at 1/(B K) too
+                grad = grad + self.kl_buffer
+            # the buffers are at 1/(B K): 1/(n K) with the edges kept (or the tree script's normaliser)
             grad = grad * (self.samples_per_update / torch.as_tensor(n, dtype=torch.float64, device=grad.device))
         else:
             grad = self._trajectory_gradient(advantages)
-        if self.kl_buffer is not None:
-            grad = grad + self.kl_buffer
+            if self.kl_buffer is not None:
+                grad = grad + self.kl_buffer
         if self.sharded:  # corrected, then synchronised: one reduce-scatter per unit (Sec. 4.3.2, Eq. 18)
             reduce_scatter_whole(self.ctx.policy, self.params, grad)
         else:
@@ -344,25 +352,24 @@ class Reweight(Schedule):
 
     @staticmethod
     def _predict_tree(c: IterationCosts) -> Prediction:
-        """A tree rollout (one update per rollout): a buffer per trained edge of one finishing unit (and per edge for
-        the KL part when edges are dropped after the rewards), every node's forward once, and a backward per edge's
-        round: a branch step's b rounds each backpropagate the step's nodes, so the backwards count the edges
-        (``edge_steps``) where the forwards count the nodes (``tracked_steps``)."""
-        backwards = 2 if c.kl else 1
-        edges = c.rows.trained_edges * c.held_fraction
+        """A tree rollout: a buffer per trained edge of one finishing unit (and per edge for the KL part when edges are
+        dropped after the rewards), every node's forward once, and a backward per edge's round: a branch step's b
+        rounds each backpropagate the step's nodes, so the backwards count the edges (``edge_steps``) where the
+        forwards count the nodes (``tracked_steps``). With several updates by edges (the hybrid's ``EdgeUpdates``):
+        s = G / E of it, buffers for the first update's edges, and Recompute's later updates on top."""
+        backwards, s = 2 if c.kl else 1, c.first_share if c.later else 1.0
+        edges = c.rows.trained_edges * (s if c.later else c.held_fraction)
         kl_buffers = 0 if not c.kl else (1 if c.n_known else edges)
         buffers = (edges + kl_buffers + (c.held_fraction < 1)) * c.trainable_mb
-        n, k, e = c.forward_steps, c.tracked_steps, c.edge_steps
+        n, k, e = c.forward_steps, c.tracked_steps * s, c.edge_steps * s
+        score = c.score_at_end if c.later and c.score_at_end is not None else c.score
+        later_s, later_mb = (c.later_update_s, c.later_update_mb) if c.later else (0.0, 0.0)
         if c.per_row_grads:
-            time = n * c.f + e * backwards * (c.fb - c.f) + c.score + c.ref
-            return Prediction(
-                c.base_mb + buffers + max(c.decode_mb, c.backward_act_mb + c.transient_mb, c.optimizer_stage_mb),
-                time,
-                held_mb=buffers,
-            )
-        time = (n - k) * c.f + e * c.local * c.fb_one * backwards + c.score + c.ref
+            time = n * c.f + e * backwards * (c.fb - c.f) + score + s * c.ref + later_s
+            act = c.backward_act_mb + c.transient_mb
+        else:
+            time = (n - k) * c.f + e * c.local * c.fb_one * backwards + score + s * c.ref + later_s
+            act = c.act_one_mb + c.transient_mb
         return Prediction(
-            c.base_mb + buffers + max(c.decode_mb, c.act_one_mb + c.transient_mb, c.optimizer_stage_mb),
-            time,
-            held_mb=buffers,
+            c.base_mb + buffers + max(c.decode_mb, act, later_mb, c.optimizer_stage_mb), time, held_mb=buffers
         )

@@ -45,6 +45,7 @@ from lean.schedules import (
     with_schedule,
 )
 from lean.schedules.base import flat_grad
+from lean.schedules.edge_updates import edges_per_update, first_edges
 from lean.schedules.recompute import _chunks, first_update_rows, rows_mask, update_order
 from lean.schedules.renoised import ConditionalVelocities, UnitDraws
 from lean.tools.alignment import alignment, deterministic_kernels, format_alignment
@@ -265,12 +266,13 @@ def one_update(
         rewards, advantages = pipeline.advantages(rolled)
         start = [p.detach().clone() for p in trainer.params]  # the weights the update starts from
         first = first_update_rows(trainer.cfg, iteration, rolled.ctx.batch)  # the on-policy update's samples
+        cells = first_cells(trainer.cfg, rolled, advantages)  # or a tree's edges (train.edges_per_update)
         ref = error = None
         if reference is not None and pipeline.algorithm.trains_on == CLEAN_SAMPLES:
             ref = reference.clean_sample_gradient(start, rolled, advantages)
         elif reference is not None:
             factors = rolled.ctx.kl_factors
-            ref = reference.gradient(start, rolled.batch, recorder.steps, advantages, rows=first, kl_factors=factors)
+            ref = reference.gradient(start, rolled.batch, recorder.steps, advantages, cells, first, factors)
             error = reference.forward_error(start, rolled.batch, recorder.steps)  # (policy at start)
         stats = pipeline.finish(rolled, advantages, state.step)
     update = Update(
@@ -288,6 +290,14 @@ def adam_moments(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(state[p]["exp_avg"].detach().clone(), state[p]["exp_avg_sq"].detach().clone()) for p in trainer.params]
 
 
+def first_cells(cfg: RunConfig, rolled, advantages: torch.Tensor) -> torch.Tensor | None:
+    """The cells [B, num_steps] of a tree's first update under ``train.edges_per_update`` (the on-policy one the
+    schedules compare, ``lean.schedules.hybrid.EdgeUpdates``), or None."""
+    if edges_per_update(cfg) is None:
+        return None
+    return first_edges(rolled.ctx, rolled.ctx.kept_samples(advantages)[0])
+
+
 def rounding_report(
     trainer: Trainer, reference: Float64Reference, rolled, recorded, advantages, ref, start, first=None
 ) -> dict:
@@ -298,6 +308,8 @@ def rounding_report(
     trained, c = rolled.batch.steps.trained, trainer.cfg.algorithm.clip_range
     if first is not None:  # the later updates' ratios are off-policy: not rounding
         trained = trained & rows_mask(trained.shape[0], first)[:, None]
+    if (cells := first_cells(trainer.cfg, rolled, advantages)) is not None:  # a tree's first update's edges
+        trained = trained & cells
     ratio, adv = rolled.schedule.ratios.cpu(), advantages.cpu()[:, None]
 
     def binding(clip: float) -> torch.Tensor:
