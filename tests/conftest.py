@@ -48,6 +48,12 @@ def _group(item) -> str | None:
 
 
 def pytest_configure(config):
+    # lean plan's meta counts (lean.plan.count_cache): one folder for the session, which the workers (started after
+    # this, in the controller) and the processes the tests start share, and not the user's ~/.cache
+    if WORKER is None and "LEAN_PLAN_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["LEAN_PLAN_CACHE"] = tempfile.mkdtemp(prefix="lean-plan-counts-")
     # pytest-xdist hands out the groups with the most tests first (--loadscope-reorder, its default): the smoke
     # group's 8 tests then waited behind a dozen module groups (minutes) and ended the run alone. Keep the order below.
     if hasattr(config.option, "loadscopereorder"):

@@ -158,3 +158,19 @@ def test_the_plans_bytes_are_what_an_offloaded_iteration_moves(extra):
     assert metrics["offload_fetched_mb"] * mib == pytest.approx(planned["h2d_bytes"], rel=0.10)
     assert metrics["offload_host_mb"] * mib == pytest.approx(planned["host_bytes"], rel=0.10)
     assert metrics["offload_device_live_mb"] == 0
+
+
+def test_a_meta_count_is_kept_on_disk_for_the_next_process(tmp_path, monkeypatch):
+    """lean.plan.count_cache: a count stored under its key (and the code's version) is read back as it was, with
+    its integer degrees and boolean checkpointing keys; another key, or the cache off, finds nothing."""
+    from lean.plan import count_cache
+
+    monkeypatch.setenv(count_cache.CACHE_ENV, str(tmp_path / "counts"))
+    counts = {1: {False: {"t_forward": 2.5e12, "activation_mb": 12.0}, True: {"t_forward": 3e12, "activation_mb": 1}}}
+    key = ('{"model": {"family": "flux"}}', (1,), 8, (1,))
+    assert count_cache.load(key) is None
+    count_cache.store(key, counts)
+    assert count_cache.load(key) == counts
+    assert count_cache.load((*key[:2], 4, key[3])) is None  # another GPU count: another key
+    monkeypatch.setenv(count_cache.CACHE_ENV, "0")
+    assert count_cache.load(key) is None

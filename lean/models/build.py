@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -192,7 +192,10 @@ def _policy_parts(spec: FamilySpec, modules: dict, tokenizers: dict, model_cfg: 
 
         for k, (name, net) in enumerate(denoisers.items()):
             net.requires_grad_(False)
-            with _seeded(INIT_SEED - 1 - k, net.device):  # LoRA A is drawn at random (B = 0), per denoiser
+            # on the meta device (lean plan's count) the adapter is made there too: peft would draw it on the CPU
+            # first (seconds for a published size's); elsewhere it is drawn on the CPU as before, the same everywhere
+            made_on = torch.device("meta") if net.device.type == "meta" else nullcontext()
+            with _seeded(INIT_SEED - 1 - k, net.device), made_on:  # LoRA A is drawn at random (B = 0), per denoiser
                 denoisers[name] = get_peft_model(net, lora_config(model_cfg), autocast_adapter_dtype=False)
     vae.requires_grad_(False)
     for encoder in modules.values():

@@ -66,6 +66,7 @@ from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE
 from lean.parallel.overlap import sim
 from lean.parallel.overlap.p2p import SimulatedOverlap
 from lean.parallel.sharding import SHARDS, planned_shard
+from lean.plan import count_cache
 from lean.plan.cost import (
     PlanInput,
     combinations,
@@ -501,8 +502,11 @@ def count_degrees(inp: PlanInput, gpus: int, degrees: list[int], flops_per_s: fl
     slowest part of a plan: kept per :func:`count_key` in FLOPs (the times at 1 FLOP/s), so that a second plan of a
     config in one process (``lean plan`` after :func:`meta_plan`, another GPU's, a notebook's re-run) reuses it."""
     key = count_key(inp, gpus, degrees)
-    if key not in _COUNTS:
-        _COUNTS[key] = _count_degrees(inp, gpus, degrees)
+    if key not in _COUNTS:  # this process's, then the disk's (another process's: lean.plan.count_cache), then count
+        _COUNTS[key] = count_cache.load(key)
+        if _COUNTS[key] is None:
+            _COUNTS[key] = _count_degrees(inp, gpus, degrees)
+            count_cache.store(key, _COUNTS[key])
     out = {}
     for degree, by_checkpointing in _COUNTS[key].items():
         at = at_degree(inp, gpus, degree)
