@@ -298,6 +298,7 @@ def test_video_evaluates_at_its_own_frames_and_side(tmp_path):
     with Image.open(tmp_path / "eval" / "0" / "p000_s00.gif") as gif:
         assert gif.n_frames == 9 and gif.size == (64, 64) and cfg.model.num_frames == 5
     assert evaluator.policy.latent_shape()[-2:] != evaluator.runtime.latent_shape[-2:]  # the training's is back
+    assert {k: sampling_settings(cfg)[k] for k in ("resolution", "num_frames")} == {"resolution": 64, "num_frames": 9}
 
 
 @pytest.mark.timeout(60)
