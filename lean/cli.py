@@ -274,7 +274,7 @@ def _sample_command(sub) -> None:
         help="prompt k starts from the eval noise of eval prompt k, sample 0, at this eval.seed "
         "(default: the run's eval.seed, else 0)",
     )
-    p.add_argument("--resolution", type=int, default=None, help=f"image side in pixels (default: {run})")
+    p.add_argument("--resolution", type=int, default=None, help=f"image side, px (default: {run}; the eval's side)")
     p.add_argument("--width", type=int, default=None, help=f"frame width where not square (default: {run})")
     p.add_argument("--num-frames", type=int, default=None, help=f"video: frames (default: {run})")
     p.add_argument("--shift", type=float, default=None, help=f"a static sigma shift (default: {run})")

@@ -32,12 +32,19 @@ each process samples, scores and writes its own, the rewards are gathered (``Wor
 draws the grid from the written files. Every process works, so none waits idle in a collective whose timeout
 (``train.dist_timeout_s``) an evaluation by the main process alone could exceed.
 
+The eval geometry: ``eval.resolution`` (video: ``eval.num_frames``) apart from the training's ``model.resolution``
+(``model.num_frames``): the rollout samples at the training size, the evaluation (its samples, files, grid and
+reward) at the eval size, through the family's runtime for it (:func:`eval_runtime`, swapped in by
+``Policy.at_geometry``) on the same weights and sigma grid (the run's ``sample.shift``, as resolved for the training
+size). Training at 128-256 px and evaluating at 512 keeps the eval comparable while the rollouts cost less.
+
 Random-weight policies train their tokenizer on the training prompts (``lean.models.build.build_policy``): words of eval
 prompts that no training prompt has read as unknown tokens (a pretrained folder brings its own tokenizer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import math
@@ -49,8 +56,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lean.config import ConfigError
 from lean.config.prompts import reference_image
+from lean.models.build import build_runtime
 from lean.models.registry import family_spec
+from lean.models.sequence_parallel import sequence_problem
 from lean.observe.outputs import write_csv
 from lean.parallel.sharding import shards
 from lean.sampling.rollout import RolloutPlan, Sampler, rollout, sample_generator
@@ -59,6 +69,9 @@ from lean.sampling.sde import EULER, StepSelection, sigma_schedule
 if TYPE_CHECKING:
     from PIL import Image
 
+    from lean.config import RunConfig
+    from lean.models.policy import Policy
+    from lean.models.spec import FamilyRuntime
     from lean.parallel.distributed import World
     from lean.run.iteration import IterationPipeline
 
@@ -104,6 +117,29 @@ def gather_shares(world: World, local: Tensor, n: int) -> Tensor:
     return unpad_shares(gathered, n, world.data_size)
 
 
+def eval_runtime(policy: Policy, cfg: RunConfig, sequence_parallel: int = 1) -> FamilyRuntime | None:
+    """The family's runtime at ``eval.resolution`` / ``eval.num_frames``, or None where they are the training's
+    (unset, or equal). A size the family's latent cannot take (its runtime's own check, as the training size gets
+    when the policy is built) or that sequence parallelism cannot split is a one-line config error."""
+    e, m = cfg.eval, cfg.model
+    geometry = {"resolution": e.resolution or m.resolution, "num_frames": e.num_frames or m.num_frames}
+    if (geometry["resolution"], geometry["num_frames"]) == (m.resolution, m.num_frames):
+        return None
+    key, value = ("eval.resolution", e.resolution) if e.resolution is not None else ("eval.num_frames", e.num_frames)
+    try:
+        runtime = build_runtime(
+            policy.spec, policy.denoisers[0].config, policy.vae.config, dataclasses.replace(m, **geometry)
+        )
+    except ValueError as err:
+        raise ConfigError(key, value, str(err).splitlines()[0]) from None
+    if sequence_parallel > 1:
+        with policy.at_geometry(runtime, geometry["resolution"]):
+            problem = sequence_problem(policy, sequence_parallel)
+        if problem:
+            raise ConfigError(key, value, f"parallel.sequence_parallel={sequence_parallel} {problem}")
+    return runtime
+
+
 class Evaluator:
     """The evaluation of one run: its prompts, sampler, noise streams and output folder (``<out>/eval``)."""
 
@@ -128,6 +164,8 @@ class Evaluator:
         self.local = share(len(self.keys), self.world.data_rank, self.world.data_size)
         self.video = family_spec(cfg.model.family).video
         self.root = Path(out_dir) / "eval"
+        self.runtime = eval_runtime(self.policy, cfg, self.world.sequence_parallel)  # None: the training geometry
+        self.resolution = e.resolution or cfg.model.resolution
 
     @property
     def lockstep_batches(self) -> int:
@@ -161,12 +199,13 @@ class Evaluator:
         deterministic = StepSelection(
             stochastic=torch.zeros(n, dtype=torch.bool), trained=torch.zeros(len(keys), n, dtype=torch.bool)
         )
-        emb = self.policy.encode_prompts([self.prompts[p] for p, _ in keys])
-        plan = RolloutPlan(
-            sampler=Sampler(self.sample_cfg, self.sigmas), emb=emb, generators=generators, steps=deterministic
-        )
-        final = rollout(self.policy, plan)
-        return self.policy.decode(final)
+        geometry = self.policy.at_geometry(self.runtime, self.resolution) if self.runtime else contextlib.nullcontext()
+        with geometry:
+            emb = self.policy.encode_prompts([self.prompts[p] for p, _ in keys])
+            plan = RolloutPlan(
+                sampler=Sampler(self.sample_cfg, self.sigmas), emb=emb, generators=generators, steps=deterministic
+            )
+            return self.policy.decode(rollout(self.policy, plan))
 
     def score(self, seed: int | None = None, folder: Path | None = None) -> Tensor:
         """Sample and score this process's share from the noise of ``seed`` (default ``eval.seed``), writing each

@@ -119,8 +119,9 @@ def save_policy_lora(policy: Policy, folder: str | Path, state: dict[str, Tensor
 def sampling_settings(cfg: RunConfig) -> dict:
     """How the run's evaluation (``lean.evaluation``) draws its images, as the keyword arguments of
     ``lean.tools.sampling.SampleOptions`` (``lean sample``'s options) that make the family's diffusers pipeline draw the
-    same: ``num_steps`` (``eval.num_steps`` or ``sample.num_steps``), ``resolution`` (``model.resolution``),
-    ``num_frames`` (video: ``model.num_frames``), ``shift`` (``sample.shift`` as the run resolved it, static),
+    same: ``num_steps`` (``eval.num_steps`` or ``sample.num_steps``), ``resolution`` (``eval.resolution`` or
+    ``model.resolution``: the eval's side), ``num_frames`` (video: ``eval.num_frames`` or ``model.num_frames``),
+    ``shift`` (``sample.shift`` as the run resolved it, static),
     ``sigma_grid`` (``sample.sigma_grid``), ``shift_terminal`` (as resolved), ``seed`` (``eval.seed``),
     ``reference_resolution`` (edits: ``model.reference_resolution``) and the
     guidance: with ``sample.cfg`` CFG at ``eval.guidance_scale`` (or ``sample.guidance_scale``), which is FLUX's
@@ -148,9 +149,9 @@ def sampling_settings(cfg: RunConfig) -> dict:
         "guidance_scale_2": s.guidance_scale_2 if s.cfg and e.guidance_scale is None else None,
         "true_cfg_scale": true_cfg,
         "seed": e.seed,
-        "resolution": m.resolution,
+        "resolution": e.resolution or m.resolution,
         "width": m.width,
-        "num_frames": m.num_frames if spec.video else None,
+        "num_frames": (e.num_frames or m.num_frames) if spec.video else None,
         "shift": s.shift,
         "sigma_grid": s.sigma_grid,
         "shift_terminal": s.shift_terminal,

@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny
@@ -15,7 +16,10 @@ from PIL import Image
 from lean import checkpoint
 from lean.config import ConfigError
 from lean.configure import load_config
-from lean.evaluation import Evaluator, eval_iterations, pad_share, share, unpad_shares
+from lean.evaluation import Evaluator, eval_iterations, eval_runtime, pad_share, share, unpad_shares
+from lean.export import sampling_settings
+from lean.models.footprint import component_config
+from lean.models.registry import family_spec
 from lean.observe import tracking
 from lean.parallel.distributed import World
 from lean.run.iteration import build_pipeline
@@ -64,6 +68,8 @@ def test_bad_eval_keys_are_one_line_errors(tmp_path):
         ("eval.evry=1", "eval.evry"),
         ("eval.images_every=0", "eval.images_every"),
         ("train.memory_every=0", "train.memory_every"),
+        ("eval.resolution=40", "eval.resolution"),  # a multiple of 16, as model.resolution
+        ("eval.num_frames=0", "eval.num_frames"),
     ]:
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
@@ -228,3 +234,86 @@ def test_video_samples_are_gifs_and_the_grid_shows_first_frames(tmp_path):
     with open(folder / "samples.csv") as f:
         rewards = [float(r["reward"]) for r in csv.DictReader(f)]
     assert sum(rewards) / 2 == pytest.approx(row["eval_reward_mean"])
+
+
+def _magnified_in(grid: Image.Image, sample: Image.Image, factor: int) -> bool:
+    """Whether ``sample`` magnified ``factor`` times (nearest, as the grid's cells) is pasted somewhere in the first
+    row of ``grid``."""
+    side = sample.width * factor
+    target = np.asarray(sample.convert("RGB").resize((side, side), Image.Resampling.NEAREST))
+    rows = np.asarray(grid.convert("RGB"))[4 : 4 + side]  # the first row of cells starts at the grid's padding
+    return any(np.array_equal(rows[:, x : x + side], target) for x in range(grid.width - side + 1))
+
+
+@pytest.mark.timeout(60)
+def test_eval_resolution_apart_from_the_training_one(tmp_path):
+    """eval.resolution=64 on a 32 px run: the eval samples, their grid cells and lean sample's default are 64 px;
+    the rollout's images stay 32 px, before and after an evaluation."""
+    cfg = tiny(*EVAL, *FASTER, "eval.prompts=[a red circle on a white background]", "eval.resolution=64")
+    trainer = Trainer(cfg, World())
+    evaluator = Evaluator(trainer.pipeline, tmp_path)
+    evaluator.evaluate(0)
+    folder = tmp_path / "eval" / "0"
+    with Image.open(folder / "p000_s00.png") as sample, Image.open(folder / "grid.png") as grid:
+        assert sample.size == (64, 64)
+        assert _magnified_in(grid, sample, 2)  # a 64 px cell shown at 128 px (a 32 px one would be magnified 4x)
+    result = trainer.iteration(0, "recompute")
+    assert trainer.policy.decode(result.final).shape[-2:] == (32, 32)  # the rollout: the training resolution
+    assert sampling_settings(cfg)["resolution"] == 64  # lean sample draws as the evaluation did
+    assert sampling_settings(tiny())["resolution"] == 32
+    assert eval_runtime(trainer.policy, tiny("eval.resolution=32")) is None  # the training's: nothing swapped
+
+
+def test_eval_geometry_is_refused_where_the_family_cannot_take_it():
+    """The family's rules, as the training geometry gets them: one line each."""
+    for overrides, key in [
+        (["model.family=wan", "eval.num_frames=6"], "eval.num_frames"),  # Wan's VAE: 4k + 1 frames
+        (["eval.num_frames=9"], "eval.num_frames"),  # FLUX makes images
+        (["model.family=wan", "model.width=64", "eval.resolution=64"], "eval.resolution"),  # square frames only
+        (
+            ["model.family=wan22_ti2v", "model.size=small", "model.resolution=64", "eval.resolution=48"],
+            "eval.resolution",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["model.size=tiny", *overrides])
+        assert err.value.key == key and "\n" not in str(err.value), overrides
+    # the runtime's own check (Wan2.2-TI2V's 32 px tokens at size small), made when the evaluator builds it
+    cfg = load_config(None, ["model.family=wan22_ti2v", "model.size=small", "model.resolution=64"])
+    cfg.eval.resolution = 48  # past the config's rule: the runtime refuses it too
+    spec = family_spec("wan22_ti2v")
+    configs = [component_config(spec, name, "small", None) for name in (spec.denoiser_folders[0], "vae")]
+    policy = type("Policy", (), {"spec": spec, "denoisers": [type("T", (), {"config": configs[0]})], "vae": None})()
+    policy.vae = type("V", (), {"config": configs[1]})()
+    with pytest.raises(ConfigError, match="eval.resolution=48") as err:
+        eval_runtime(policy, cfg)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_video_evaluates_at_its_own_frames_and_side(tmp_path):
+    cfg = tiny("model.family=wan", *EVAL, "eval.samples_per_prompt=1", "eval.num_frames=9", "eval.resolution=64")
+    evaluator = Evaluator(build_pipeline(cfg, World()), tmp_path)
+    evaluator.evaluate(0)
+    with Image.open(tmp_path / "eval" / "0" / "p000_s00.gif") as gif:
+        assert gif.n_frames == 9 and gif.size == (64, 64) and cfg.model.num_frames == 5
+    assert evaluator.policy.latent_shape()[-2:] != evaluator.runtime.latent_shape[-2:]  # the training's is back
+    assert {k: sampling_settings(cfg)[k] for k in ("resolution", "num_frames")} == {"resolution": 64, "num_frames": 9}
+
+
+@pytest.mark.timeout(60)
+def test_an_edit_evaluates_with_its_reference_at_the_eval_side(tmp_path):
+    """Kontext conditions on the reference at the samples' side: the eval's reference latents have 4x the training's
+    tokens at twice the side, each cached apart, and the training's are untouched."""
+    cfg = tiny("model.family=kontext", *EVAL, "eval.prompts=null", "eval.samples_per_prompt=1", "eval.resolution=64")
+    pipeline = build_pipeline(cfg, World())
+    prompt = cfg.train.prompts[0]
+    before = pipeline.policy.encode_prompts([prompt]).reference
+    evaluator = Evaluator(pipeline, tmp_path)
+    evaluator.evaluate(0)
+    with Image.open(tmp_path / "eval" / "0" / "p000_s00.png") as sample:
+        assert sample.size == (64, 64) and (tmp_path / "eval" / "0" / "edits.png").exists()
+    with pipeline.policy.at_geometry(evaluator.runtime, 64):
+        at_eval = pipeline.policy.encode_prompts([prompt]).reference
+    assert at_eval.shape[1] == 4 * before.shape[1]
+    assert torch.equal(pipeline.policy.encode_prompts([prompt]).reference, before)

@@ -187,6 +187,8 @@ ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_e
 # issue #56: when the gradients cross processes (lean/parallel/grad_sync.py; auto is what ran before the key) and
 # hsdp's replicas (None: the launch's nodes)
 ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto", "parallel.replicas": None}
+# issue #59: the evaluation's own geometry (lean/evaluation.py: eval_runtime); None: the training's, as before
+ADDED_EVAL_GEOMETRY: dict[str, object] = {"eval.resolution": None, "eval.num_frames": None}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -213,6 +215,7 @@ ADDED = {
     **ADDED_GARDO,
     **ADDED_WORKBENCH,
     **ADDED_SYNC,
+    **ADDED_EVAL_GEOMETRY,
 }
 CHANGED = {
     **CHANGED_EDITING,

@@ -253,6 +253,12 @@ class EvalConfig:
     """Samples per rollout, decode and reward call, per process."""
     use_ema: bool = True
     """With ``ema.enabled``: evaluate the EMA weights (those of ``lora_ema.safetensors``); false: the trained ones."""
+    resolution: int | None = None
+    """Side in pixels of the eval samples (the images written, the grid, the eval reward), apart from the training
+    resolution: train at 128-256 px (the rollout's cost falls quadratically) and evaluate at 512. A legal size for
+    the family, as ``model.resolution`` is; square frames only (``model.width`` unset). None: ``model.resolution``."""
+    num_frames: int | None = None
+    """Video families: frames of the eval samples (``4k + 1`` as ``model.num_frames``); None: ``model.num_frames``."""
     noise_seeds: int = 0
     """The base model's evaluation (iteration 0) is repeated with this many eval seeds (``seed``, ``seed + 1``, ...;
     no files written) and ``eval_reward_noise_std`` is the unbiased std of their mean eval rewards: how much the eval
@@ -276,6 +282,10 @@ class EvalConfig:
             check_positive("eval.num_steps", self.num_steps)
         if self.guidance_scale is not None:
             check_positive("eval.guidance_scale", self.guidance_scale, strict=False)
+        if self.resolution is not None and (self.resolution <= 0 or self.resolution % 16):
+            raise ConfigError("eval.resolution", self.resolution, "must be a positive multiple of 16 (or null)")
+        if self.num_frames is not None:
+            check_positive("eval.num_frames", self.num_frames)
         if self.prompts_file is not None:
             self.prompts = prompts_of_file("eval.prompts_file", self.prompts_file)
         if self.prompts is not None and not self.prompts:

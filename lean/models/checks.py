@@ -162,6 +162,7 @@ def check_config(cfg: RunConfig, world_size: int | None = None) -> None:
     if m.pretrained is not None and (problem := pretrained_problem(m.family, m.pretrained)) is not None:
         raise ConfigError("model.pretrained", m.pretrained, problem)
     _check_sides(m, family)
+    _check_eval_geometry(cfg, family)
     if s.guidance_scale_2 is not None and family.boundary is None:
         raise ConfigError(
             "sample.guidance_scale_2",
@@ -200,6 +201,32 @@ def _check_sides(m: ModelConfig, family: FamilySpec) -> None:
             raise ConfigError(
                 key, pixels, f"{family.display_name} needs a multiple of {side} pixels (VAE compression x patch)"
             )
+
+
+def _check_eval_geometry(cfg: RunConfig, family: FamilySpec) -> None:
+    """``eval.resolution`` and ``eval.num_frames`` pass the rules ``model.resolution`` and ``model.num_frames`` do
+    (the family's runtime checks its latent when the evaluator builds it: ``lean.evaluation.eval_runtime``)."""
+    m, e = cfg.model, cfg.eval
+    step = family.vae.temporal_compression
+    if e.num_frames is not None and not step:
+        raise ConfigError("eval.num_frames", e.num_frames, f"{family.display_name} makes images (set null)")
+    if e.num_frames is not None and (e.num_frames - 1) % step:
+        why = f"{family.display_name}'s VAE needs {step}k+1 frames (1, {1 + step}, {1 + 2 * step}, ...)"
+        raise ConfigError("eval.num_frames", e.num_frames, why)
+    if e.resolution is None:
+        return
+    if m.width is not None:  # which width the eval frames would have is not obvious: not guessed
+        why = f"evaluates square frames; model.width={m.width} renders {m.resolution}x{m.width} (set null)"
+        raise ConfigError("eval.resolution", e.resolution, why)
+    side = _pixel_multiple(family, m.size, m.pretrained)
+    if side is not None and e.resolution % side:
+        why = f"{family.display_name} needs a multiple of {side} pixels (VAE compression x patch)"
+        raise ConfigError("eval.resolution", e.resolution, why)
+    reference = m.reference_resolution or family.sizes[m.size].reference_resolution or e.resolution
+    if edits(m, cfg.train.prompts) and reference < family.min_reference_side:
+        least = family.min_reference_side
+        why = f"{family.pipeline} takes references of at least {least} px; these would be {reference} px"
+        raise ConfigError("eval.resolution", e.resolution, why)
 
 
 def _editing_families() -> list[str]:

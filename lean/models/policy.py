@@ -164,6 +164,7 @@ class Policy(torch.nn.Module):
         reference = parts.reference_denoisers
         self.reference_denoisers = None if reference is None else torch.nn.ModuleList(reference)
         self._prompt_cache: dict[str, PromptEmbeds] = {}
+        self._caches_by_side: dict[int, dict[str, PromptEmbeds]] = {}  # at_geometry's: an edit's reference has its side
         self._use_reference = False
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         dtype = DTYPES[options.dtype]
@@ -254,6 +255,20 @@ class Policy(torch.nn.Module):
         emb = self._encode_text([str(prompt)], images=[image])
         emb.reference, emb.negative = reference, negative
         return emb
+
+    @contextmanager
+    def at_geometry(self, runtime: FamilyRuntime, resolution: int) -> Iterator[None]:
+        """Sample at another geometry inside: ``runtime`` (the family's for another resolution / frame count, as
+        ``eval.resolution`` asks) and ``resolution``, the side edit references are resized to; the prompts it encodes
+        are cached apart (an edit's reference latents have its side). The weights are the same."""
+        saved = self.runtime, self.resolution, self._prompt_cache
+        self._caches_by_side.setdefault(self.resolution, self._prompt_cache)
+        self.runtime, self.resolution = runtime, resolution
+        self._prompt_cache = self._caches_by_side.setdefault(resolution, {})
+        try:
+            yield
+        finally:
+            self.runtime, self.resolution, self._prompt_cache = saved
 
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample shape of x in the layout :meth:`velocity` takes."""

@@ -12,9 +12,10 @@ its full context, T5 at most the tokenizer's ``model_max_length`` tokens (lean's
 The run's settings: an export (``<run>/lora``, ``lean export``'s folders, ``--merge``'s included) carries the settings
 of the run's evaluation in ``lean_sampling.json`` (``lean.export.sampling_settings``); every option left unset
 (None) takes its value from the LoRA folder's file, else the pipeline folder's (:func:`with_run_defaults`), so that
-``lean sample`` without options draws as the run's evaluation did: the run's resolution, steps, guidance, static
-shift and sigma grid (FluxPipeline and StableDiffusion3Pipeline get the grid as their ``sigmas`` argument; WanPipeline
-steps on its UniPC scheduler's own grid). A folder without the file leaves the pipeline's defaults.
+``lean sample`` without options draws as the run's evaluation did: the run's eval resolution (``eval.resolution``,
+else ``model.resolution``: not the rollout's where they differ; ``--resolution`` is this tool's own), steps, guidance,
+static shift and sigma grid (FluxPipeline and StableDiffusion3Pipeline get the grid as their ``sigmas`` argument;
+WanPipeline steps on its UniPC scheduler's own grid). A folder without the file leaves the pipeline's defaults.
 
 The noise: prompt k (file order) starts from the noise lean's evaluation draws for eval prompt k, sample 0, at eval
 seed ``seed`` (:func:`noise_generator`; default the run's ``eval.seed``). With the run's eval prompts in order and no
@@ -73,11 +74,13 @@ class SampleOptions:
     """Prompt k starts from the eval noise of eval prompt k, sample 0, at this eval seed (:func:`noise_generator`);
     None: the run's ``eval.seed``, else 0."""
     resolution: int | None = None
-    """Image side in pixels (the height when ``width`` is set)."""
+    """Image side in pixels (the height when ``width`` is set); None: the run's eval side (``eval.resolution``, else
+    ``model.resolution``)."""
     width: int | None = None
     """Frame width in pixels where it is not ``resolution`` (``model.width``)."""
     num_frames: int | None = None
-    """Video families: frames per video."""
+    """Video families: frames per video; None: the run's eval frames (``eval.num_frames``, else
+    ``model.num_frames``)."""
     shift: float | None = None
     """A static sigma shift instead of the folder's scheduler config."""
     sigma_grid: str | None = None
