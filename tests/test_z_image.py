@@ -21,7 +21,7 @@ from lean.cli import main
 from lean.config import DEFAULT_PROMPTS
 from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
-from lean.export import LORA_WEIGHTS
+from lean.export import LORA_WEIGHTS, sampling_settings
 from lean.models import Guidance, build_policy, count_parameters, family_spec, time_shift
 from lean.models.options import ModelConfig
 from lean.sampling.sde import ode_step, sigma_schedule
@@ -112,6 +112,21 @@ def test_matches_z_image_pipeline(policy, pipe):
         images = pipe(latents=policy.init_latents([torch.Generator().manual_seed(b) for b in range(2)]),
                       output_type="pt", **kwargs).images  # fmt: skip
     torch.testing.assert_close(policy.decode(x), images, rtol=ATOL, atol=ATOL)
+
+
+def test_export_hands_the_pipeline_its_own_guidance_scale_and_sample_draws(pipe, tmp_path):
+    """lean's CFG scale s is ZImagePipeline's guidance_scale g + 1 (test_matches_z_image_pipeline): lean export writes
+    g = s - 1, and 0 (the pipeline's no-CFG) for a run without CFG; ``lean sample`` draws with the pipeline."""
+    guided = load_config(None, [f"model.family={FAMILY}", "sample.cfg=true", "sample.guidance_scale=4.5"])
+    assert sampling_settings(guided)["guidance_scale"] == 3.5 and sampling_settings(guided)["true_cfg_scale"] is None
+    assert sampling_settings(load_config(None, [], preset=PRESET))["guidance_scale"] == 0.0  # default.yaml:54
+    folder = tmp_path / "base"
+    pipe.save_pretrained(folder)
+    (tmp_path / "prompts.txt").write_text("a red cube\n")
+    out = tmp_path / "samples"
+    args = ["sample", "--pretrained", str(folder), "--prompts-file", str(tmp_path / "prompts.txt"), "--out", str(out)]
+    assert main([*args, "--num-steps", "2", "--resolution", "32", "--guidance-scale", "0"]) == 0
+    assert (out / "00000.png").is_file()
 
 
 def test_text_mask_makes_the_velocity_independent_of_padding():

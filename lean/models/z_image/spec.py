@@ -51,6 +51,7 @@ SPEC = FamilySpec(
     sequence_parallel=False,
     # CFG: ZImagePipeline guides with pos + g (pos - neg) against negative_prompt ("" by default) when g > 0
     # (:541-551); that is lean's v_u + s (v_c - v_u) at s = 1 + g. Z-Image-Turbo is distilled to run without it (g = 0)
+    guidance_from_conditional=True,  # lean export / lean sample hand the pipeline g = s - 1 (0 without CFG)
     takes_sigmas=True,  # its pipeline call takes lean's sigma grid (:305 sigmas=)
     chat_template=CHAT_TEMPLATE,  # a random build's tokenizer (lean.models.z_image.model)
 )
