@@ -129,6 +129,24 @@ def test_export_hands_the_pipeline_its_own_guidance_scale_and_sample_draws(pipe,
     assert (out / "00000.png").is_file()
 
 
+def test_pipeline_folder_loads_as_model_pretrained(policy, pipe, tmp_path):
+    """A folder saved by ZImagePipeline.save_pretrained loads as model.pretrained: its fresh LoRA (B = 0) gives the
+    velocity of the shared build whose LoRA the folder has merged."""
+    pipe.save_pretrained(tmp_path / "saved")
+    index = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    assert index["_class_name"] == "ZImagePipeline" and index["text_encoder"] == ["transformers", "Qwen3Model"]
+    loaded = build_policy(
+        load_config(None, [f"model.family={FAMILY}", f"model.pretrained={tmp_path / 'saved'}"]).model, []
+    )
+    x, sigma, emb = inputs(policy)
+    with torch.no_grad():
+        expected = policy.velocity(x, sigma, emb, Guidance(cfg=True, guidance_scale=4.0))
+        got = loaded.velocity(
+            x, sigma, loaded.encode_prompts(DEFAULT_PROMPTS[:2]), Guidance(cfg=True, guidance_scale=4.0)
+        )
+    torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL)
+
+
 def test_text_mask_makes_the_velocity_independent_of_padding():
     """A prompt alone (its own length) and in a batch padded to a longer prompt give the same velocity; without the
     mask (the padding read as text) it changes."""
