@@ -129,7 +129,9 @@ def sampling_settings(cfg: RunConfig) -> dict:
     Wan; without it no CFG (``guidance_scale`` 1.0) and, for FLUX, ``sample.guidance_embed`` (default 1.0) as
     ``guidance_scale``. A family whose pipeline guides
     with ``true_cfg_scale`` alone (``FamilySpec.true_cfg``: Qwen-Image) gets no ``guidance_scale`` and, with
-    ``sample.cfg``, the scale as ``true_cfg_scale``. ``pipeline`` names the pipeline class they are for."""
+    ``sample.cfg``, the scale as ``true_cfg_scale``; one whose ``guidance_scale`` counts from the conditional velocity
+    (``FamilySpec.guidance_from_conditional``: Z-Image) gets the scale less 1. ``pipeline`` names the pipeline class
+    they are for."""
     m, s, e = cfg.model, cfg.sample, cfg.eval
     spec = family_spec(m.family)
     scale = s.guidance_scale if e.guidance_scale is None else e.guidance_scale
@@ -142,6 +144,8 @@ def sampling_settings(cfg: RunConfig) -> dict:
         guidance, true_cfg = (1.0 if s.guidance_embed is None else s.guidance_embed), None
     else:
         guidance, true_cfg = 1.0, None
+    if spec.guidance_from_conditional and guidance is not None:  # ZImagePipeline's g = s - 1; no CFG: 0
+        guidance -= 1.0
     return {
         "pipeline": spec.pipeline,
         "num_steps": e.num_steps or s.num_steps,

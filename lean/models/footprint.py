@@ -66,7 +66,8 @@ def tracked_step_floor(model_cfg: ModelConfig) -> tuple[int, str]:
     t = component_config(spec, spec.denoiser_folders[0], model_cfg.size, model_cfg.pretrained)
     vae = component_config(spec, "vae", model_cfg.size, model_cfg.pretrained)
     runtime = build_runtime(spec, t, vae, model_cfg)
-    width = t["num_attention_heads"] * t["attention_head_dim"]
+    # heads x head width; a config that names the width itself (ZImageTransformer2DModel's ``dim``) gives it
+    width = t["dim"] if "dim" in t else t["num_attention_heads"] * t["attention_head_dim"]
     blocks = transformer_blocks(spec, t)
     size = DTYPES[model_cfg.dtype].itemsize
     tokens = runtime.image_seq_len

@@ -17,6 +17,7 @@ from lean.models.spec import FamilySpec
 from lean.models.wan import SPEC as WAN
 from lean.models.wan22 import SPEC as WAN22
 from lean.models.wan22_ti2v import SPEC as WAN22_TI2V
+from lean.models.z_image import SPEC as Z_IMAGE
 
 FAMILIES: Registry[FamilySpec] = Registry(
     "model family",
@@ -32,6 +33,7 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("kontext", KONTEXT),
         ("qwen_image_edit", QWEN_IMAGE_EDIT),
         ("hunyuan_video15", HUNYUAN_VIDEO15),  # HunyuanVideo-1.5 480p T2V: Qwen2.5-VL + byT5 glyphs
+        ("z_image", Z_IMAGE),  # Z-Image(-Turbo) 6B: Qwen3-4B, FLUX.1's VAE
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(

@@ -163,6 +163,9 @@ class FamilySpec:
     cfg_renorm: bool = False
     # the pipeline's CFG is ``true_cfg_scale`` against a ``negative_prompt`` (QwenImagePipeline), not ``guidance_scale``
     true_cfg: bool = False
+    # the pipeline's ``guidance_scale`` g guides as v_c + g (v_c - v_u), CFG only when g > 0 (ZImagePipeline): lean's
+    # scale s = v_u + s (v_c - v_u) is g + 1, and no CFG is g = 0
+    guidance_from_conditional: bool = False
     # the pipeline's __call__ takes ``sigmas`` (lean sample passes lean's sigma grid; tests/test_export.py checks it
     # against diffusers); WanPipeline's does not: it steps on its scheduler's own grid
     takes_sigmas: bool = False
