@@ -85,11 +85,9 @@ def _isolated(tmp_path, monkeypatch):
     # every later test, and every process they started, on that core, some 10-40x slower beside the other workers
     torch.set_num_threads(threads)
     if os.sched_getaffinity(0) != cpus:
-        for thread in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(thread), cpus)
-            except OSError:  # a thread that has ended
-                pass
+        from lean.parallel.distributed import set_affinity
+
+        set_affinity(cpus)
 
 
 @pytest.fixture(scope="session")

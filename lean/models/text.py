@@ -119,3 +119,16 @@ class PromptEmbeds:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
         """Moved to ``device``; floating tensors cast to ``dtype`` (the mask keeps its integer type)."""
         return self._map(lambda t: t.to(device, dtype if t.is_floating_point() else None))
+
+
+def real_tokens(hidden: Tensor, kept: Sequence[Tensor], device: torch.device) -> PromptEmbeds:
+    """Each row's real tokens of ``hidden [B, L, D]`` (``kept[b]``: host positions, read off the tokenizer's mask so
+    nothing is read back from the device), zero-padded to the longest with their mask (Qwen-Image, Z-Image: the
+    transformer attends to the real text tokens only)."""
+    length = max(len(k) for k in kept)
+    tokens = hidden.new_zeros(len(kept), length, hidden.shape[-1])
+    mask = torch.zeros(len(kept), length, dtype=torch.long)
+    for b, positions in enumerate(kept):
+        tokens[b, : len(positions)] = hidden[b].index_select(0, positions.to(hidden.device))
+        mask[b, : len(positions)] = 1
+    return PromptEmbeds(tokens, mask=mask.to(device))

@@ -148,9 +148,15 @@ def pin_cores(cores: int, index: int = 0) -> list[int]:
     Returns the CPUs."""
     allowed = sorted(os.sched_getaffinity(0))
     chosen = sorted({allowed[-1 - (index * cores + k) % len(allowed)] for k in range(cores)}) if cores else allowed
-    for thread in os.listdir("/proc/self/task"):  # Linux: an affinity is per thread; new threads inherit it
-        os.sched_setaffinity(int(thread), chosen)
+    set_affinity(chosen)
     return chosen
+
+
+def set_affinity(cpus) -> None:
+    """Every thread of this process on ``cpus`` (Linux: an affinity is per thread; new threads inherit it)."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended since the listing
+            os.sched_setaffinity(int(thread), cpus)
 
 
 P, R = ParamSpec("P"), TypeVar("R")
@@ -169,9 +175,7 @@ def keeps_process_settings(measure: Callable[P, R]) -> Callable[P, R]:
             return measure(*args, **kwargs)
         finally:
             torch.set_num_threads(threads)
-            for thread in os.listdir("/proc/self/task"):
-                with contextlib.suppress(OSError):  # a thread may have ended since the listing
-                    os.sched_setaffinity(int(thread), cpus)
+            set_affinity(cpus)
             default_heap()
 
     return restoring

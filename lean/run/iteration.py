@@ -641,7 +641,7 @@ class IterationPipeline:
         the rollout and the update too: ``lean.observe.memory_trace``)."""
         timer = PhaseTimer(self.world.device)
         cpu = time.process_time()  # every thread's: beside wall time, what the iteration cost the machine
-        memory = trace or PeakMemory(self.world.device, enabled=measure_memory)
+        memory = trace if trace is not None else PeakMemory(self.world.device, enabled=measure_memory)
         with memory, timer("iteration"):
             make_schedule = schedule_class(schedule, self.algorithm)
             on_step = None if trace is None else trace.on_step

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lean.models.flux.model import PackedLatents, unpack
 from lean.models.sequence_parallel import SequenceParallel
-from lean.models.text import PromptEmbeds
+from lean.models.text import PromptEmbeds, real_tokens
 
 # QwenImagePipeline.prompt_template_encode (diffusers 0.42, pipelines/qwenimage/pipeline_qwenimage.py)
 PROMPT_TEMPLATE = (
@@ -96,13 +96,7 @@ class QwenImage(PackedLatents):
         )
         hidden = out.hidden_states[-1]
         kept = [row.nonzero().squeeze(1)[drop : drop + max_length] for row in batch.attention_mask.bool()]
-        length = max(len(k) for k in kept)
-        tokens = hidden.new_zeros(len(prompts), length, hidden.shape[-1])
-        mask = torch.zeros(len(prompts), length, dtype=torch.long)
-        for b, positions in enumerate(kept):
-            tokens[b, : len(positions)] = hidden[b].index_select(0, positions.to(hidden.device))
-            mask[b, : len(positions)] = 1
-        return PromptEmbeds(tokens, mask=mask.to(device))
+        return real_tokens(hidden, kept, device)
 
     def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, N, 4C]``."""

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lean.models.qwen_image.model import QwenImage
-from lean.models.text import PromptEmbeds
+from lean.models.text import PromptEmbeds, real_tokens
 
 # QwenImageEditPipeline.prompt_template_encode (diffusers 0.42, pipelines/qwenimage/pipeline_qwenimage_edit.py)
 PROMPT_TEMPLATE = (
@@ -96,13 +96,7 @@ class QwenImageEdit(QwenImage):
         )
         hidden = out.hidden_states[-1]
         kept = [row.nonzero().squeeze(1)[drop:] for row in batch["attention_mask"].bool()]
-        length = max(len(k) for k in kept)
-        tokens = hidden.new_zeros(len(prompts), length, hidden.shape[-1])
-        mask = torch.zeros(len(prompts), length, dtype=torch.long)
-        for b, positions in enumerate(kept):
-            tokens[b, : len(positions)] = hidden[b].index_select(0, positions.to(hidden.device))
-            mask[b, : len(positions)] = 1
-        return PromptEmbeds(tokens, mask=mask.to(device))
+        return real_tokens(hidden, kept, device)
 
     def encode_reference(self, vae, pixels: Tensor) -> Tensor:
         """``[B, 3, H, W]`` in [-1, 1] -> packed reference tokens ``[B, N_r, 4C]``: the mode of the VAE's latent of

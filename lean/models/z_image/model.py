@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lean.models.sequence_parallel import SequenceParallel
-from lean.models.text import PromptEmbeds
+from lean.models.text import PromptEmbeds, real_tokens
 
 HIDDEN_STATE = -2  # ZImagePipeline._encode_prompt reads hidden_states[-2] (pipeline_z_image.py:244)
 # user turns' text only, for a random build's word-level tokenizer (the module docstring says why)
@@ -93,13 +93,7 @@ class ZImage:
             use_cache=False,
         ).hidden_states[HIDDEN_STATE]
         kept = [row.nonzero().squeeze(1) for row in batch.attention_mask.bool()]
-        length = max(len(k) for k in kept)
-        tokens = hidden.new_zeros(len(prompts), length, hidden.shape[-1])
-        mask = torch.zeros(len(prompts), length, dtype=torch.long)
-        for b, positions in enumerate(kept):
-            tokens[b, : len(positions)] = hidden[b].index_select(0, positions.to(hidden.device))
-            mask[b, : len(positions)] = 1
-        return PromptEmbeds(tokens, mask=mask.to(device))
+        return real_tokens(hidden, kept, device)
 
     def forward(self, transformer, x: Tensor, sigma: Tensor, emb: PromptEmbeds, guidance_embed: float | None) -> Tensor:
         """Velocity ``[B, 16, h, w]``: -net(x, 1 - sigma) on each row's real text tokens."""
