@@ -16,7 +16,7 @@ TEST_WORKERS ?= 3
 unexport PYTHONDONTWRITEBYTECODE
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install lint test repro bench ui clean
+.PHONY: install lint test test-full repro bench ui clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# every case of every claim: `make test` and the further cases marked `matrix` (other world sizes and combinations of
+# a code path `make test` already runs)
+test-full: lint
+	LEAN_TEST_FULL=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The workbench (dvc.yaml): prepare -> rollout -> advantage -> update x3 -> equivalence, train x3, bench, overlap,
 # report; the stages call `python`, so the venv goes first on PATH. A second `make repro` reruns nothing.

@@ -42,6 +42,12 @@ SHARED_FIXTURE_MODULES = {
 LONG_FIRST = ("smoke", "test_layout", "test_certificate", "test_sharding", "test_sequence_parallel", "test_distributed")
 
 
+# `make test` checks every claim once; a claim's further cases (the same code path at another world size, or in
+# another combination its first case already crosses) carry the `matrix` mark and run under `make test-full`
+# (LEAN_TEST_FULL=1). A test of which only `matrix` cases were collected runs them: nothing selected is dropped.
+FULL = os.environ.get("LEAN_TEST_FULL", "0") not in ("", "0")
+
+
 def _group(item) -> str | None:
     marker = item.get_closest_marker("xdist_group")
     return (marker.kwargs.get("name") or marker.args[0]) if marker else None
@@ -73,6 +79,18 @@ def pytest_collection_modifyitems(config, items):
         return len(LONG_FIRST) + (_group(item) is None)
 
     items.sort(key=rank)  # stable: the order within a rank is pytest's
+    if not FULL:
+        _deselect_matrix(config, items)
+
+
+def _deselect_matrix(config, items) -> None:
+    """Leaves the `matrix` cases to `make test-full`, unless no other case of their test was collected."""
+    kept = {(item.module.__name__, item.originalname) for item in items if not item.get_closest_marker("matrix")}
+    matrix = [i for i in items if i.get_closest_marker("matrix") and (i.module.__name__, i.originalname) in kept]
+    if matrix:
+        config.hook.pytest_deselected(items=matrix)
+        left = set(map(id, matrix))
+        items[:] = [item for item in items if id(item) not in left]
 
 
 @pytest.fixture(autouse=True)

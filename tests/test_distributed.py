@@ -77,7 +77,7 @@ def _column(path, name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_equivalence_on_processes_in_the_group_layout(tmp_path, processes):
     """Each process holds two groups and finishes each as soon as it is scored (``lean.parallel.layout``): Retain and
     Reweight still give Recompute's synchronised gradient."""
@@ -117,7 +117,7 @@ FILTER = [
     "processes,prompts,group,extra,sp",
     [
         (2, 2, 4, FILTER, 1),  # Q = 2 samples of each prompt per rank
-        (4, 2, 4, FILTER, 1),  # Q = 1
+        pytest.param(4, 2, 4, FILTER, 1, marks=pytest.mark.matrix),  # Q = 1 (4 processes: the cases below)
         # two worker groups of 2 ranks, one sample each. The filter averages the loss over each process's kept samples
         # (FlowGRPO's per-rank mean): with the colourless prompt on one worker group only, its ranks keep none, so the
         # update is not one process's by the algorithm's own definition; without it, every term is

@@ -125,7 +125,7 @@ def _results(folder: Path, world: int) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_token_ops_are_exact_in_every_method(world, tmp_path):
     spawn(_ops_worker, world, str(tmp_path), deadline_s=100)
     for rank, result in enumerate(_results(tmp_path, world)):

@@ -104,7 +104,8 @@ def one_process_gradients(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("processes", [2, 4])
+# 4 processes: the same code path; 4 sharded processes with Reweight run in make test: the HSDP test below
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.matrix)])
 def test_reweight_and_retain_on_a_sharded_full_fine_tune_give_one_process_gradients(
     tmp_path, processes, one_process_gradients
 ):
@@ -148,7 +149,7 @@ def test_a_sharded_update_reduce_scatters_once_per_unit_or_after_every_backward(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sequence_parallel", [1, 2])
+@pytest.mark.parametrize("sequence_parallel", [pytest.param(1, marks=pytest.mark.matrix), 2])  # 2: HSDP and SP
 def test_hsdp_as_two_nodes_of_two_gives_one_process_gradients(tmp_path, sequence_parallel, one_process_gradients):
     """``parallel.shard=hsdp``: 4 gloo processes as 2 replicas (nodes) x 2, a full fine-tune sharded within each and
     replicated across them (FSDP2's 2-D mesh: reduce-scatter in a node, all-reduce across), once with each node one
