@@ -71,8 +71,9 @@ UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)
 # and DPO train on re-noised clean samples: their float64 formulas are tests/test_clean_samples.py's)
 # (BranchGRPO's tree recipe has a target per edge, not per sample: its certificate is tests/test_tree.py's; Flash-GRPO
 # weighs its one step by the temporal rectification: its float64 transcription is tests/test_flash_grpo.py's; GARDO's
-# diversity-weighted advantages without a std and its gated KL: tests/test_gardo.py's)
-OWN_OBJECTIVE = {"flash_grpo", "gardo"}
+# diversity-weighted advantages without a std and its gated KL: tests/test_gardo.py's; TempFlow-GRPO weighs its branch
+# step by its noise level: tests/test_tempflow_grpo.py's)
+OWN_OBJECTIVE = {"flash_grpo", "gardo", "tempflow_grpo"}
 STEP_PRESETS = [
     p
     for p in PRESETS
@@ -437,6 +438,8 @@ PUBLISHED_TARGETS = {
     "attn.to_q attn.to_v",  # AWM train_sd3_awm.py:612-622 at 12b1397 (lora_type "attn")
     "gardo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # FlowGRPO train_sd3_gardo.py:440-449 at 94e23ee
+    "tempflowgrpo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
+    "attn.to_q attn.to_v",  # TempFlow-GRPO train_sd3_pr.py's target_modules at e66824e
     "unirl-grpo-hunyuan-video15": "attn.to_q attn.to_k attn.to_v attn.to_out.0 attn.add_q_proj attn.add_k_proj "
     "attn.add_v_proj attn.to_add_out ff.net.0.proj ff.net.2 ff_context.net.0.proj ff_context.net.2",  # hv15.yaml:84-96
 }

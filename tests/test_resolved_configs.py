@@ -195,6 +195,7 @@ ADDED_PRESETS = {
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
     "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
+    "tempflowgrpo-sd3",  # TempFlow-GRPO's PickScore recipe (config/dgx.py:pickscore_sd3_pr at 63e4def)
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)

@@ -24,6 +24,7 @@ from lean.algorithms.grpo_guard import GRPOGuard
 from lean.algorithms.mixgrpo import MixGRPO
 from lean.algorithms.nft import NFT
 from lean.algorithms.reward_combination import REWARD_COMBINATIONS
+from lean.algorithms.tempflow_grpo import TempFlowGRPO
 from lean.config import ConfigError
 from lean.config.registry import Registry
 
@@ -43,6 +44,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("flow_dppo", FlowDPPO),  # UniRL's Flow-DPPO: a Gaussian-KL trust-region mask in place of the ratio clip
         ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
         ("flash_grpo", FlashGRPO),  # Flash-GRPO (Shredded-Pork): one drawn SDE step per rollout, rectified gradients
+        ("tempflow_grpo", TempFlowGRPO),  # TempFlow-GRPO (Shredded-Pork): branches at one step, noise-aware weights
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
         ("gardo", GARDO),  # FlowGRPO's GARDO: gated KL, reference reset, diversity-aware advantages
     ],
