@@ -64,6 +64,9 @@ GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-g
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
+# E1: shengjun-zhang/VisualGRPO ae619bf (E-GRPO) fastvideo/workers/rollout_buffer.py:115-124, each group's torch std
+# + 1e-8; flux_sampler.py:162-191 FlowGRPO's SDE (F1); grpo_trainer.py:241-256 the clamped, clipped loss, no KL
+DANCE_FAMILY |= {"egrpo-flux"}
 UNIRL = {"unirl-grpo-hunyuan-video15"}  # UniRL's FlowGRPO (Tencent-Hunyuan/UniRL 1a7b501)
 FLOW_DPPO = {"unirl-flow-dppo-sd3"}  # P1: UniRL's Flow-DPPO (flowdppo.py at 1a7b501), no KL to a reference
 UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)

@@ -189,6 +189,9 @@ ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_e
 ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto", "parallel.replicas": None}
 # issue #59: the evaluation's own geometry (lean/evaluation.py: eval_runtime); None: the training's, as before
 ADDED_EVAL_GEOMETRY: dict[str, object] = {"eval.resolution": None, "eval.num_frames": None}
+# E-GRPO (issue #58, lean/algorithms/e_grpo.py): its SDE steps, read only under algorithm.name=e_grpo
+# (shengjun-zhang/VisualGRPO at ae619bf, scripts/finetune/train_grpo_merge.sh:25: eta_step_list=[1,2,3])
+ADDED_E_GRPO: dict[str, object] = {"algorithm.e_grpo.steps": [1, 2, 3]}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -198,6 +201,7 @@ ADDED_PRESETS = {
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
+    "egrpo-flux",  # issue #58: E-GRPO's recipe (train_grpo_merge.sh at ae619bf; tests/test_e_grpo.py)
 }
 
 ADDED = {
@@ -217,6 +221,7 @@ ADDED = {
     **ADDED_WORKBENCH,
     **ADDED_SYNC,
     **ADDED_EVAL_GEOMETRY,
+    **ADDED_E_GRPO,
 }
 CHANGED = {
     **CHANGED_EDITING,
