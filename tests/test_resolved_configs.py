@@ -162,6 +162,8 @@ ADDED_GROUPWISE: dict[str, object] = {
     "reward.win_rate.judge_reward": None,
     "reward.win_rate.temperature": 1.0,
     "reward.win_rate.credit": "verdict",
+    # issue #58: the reward.judges entry a chat judge asks (Pref-GRPO's unifiedreward_think; None: no chat judge)
+    "reward.win_rate.judge_endpoint": None,
 }
 CHANGED_GROUPWISE: dict[tuple[str, str], tuple[object, object]] = {}
 # GARDO (issue #43, lean/algorithms/gardo.py): its keys, read only under algorithm.name=gardo; defaults are the source's
@@ -202,6 +204,7 @@ ADDED_PRESETS = {
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
     "egrpo-flux",  # issue #58: E-GRPO's recipe (train_grpo_merge.sh at ae619bf; tests/test_e_grpo.py)
+    "prefgrpo-flux",  # issue #58: Pref-GRPO's recipe (ur_think_prefgrpo_flux.sh at 3e787f6; tests/test_prefgrpo.py)
 }
 
 ADDED = {
