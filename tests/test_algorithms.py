@@ -21,6 +21,7 @@ EXACT = {"nft": ["recompute"], "dpo": ["recompute"], "awm": ["recompute"]}
 OWN_ROLLOUT = {
     "tempflow_grpo": ["sample.init_same_noise=true"],  # a group's branches leave one trunk: one x_T per group
     "branch_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2", "sample.timestep_selection=first"],
+    "e_grpo": ["algorithm.e_grpo.steps=[1,2]"],  # its source's [1, 2, 3] needs 5 steps; FAST has 4
     "gardo": [
         "reward.weights={color_match: 1.0, jpeg_compressibility: 0.1, position_match: 0.1, diversity: 0.0}",
         "algorithm.gardo.main_reward=color_match",

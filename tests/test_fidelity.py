@@ -21,6 +21,9 @@ XueZeyue/DanceGRPO at 15cc71d):
       advantage (torch's unbiased std + 1e-8), weighted and summed
   X1  X-GenGroup/Flow-Factory a0b2bc5 src/flow_factory/advantage/advantage_processor.py:451-470 (GDPO): each reward's
       (r - mean) / max(np.std, 1e-6) per group, weighted, summed, then (c - mean) / max(np.std, 1e-6) over the batch
+  R1  CodeGoat24/Pref-GRPO 3e787f6 fastvideo/train_flux.py:729-756 (RatioNorm as G1, its shift averaged over each
+      sample's latent, one sample per forward), fastvideo/rewards/dispatcher.py:614-703 (GDPO: each reward's
+      (r - mean) / (torch's unbiased std + 1e-8) per group, weighted, summed, then the same over the batch)
   Q1  flow_grpo 9745241 (zhtmike mirror) qwenimage_pipeline_with_logprob.py:138-141  random.seed(process_index), then
       the window start randint(0, num_steps // 2 - window); train_qwenimage.py:657-669 passes no process_index
 """
@@ -64,6 +67,10 @@ GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-g
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
+# E1: shengjun-zhang/VisualGRPO ae619bf (E-GRPO) fastvideo/workers/rollout_buffer.py:115-124, each group's torch std
+# + 1e-8; flux_sampler.py:162-191 FlowGRPO's SDE (F1); grpo_trainer.py:241-256 the clamped, clipped loss, no KL
+DANCE_FAMILY |= {"egrpo-flux"}
+PREF_GDPO = {"prefgrpo-flux"}  # R1: Pref-GRPO's GDPO and its per-sample RatioNorm
 UNIRL = {"unirl-grpo-hunyuan-video15"}  # UniRL's FlowGRPO (Tencent-Hunyuan/UniRL 1a7b501)
 FLOW_DPPO = {"unirl-flow-dppo-sd3"}  # P1: UniRL's Flow-DPPO (flowdppo.py at 1a7b501), no KL to a reference
 UNIRL |= FLOW_DPPO  # its advantages are UniRL's (rollout_resp.py:318-325)
@@ -194,6 +201,9 @@ def published_advantages(rewards: np.ndarray, groups: np.ndarray, preset: str, g
     rollout + 1e-8; X1 (Flow-Factory's GDPO) and M1 (MixGRPO) of the one reward."""
     if preset in GDPO:
         return published_gdpo(rewards[:, None], [1.0], groups)
+    if preset in PREF_GDPO:  # R1: the one reward's per_reward advantage, renormalised over the batch
+        combined = torch.tensor(published_per_reward(rewards[:, None], [1.0], groups))
+        return ((combined - combined.mean()) / (combined.std() + 1e-8)).numpy()
     if preset in MIXGRPO:
         return published_per_reward(rewards[:, None], [1.0], groups)
     out = np.empty_like(rewards)
@@ -223,7 +233,10 @@ def published_loss(theta, theta_ref, c, x, x_next, old_log_p, old_mean, advantag
     ratio = torch.exp(log_p - old_log_p)
     if algorithm.name == "grpo_guard":  # G1 :915-919: the shift's .mean(dim=()) averages every dimension
         s = std.reshape(-1)[0]  # sqrt_dt.mean() * std_dev_t.mean(): the transition std
-        ratio = torch.exp((log_p - old_log_p + ((mean - old_mean) ** 2).mean() / (2 * s**2)) * s)
+        shift = ((mean - old_mean) ** 2).mean()
+        if preset in PREF_GDPO:  # R1 :736: each sample's own shift, over its latent
+            shift = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, x.ndim)))
+        ratio = torch.exp((log_p - old_log_p + shift / (2 * s**2)) * s)
     policy = torch.maximum(-a * ratio, -a * ratio.clamp(1 - algorithm.clip_range, 1 + algorithm.clip_range)).mean()
     if algorithm.name == "flow_dppo":
         policy = published_flow_dppo(ratio, a, mean, old_mean, sigmas, j, cfg, algorithm.flow_dppo.kl_threshold)
@@ -296,9 +309,12 @@ def preset_config(preset: str, dtype: torch.dtype):
     """The preset's sampler and loss; one update over the toy batch (the update's split does not change the
     objective of one step), and a KL weight where the source has a KL at all."""
     cfg = load_config(preset=preset)
-    beta = cfg.algorithm.beta or (0.0 if preset in DANCE_FAMILY | FLOW_DPPO else 0.04)  # DanceGRPO, MixGRPO, P1: no KL
+    no_kl = DANCE_FAMILY | FLOW_DPPO | PREF_GDPO  # DanceGRPO, MixGRPO, P1, R1 (its recipe's --kl_beta 0): no KL
+    beta = cfg.algorithm.beta or (0.0 if preset in no_kl else 0.04)
+    # R1: one sample per forward (its RatioNorm's shift is per sample, lean's per micro-batch)
+    micro_batch = 1 if preset in PREF_GDPO else len(GROUPS)
     train = dataclasses.replace(
-        cfg.train, optimizer_steps_per_iteration=1, train_batch_size=len(GROUPS), num_inner_epochs=1
+        cfg.train, optimizer_steps_per_iteration=1, train_batch_size=micro_batch, num_inner_epochs=1
     )
     algorithm = dataclasses.replace(cfg.algorithm, beta=beta)
     if preset in FLOW_DPPO:  # P1: a threshold the toy KLs on bf16 means straddle at j = 2 (6 of 9 above), so the mask
@@ -308,7 +324,10 @@ def preset_config(preset: str, dtype: torch.dtype):
             algorithm, flow_dppo=dataclasses.replace(algorithm.flow_dppo, kl_threshold=4e-6)
         )
     model = dataclasses.replace(cfg.model, dtype="float64" if dtype == torch.float64 else "float32")
-    return dataclasses.replace(cfg, train=train, algorithm=algorithm, model=model)
+    reward = cfg.reward
+    if len(reward.weights) > 1:  # the toy batch has one reward: the preset's first, at weight 1
+        reward = dataclasses.replace(reward, weights={next(iter(reward.weights)): 1.0})
+    return dataclasses.replace(cfg, train=train, algorithm=algorithm, model=model, reward=reward)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -162,6 +162,8 @@ ADDED_GROUPWISE: dict[str, object] = {
     "reward.win_rate.judge_reward": None,
     "reward.win_rate.temperature": 1.0,
     "reward.win_rate.credit": "verdict",
+    # issue #58: the reward.judges entry a chat judge asks (Pref-GRPO's unifiedreward_think; None: no chat judge)
+    "reward.win_rate.judge_endpoint": None,
 }
 CHANGED_GROUPWISE: dict[tuple[str, str], tuple[object, object]] = {}
 # GARDO (issue #43, lean/algorithms/gardo.py): its keys, read only under algorithm.name=gardo; defaults are the source's
@@ -189,6 +191,9 @@ ADDED_WORKBENCH: dict[str, object] = {"eval.images_every": None, "train.memory_e
 ADDED_SYNC: dict[str, object] = {"parallel.grad_sync": "auto", "parallel.replicas": None}
 # issue #59: the evaluation's own geometry (lean/evaluation.py: eval_runtime); None: the training's, as before
 ADDED_EVAL_GEOMETRY: dict[str, object] = {"eval.resolution": None, "eval.num_frames": None}
+# E-GRPO (issue #58, lean/algorithms/e_grpo.py): its SDE steps, read only under algorithm.name=e_grpo
+# (shengjun-zhang/VisualGRPO at ae619bf, scripts/finetune/train_grpo_merge.sh:25: eta_step_list=[1,2,3])
+ADDED_E_GRPO: dict[str, object] = {"algorithm.e_grpo.steps": [1, 2, 3]}
 # Presets added since the record, which has no "before" for them (their values: tests/test_presets.py's)
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
@@ -199,6 +204,8 @@ ADDED_PRESETS = {
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
+    "egrpo-flux",  # issue #58: E-GRPO's recipe (train_grpo_merge.sh at ae619bf; tests/test_e_grpo.py)
+    "prefgrpo-flux",  # issue #58: Pref-GRPO's recipe (ur_think_prefgrpo_flux.sh at 3e787f6; tests/test_prefgrpo.py)
 }
 
 ADDED = {
@@ -218,6 +225,7 @@ ADDED = {
     **ADDED_WORKBENCH,
     **ADDED_SYNC,
     **ADDED_EVAL_GEOMETRY,
+    **ADDED_E_GRPO,
 }
 CHANGED = {
     **CHANGED_EDITING,

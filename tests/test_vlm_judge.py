@@ -17,12 +17,15 @@ from test_reward_server import junk_server  # noqa: F401 (a fixture: a server an
 from lean.cli import main
 from lean.config import ConfigError
 from lean.rewards import RewardServerError
+from lean.rewards.groupwise import PairwiseWinRate, group_pairs
 from lean.rewards.judge_templates import JUDGE_TEMPLATES, VLMJudgeConfig, parse_score
 from lean.rewards.vlm_judge import VLMJudge, data_url
 from lean.train import train
 
 TOKEN_ENV = "LEAN_TEST_JUDGE_KEY"
 SCORES = [f"Final Score: {k}" for k in range(1, 6)]  # UnifiedReward's answer, constrained
+# UnifiedReward-Think's two verdicts (Pref-GRPO unifiedreward_think.py:100-101), constrained as the scores above
+PAIRWISE_VERDICTS = ["<answer>Image 1 is better</answer>", "<answer>Image 2 is better</answer>"]
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 CHAT_TEMPLATE = (  # Qwen2-VL's, shortened: no system turn, no video
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
@@ -145,6 +148,31 @@ def test_lean_train_trains_against_the_served_judge(vlm_server, tmp_path, monkey
     judged = float(metrics["reward_unifiedreward"]) * 20  # the mean of 4 scores k / 5: a whole number of 20ths
     assert 4 <= judged <= 20 and abs(judged - round(judged)) < 1e-9, metrics
     # a judge that fails is a RewardServerError (below), on which lean train keeps the rollout (test_reward_server)
+
+
+@pytest.mark.timeout(200)
+def test_lean_train_trains_against_a_tiny_local_pairwise_judge(vlm_server, tmp_path, monkeypatch):
+    """Pref-GRPO's win rate (reward.win_rate.judge=unifiedreward_think) asking the served judge one request per pair,
+    its verdicts constrained to UnifiedReward-Think's two answers (tests/test_prefgrpo.py: the rest of Pref-GRPO)."""
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    judge = "reward.judges.think"
+    sets = ["reward.weights={win_rate: 1.0}", "reward.win_rate.judge=unifiedreward_think"]
+    sets += ["reward.win_rate.judge_endpoint=think", f"{judge}.base_url={vlm_server}", f"{judge}.model=judge"]
+    sets += [
+        f"{judge}.guided_choice={json.dumps(PAIRWISE_VERDICTS)}",
+        f"{judge}.max_tokens=64",
+        f"{judge}.api_key_env={TOKEN_ENV}",
+    ]
+    sets += ["train.group_size=3", "algorithm.adv_std=unbiased", "algorithm.adv_eps=1e-8"]
+    cfg = tiny(*sets)
+    judged = PairwiseWinRate(cfg.reward, lambda name: None).judge.prefer(torch.rand(3, 3, 32, 32), group_pairs(3), "a")
+    assert judged.dtype == torch.float64 and set(judged.tolist()) <= {0.0, 1.0}  # each pair a verdict, no tie
+    train(cfg, out=str(tmp_path))
+    header, row = (tmp_path / "metrics.csv").read_text().splitlines()  # iteration 0
+    metrics = dict(zip(header.split(","), row.split(",")))
+    # a group's 3 win rates are wins / 2 and its 3 pairs give 3 wins: the group's mean is 1/2, so the batch's is too
+    # (the verdicts above are each pair's, not ties)
+    assert float(metrics["reward_win_rate"]) == pytest.approx(0.5, abs=1e-12), metrics
 
 
 def completion(text: str) -> bytes:

@@ -204,6 +204,14 @@ TINY = {
             }
         },
         "awm": {"run": {"algorithm": {"name": "awm"}, "train": {"schedule": "recompute"}}},
+        # the source's steps [1, 2, 3] need 5 steps: the smoke's 4 train steps 1 and 2
+        "e_grpo": {
+            "run": {
+                "algorithm": {"name": "e_grpo", "e_grpo": {"steps": [1, 2]}},
+                "sample": {"init_same_noise": True},
+                "train": {"schedule": "retain"},
+            }
+        },
         "time_to_reward_gain": -1.0,  # a target every run reaches: the notebook's time-to-reward cell runs through
     },
     "bench": {

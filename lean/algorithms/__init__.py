@@ -15,6 +15,7 @@ from lean.algorithms.base import CLEAN_SAMPLES, FACTS, ROLLOUT_STEPS, ROLLOUTS, 
 from lean.algorithms.branch_grpo import BranchGRPO
 from lean.algorithms.clean_samples import CleanSampleAlgorithm
 from lean.algorithms.dpo import DPO
+from lean.algorithms.e_grpo import EGRPO
 from lean.algorithms.flash_grpo import FlashGRPO
 from lean.algorithms.flow_dppo import FlowDPPO
 from lean.algorithms.gardo import GARDO
@@ -45,6 +46,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("branch_grpo", BranchGRPO),  # BranchGRPO (Fredreic1849): GRPO on a tree rollout, depth-wise advantages
         ("flash_grpo", FlashGRPO),  # Flash-GRPO (Shredded-Pork): one drawn SDE step per rollout, rectified gradients
         ("tempflow_grpo", TempFlowGRPO),  # TempFlow-GRPO (Shredded-Pork): branches at one step, noise-aware weights
+        ("e_grpo", EGRPO),  # E-GRPO (shengjun-zhang/VisualGRPO): one high-entropy SDE step per rollout, ODE elsewhere
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
         ("gardo", GARDO),  # FlowGRPO's GARDO: gated KL, reference reset, diversity-aware advantages
     ],

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from lean.config.checks import AUTO, ConfigError, check_positive, choice, choices
 from lean.config.sections import register_options
 
+BATCH_RENORMALISED = ("gdpo", "pref_gdpo")  # the reward combinations renormalised over the whole batch
+
 
 @register_options("algorithm")
 @dataclass
@@ -33,8 +35,9 @@ class AlgorithmConfig:
     reward_combination: str = choice("reward combination")
     """How several rewards become one advantage: a name of ``lean.algorithms.REWARD_COMBINATIONS`` (sum: the weighted
     sum is normalised, FlowGRPO; per_reward: each reward is normalised, then weighted and summed, MixGRPO; gdpo: as
-    per_reward with std floored at 1e-6, then renormalised over the batch, Flow-Factory). The same with one reward
-    but for gdpo's renormalisation (``lean/algorithms/reward_combination.py``)."""
+    per_reward with std floored at 1e-6, then renormalised over the batch, Flow-Factory; pref_gdpo: Pref-GRPO's, the
+    unbiased std + 1e-8 in both). The same with one reward but for the gdpo kinds' renormalisation
+    (``lean/algorithms/reward_combination.py``)."""
     beta: float = 0.0
     """KL weight against the reference policy (adapter off)."""
     kl_form: str = choice("KL form")
@@ -60,14 +63,14 @@ class AlgorithmConfig:
             check_positive(f"algorithm.{key}", getattr(self, key))
         for key in ("adv_eps", "beta"):
             check_positive(f"algorithm.{key}", getattr(self, key), strict=False)
-        if self.reward_combination == "gdpo" and self.global_std:
-            raise ConfigError(
-                "algorithm.global_std", True, "gdpo normalises by each group's std, then the batch's: set false"
-            )
+        if self.reward_combination in BATCH_RENORMALISED and self.global_std:
+            why = f"{self.reward_combination} normalises by each group's std, then the batch's: set false"
+            raise ConfigError("algorithm.global_std", True, why)
 
     @property
     def batch_wide(self) -> bool:
         """Whether a sample's targets depend on rewards outside its group: the batch's std, or what the algorithm's
         own options group declares (``batch_wide``: GARDO's gate ranks every reward of the batch)."""
         own = getattr(self, self.name, None)  # the algorithm's own group, where it registered one
-        return self.global_std or self.reward_combination == "gdpo" or bool(getattr(own, "batch_wide", False))
+        renormalised = self.reward_combination in BATCH_RENORMALISED
+        return self.global_std or renormalised or bool(getattr(own, "batch_wide", False))

@@ -8,6 +8,8 @@ before or after the group normalisation. With norm_g the group advantage of ``le
     per_reward  A_n = sum_k w_k norm_g(r_k)_n                             (MixGRPO's advantage_aggr)
     gdpo        c_n = sum_k w_k (r_kn - mean_g r_k) / max(std_g r_k, 1e-6),
                 A_n = (c_n - mean c) / max(std c, 1e-6)                   (Flow-Factory's default, GDPO)
+    pref_gdpo   c_n = sum_k w_k (r_kn - mean_g r_k) / (ustd_g r_k + 1e-8),
+                A_n = (c_n - mean c) / (ustd c + 1e-8)                    (Pref-GRPO's GDPO; ustd: unbiased)
 
 then A is clamped to [-adv_clip_max, adv_clip_max]. Sources:
 
@@ -22,6 +24,10 @@ then A is clamped to [-adv_clip_max, adv_clip_max]. Sources:
   it ignores ``global_std`` (lean refuses it). Flow-Factory computes in float32 and, with whole groups on each
   process, takes the batch's std as sqrt(E[c^2] - E[c]^2) from an all-reduce (:251-259): the same in exact
   arithmetic.
+* pref_gdpo: github.com/CodeGoat24/Pref-GRPO at 3e787f6, fastvideo/rewards/dispatcher.py:614-703
+  (``compute_weighted_advantages`` with ``apply_gdpo``): each reward normalised in its group by torch's unbiased std
+  plus 1e-8 (:628-638), weighted and summed (:697), then the batch's (all processes, :698-702) mean subtracted and
+  its unbiased std plus 1e-8 divided out; clamped in the loss (train_flux.py:723-727). In float32 there.
 
 A group whose rewards are all equal carries no signal: its normalised reward is exactly 0 (the sources divide the
 rounding residue of its mean by their eps), and under gdpo a sample whose c is exactly 0 keeps A = 0 (the batch mean
@@ -39,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lean.algorithms.groups import group_advantages
+from lean.algorithms.options import BATCH_RENORMALISED
 from lean.config.registry import Registry
 
 if TYPE_CHECKING:
@@ -53,9 +60,11 @@ REWARD_COMBINATIONS: Registry[str] = Registry(
             "gdpo",
             "each reward normalised in its group, weighted, summed, then renormalised over the batch (Flow-Factory)",
         ),
+        ("pref_gdpo", "gdpo with torch's unbiased std + 1e-8 in the group and over the batch (Pref-GRPO)"),
     ],
 )
 GDPO_STD_FLOOR = 1e-6  # advantage_processor.py:463 and :259/:262 max(std, 1e-6)
+PREF_GDPO_EPS = 1e-8  # Pref-GRPO dispatcher.py:637 and :701 std() + 1e-8
 
 
 def weighted_normalised(components: Tensor, weights: Sequence[float], group_ids: Tensor, **norm) -> Tensor:
@@ -72,6 +81,13 @@ def gdpo_advantages(components: Tensor, weights: Sequence[float], group_ids: Ten
     combined = weighted_normalised(components, weights, group_ids, eps=GDPO_STD_FLOOR, eps_floor=True)
     std = combined.std(unbiased=False).clamp_min(GDPO_STD_FLOOR)
     return torch.where(combined == 0, 0.0, (combined - combined.mean()) / std)
+
+
+def pref_gdpo_advantages(components: Tensor, weights: Sequence[float], group_ids: Tensor) -> Tensor:
+    """Pref-GRPO's GDPO advantages [N], unclipped (module docstring); a sample whose c is exactly 0 (its group's
+    rewards all equal) keeps A = 0, as under gdpo."""
+    combined = weighted_normalised(components, weights, group_ids, eps=PREF_GDPO_EPS, std_estimator="unbiased")
+    return torch.where(combined == 0, 0.0, (combined - combined.mean()) / (combined.std() + PREF_GDPO_EPS))
 
 
 def combined_advantages(
@@ -94,6 +110,7 @@ def combined_advantages(
             f"reward_combination={how!r}: needs each reward's values [{len(rewards)}, {len(weights)}], got {got}"
         )
     components = components.to(torch.float64)
-    if how == "gdpo":
-        return gdpo_advantages(components, weights, group_ids).clamp(-clip, clip)
+    if how in BATCH_RENORMALISED:
+        renormalised = gdpo_advantages if how == "gdpo" else pref_gdpo_advantages
+        return renormalised(components, weights, group_ids).clamp(-clip, clip)
     return weighted_normalised(components, weights, group_ids, **norm).clamp(-clip, clip)  # per_reward

@@ -26,9 +26,10 @@ random streams are keyed by the sample, not by its place). Gradients accumulate 
 update (delayed sync) in all three. The global order of the samples (``lean.run.iteration.local_batch``) is
 rank-major: rank r's share is the contiguous block r of it, so a gather in rank order is the global batch.
 
-With ``algorithm.global_std`` or ``algorithm.reward_combination: gdpo`` every advantage depends on the whole batch's
-std, so nothing can finish before the last group is scored: the group and shared layouts then finish at the end, as
-slice does (``finish_unit`` is None); so does a k-update hybrid (its first update's rows are spread over the groups).
+With ``algorithm.global_std`` or ``algorithm.reward_combination: gdpo`` (or ``pref_gdpo``) every advantage depends on
+the whole batch's std, so nothing can finish before the last group is scored: the group and shared layouts then
+finish at the end, as slice does (``finish_unit`` is None); so does a k-update hybrid (its first update's rows are
+spread over the groups).
 
 The finishing unit: group layout, the rows a rollout micro-batch completes (m = c G completes c groups, m dividing G
 one group every G / m micro-batches); shared layout, one wave's Q rows (rolled out in micro-batches of at most Q).

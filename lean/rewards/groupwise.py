@@ -16,13 +16,19 @@ keeps it exact (the float64 certificate compares gradients to 1e-10).
 
 A judge (:data:`JUDGES`, ``reward.win_rate.judge``) answers, for a group's pairs, P(first preferred | prompt): a
 :class:`PairwiseJudge`. ``bradley_terry`` is built from any per-sample reward (``reward.win_rate.judge_reward``: a
-registered, model or served one): P = sigmoid((r_first - r_second) / temperature), each image scored once. A VLM judge
-(two images and the prompt in one chat request) registers as another entry of :data:`JUDGES`.
+registered, model or served one): P = sigmoid((r_first - r_second) / temperature), each image scored once.
+``unifiedreward_think`` is Pref-GRPO's: a VLM at an OpenAI-compatible chat endpoint (the entry of ``reward.judges``
+that ``reward.win_rate.judge_endpoint`` names: vLLM serving UnifiedReward-Think as Pref-GRPO's
+vllm_utils/vllm_server_UnifiedReward_Think.sh does, or ``lean reward serve --vlm FOLDER`` on a local copy) is sent, per
+pair, both images and the question ``PAIRWISE_TEMPLATES["unifiedreward_think"]`` (the pair's first as Image 1,
+vllm_request.py:78-91), one request per pair, and its ``<answer>`` read as a win, a loss or a tie
+(``lean.rewards.judge_templates.parse_verdict``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +40,9 @@ from lean.config.checks import check_positive, choice, choices
 from lean.config.registry import Registry
 from lean.config.sections import register_options
 from lean.rewards.base import GroupReward, RewardFn, check_model_entry, register_group, reward_names
+from lean.rewards.http import json_headers, post_with_retries
+from lean.rewards.judge_templates import PAIRWISE_TEMPLATES, parse_verdict
+from lean.rewards.vlm_judge import answer_text, chat_request
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
@@ -57,19 +66,46 @@ class PairwiseJudge:
         raise NotImplementedError
 
 
-JUDGES: Registry[Callable[[WinRateConfig, Callable[[str], RewardFn]], PairwiseJudge]] = Registry("pairwise judge")
+# a judge is built from the reward section (its reward.win_rate options, reward.judges) and the per-sample rewards
+JUDGES: Registry[Callable[[RewardConfig, Callable[[str], RewardFn]], PairwiseJudge]] = Registry("pairwise judge")
 
 
 @JUDGES.register("bradley_terry")
 class BradleyTerryJudge(PairwiseJudge):
     """The Bradley-Terry preference of a per-sample reward: P(i over j) = sigmoid((r_i - r_j) / temperature)."""
 
-    def __init__(self, options: WinRateConfig, pointwise: Callable[[str], RewardFn]):
+    def __init__(self, cfg: RewardConfig, pointwise: Callable[[str], RewardFn]):
+        options = cfg.win_rate
         self.reward, self.temperature = pointwise(options.judge_reward), options.temperature
 
     def prefer(self, images: Tensor, pairs: Tensor, prompt: str) -> Tensor:
         r = self.reward(images, [prompt] * len(images)).cpu().to(torch.float64)
         return torch.sigmoid((r[pairs[:, 0]] - r[pairs[:, 1]]) / self.temperature)
+
+
+@JUDGES.register("unifiedreward_think")
+class ChatPairwiseJudge(PairwiseJudge):
+    """A VLM at an OpenAI-compatible chat endpoint asked which of two images is better (module docstring)."""
+
+    def __init__(self, cfg: RewardConfig, pointwise: Callable[[str], RewardFn]):
+        self.endpoint, self.settings = cfg.win_rate.judge_endpoint, cfg.judges[cfg.win_rate.judge_endpoint]
+        self.template_name = cfg.win_rate.judge
+        self.template = PAIRWISE_TEMPLATES[self.template_name]
+
+    def prefer_one(self, first: Tensor, second: Tensor, prompt: str) -> float:
+        """P(first preferred) of one pair: 1, 0 or 1/2 from the judge's answer."""
+        s = self.settings
+        body = chat_request(s, [first, second], self.template.text.replace("{prompt}", prompt), s.image_size)
+        what, headers = f"reward win_rate ({self.endpoint})", json_headers(s.api_key_env)
+        return post_with_retries(what, s.url, body, headers, s, lambda a: parse_verdict(answer_text(a), self.template))
+
+    def prefer(self, images: Tensor, pairs: Tensor, prompt: str) -> Tensor:
+        if images.dim() != 4:  # Pref-GRPO's video judge samples frames from files (cal_win_rate_videos): not built
+            raise ValueError(f"reward.win_rate.judge={self.template_name}: compares images, got {list(images.shape)}")
+        images = images.cpu()
+        with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(pairs))) as pool:
+            verdicts = pool.map(lambda pair: self.prefer_one(images[pair[0]], images[pair[1]], prompt), pairs.tolist())
+            return torch.tensor(list(verdicts), dtype=torch.float64)
 
 
 def group_pairs(size: int) -> Tensor:
@@ -95,13 +131,19 @@ class PairwiseWinRate(GroupReward):
     def __init__(self, cfg: RewardConfig, pointwise: Callable[[str], RewardFn]):
         super().__init__(cfg, pointwise)
         self.options: WinRateConfig = cfg.win_rate
-        self.judge = JUDGES[self.options.judge](self.options, pointwise)
+        self.judge = JUDGES[self.options.judge](cfg, pointwise)
 
     @classmethod
     def check_config(cls, name: str, cfg: RunConfig, world_size: int | None) -> None:
         """Whole groups (:class:`GroupReward`), and a per-sample reward for the Bradley-Terry judge to compare."""
         super().check_config(name, cfg, world_size)
         options, key = cfg.reward.win_rate, "reward.win_rate.judge_reward"
+        if options.judge in PAIRWISE_TEMPLATES:  # a chat judge: its endpoint is an entry of reward.judges
+            if options.judge_endpoint not in cfg.reward.judges:
+                known = ", ".join(cfg.reward.judges) or "none"
+                why = f"name the reward.judges entry (base_url, model) the {options.judge} judge asks; known: {known}"
+                raise ConfigError("reward.win_rate.judge_endpoint", options.judge_endpoint, why)
+            return
         if options.judge != "bradley_terry":
             return
         if options.judge_reward is None:
@@ -128,6 +170,9 @@ class WinRateConfig:
     """Who compares two samples: a name of ``lean.rewards.groupwise.JUDGES``."""
     judge_reward: str | None = None
     """The per-sample reward the ``bradley_terry`` judge compares (registered, a model reward, or served)."""
+    judge_endpoint: str | None = None
+    """The entry of ``reward.judges`` (base_url, model, max_tokens, ...) a chat judge (``unifiedreward_think``) asks;
+    its template is the judge's own (``lean.rewards.judge_templates.PAIRWISE_TEMPLATES``)."""
     temperature: float = 1.0
     """The Bradley-Terry temperature: P(i over j) = sigmoid((r_i - r_j) / temperature)."""
     credit: str = choice("win credit")

@@ -69,6 +69,117 @@ JUDGE_TEMPLATES: Registry[JudgeTemplate] = Registry(
         ("qwenvl", JudgeTemplate(_QWENVL, r"<Score>(\d+)</Score>", 1, 5)),
     ],
 )
+_UNIFIEDREWARD_THINK = (  # Pref-GRPO fastvideo/rewards/templates.py:172-235 at 3e787f6, {prompt} its placeholder
+    "You are an objective and precise evaluator for image quality comparison. I will provide "
+    "you with a text caption and two images generated based on this caption. You must analyze "
+    "the two images carefully and determine which image is better.\n"
+    "\n"
+    "        Evaluation procedure:\n"
+    "\n"
+    "        1. The caption for the generated images is: 「{prompt}」. You must evaluate the two "
+    "images across these core dimensions:\n"
+    "        - Semantic consistency (how closely the image content aligns with the caption)\n"
+    "        - Aesthetics (composition, color usage, artistic expression)\n"
+    "        - Authenticity (realism and attention to detail)\n"
+    "\n"
+    "        2. You are also encouraged to add up to two additional evaluation dimensions if "
+    "they are relevant to the specific caption or images (e.g., creativity, spatial layout, "
+    "fine-grained detail). If no extra dimensions are relevant, just keep the three core "
+    "dimensions.\n"
+    "\n"
+    "        3. For each evaluation dimension:\n"
+    "        - Provide a score between 1–10 for both Image 1 and Image 2\n"
+    "        - Provide a short rationale for each score (2–5 short sentences)\n"
+    "        - The evaluation must follow exactly this format with line breaks and "
+    "indentation:\n"
+    "            Dimension name: \n"
+    "                Image 1 (x/10) - rationale; \n"
+    "                Image 2 (y/10) - rationale\n"
+    "\n"
+    "        4. After evaluating all dimensions, calculate the total score for each image and "
+    "show the calculation explicitly, following this exact format:\n"
+    "            Total score:\n"
+    "            Image 1: x+x+x=total\n"
+    "            Image 2: y+y+y=total\n"
+    "\n"
+    "        5. Wrap all reasoning and scoring strictly within <think> and </think> tags.\n"
+    "\n"
+    "        6. After </think>, output the final judgment strictly inside <answer> and "
+    "</answer> tags, containing only one of:\n"
+    "        - Image 1 is better\n"
+    "        - Image 2 is better\n"
+    "\n"
+    "        Constraints:\n"
+    "        - You must strictly follow the line breaks, indentation, and formatting shown in "
+    "the example below.\n"
+    "        - Do not merge multiple dimensions into one line. Each dimension must follow the "
+    "3-line block format shown below.\n"
+    "        - Do not use Markdown formatting, bullet points, bold text, or headings.\n"
+    "        - Do not output explanations outside <think> and <answer>.\n"
+    "        - The <answer> tag must contain only the final string with no extra words.\n"
+    "\n"
+    "        Required output format:\n"
+    "\n"
+    "        <think>\n"
+    "        1. Semantic consistency: \n"
+    "            Image 1 (9/10) - ...; \n"
+    "            Image 2 (7/10) - ...\n"
+    "        2. Aesthetics: \n"
+    "            Image 1 (8/10) - ...; \n"
+    "            Image 2 (8/10) - ...\n"
+    "        3. Authenticity: \n"
+    "            Image 1 (8/10) - ...; \n"
+    "            Image 2 (5/10) - ...\n"
+    "        [Additional dimension if any]: \n"
+    "            Image 1 (7/10) - ...; \n"
+    "            Image 2 (8/10) - ...\n"
+    "        [Additional dimension if any]: \n"
+    "            Image 1 (6/10) - ...; \n"
+    "            Image 2 (7/10) - ...\n"
+    "        Total score:\n"
+    "        Image 1: 9+8+8+7+6=38\n"
+    "        Image 2: 7+8+5+8+7=35\n"
+    "        </think>\n"
+    "        <answer>Image 1 is better</answer>\n"
+    "\n"
+    "        Note: The example above is only to illustrate the exact format (line breaks, "
+    "indentation, symbols, and style). Your actual evaluation must follow this format exactly, "
+    "but be based on the given caption and images.\n"
+    "        "
+)
+
+
+@dataclass(frozen=True)
+class PairwiseTemplate:
+    """A pairwise judge's question (``{prompt}``: the group's prompt; both images come before it, the pair's first as
+    Image 1) and how its verdict is read: the first group of ``verdict`` (none: a tie) holding ``first`` (the first
+    image is preferred), else ``second``, else a tie."""
+
+    text: str
+    verdict: str
+    first: str
+    second: str
+
+
+PAIRWISE_TEMPLATES: Registry[PairwiseTemplate] = Registry(
+    "pairwise judge template",
+    [
+        (  # Pref-GRPO at 3e787f6: unifiedreward_think.py:16-18 the answer tag, :42-52 and :100-101 the verdicts
+            "unifiedreward_think",
+            PairwiseTemplate(_UNIFIEDREWARD_THINK, r"<answer>(.*?)</answer>", "Image 1 is better", "Image 2 is better"),
+        ),
+    ],
+)
+
+
+def parse_verdict(text: str, template: PairwiseTemplate) -> float:
+    """P(first preferred) of one answer: 1, 0, or 1/2 for a tie or an answer without a verdict (Pref-GRPO's half a
+    win each)."""
+    match = re.search(template.verdict, text, re.DOTALL)
+    verdict = match.group(1).strip() if match else ""
+    return 1.0 if template.first in verdict else 0.0 if template.second in verdict else 0.5
+
+
 NORMALISATIONS = ("max", "range", "none")
 # How a request carries the allowed answers: vLLM >= 0.12 reads only structured_outputs.choice (its guided_* fields were
 # removed, vllm-project/vllm#29326, and are ignored silently); older vLLM reads guided_choice

@@ -60,6 +60,20 @@ def answer_text(answer: bytes) -> str:
     return content
 
 
+def chat_request(settings: VLMJudgeConfig, images: list[Tensor], text: str, size: int | None) -> bytes:
+    """One user turn of ``images`` [3, H, W] (in order) and then ``text``, as a chat completion request of the
+    endpoint ``settings`` (its model, temperature, max_tokens and allowed answers)."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(image, size)}} for image in images]
+    content.append({"type": "text", "text": text})
+    body = {"model": settings.model, "messages": [{"role": "user", "content": content}]}
+    body |= {"temperature": settings.temperature, "max_tokens": settings.max_tokens}
+    if settings.guided_choice is not None:
+        choices = list(settings.guided_choice)
+        field = settings.guided_choice_field
+        body[field] = {"choice": choices} if field == "structured_outputs" else choices
+    return json.dumps(body).encode()
+
+
 class VLMJudge:
     """A reward scored by a VLM at an OpenAI-compatible chat endpoint: float64 [B] (videos: the mean over frames)."""
 
@@ -71,19 +85,7 @@ class VLMJudge:
 
     def request(self, image: Tensor, prompt: str) -> bytes:
         """The chat completion request of one image [3, H, W] and its prompt."""
-        s = self.settings
-        content = [
-            {"type": "image_url", "image_url": {"url": data_url(image, self.image_size)}},
-            {"type": "text", "text": self.question.replace("{prompt}", prompt)},
-        ]
-        body = {"model": s.model, "messages": [{"role": "user", "content": content}]}
-        body |= {"temperature": s.temperature, "max_tokens": s.max_tokens}
-        if s.guided_choice is not None:
-            choices = list(s.guided_choice)
-            body[s.guided_choice_field] = (
-                {"choice": choices} if s.guided_choice_field == "structured_outputs" else choices
-            )
-        return json.dumps(body).encode()
+        return chat_request(self.settings, [image], self.question.replace("{prompt}", prompt), self.image_size)
 
     def parse(self, answer: bytes) -> float:
         """The normalised score of one answer (see the module docstring)."""
