@@ -199,6 +199,7 @@ ADDED_PRESETS = {
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
     "flowfactory-grpo-wan21-i2v",  # issue #59: Flow-Factory's Wan2.1-I2V LoRA recipe (tests/test_wan_i2v.py)
+    "flowfactory-grpo-wan22-i2v",  # issue #59: Flow-Factory's Wan2.2-I2V-A14B LoRA recipe (tests/test_wan_i2v.py)
 }
 
 ADDED = {

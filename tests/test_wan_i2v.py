@@ -28,8 +28,8 @@ from lean.models import Guidance, build_policy, build_scheduler, count_parameter
 from lean.models.checks import EDIT_PROMPTS
 from lean.models.options import ModelConfig
 
-FAMILIES = ("wan21_i2v",)
-PRESETS = {"wan21_i2v": "flowfactory-grpo-wan21-i2v"}
+FAMILIES = ("wan21_i2v", "wan22_i2v")
+PRESETS = {"wan21_i2v": "flowfactory-grpo-wan21-i2v", "wan22_i2v": "flowfactory-grpo-wan22-i2v"}
 PROMPTS = read_prompts(EDIT_PROMPTS)  # the bundled prompts, each with its image
 ATOL = 1e-5  # float32
 
@@ -43,12 +43,18 @@ def policy(request):
 
 
 def test_specs_and_sizes():
-    one = family_spec("wan21_i2v")
-    assert one.pipeline == "WanImageToVideoPipeline" and one.reference_images
+    one, two = family_spec("wan21_i2v"), family_spec("wan22_i2v")
+    assert one.pipeline == two.pipeline == "WanImageToVideoPipeline" and one.reference_images and two.reference_images
     assert one.denoiser_folders == ("transformer",) and "image_encoder" in one.components
-    assert one.scheduler["flow_shift"] == 3.0
-    full = one.size_config("full", "transformer")
-    assert (full["in_channels"], full["out_channels"], full["num_layers"], full["image_dim"]) == (36, 16, 40, 1280)
+    assert two.denoiser_folders == ("transformer", "transformer_2") and two.boundary == 0.9
+    assert "image_encoder" not in two.components and not two.processors
+    assert one.runtime is two.runtime and one.scheduler["flow_shift"] == two.scheduler["flow_shift"] == 3.0
+    for spec in (one, two):
+        full = spec.size_config("full", "transformer")
+        assert (full["in_channels"], full["out_channels"], full["num_layers"]) == (36, 16, 40)
+    assert one.size_config("full", "transformer")["image_dim"] == 1280 and two.size_config("full", "transformer")[
+        "image_dim"
+    ] is None  # fmt: skip
 
 
 def test_conditioning_latent_mask_and_clip_states(policy):
