@@ -64,6 +64,7 @@ DROPS_ZERO_ADVANTAGE |= {"flowgrpo-kontext"}  # train_flux_kontext.py:765-786 at
 DROPS_ZERO_ADVANTAGE |= {"flowgrpo-ocr-sd3"}  # train_sd3.py:796-817 at ac4c86e: flowgrpo-sd3 on the OCR task
 MIXGRPO = {"mixgrpo-flux", "mixgrpo-flash-flux"}  # M1: each reward normalised in its group, then summed
 GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-grpo-wan22", "flowfactory-grpo-z-image"}
+GDPO |= {"flowfactory-grpo-wan21-i2v", "flowfactory-grpo-wan22-i2v"}  # wan2{1,2}/i2v.yaml advantage_aggregation
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
@@ -450,6 +451,10 @@ PUBLISHED_TARGETS = {
     "feed_forward.w2 feed_forward.w3",  # Flow-Factory src/flow_factory/models/z_image/z_image.py:69-75 at a0b2bc5
     "flowfactory-grpo-wan22": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_t2v.py:74-85
+    "flowfactory-grpo-wan21-i2v": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
+    "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_i2v.py:90-101
+    "flowfactory-grpo-wan22-i2v": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
+    "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # wan2_i2v.py:90-101 (Flow-Factory: the high-noise expert only)
     "unirl-flow-dppo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # sd3_flowdppo.yaml:81-89
     "flashgrpo-wan": "add_k_proj add_q_proj add_v_proj to_add_out to_k to_out.0 to_q to_v",  # :457-466 at 8cfc973
@@ -636,6 +641,8 @@ def test_qwen_image_window_is_the_sources_at_every_iteration():
         ("flowfactory-grpo-flux2-klein", {1, 2}),
         ("flowfactory-grpo-wan22", {1, 2, 3}),
         ("flowfactory-grpo-z-image", {1, 2, 3}),  # z_image_turbo/default.yaml:82
+        ("flowfactory-grpo-wan21-i2v", {1, 2, 3}),  # wan21/i2v.yaml:89
+        ("flowfactory-grpo-wan22-i2v", {1}),  # wan22/i2v.yaml:98
     ],
 )
 def test_flowfactory_window_starts_are_its_sde_steps(preset, sde_steps):
@@ -690,6 +697,8 @@ FLOWFACTORY_EMA = {  # the published ema_decay, ema_update_interval (t2i.yaml:71
     "flowfactory-grpo-flux2-klein": (0.9, 4),
     "flowfactory-grpo-wan22": (0.9, 4),
     "flowfactory-grpo-z-image": (0.9, 4),  # z_image_turbo/default.yaml:73-74
+    "flowfactory-grpo-wan21-i2v": (0.9, 4),  # wan21/i2v.yaml:73-74
+    "flowfactory-grpo-wan22-i2v": (0.9, 4),  # wan22/i2v.yaml:82-83
 }
 
 

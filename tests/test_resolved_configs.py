@@ -206,6 +206,8 @@ ADDED_PRESETS = {
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
     "egrpo-flux",  # issue #58: E-GRPO's recipe (train_grpo_merge.sh at ae619bf; tests/test_e_grpo.py)
     "prefgrpo-flux",  # issue #58: Pref-GRPO's recipe (ur_think_prefgrpo_flux.sh at 3e787f6; tests/test_prefgrpo.py)
+    "flowfactory-grpo-wan21-i2v",  # issue #59: Flow-Factory's Wan2.1-I2V LoRA recipe (tests/test_wan_i2v.py)
+    "flowfactory-grpo-wan22-i2v",  # issue #59: Flow-Factory's Wan2.2-I2V-A14B LoRA recipe (tests/test_wan_i2v.py)
 }
 
 ADDED = {

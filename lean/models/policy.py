@@ -164,7 +164,8 @@ class Policy(torch.nn.Module):
         reference = parts.reference_denoisers
         self.reference_denoisers = None if reference is None else torch.nn.ModuleList(reference)
         self._prompt_cache: dict[str, PromptEmbeds] = {}
-        self._caches_by_side: dict[int, dict[str, PromptEmbeds]] = {}  # at_geometry's: an edit's reference has its side
+        # at_geometry's, by (side, latent shape): an edit's reference has its side, an I2V condition its frames too
+        self._caches_by_side: dict[tuple, dict[str, PromptEmbeds]] = {}
         self._use_reference = False
         self.sequence_parallel = None  # lean.models.sequence_parallel.SequenceParallel once enabled (build_pipeline)
         dtype = DTYPES[options.dtype]
@@ -260,11 +261,12 @@ class Policy(torch.nn.Module):
     def at_geometry(self, runtime: FamilyRuntime, resolution: int) -> Iterator[None]:
         """Sample at another geometry inside: ``runtime`` (the family's for another resolution / frame count, as
         ``eval.resolution`` asks) and ``resolution``, the side edit references are resized to; the prompts it encodes
-        are cached apart (an edit's reference latents have its side). The weights are the same."""
+        are cached apart, by the side and the latent's shape (an edit's reference latents have its side; an
+        image-to-video conditioning latent its frame count too). The weights are the same."""
         saved = self.runtime, self.resolution, self._prompt_cache
-        self._caches_by_side.setdefault(self.resolution, self._prompt_cache)
+        self._caches_by_side.setdefault((self.resolution, tuple(self.runtime.noise_shape)), self._prompt_cache)
         self.runtime, self.resolution = runtime, resolution
-        self._prompt_cache = self._caches_by_side.setdefault(resolution, {})
+        self._prompt_cache = self._caches_by_side.setdefault((resolution, tuple(runtime.noise_shape)), {})
         try:
             yield
         finally:
@@ -553,7 +555,7 @@ class Policy(torch.nn.Module):
             index[name] = ["transformers", type(encoder).__name__]
         for name, tokenizer in self.tokenizers.items():
             tokenizer.save_pretrained(folder / name)
-            processor = hasattr(tokenizer, "image_processor")  # a multimodal processor (Qwen2VLProcessor) names itself
+            processor = name in self.spec.processors  # a processor (Qwen2VLProcessor, CLIPImageProcessor) names itself
             index[name] = ["transformers", type(tokenizer).__name__ if processor else "PreTrainedTokenizerFast"]
         (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
         if adapter and not self.full_finetune:

@@ -15,7 +15,9 @@ from lean.models.qwen_image_edit import SPEC as QWEN_IMAGE_EDIT
 from lean.models.sd3 import SPEC as SD3
 from lean.models.spec import FamilySpec
 from lean.models.wan import SPEC as WAN
+from lean.models.wan21_i2v import SPEC as WAN21_I2V
 from lean.models.wan22 import SPEC as WAN22
+from lean.models.wan22_i2v import SPEC as WAN22_I2V
 from lean.models.wan22_ti2v import SPEC as WAN22_TI2V
 from lean.models.z_image import SPEC as Z_IMAGE
 
@@ -34,6 +36,8 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("qwen_image_edit", QWEN_IMAGE_EDIT),
         ("hunyuan_video15", HUNYUAN_VIDEO15),  # HunyuanVideo-1.5 480p T2V: Qwen2.5-VL + byT5 glyphs
         ("z_image", Z_IMAGE),  # Z-Image(-Turbo) 6B: Qwen3-4B, FLUX.1's VAE
+        ("wan21_i2v", WAN21_I2V),  # Wan2.1-I2V-14B-480P: the image's latent beside x, its CLIP states beside the text
+        ("wan22_i2v", WAN22_I2V),  # Wan2.2-I2V-A14B: two experts split at sigma 0.9, the image's latent beside x
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(

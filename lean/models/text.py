@@ -59,7 +59,9 @@ class PromptEmbeds:
     * ``reference [B, R, C]``: a reference image's latent tokens in the policy's layout (editing models: FLUX.1
       Kontext, Qwen-Image-Edit), which the family appends to the image tokens; None for text-only prompts;
     * ``negative``: the unconditional conditioning of each row when it depends on the row (an edit's CFG keeps the
-      reference image and drops the text), else None: the empty prompt's.
+      reference image and drops the text), else None: the empty prompt's;
+    * ``image [B, I, E]``: an image encoder's states of the row's conditioning image, which the transformer reads
+      beside the text (Wan2.1 image-to-video's CLIP ViT-H/14), or None.
     """
 
     tokens: Tensor
@@ -67,6 +69,7 @@ class PromptEmbeds:
     mask: Tensor | None = None
     reference: Tensor | None = None
     negative: PromptEmbeds | None = None
+    image: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -79,6 +82,7 @@ class PromptEmbeds:
             None if self.mask is None else fn(self.mask),
             None if self.reference is None else fn(self.reference),
             None if self.negative is None else self.negative._map(fn),
+            None if self.image is None else fn(self.image),
         )
 
     def index(self, i: int | slice | Sequence[int] | Tensor) -> PromptEmbeds:
@@ -105,7 +109,8 @@ class PromptEmbeds:
         mask = None if first.mask is None else torch.cat([e.mask for e in items])
         reference = None if first.reference is None else torch.cat([e.reference for e in items])
         negative = None if first.negative is None else PromptEmbeds.cat([e.negative for e in items])
-        return PromptEmbeds(torch.cat([e.tokens for e in items]), pooled, mask, reference, negative)
+        image = None if first.image is None else torch.cat([e.image for e in items])
+        return PromptEmbeds(torch.cat([e.tokens for e in items]), pooled, mask, reference, negative, image)
 
     def padded(self, length: int) -> PromptEmbeds:
         """Text tokens zero-padded (and masked) to ``length``."""
@@ -114,7 +119,7 @@ class PromptEmbeds:
             return self
         tokens = torch.nn.functional.pad(self.tokens, (0, 0, 0, extra))
         mask = torch.nn.functional.pad(self.mask, (0, extra))
-        return PromptEmbeds(tokens, self.pooled, mask, self.reference, self.negative)
+        return PromptEmbeds(tokens, self.pooled, mask, self.reference, self.negative, self.image)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
         """Moved to ``device``; floating tensors cast to ``dtype`` (the mask keeps its integer type)."""
