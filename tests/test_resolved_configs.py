@@ -193,6 +193,7 @@ ADDED_EVAL_GEOMETRY: dict[str, object] = {"eval.resolution": None, "eval.num_fra
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
+    "flowfactory-grpo-ltx2",  # issue #59: Flow-Factory's LTX-2.3 LoRA recipe (PR #145, tests/test_ltx2.py)
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
     "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr

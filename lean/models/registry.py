@@ -10,6 +10,7 @@ from lean.models.flux2 import SPEC as FLUX2
 from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
 from lean.models.hunyuan_video15 import SPEC as HUNYUAN_VIDEO15
 from lean.models.kontext import SPEC as KONTEXT
+from lean.models.ltx2 import SPEC as LTX2
 from lean.models.qwen_image import SPEC as QWEN_IMAGE
 from lean.models.qwen_image_edit import SPEC as QWEN_IMAGE_EDIT
 from lean.models.sd3 import SPEC as SD3
@@ -34,6 +35,7 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("qwen_image_edit", QWEN_IMAGE_EDIT),
         ("hunyuan_video15", HUNYUAN_VIDEO15),  # HunyuanVideo-1.5 480p T2V: Qwen2.5-VL + byT5 glyphs
         ("z_image", Z_IMAGE),  # Z-Image(-Turbo) 6B: Qwen3-4B, FLUX.1's VAE
+        ("ltx2", LTX2),  # LTX-2.3 text to video with audio: Gemma-3-12B, the video and audio VAEs, a vocoder
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(
