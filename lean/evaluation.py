@@ -148,6 +148,7 @@ class Evaluator:
         e = cfg.eval
         self.policy, self.world, self.cfg = pipeline.policy, pipeline.world, cfg
         self.reward = pipeline.reward  # the run's rewards, built once (model and remote rewards included)
+        self.scorer = lambda: pipeline.scorer  # which rewards read audio, asked when the first samples are scored
         self.prompts = list(e.prompts or cfg.train.prompts)
         self.sample_cfg = dataclasses.replace(
             cfg.sample,
@@ -190,9 +191,10 @@ class Evaluator:
         return f"p{prompt_index:03d}_s{sample_index:02d}.{'gif' if self.video else 'png'}"
 
     @torch.no_grad()
-    def sample(self, keys: list[tuple[int, int]], seed: int | None = None) -> Tensor:
+    def sample(self, keys: list[tuple[int, int]], seed: int | None = None) -> tuple[Tensor, Tensor | None]:
         """Decoded ODE samples of ``keys`` ((prompt index, sample index) pairs) from the noise of ``seed`` (default
-        ``eval.seed``): ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1]."""
+        ``eval.seed``): ``[B, 3, H, W]`` (video ``[B, 3, F, H, W]``) in [0, 1], and their soundtracks where a reward
+        reads them (``Policy.decode_audio``; else None)."""
         n = self.sample_cfg.num_steps
         seed = self.cfg.eval.seed if seed is None else seed
         generators = [sample_generator(seed, EVAL_STREAM, 0, p, k) for p, k in keys]
@@ -205,7 +207,9 @@ class Evaluator:
             plan = RolloutPlan(
                 sampler=Sampler(self.sample_cfg, self.sigmas), emb=emb, generators=generators, steps=deterministic
             )
-            return self.policy.decode(rollout(self.policy, plan))
+            final = rollout(self.policy, plan)
+            audio = self.policy.decode_audio(final) if self.scorer().reads_audio else None
+            return self.policy.decode(final), audio
 
     def score(self, seed: int | None = None, folder: Path | None = None) -> Tensor:
         """Sample and score this process's share from the noise of ``seed`` (default ``eval.seed``), writing each
@@ -216,8 +220,8 @@ class Evaluator:
         scores = torch.empty(len(local_keys), 1 + len(names), dtype=torch.float64)
         for lo in range(0, len(local_keys), self.cfg.eval.batch_size):
             keys = local_keys[lo : lo + self.cfg.eval.batch_size]
-            images = self.sample(keys, seed)
-            total, parts = self.reward(images, [self.prompts[p] for p, _ in keys])
+            images, audio = self.sample(keys, seed)
+            total, parts = self.reward(images, [self.prompts[p] for p, _ in keys], audio)
             scores[lo : lo + len(keys)] = torch.stack([total, *(parts[name] for name in names)], dim=1).double()
             if folder is not None:
                 for (p, k), image in zip(keys, images):

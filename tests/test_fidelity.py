@@ -44,7 +44,7 @@ from PIL import Image
 from lean.algorithms import ALGORITHMS, CLEAN_SAMPLES, build_algorithm
 from lean.config.presets import PRESETS
 from lean.configure import load_config
-from lean.models import Guidance
+from lean.models import Guidance, family_spec
 from lean.models.policy import Policy
 from lean.models.text import PromptEmbeds
 from lean.rewards import REWARDS
@@ -65,6 +65,7 @@ DROPS_ZERO_ADVANTAGE |= {"flowgrpo-ocr-sd3"}  # train_sd3.py:796-817 at ac4c86e:
 MIXGRPO = {"mixgrpo-flux", "mixgrpo-flash-flux"}  # M1: each reward normalised in its group, then summed
 GDPO = {"flowfactory-grpo-flux2", "flowfactory-grpo-flux2-klein", "flowfactory-grpo-wan22", "flowfactory-grpo-z-image"}
 GDPO |= {"flowfactory-grpo-wan21-i2v", "flowfactory-grpo-wan22-i2v"}  # wan2{1,2}/i2v.yaml advantage_aggregation
+GDPO |= {"flowfactory-grpo-ltx2"}  # ltx2/t2av_pickscore.yaml:44 at a0b2bc5
 # D1: torch's unbiased group std + 1e-8 (DanceGRPO, and MixGRPO's fork of it: train_grpo_flux.py:436-449); neither
 # has a KL term in its recipes (MixGRPO's kl_coeff 0 weighs a squared log-ratio, not GRPO's KL)
 DANCE_FAMILY = {"dancegrpo-flux", "mixgrpo-flux", "mixgrpo-flash-flux"}
@@ -455,6 +456,14 @@ PUBLISHED_TARGETS = {
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # Flow-Factory src/flow_factory/models/wan/wan2_i2v.py:90-101
     "flowfactory-grpo-wan22-i2v": "attn1.to_q attn1.to_k attn1.to_v attn1.to_out.0 attn2.to_q attn2.to_k attn2.to_v "
     "attn2.to_out.0 ffn.net.0.proj ffn.net.2",  # wan2_i2v.py:90-101 (Flow-Factory: the high-noise expert only)
+    "flowfactory-grpo-ltx2": " ".join(  # Flow-Factory src/flow_factory/models/ltx2/ltx2_t2av.py:175-218 at a0b2bc5
+        [
+            f"{a}.{p}"
+            for a in ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+            for p in ("to_q", "to_k", "to_v", "to_out.0")
+        ]
+        + ["ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"]
+    ),  # fmt: skip
     "unirl-flow-dppo-sd3": "attn.add_k_proj attn.add_q_proj attn.add_v_proj attn.to_add_out attn.to_k attn.to_out.0 "
     "attn.to_q attn.to_v",  # sd3_flowdppo.yaml:81-89
     "flashgrpo-wan": "add_k_proj add_q_proj add_v_proj to_add_out to_k to_out.0 to_q to_v",  # :457-466 at 8cfc973
@@ -482,7 +491,10 @@ def test_lora_adapts_the_published_modules(preset):
     from lean.models import build_policy
 
     cfg = load_config(preset=preset)
-    model = dataclasses.replace(cfg.model, size="tiny", resolution=32, num_frames=5, dtype="float32", text_max_length=8)
+    frames = family_spec(cfg.model.family).num_frames or 5  # LTX-2: 8k + 1
+    model = dataclasses.replace(
+        cfg.model, size="tiny", resolution=32, num_frames=frames, dtype="float32", text_max_length=8
+    )
     policy = build_policy(model, ["a prompt"])
     targets = PUBLISHED_TARGETS[preset].split()
     for net in policy.denoisers:  # Wan2.2-A14B: both experts adapted alike
@@ -699,6 +711,7 @@ FLOWFACTORY_EMA = {  # the published ema_decay, ema_update_interval (t2i.yaml:71
     "flowfactory-grpo-z-image": (0.9, 4),  # z_image_turbo/default.yaml:73-74
     "flowfactory-grpo-wan21-i2v": (0.9, 4),  # wan21/i2v.yaml:73-74
     "flowfactory-grpo-wan22-i2v": (0.9, 4),  # wan22/i2v.yaml:82-83
+    "flowfactory-grpo-ltx2": (0.9, 4),  # ltx2/t2av_pickscore.yaml:88-89
 }
 
 

@@ -198,6 +198,7 @@ ADDED_E_GRPO: dict[str, object] = {"algorithm.e_grpo.steps": [1, 2, 3]}
 ADDED_PRESETS = {
     "unirl-flow-dppo-sd3",  # UniRL's Flow-DPPO recipe (sd3_flowdppo.yaml at 1a7b501)
     "awm-sd3",  # AWM's PickScore recipe (dgx_awm.py pickscore_sd3_no_cfg_1node at 12b1397)
+    "flowfactory-grpo-ltx2",  # issue #59: Flow-Factory's LTX-2.3 LoRA recipe (PR #145, tests/test_ltx2.py)
     "branchgrpo-flux",  # BranchGRPO's recipe (finetune_flux_branchgrpo_8gpus.sh at 19fbb9f)
     "flashgrpo-wan",  # Flash-GRPO's recipe (config/dgx.py:wan2_1_flash at 8cfc973)
     "tempflowgrpo-sd3",  # TempFlow-GRPO's PickScore recipe (config/dgx.py:pickscore_sd3_pr at 63e4def)

@@ -110,3 +110,27 @@ def test_compute_rewards_weighted_sum():
         compute_rewards({"color_match": 1.0, "sharpness": 1.0}, images, prompts)
     with pytest.raises(ValueError, match="'aesthetic': loads a model"):
         compute_rewards({"color_match": 1.0, "aesthetic": 1.0}, images, prompts)
+
+
+def test_a_reward_that_reads_audio_is_handed_it_and_the_others_are_not():
+    """scored() hands the decoded soundtracks to the rewards that declare reads_audio, and only to them."""
+    from lean.rewards.base import reads_audio
+    from lean.rewards.scorer import weighted_sum
+
+    heard = []
+
+    def loudness(images, prompts, audio=None):
+        heard.append(audio)
+        return audio.abs().mean((1, 2)).double()
+
+    loudness.reads_audio = True
+    frames_only = REWARDS["color_match"]
+    assert reads_audio(loudness) and not reads_audio(frames_only)
+    images, prompts = noisy(2), [PROMPT, PROMPT]
+    audio = torch.tensor([[[0.5, -0.5]], [[0.25, 0.0]]])
+    rewards = {"loud": loudness, "color_match": frames_only}
+    total, parts = weighted_sum(rewards, {"loud": 1.0}, images, prompts, None, audio)
+    assert heard == [audio]
+    torch.testing.assert_close(total, torch.tensor([0.5, 0.125], dtype=torch.float64))
+    with pytest.raises(TypeError):  # without the declaration a reward gets no audio= and does not ask for it
+        frames_only(images, prompts, audio)

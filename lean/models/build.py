@@ -34,10 +34,22 @@ if TYPE_CHECKING:
 INIT_SEED = 20240601  # every process draws the same random weights
 
 
+PIPELINE_MODULES = "diffusers.pipelines."  # where a pipeline's own modules live
+
+
+def library_module(library: str):
+    """The module a library name means: a package or module path (diffusers, transformers,
+    diffusers.pipelines.ltx2), else, as diffusers reads model_index.json, a pipeline's own module under
+    diffusers.pipelines (LTX-2's "ltx2": its text connectors, its vocoder)."""
+    if library in ("diffusers", "transformers") or "." in library:
+        return importlib.import_module(library)
+    return importlib.import_module(PIPELINE_MODULES + library)
+
+
 def component_classes(spec: FamilySpec, name: str) -> tuple[type, type | None]:
     """(model class, transformers config class or None) of component ``name`` of a family."""
     component = spec.components[name]
-    module = importlib.import_module(component.library)
+    module = library_module(component.library)
     config_class = component.config_class
     return getattr(module, component.model_class), (getattr(module, config_class) if config_class else None)
 
@@ -117,10 +129,10 @@ def _load_components(
     for name in spec.components:
         cls = component_classes(spec, name)[0]
         library, class_name = index[name]
-        loaded_cls = getattr(importlib.import_module(library), class_name)
+        loaded_cls = getattr(library_module(library), class_name)
         if name in spec.denoiser_folders and not issubclass(loaded_cls, cls):
             raise ValueError(f"{folder}: {name} is {class_name}, not a {cls.__name__}")
-        dtype_arg = "torch_dtype" if library == "diffusers" else "dtype"  # transformers 5 renamed it
+        dtype_arg = "dtype" if library == "transformers" else "torch_dtype"  # transformers 5 renamed it
         part_dtype = vae_dtype if name == "vae" and vae_dtype is not None else dtype
         modules[name] = loaded_cls.from_pretrained(folder / name, **{dtype_arg: part_dtype})
     for tokenizer_name in spec.tokenizers.values():

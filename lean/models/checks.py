@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 from lean.config import ConfigError, suggest
 from lean.config.dtypes import HALF
 from lean.config.prompts import reference_image
+from lean.models.options import ModelConfig
 from lean.models.registry import FAMILIES, family_spec
 from lean.models.spec import FamilySpec
 from lean.parallel.sharding import shards
 
 if TYPE_CHECKING:
     from lean.config import RunConfig
-    from lean.models.options import ModelConfig
 
 # What an editing family edits when no prompt file is given: lean.workbench.data.write_edit_dataset's recolouring task
 EDIT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "edits" / "train_metadata.jsonl"
@@ -133,9 +133,13 @@ def pipeline_family(folder: str | os.PathLike) -> str | None:
 
 def family_defaults(cfg: RunConfig) -> None:
     """The family's own defaults, set before any rule runs: a run that edits (:func:`edits`) given lean's default text
-    prompts edits the bundled recolouring set (:data:`EDIT_PROMPTS`) instead."""
+    prompts edits the bundled recolouring set (:data:`EDIT_PROMPTS`) instead; a video family whose VAE cannot make
+    lean's default frame count (``FamilySpec.num_frames``: LTX-2's 8k + 1) renders its own instead."""
     from lean.config import DEFAULT_PROMPTS, prompts_of_file  # local: lean.config imports no domain module
 
+    own_frames = family_spec(cfg.model.family).num_frames
+    if own_frames is not None and cfg.model.num_frames == ModelConfig.num_frames:
+        cfg.model.num_frames = own_frames
     t = cfg.train
     if t.prompts_file is None and t.prompts == DEFAULT_PROMPTS and edits(cfg.model, []):
         t.prompts_file = str(EDIT_PROMPTS)

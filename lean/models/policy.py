@@ -55,7 +55,7 @@ class PolicyParts:
 
     denoisers: Mapping[str, torch.nn.Module]
     vae: torch.nn.Module
-    text_encoders: dict[str, torch.nn.Module]
+    text_encoders: dict[str, torch.nn.Module]  # and the family's other frozen components (Size.others), by folder
     tokenizers: dict
     reference_denoisers: Sequence[torch.nn.Module] | None = None
 
@@ -443,6 +443,14 @@ class Policy(torch.nn.Module):
         precision."""
         return (self.runtime.decode(self.vae, x.to(self.vae_dtype)) / 2 + 0.5).clamp(0, 1).float()
 
+    @torch.no_grad()
+    def decode_audio(self, x: Tensor) -> Tensor | None:
+        """The soundtrack of each sample, ``[B, channels, samples]`` float32 in [-1, 1], of a family that makes one
+        (``FamilySpec.audio``: LTX-2's audio VAE and vocoder, held beside the text encoders); else None."""
+        if not self.spec.audio:
+            return None
+        return self.runtime.decode_audio(self.text_encoders, x.to(self.dtype)).float()
+
     @contextmanager
     def weights_from(self, values: Sequence[Tensor]) -> Iterator[None]:
         """Inside the block every forward reads ``values`` (one per :meth:`trainable_parameters`, in that order) for
@@ -550,9 +558,13 @@ class Policy(torch.nn.Module):
         index.update(self.pipeline_config)
         self.vae.save_pretrained(folder / "vae")
         index["vae"] = ["diffusers", type(self.vae).__name__]
-        for name, encoder in self.text_encoders.items():
+        for name, encoder in self.text_encoders.items():  # with the family's other frozen components (Size.others)
             encoder.save_pretrained(folder / name)
-            index[name] = ["transformers", type(encoder).__name__]
+            # a pipeline's own module by its short name, as diffusers writes it (LTX-2's connectors: "ltx2")
+            index[name] = [
+                self.spec.components[name].library.removeprefix("diffusers.pipelines."),
+                type(encoder).__name__,
+            ]
         for name, tokenizer in self.tokenizers.items():
             tokenizer.save_pretrained(folder / name)
             processor = name in self.spec.processors  # a processor (Qwen2VLProcessor, CLIPImageProcessor) names itself

@@ -10,6 +10,7 @@ from lean.models.flux2 import SPEC as FLUX2
 from lean.models.flux2_klein import SPEC as FLUX2_KLEIN
 from lean.models.hunyuan_video15 import SPEC as HUNYUAN_VIDEO15
 from lean.models.kontext import SPEC as KONTEXT
+from lean.models.ltx2 import SPEC as LTX2
 from lean.models.qwen_image import SPEC as QWEN_IMAGE
 from lean.models.qwen_image_edit import SPEC as QWEN_IMAGE_EDIT
 from lean.models.sd3 import SPEC as SD3
@@ -38,6 +39,7 @@ FAMILIES: Registry[FamilySpec] = Registry(
         ("z_image", Z_IMAGE),  # Z-Image(-Turbo) 6B: Qwen3-4B, FLUX.1's VAE
         ("wan21_i2v", WAN21_I2V),  # Wan2.1-I2V-14B-480P: the image's latent beside x, its CLIP states beside the text
         ("wan22_i2v", WAN22_I2V),  # Wan2.2-I2V-A14B: two experts split at sigma 0.9, the image's latent beside x
+        ("ltx2", LTX2),  # LTX-2.3 text to video with audio: Gemma-3-12B, the video and audio VAEs, a vocoder
     ],
 )
 LORA_INITS: Registry[str | bool] = Registry(

@@ -75,7 +75,9 @@ class FamilyRuntime(Protocol):
 class Component:
     """One folder of a diffusers pipeline, as ``model_index.json`` names it."""
 
-    library: str  # "diffusers" or "transformers"
+    # "diffusers", "transformers", or the module of a diffusers pipeline's own class (LTX-2's text connectors and
+    # vocoder: "diffusers.pipelines.ltx2", which model_index.json shortens to "ltx2"; lean.models.build.library_module)
+    library: str
     model_class: str
     config_class: str | None = None  # a transformers text encoder's config class (the size builds it); else None
 
@@ -105,6 +107,9 @@ class Size:
     transformer: dict[str, Any]
     vae: dict[str, Any]
     text_encoders: dict[str, dict[str, Any]]  # text encoder folder -> its config
+    # folder -> constructor arguments of the pipeline's other diffusers components: neither a denoiser, the VAE nor a
+    # transformers text encoder (LTX-2's text connectors, audio VAE and vocoder); frozen, held beside the text encoders
+    others: dict[str, dict[str, Any]] = field(default_factory=dict)
     # the square side in pixels at which an edit's reference image is encoded (Qwen-Image-Edit's pipeline: its 1024^2
     # area, whatever the samples' size); None: the run's model.resolution (FLUX.1 Kontext as FlowGRPO runs it)
     reference_resolution: int | None = None
@@ -185,6 +190,13 @@ class FamilySpec:
     special_tokens: tuple[str, ...] = ()
     # text encoder config fields a random build sets to a special token's id: {"image_token_id": "<|image_pad|>"}
     special_token_ids: Mapping[str, str] = field(default_factory=dict)
+    # the pipeline also makes a soundtrack (LTX-2): ``runtime.decode_audio(components, x)`` gives each sample's
+    # waveform ``[B, channels, samples]`` in [-1, 1], which the rewards that read audio receive
+    # (``lean.rewards.base.reads_audio``)
+    audio: bool = False
+    # the frame count a run renders where model.num_frames is lean's default (5), which this family's VAE cannot make
+    # (LTX-2's 8k + 1: 9); None: the default stands (lean.models.checks.family_defaults)
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
         """A spec that contradicts itself fails at import (every spec is built when lean.models is imported)."""
@@ -199,9 +211,12 @@ class FamilySpec:
         if unknown:
             raise ValueError(f"{self.display_name}: special_token_ids name {', '.join(unknown)}, not special tokens")
         text = {n for n, c in self.components.items() if c.config_class is not None}
+        others = set(self.components) - text - {*self.denoiser_folders, "vae"}
         for name, size in self.sizes.items():
             if set(size.text_encoders) != text:
                 raise ValueError(f"{self.display_name} size {name}: text encoder configs for {sorted(text)}")
+            if set(size.others) != others:
+                raise ValueError(f"{self.display_name} size {name}: other component configs for {sorted(others)}")
 
     @property
     def video(self) -> bool:
@@ -216,6 +231,8 @@ class FamilySpec:
         s = self.sizes[size]
         if component in self.denoiser_folders:
             return s.transformer
+        if component in s.others:
+            return s.others[component]
         return s.vae if component == "vae" else s.text_encoders[component]
 
 

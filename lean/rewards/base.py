@@ -11,6 +11,11 @@ frame as an image and averaging over the frames: ``r(video_b) = (1/F) Σ_f r(fra
   samples of one prompt together (Pref-GRPO's win rate), so it is computed once the whole group is decoded.
 
 A reward name is in at most one of them (:func:`reward_names` lists the per-sample ones).
+
+What a reward reads beyond the frames it declares: ``uses_prompts`` (a model reward), and ``reads_audio``
+(:func:`reads_audio`): such a per-sample reward is also called with ``audio=`` each sample's decoded soundtrack,
+float32 ``[B, channels, samples]`` in [-1, 1] (a family that makes one: ``FamilySpec.audio``, LTX-2), or None where
+the family makes none. Every other reward reads the frames only, and no audio is decoded for it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ if TYPE_CHECKING:
     from lean.rewards.options import RewardConfig, RewardModelConfig
 
 RewardFn = Callable[[Tensor, list[str]], Tensor]
+
+
+def reads_audio(reward) -> bool:
+    """Whether ``reward`` (a built reward: a function, a :class:`ModelReward`) asks for the samples' audio: its
+    ``reads_audio`` attribute (:func:`register`'s ``reads_audio``, the class's), False when it has none."""
+    return bool(getattr(reward, "reads_audio", False))
 
 
 def check_inputs(images: Tensor, prompts: list[str]) -> None:
@@ -61,6 +72,9 @@ class ModelReward:
     before any model is built), ``__init__`` (the loading) and :meth:`score_images` ([B, 3, H, W] -> [B])."""
 
     uses_prompts: ClassVar[bool] = True  # False: the score depends on the image alone (an aesthetic predictor)
+    # True: ``__call__`` also takes ``audio=`` (the decoded soundtracks, :func:`reads_audio`) and scores the samples
+    # itself (a subclass overrides it)
+    reads_audio: ClassVar[bool] = False
 
     @classmethod
     def folder_problem(cls, folder: Path) -> str | None:
@@ -127,15 +141,19 @@ CONFIG_CHECKS: dict[str, Callable[[RunConfig], None]] = {}
 GROUP_REWARDS: Registry[type[GroupReward]] = Registry("group reward")
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
+def register(name: str, audio: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Register an image reward function under ``name`` in :data:`REWARDS`; the stored function also accepts videos
-    (:func:`over_frames`) and checks shapes."""
+    (:func:`over_frames`) and checks shapes. With ``audio`` the function reads the soundtrack too:
+    ``fn(images, prompts, audio) -> [B]`` scores whole samples (no frame average), float64."""
 
     def decorate(fn: RewardFn) -> RewardFn:
-        def reward(images: Tensor, prompts: list[str]) -> Tensor:
+        def reward(images: Tensor, prompts: list[str], **kw) -> Tensor:
+            if audio:
+                check_inputs(images, prompts)
+                return fn(images, list(prompts), kw.get("audio")).to(torch.float64)
             return over_frames(fn, images, prompts)
 
-        reward.__name__, reward.__doc__ = fn.__name__, fn.__doc__
+        reward.__name__, reward.__doc__, reward.reads_audio = fn.__name__, fn.__doc__, audio
         _check_unique(name)
         return REWARDS.register(name)(reward)
 

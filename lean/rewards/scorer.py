@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lean.rewards.base import GROUP_REWARDS, MODEL_REWARDS, REWARDS, GroupReward, RewardFn
+from lean.rewards.base import GROUP_REWARDS, MODEL_REWARDS, REWARDS, GroupReward, RewardFn, reads_audio
 from lean.rewards.pickle_servers import PickleServerReward
 from lean.rewards.remote import RemoteReward
 from lean.rewards.vlm_judge import VLMJudge
@@ -61,19 +61,30 @@ def weighted_sum(
     images: Tensor,
     prompts: list[str],
     group_ids: Tensor | None = None,
+    audio: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(``Σ weights[name] · rewards[name](images, prompts)`` float64 [B], each unweighted component on the host); a
-    group-wise reward scores each group of ``group_ids`` [B] (None: the samples of each prompt)."""
-    components = scored(rewards, weights, images, prompts, group_ids)
+    group-wise reward scores each group of ``group_ids`` [B] (None: the samples of each prompt); the rewards that
+    read audio get ``audio``."""
+    components = scored(rewards, weights, images, prompts, group_ids, audio)
     return total_of(components, weights), components
 
 
 def scored(
-    rewards: Mapping[str, RewardFn], names, images: Tensor, prompts: list[str], group_ids: Tensor | None = None
+    rewards: Mapping[str, RewardFn],
+    names,
+    images: Tensor,
+    prompts: list[str],
+    group_ids: Tensor | None = None,
+    audio: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Each reward of ``names`` on the images, float64 [B] on the host (a group-wise one per group of ``group_ids``)."""
+    """Each reward of ``names`` on the images, float64 [B] on the host (a group-wise one per group of ``group_ids``);
+    a reward that reads audio (:func:`lean.rewards.base.reads_audio`) is handed ``audio`` [B, channels, samples]."""
     grouped = {name: (group_ids,) if isinstance(rewards[name], GroupReward) else () for name in names}
-    return {name: rewards[name](images, prompts, *grouped[name]).cpu().to(torch.float64) for name in names}
+    heard = {name: {"audio": audio} if reads_audio(rewards[name]) else {} for name in names}
+    return {
+        name: rewards[name](images, prompts, *grouped[name], **heard[name]).cpu().to(torch.float64) for name in names
+    }
 
 
 def total_of(components: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
@@ -104,10 +115,15 @@ class Scorer:
         """The weighted rewards that score whole groups."""
         return [name for name, reward in self.rewards.items() if isinstance(reward, GroupReward)]
 
+    @property
+    def reads_audio(self) -> bool:
+        """Whether a weighted reward reads the samples' audio (then the caller decodes it)."""
+        return any(reads_audio(reward) for reward in self.rewards.values())
+
     def __call__(
-        self, images: Tensor, prompts: list[str], group_ids: Tensor | None = None
+        self, images: Tensor, prompts: list[str], group_ids: Tensor | None = None, audio: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        return weighted_sum(self.rewards, self.weights, images, prompts, group_ids)
+        return weighted_sum(self.rewards, self.weights, images, prompts, group_ids, audio)
 
     def stream(self, group_ids: Tensor) -> ScoreStream:
         """A :class:`ScoreStream` of a local batch whose rows belong to the groups ``group_ids`` [B]."""
@@ -127,11 +143,16 @@ class ScoreStream:
         self.held: dict[int, list[tuple[int, Tensor, str, dict[str, Tensor]]]] = defaultdict(list)
         self.next_row = 0
 
-    def __call__(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, images: Tensor, prompts: list[str], audio: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``audio``: the micro-batch's soundtracks for the per-sample rewards that read them (a group-wise reward
+        sees the frames only)."""
         rows = torch.arange(self.next_row, self.next_row + len(prompts))
         self.next_row += len(prompts)  # first: a failed call still moves on
         groupwise = self.scorer.groupwise
-        parts = scored(self.scorer.rewards, [n for n in self.scorer.rewards if n not in groupwise], images, prompts)
+        pointwise = [n for n in self.scorer.rewards if n not in groupwise]
+        parts = scored(self.scorer.rewards, pointwise, images, prompts, audio=audio)
         if not groupwise:
             return rows, total_of(parts, self.scorer.weights), parts
         done: list[int] = []

@@ -377,9 +377,12 @@ class IterationPipeline:
                 return tree_rollout(self.policy, plan, shape, hooks, self.cfg.sample.tree.branch_noise_scale)
             return rollout(self.policy, plan, hooks)
 
-    def reward(self, images: Tensor, prompts: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The run's rewards of decoded ``images`` in [0, 1]: (total float64 [B], each reward's component)."""
-        total, parts = self.scorer(images, prompts)
+    def reward(
+        self, images: Tensor, prompts: list[str], audio: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The run's rewards of decoded ``images`` in [0, 1] (and ``audio``, for the rewards that read it): (total
+        float64 [B], each reward's component)."""
+        total, parts = self.scorer(images, prompts, audio=audio)
         return total.to(torch.float64), parts
 
     def decode_and_score(
@@ -404,13 +407,15 @@ class IterationPipeline:
         start = time.perf_counter()
         with tally.region("decode"):
             images = self.policy.decode(final)
+            # the soundtrack only where a reward reads it (and the family makes one: Policy.decode_audio)
+            audio = self.policy.decode_audio(final) if self.scorer.reads_audio else None
         synchronize(self.world.device)
         decode_s = time.perf_counter() - start
         try:
             if stream is None:
-                rows, (rewards, parts) = None, self.reward(images, prompts)
+                rows, (rewards, parts) = None, self.reward(images, prompts, audio)
             else:  # the rows whose every reward is known: a group-wise reward's complete groups
-                rows, rewards, parts = stream(images, prompts)
+                rows, rewards, parts = stream(images, prompts, audio)
         except RewardServerError as err:
             return ScoredBatch(images, error=err, decode_s=decode_s)
         return ScoredBatch(images, rewards, parts, rows, decode_s=decode_s)
