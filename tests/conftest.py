@@ -60,10 +60,33 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["LEAN_PLAN_CACHE"] = tempfile.mkdtemp(prefix="lean-plan-counts-")
+    if WORKER is None and getattr(config.option, "numprocesses", None) and os.environ.get("LEAN_TEST_WARM", "1") != "0":
+        _start_shared_warm_python(config)
     # pytest-xdist hands out the groups with the most tests first (--loadscope-reorder, its default): the smoke
     # group's 8 tests then waited behind a dozen module groups (minutes) and ended the run alone. Keep the order below.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+
+
+def _start_shared_warm_python(config) -> None:
+    """One warm Python server (``tests/warm_python.py``) for every xdist worker, started by the controller before
+    them: each worker importing its own cost ~7 CPU-s apiece. The workers find it through LEAN_TEST_WARM_DIR."""
+    import tempfile
+    from pathlib import Path
+
+    from warm_python import start
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # the server's torch, read at its import: one thread, as every worker's
+    folder = Path(tempfile.mkdtemp(prefix="lean-warm-python-"))
+    config._lean_warm_server = start(folder, wait=False)
+    os.environ["LEAN_TEST_WARM_DIR"] = str(folder)
+
+
+def pytest_unconfigure(config):
+    server = getattr(config, "_lean_warm_server", None)
+    if server is not None:
+        server.kill()
+        server.wait(timeout=30)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
@@ -125,14 +148,17 @@ def _warm_python(tmp_path_factory):
         yield None
         return
     import sys
+    from pathlib import Path
 
     from warm_python import start
 
-    folder = tmp_path_factory.mktemp("warm")
-    server = start(folder, wait=False)  # the imports run in the background; until then the shims start cold
-    venv = os.path.dirname(sys.executable)
+    shared = os.environ.get("LEAN_TEST_WARM_DIR")  # the controller's, for every worker (pytest_configure)
+    folder = Path(shared) if shared else tmp_path_factory.mktemp("warm")
+    server = None if shared else start(folder, wait=False)  # its imports run in the background; until then the
+    venv = os.path.dirname(sys.executable)  # shims start cold
     os.environ["PATH"] = os.pathsep.join([str(folder), venv, os.environ["PATH"]])
     os.environ["LEAN_TEST_PYTHON"] = str(folder / "python")
     yield folder
-    server.kill()
-    server.wait(timeout=30)
+    if server is not None:
+        server.kill()
+        server.wait(timeout=30)
