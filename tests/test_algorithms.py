@@ -15,10 +15,12 @@ from lean.schedules import algorithm_schedules
 
 # the schedules that compute each algorithm's gradient exactly (the others: all three)
 EXACT = {"nft": ["recompute"], "dpo": ["recompute"], "awm": ["recompute"]}
-# what an algorithm needs of the run: BranchGRPO a tree (b = 2 at step 0 of FAST's steps: two leaves a group); GARDO
-# the rewards its advantage, gate and diversity read (the tiny run's own in the script's roles), and its KL term on
+# what an algorithm needs of the run: BranchGRPO and TreeGRPO a tree (b = 2 at step 0 of FAST's steps: two leaves a
+# group); GARDO the rewards its advantage, gate and diversity read (the tiny run's own in the script's roles), and its
+# KL term on
 OWN_ROLLOUT = {
     "branch_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2", "sample.timestep_selection=first"],
+    "tree_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2"],  # TreeGRPO: its SDE step is the branch
     "gardo": [
         "reward.weights={color_match: 1.0, jpeg_compressibility: 0.1, position_match: 0.1, diversity: 0.0}",
         "algorithm.gardo.main_reward=color_match",

@@ -198,6 +198,7 @@ ADDED_PRESETS = {
     "flowgrpo-ocr-sd3",  # issue #44: FlowGRPO's OCR task (config/grpo.py:general_ocr_sd3 at ac4c86e), reward ocr
     "gardo-sd3",  # GARDO's OCR recipe (config/grpo_gardo.py:general_ocr_sd3 at 94e23ee; tests/test_gardo.py)
     "flowfactory-grpo-z-image",  # issue #59: Flow-Factory's Z-Image-Turbo LoRA recipe (tests/test_z_image.py)
+    "treegrpo-sd3",  # issue #58: TreeGRPO's README run (zh-ding/TreeGRPO; tests/test_tree_grpo.py)
 }
 
 ADDED = {

@@ -24,6 +24,7 @@ from lean.algorithms.grpo_guard import GRPOGuard
 from lean.algorithms.mixgrpo import MixGRPO
 from lean.algorithms.nft import NFT
 from lean.algorithms.reward_combination import REWARD_COMBINATIONS
+from lean.algorithms.tree_grpo import TreeGRPO
 from lean.config import ConfigError
 from lean.config.registry import Registry
 
@@ -45,6 +46,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("flash_grpo", FlashGRPO),  # Flash-GRPO (Shredded-Pork): one drawn SDE step per rollout, rectified gradients
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
         ("gardo", GARDO),  # FlowGRPO's GARDO: gated KL, reference reset, diversity-aware advantages
+        ("tree_grpo", TreeGRPO),  # TreeGRPO (zh-ding): GRPO on a tree whose SDE steps branch, leaf-mean advantages
     ],
 )
 
