@@ -1,16 +1,16 @@
 """TreeGRPO (``lean/algorithms/tree_grpo.py``): its tree advantages against a float64 transcription of the source's
 recursion (zh-ding/TreeGRPO train.py, RLTrainer.sample and update_advantages, as the code index stores it), its SDE
-steps and normaliser, one iteration on each family, the float64 certificate, the preset and its plan."""
+steps and normaliser, its rollout, the float64 certificate, the preset and its plan (one iteration on flux, sd3 and
+wan: tests/test_algorithms.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 import torch
-from helpers import FAST
+from helpers import tiny
 
 from lean.algorithms import build_algorithm
 from lean.config import ConfigError
@@ -113,15 +113,22 @@ def test_its_sde_steps_are_the_branch_points_and_each_edge_weighs_one_over_half_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
-def test_one_iteration_trains_on_each_family(family, tmp_path):
-    from lean.cli import main
+def test_the_rollout_branches_on_its_sde_steps_only():
+    """A tiny rollout (b = 2 at steps 0 and 1 of 4, two trees): SDE transitions at those steps only, 2 and 4 edges a
+    tree, steps 2 and 3 ODE steps (the source's ``use_ode``). The training on flux, sd3 and wan:
+    tests/test_algorithms.py, which runs every algorithm on each family."""
+    from collections import Counter
 
-    sets = [*FAST, f"model.family={family}", *SMALL, "train.schedule=retain"]
-    assert main(["train", *(a for s in sets for a in ("--set", s)), "--out", str(tmp_path)]) == 0
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["schedule"] == "retain" and all(math.isfinite(r) for r in metrics["reward_mean"])
-    assert json.loads((tmp_path / "config.json").read_text())["algorithm"]["name"] == "tree_grpo"
+    from lean.schedules import SCHEDULES
+    from lean.tools.equivalence import StepRecorder
+    from lean.train import Trainer
+
+    recorder = StepRecorder()
+    Trainer(tiny(*SMALL)).pipeline.roll_out(0, SCHEDULES["retain"], on_step=recorder)
+    edges = Counter()
+    for step in recorder.steps:
+        edges[step.index] += len(step.rows)
+    assert edges == {0: 2 * 2, 1: 2 * 4}
 
 
 @pytest.mark.timeout(300)
