@@ -15,13 +15,14 @@ from lean.schedules import algorithm_schedules
 
 # the schedules that compute each algorithm's gradient exactly (the others: all three)
 EXACT = {"nft": ["recompute"], "dpo": ["recompute"], "awm": ["recompute"]}
-# what an algorithm needs of the run: TempFlow-GRPO a shared x_T per group; BranchGRPO a tree (b = 2 at step 0 of
-# FAST's steps: two leaves a group); GARDO the rewards its advantage, gate and diversity read (the tiny run's own in
-# the script's roles), and its KL term on
+# what an algorithm needs of the run: TempFlow-GRPO a shared x_T per group; BranchGRPO and TreeGRPO a tree (b = 2
+# at step 0 of FAST's steps: two leaves a group); GARDO the rewards its advantage, gate and diversity read (the tiny
+# run's own in the script's roles), and its KL term on
 OWN_ROLLOUT = {
     "tempflow_grpo": ["sample.init_same_noise=true"],  # a group's branches leave one trunk: one x_T per group
     "branch_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2", "sample.timestep_selection=first"],
     "e_grpo": ["algorithm.e_grpo.steps=[1,2]"],  # its source's [1, 2, 3] needs 5 steps; FAST has 4
+    "tree_grpo": ["sample.tree.branch_points=[0]", "train.group_size=2"],  # TreeGRPO: its SDE step is the branch
     "gardo": [
         "reward.weights={color_match: 1.0, jpeg_compressibility: 0.1, position_match: 0.1, diversity: 0.0}",
         "algorithm.gardo.main_reward=color_match",

@@ -75,12 +75,12 @@ def test_every_algorithm_runs_on_the_defaults_or_says_the_whole_command():
         sets = [w for prev, w in zip(words, words[1:]) if prev == "--set"]
         assert f"algorithm.name={name}" in sets and refusal(sets, 1) is None, (name, sets)
         commands[name] = sets
-    assert set(commands) == {"branch_grpo", "gardo", "tempflow_grpo"}  # the three whose defaults are their own recipe's
+    assert set(commands) == {"branch_grpo", "gardo", "tempflow_grpo", "tree_grpo"}  # defaults: their own recipe's
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["branch_grpo", "gardo", "tempflow_grpo"])
+@pytest.mark.parametrize("name", ["branch_grpo", "gardo", "tempflow_grpo", "tree_grpo"])
 def test_the_refusals_command_trains(name, tmp_path, monkeypatch):
     monkeypatch.chdir(PARAMS.parent)  # lean train reads ./params.yaml, as a user's does
     line = str(refusal([f"algorithm.name={name}"], 1))

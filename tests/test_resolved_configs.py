@@ -209,6 +209,7 @@ ADDED_PRESETS = {
     "prefgrpo-flux",  # issue #58: Pref-GRPO's recipe (ur_think_prefgrpo_flux.sh at 3e787f6; tests/test_prefgrpo.py)
     "flowfactory-grpo-wan21-i2v",  # issue #59: Flow-Factory's Wan2.1-I2V LoRA recipe (tests/test_wan_i2v.py)
     "flowfactory-grpo-wan22-i2v",  # issue #59: Flow-Factory's Wan2.2-I2V-A14B LoRA recipe (tests/test_wan_i2v.py)
+    "treegrpo-sd3",  # issue #58: TreeGRPO's README run (zh-ding/TreeGRPO; tests/test_tree_grpo.py)
 }
 
 ADDED = {

@@ -189,6 +189,13 @@ TINY = {
                 "train": {"schedule": "retain", "group_size": 4, "rollout_batch_size": 8, "train_batch_size": 8},
             }
         },
+        "tree_grpo": {
+            "run": {
+                "algorithm": {"name": "tree_grpo"},
+                "sample": {"tree": {"branch_points": [0, 1]}},
+                "train": {"schedule": "retain", "group_size": 4, "rollout_batch_size": 8, "train_batch_size": 8},
+            }
+        },
         "flow_dppo": {
             "run": {
                 "algorithm": {"name": "flow_dppo"},

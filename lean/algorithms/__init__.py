@@ -26,6 +26,7 @@ from lean.algorithms.mixgrpo import MixGRPO
 from lean.algorithms.nft import NFT
 from lean.algorithms.reward_combination import REWARD_COMBINATIONS
 from lean.algorithms.tempflow_grpo import TempFlowGRPO
+from lean.algorithms.tree_grpo import TreeGRPO
 from lean.config import ConfigError
 from lean.config.registry import Registry
 
@@ -49,6 +50,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry(
         ("e_grpo", EGRPO),  # E-GRPO (shengjun-zhang/VisualGRPO): one high-entropy SDE step per rollout, ODE elsewhere
         ("awm", AWM),  # advantage-weighted matching (scxue): an advantage-weighted flow-matching loss, re-noised x_0
         ("gardo", GARDO),  # FlowGRPO's GARDO: gated KL, reference reset, diversity-aware advantages
+        ("tree_grpo", TreeGRPO),  # TreeGRPO (zh-ding): GRPO on a tree whose SDE steps branch, leaf-mean advantages
     ],
 )
 

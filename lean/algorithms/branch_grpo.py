@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lean.algorithms.grpo import GRPO
-from lean.algorithms.tree_targets import depthwise_advantages, edge_targets, fused_rewards
+from lean.algorithms.tree_targets import depthwise_advantages, edge_grid, edge_targets, fused_rewards
 from lean.config import ConfigError
 from lean.config.checks import check_choice
 from lean.config.sections import register_options
@@ -70,19 +70,10 @@ class BranchGRPO(GRPO):
 
     @classmethod
     def problem(cls, cfg: RunConfig, world_size: int | None = None) -> tuple | None:
-        shape, t = tree_shape(cfg.sample), cfg.train
-        if shape is None:
-            return "sample.tree.branch_points", [], "BranchGRPO rolls out trees: name its branch points"
-        if t.group_size != shape.leaves:
-            why = f"a tree of this shape has {shape.leaves} leaves: set that"
-            return "train.group_size", t.group_size, why, [f"train.group_size={shape.leaves}"]
+        if (problem := tree_problem(cfg, "BranchGRPO")) is not None:
+            return problem
         if cfg.sample.timestep_selection == "random":
             return "sample.timestep_selection", "random", "a tree's node is shared by leaves: not drawn per sample"
-        if cfg.algorithm.skip_zero_advantage:
-            return "algorithm.skip_zero_advantage", True, "a tree's targets are per edge, not per sample"
-        if t.optimizer_steps_per_iteration != 1 or t.num_inner_epochs != 1:
-            why = "a tree rollout's updates are chunks of its edges: set train.edges_per_update (null: one update)"
-            return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, why
         return None
 
     @classmethod
@@ -144,10 +135,24 @@ class BranchGRPO(GRPO):
         edges = edge_targets(
             shape, depthwise_advantages(fused_rewards(shape, rewards.view(trees, -1))), self.cfg.adv_clip_max
         )
-        grid = torch.zeros((len(rewards), shape.num_steps), dtype=torch.float64, device=rewards.device)
-        for i, values in enumerate(edges):
-            grid[shape.first_leaves(i + 1, torch.arange(trees)), i] = values.flatten().to(grid)
-        return grid
+        return edge_grid(shape, edges, len(rewards))
+
+
+def tree_problem(cfg: RunConfig, name: str) -> tuple | None:
+    """The settings every algorithm on a tree rollout needs (BranchGRPO, TreeGRPO; ``name`` says which): a tree, one
+    group per tree, per-edge targets, and updates that are chunks of its edges; a problem tuple or None."""
+    shape, t = tree_shape(cfg.sample), cfg.train
+    if shape is None:
+        return "sample.tree.branch_points", [], f"{name} rolls out trees: name its branch points"
+    if t.group_size != shape.leaves:
+        why = f"a tree of this shape has {shape.leaves} leaves: set that"
+        return "train.group_size", t.group_size, why, [f"train.group_size={shape.leaves}"]
+    if cfg.algorithm.skip_zero_advantage:
+        return "algorithm.skip_zero_advantage", True, "a tree's targets are per edge, not per sample"
+    if t.optimizer_steps_per_iteration != 1 or t.num_inner_epochs != 1:
+        why = "a tree rollout's updates are chunks of its edges: set train.edges_per_update (null: one update)"
+        return "train.optimizer_steps_per_iteration", t.optimizer_steps_per_iteration, why
+    return None
 
 
 def tree_rows(shape: TreeShape, group_ids: Tensor) -> int:

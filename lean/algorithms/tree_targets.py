@@ -70,3 +70,13 @@ def edge_targets(
     when given."""
     targets = [node_advantages[i + 1] for i in range(shape.num_steps)]
     return [t.clamp(-clip, clip) for t in targets] if clip is not None else targets
+
+
+def edge_grid(shape: TreeShape, edges: list[torch.Tensor], batch: int) -> torch.Tensor:
+    """[batch, num_steps] float64: each edge's target (``edges``, per step i [T, edges(i)]) at (its first leaf, i), 0
+    elsewhere: the local batch's grid the schedules read a tree's targets on (``lean.sampling.tree``)."""
+    grid = torch.zeros((batch, shape.num_steps), dtype=torch.float64, device=edges[0].device)
+    trees = torch.arange(len(edges[0]))
+    for i, values in enumerate(edges):
+        grid[shape.first_leaves(i + 1, trees), i] = values.flatten().to(grid)
+    return grid
