@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lean.models.flux.sequence_parallel import shard_sequence
+from lean.models.latent_grid import vae_scale
 from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds, tokenize
 
@@ -69,7 +70,7 @@ class Flux(PackedLatents):
     """FLUX geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
 
     def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
-        scale = 2 ** (len(vae_config.block_out_channels) - 1)
+        scale = vae_scale(vae_config)
         self.h = self.w = resolution // scale
         if self.h % 2:
             raise ValueError(f"resolution {resolution} gives an odd {self.h}x{self.w} latent; FLUX packs 2x2 patches")

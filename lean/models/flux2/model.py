@@ -41,6 +41,7 @@ from torch import Tensor
 from lean.models.flux.model import distilled_guidance
 from lean.models.flux2.sizes import HIDDEN_LAYERS
 from lean.models.flux2.text import mistral_prompt_embeds
+from lean.models.latent_grid import vae_scale
 from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds
 
@@ -105,7 +106,7 @@ class Flux2:
     hidden_layers: tuple[int, ...] = HIDDEN_LAYERS  # the text encoder's stacked hidden states
 
     def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
-        scale = 2 ** (len(vae_config.block_out_channels) - 1)
+        scale = vae_scale(vae_config)
         latent = resolution // scale
         if latent % 2:
             raise ValueError(f"resolution {resolution} gives an odd {latent}x{latent} latent; FLUX.2 packs 2x2 patches")

@@ -166,10 +166,9 @@ def _audio_vae(base: int, mult: tuple[int, ...], blocks: int, latent: int, mel_b
     )
 
 
-def _vocoder(mel_bins: int, hidden: int, stages: tuple, bwe_hidden: int, bwe_stages: tuple, resnets: tuple) -> dict:
-    """LTX2VocoderWithBWE: a 16 kHz vocoder (upsampling ``stages``: (kernel, factor) pairs whose factors multiply to
-    the 160 samples of a mel frame), then a bandwidth extender to 48 kHz (``bwe_stages``: factors multiplying to 240 =
-    3 x its hop 80); ``resnets``: (kernel sizes, dilations) of each stage's residual blocks."""
+def _upsampler(mel_bins: int, hidden: int, stages: tuple, resnets: tuple) -> dict:
+    """One of LTX2VocoderWithBWE's two upsampling networks (the vocoder, and with the ``bwe_`` prefix the bandwidth
+    extender): the same keys, each network its own width and (kernel, factor) ``stages``."""
     kernels, dilations = resnets
     return dict(
         in_channels=2 * mel_bins,
@@ -186,20 +185,17 @@ def _vocoder(mel_bins: int, hidden: int, stages: tuple, bwe_hidden: int, bwe_sta
         antialias_kernel_size=12,
         final_act_fn=None,
         final_bias=False,
-        bwe_in_channels=2 * mel_bins,
-        bwe_hidden_channels=bwe_hidden,
-        bwe_out_channels=2,
-        bwe_upsample_kernel_sizes=[k for k, _ in bwe_stages],
-        bwe_upsample_factors=[f for _, f in bwe_stages],
-        bwe_resnet_kernel_sizes=list(kernels),
-        bwe_resnet_dilations=[list(d) for d in dilations],
-        bwe_act_fn="snakebeta",
-        bwe_leaky_relu_negative_slope=0.1,
-        bwe_antialias=True,
-        bwe_antialias_ratio=2,
-        bwe_antialias_kernel_size=12,
-        bwe_final_act_fn=None,
-        bwe_final_bias=False,
+    )
+
+
+def _vocoder(mel_bins: int, hidden: int, stages: tuple, bwe_hidden: int, bwe_stages: tuple, resnets: tuple) -> dict:
+    """LTX2VocoderWithBWE: a 16 kHz vocoder (upsampling ``stages``: (kernel, factor) pairs whose factors multiply to
+    the 160 samples of a mel frame), then a bandwidth extender to 48 kHz (``bwe_stages``: factors multiplying to 240 =
+    3 x its hop 80); ``resnets``: (kernel sizes, dilations) of each stage's residual blocks."""
+    extender = _upsampler(mel_bins, bwe_hidden, bwe_stages, resnets)
+    return dict(
+        **_upsampler(mel_bins, hidden, stages, resnets),
+        **{f"bwe_{key}": value for key, value in extender.items()},
         filter_length=512,
         hop_length=80,
         window_length=512,

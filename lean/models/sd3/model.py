@@ -21,42 +21,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lean.models.latent_grid import LatentGrid, vae_scale
 from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds, tokenize
 
 
-class SD3:
+class SD3(LatentGrid):
     """SD3 geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
 
     def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
-        scale = 2 ** (len(vae_config.block_out_channels) - 1)
-        self.h = self.w = resolution // scale
+        latent = resolution // vae_scale(vae_config)
         patch, max_patches = transformer_config.patch_size, transformer_config.pos_embed_max_size
-        if self.h % patch or self.h // patch > max_patches:
+        if latent % patch or latent // patch > max_patches:
             raise ValueError(
-                f"resolution {resolution} gives a {self.h}x{self.h} latent; SD3 needs a multiple of "
+                f"resolution {resolution} gives a {latent}x{latent} latent; SD3 needs a multiple of "
                 f"{patch} with at most {max_patches} patches per side"
             )
-        self.patch = patch
-        self.channels = vae_config.latent_channels
-        self.scaling, self.shift = vae_config.scaling_factor, vae_config.shift_factor
-
-    @property
-    def noise_shape(self) -> tuple[int, ...]:
-        return (self.channels, self.h, self.w)
-
-    latent_shape = noise_shape
-
-    @property
-    def image_seq_len(self) -> int:
-        """Image tokens (StableDiffusion3Pipeline's ``image_seq_len`` for a dynamically shifting scheduler)."""
-        return (self.h // self.patch) * (self.w // self.patch)
-
-    def noise_to_latents(self, noise: Tensor) -> Tensor:
-        return noise
-
-    def latents_from_vae(self, z: Tensor) -> Tensor:
-        return self.noise_to_latents((z - self.shift) * self.scaling)
+        self.set_grid(vae_config, resolution, patch)
 
     def encode_text(
         self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lean.models.latent_grid import LatentGrid, vae_scale
 from lean.models.sequence_parallel import SequenceParallel
 from lean.models.text import PromptEmbeds, real_tokens
 
@@ -38,37 +39,18 @@ CHAT_TEMPLATE = (
 )
 
 
-class ZImage:
-    """Z-Image geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images)."""
+class ZImage(LatentGrid):
+    """Z-Image geometry, conditioning and calls for a fixed resolution (``num_frames`` is ignored: images; its
+    ``image_seq_len`` is the pipeline's, :471)."""
 
     def __init__(self, transformer_config, vae_config, resolution: int, num_frames: int = 1):
-        scale = 2 ** (len(vae_config.block_out_channels) - 1)  # ZImagePipeline.vae_scale_factor
-        self.patch = transformer_config.all_patch_size[0]
-        if resolution % (scale * self.patch):  # the pipeline's "divisible by vae_scale_factor * 2" (:402-412)
+        scale, patch = vae_scale(vae_config), transformer_config.all_patch_size[0]  # ZImagePipeline.vae_scale_factor
+        if resolution % (scale * patch):  # the pipeline's "divisible by vae_scale_factor * 2" (:402-412)
             raise ValueError(
-                f"resolution {resolution}: Z-Image patchifies {self.patch}x{self.patch} patches of its {scale}x VAE "
-                f"latent: use a multiple of {scale * self.patch}"
+                f"resolution {resolution}: Z-Image patchifies {patch}x{patch} patches of its {scale}x VAE "
+                f"latent: use a multiple of {scale * patch}"
             )
-        self.h = self.w = resolution // scale
-        self.channels = vae_config.latent_channels
-        self.scaling, self.shift = vae_config.scaling_factor, vae_config.shift_factor
-
-    @property
-    def noise_shape(self) -> tuple[int, ...]:
-        return (self.channels, self.h, self.w)
-
-    latent_shape = noise_shape
-
-    @property
-    def image_seq_len(self) -> int:
-        """Image tokens (the pipeline's ``image_seq_len``, :471)."""
-        return (self.h // self.patch) * (self.w // self.patch)
-
-    def noise_to_latents(self, noise: Tensor) -> Tensor:
-        return noise
-
-    def latents_from_vae(self, z: Tensor) -> Tensor:
-        return (z - self.shift) * self.scaling
+        self.set_grid(vae_config, resolution, patch)
 
     def encode_text(
         self, encoders, tokenizers, prompts: list[str], max_length: int, device: torch.device, images=None
