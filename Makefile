@@ -39,11 +39,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# the quick suite (under 200 s on 2 cores): every unit, every single-process claim and the lighter multi-process
+# ones; not the tests marked `slow` (multi-process and end-to-end: the smoke `dvc repro` with its notebooks, gloo ranks
+# under FSDP2, HSDP and sequence parallelism, a killed rank) nor the further cases marked `matrix`
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
-# every case of every claim: `make test` and the further cases marked `matrix` (other world sizes and combinations of
-# a code path `make test` already runs)
+# every test: `make test`'s, the `slow` ones and every `matrix` case (other world sizes and combinations of a code path
+# `make test` already runs); what CI runs (.ci/run)
 test-full: lint
 	LEAN_TEST_FULL=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 

@@ -140,7 +140,7 @@ def take_layout(trainer: Trainer, layout: str) -> None:
 
 def count_iteration_flops(trainer: Trainer, schedule: str, iteration: int = 0) -> dict[str, int]:
     """FLOPs of one iteration per region (rollout_forward, backward, recompute_forward, reference_forward, decode):
-    a full iteration under ``FlopCounterMode``, with the weights and optimizer restored afterwards (``lean train``
+    a full iteration under ``FlopCounter``, with the weights and optimizer restored afterwards (``lean train``
     counts during its first iteration instead: :func:`train`)."""
     state = trainer.state.state_dict()
     tally = FlopTally()
@@ -167,7 +167,7 @@ def train(cfg: RunConfig, out: str | None = None, resume: bool = False, force: b
     written under a config that differs in anything but :data:`RESUMABLE_CHANGES` is refused before any model is
     built (a :class:`ConfigError` naming the keys), unless ``force``.
 
-    FLOPs per region are counted during the first iteration this process runs (``FlopCounterMode``; every iteration
+    FLOPs per region are counted during the first iteration this process runs (``FlopCounter``; every iteration
     does the same work, so the count is any iteration's). Counting slows that iteration down, so its row says
     ``flops_counted: 1`` and the summary's ``time_*`` medians leave it out when other iterations were timed. Only
     when no iteration completed (a resume with nothing left, every iteration skipped) is one more, undone,

@@ -10,9 +10,9 @@ import torch
 # CPU each at every start on 2 cores.
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
-# `make test` runs three pytest-xdist workers on 2 cores (-n 3 --dist loadgroup), each with one torch thread: a test
-# waiting on its processes, a server or a timeout leaves its core to the others (2 workers kept the cores 60% busy: 723
-# s; 3 workers 495 s; 4 oversubscribe: 558 s); a plain `pytest` keeps up to two threads.
+# `make test` and `make test-full` run three pytest-xdist workers on 2 cores (-n 3 --dist loadgroup), each with one
+# torch thread: a test waiting on its processes, a server or a timeout leaves its core to the others (2 workers kept
+# the cores 60% busy: 723 s; 3 workers 495 s; 4 oversubscribe: 558 s); a plain `pytest` keeps up to two threads.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
 if WORKER:  # and so does every process a test starts (lean train, lean launch's ranks, the smoke's stages)
@@ -42,9 +42,11 @@ SHARED_FIXTURE_MODULES = {
 LONG_FIRST = ("smoke", "test_layout", "test_certificate", "test_sharding", "test_sequence_parallel", "test_distributed")
 
 
-# `make test` checks every claim once; a claim's further cases (the same code path at another world size, or in
-# another combination its first case already crosses) carry the `matrix` mark and run under `make test-full`
-# (LEAN_TEST_FULL=1). A test of which only `matrix` cases were collected runs them: nothing selected is dropped.
+# Two tiers. `make test-full` (CI) checks every claim: every test, every case. `make test` is the quick tier: the tests
+# marked `slow` (multi-process and end-to-end) left out (-m "not slow"), and a claim's further cases (the same code
+# path at another world size, or in another combination its first case already crosses) carry the `matrix` mark and
+# are left to `make test-full` (LEAN_TEST_FULL=1). A test of which only `matrix` cases were collected runs them:
+# nothing selected is dropped.
 FULL = os.environ.get("LEAN_TEST_FULL", "0") not in ("", "0")
 
 

@@ -32,9 +32,21 @@ OWN_ROLLOUT = {
 }
 
 
+FAMILIES = ("flux", "sd3", "wan")
+
+
+def every_algorithm_on_every_family() -> list:
+    """(algorithm, family) for every pair: each algorithm on one family in `make test` (the families in turn, so each
+    trains four or five of them), its other two families `matrix` cases (`make test-full`)."""
+    return [
+        pytest.param(algorithm, family, marks=() if j == i % len(FAMILIES) else pytest.mark.matrix)
+        for i, algorithm in enumerate(ALGORITHMS)
+        for j, family in enumerate(FAMILIES)
+    ]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm,family", every_algorithm_on_every_family())
 def test_lean_train_runs_every_algorithm_on_every_family(algorithm, family, tmp_path):
     sets = [*FAST, f"model.family={family}", f"algorithm.name={algorithm}", "train.iterations=2"]
     sets += OWN_ROLLOUT.get(algorithm, [])

@@ -8,8 +8,9 @@ Peak memory
     what the region itself added. Where ``clear_refs`` is not writable we fall back to ``ru_maxrss`` (never reset).
 
 FLOPs
-    ``torch.utils.flop_counter.FlopCounterMode`` around a region; forward and backward regions are counted separately
-    by the caller (``FlopTally``) so that MFU can count only the FLOPs an algorithm needs.
+    ``lean.observe.flops.FlopCounter`` (torch's formulas, as ``FlopCounterMode`` counts them, at a fifth of its cost)
+    around a region; forward and backward regions are counted separately by the caller (``FlopTally``) so that MFU
+    can count only the FLOPs an algorithm needs.
 
 Peak FLOP/s
     CPU: measured by a calibration matmul (best of a few timed repetitions). GPU: the vendor's dense tensor-core figure
@@ -30,7 +31,8 @@ import warnings
 from collections import defaultdict
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+
+from lean.observe.flops import FlopCounter
 
 # Dense (non-sparse) peak TFLOP/s from the NVIDIA datasheets (SXM parts). fp32 = plain FP32 (no TF32).
 TF32 = "tf32"  # the tensor-core rate float32 matmuls get with TF32 on (torch.set_float32_matmul_precision("high"))
@@ -328,7 +330,7 @@ class SavedBytes:
 class FlopTally:
     """FLOPs per named region of one measured stretch of work.
 
-    One ``FlopCounterMode`` runs for the whole ``measuring()`` block; ``region(name)`` attributes the FLOPs counted
+    One ``FlopCounter`` runs for the whole ``measuring()`` block; ``region(name)`` attributes the FLOPs counted
     while it is the innermost open region to ``name`` (regions nest: a backward inside the rollout counts as
     ``backward``, not twice). Outside ``measuring()`` a region costs one ``if``.
     """
@@ -341,7 +343,7 @@ class FlopTally:
 
     @contextlib.contextmanager
     def measuring(self):
-        with FlopCounterMode(display=False) as mode:
+        with FlopCounter() as mode:
             self._mode, self._seen = mode, 0
             try:
                 with self.region("other"):
@@ -350,7 +352,7 @@ class FlopTally:
                 self._mode = None
 
     def _attribute(self) -> None:
-        total = self._mode.get_total_flops()
+        total = self._mode.total
         if self._stack:
             self.flops[self._stack[-1]] += total - self._seen
         self._seen = total

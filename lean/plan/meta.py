@@ -9,7 +9,8 @@ device, and the probe of :mod:`lean.plan.cost` runs there:
           Resident: every component's weights at ``model.dtype`` (the trainable ones as float32 masters in half
           precision), plus AdamW's two moments; the gradients count in the backward's transient and in the
           optimizer stage.
-  time    each call's FLOPs (``FlopCounterMode``) / (the GPU's datasheet peak x ``mfu``, an assumed utilisation).
+  time    each call's FLOPs (``lean.observe.flops.FlopCounter``) / (the GPU's datasheet peak x ``mfu``, an assumed
+          utilisation).
           The rewards are not modelled (0 s).
 
 The blocks of a denoiser repeat, and every count is affine in how many there are of each kind (each block adds its
@@ -52,7 +53,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
 
 from lean.config import AUTO, ConfigError
 from lean.configure import validate
@@ -60,6 +60,7 @@ from lean.models.build import build_policy
 from lean.models.footprint import transformer_blocks
 from lean.models.registry import family_spec
 from lean.models.sequence_parallel import base_model, enable, sequence_problem
+from lean.observe.flops import FlopCounter
 from lean.observe.metrics import GPU_PEAK_TFLOPS, MEMORY_MARGIN, SavedBytes
 from lean.observe.outputs import write_json
 from lean.parallel.grad_sync import PER_BACKWARD, PER_UPDATE
@@ -261,7 +262,7 @@ def decode_counts(
     """(peak bytes, FLOPs) of decoding the first ``rows`` of ``latents``, kept in ``known`` by ``rows``: counted once
     per row count."""
     if rows not in known:
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounter() as flops:
             start = memory.mark()
             images = policy.decode(latents[:rows])
             known[rows] = (memory.peak - start, flops.get_total_flops())
@@ -284,7 +285,7 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
 
     def step(rows: slice, grad: bool, backward: bool, memory: MetaMemory) -> tuple[int, int, int]:
         """(FLOPs, bytes kept after the forward, peak bytes of the backward beyond them)."""
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounter() as flops:
             start = memory.mark()
             with torch.set_grad_enabled(grad):
                 at = Transition(index=index[rows], rows=rows, sample=x[rows])

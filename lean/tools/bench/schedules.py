@@ -6,7 +6,7 @@ drifts slowly favours no schedule), from the same saved weights and optimizer st
 identical trajectories; the first ``warmup`` rounds are discarded and medians are taken over ``repeats`` rounds.
 Peak memory comes from one extra, untimed iteration per schedule before the timed rounds
 (``lean.observe.metrics.PeakMemory``: trimmed heap, reset high-water mark), FLOPs from another under
-``FlopCounterMode``: both disturb timing. On CPU the heap maps every large block on its own during the memory pass
+``FlopCounter``: both disturb timing. On CPU the heap maps every large block on its own during the memory pass
 (``live_bytes_heap``), so that the resident set counts live tensor bytes as ``max_memory_allocated`` does on GPU, and
 keeps freed pages during the timed rounds (``keep_freed_memory``), as the CUDA caching allocator does.
 
@@ -106,7 +106,7 @@ class BenchOptions:
     """CPUs the process runs on (its affinity, every thread); 0: all it may use. One, so that a schedule that overlaps
     work in a second thread (the scoring) does not gain a core the others leave idle."""
     flops: bool = True
-    """Count each schedule's FLOPs (one more iteration each, under ``FlopCounterMode``: MFU and HFU)."""
+    """Count each schedule's FLOPs (one more iteration each, under ``FlopCounter``: MFU and HFU)."""
 
 
 def bench_config(
