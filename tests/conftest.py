@@ -10,9 +10,10 @@ import torch
 # CPU each at every start on 2 cores.
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
-# `make test` and `make test-full` run three pytest-xdist workers on 2 cores (-n 3 --dist loadgroup), each with one
-# torch thread: a test waiting on its processes, a server or a timeout leaves its core to the others (2 workers kept
-# the cores 60% busy: 723 s; 3 workers 495 s; 4 oversubscribe: 558 s); a plain `pytest` keeps up to two threads.
+# `make test-full` runs three pytest-xdist workers on 2 cores (-n 3 --dist loadgroup), each with one torch thread: a
+# test waiting on its processes, a server or a timeout leaves its core to the others (2 workers kept the cores 60%
+# busy: 723 s; 3 workers 495 s; 4 oversubscribe: 558 s); `make test`, whose tests seldom wait, runs two; a plain
+# `pytest` keeps up to two threads.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
 if WORKER:  # and so does every process a test starts (lean train, lean launch's ranks, the smoke's stages)
