@@ -1,9 +1,9 @@
 """lean.models.wan21_i2v and lean.models.wan22_i2v: Wan image-to-video (Wan2.1-I2V-14B-480P: one transformer that also
 reads the image's CLIP states; Wan2.2-I2V-A14B: two experts split at sigma 0.9) against diffusers' own
 WanImageToVideoPipeline on the same weights (the conditioning latent and mask beside the noisy latent, the CLIP
-states, the text, each transformer call with CFG), the pipeline folder round trip, the refusals, ``lean train`` with
-the reference frame in the evaluation grid, the float64 and bfloat16 certificates, the published sizes and the
-Flow-Factory presets planned there.
+states, the text, each transformer call with CFG), the pipeline folder round trip, the exported LoRA in that pipeline,
+the refusals, ``lean train`` with the reference frame in the evaluation grid, the float64 and bfloat16 certificates,
+the published sizes and the Flow-Factory presets planned there.
 
 One tiny float32 build per family (module-scoped) serves the tests that do not need float64.
 """
@@ -159,6 +159,36 @@ def test_a_folder_the_pipeline_saves_loads_as_model_pretrained(policy, tmp_path)
     with torch.no_grad():
         got = loaded.velocity(x, sigma, loaded.encode_prompts(PROMPTS[:2]), guided)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+def test_the_exported_lora_loads_into_the_i2v_pipeline(policy, tmp_path):
+    """``save_policy_lora`` -> lean sample's loader: WanImageToVideoPipeline on the base folder with the exported LoRA
+    (Wan2.2's second expert from its own file, ``load_into_transformer_2``); the denoiser the pipeline runs at each
+    sigma then gives the policy's velocity with the image's condition, not the base's."""
+    from lean.export import save_policy_lora
+    from lean.tools.sampling import SampleOptions, check_folders, load_pipeline
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    policy.save_pretrained(base, adapter=False)
+    save_policy_lora(policy, lora)
+    experts = len(policy.denoisers)
+    assert len(list(lora.glob("*.safetensors"))) == experts
+    assert check_folders(base, lora) == policy.family
+    pipe = load_pipeline(base, lora, SampleOptions(device="cpu"), policy.family)
+    assert type(pipe).__name__ == "WanImageToVideoPipeline"
+    nets = (pipe.transformer, pipe.transformer_2)[:experts]
+    x = policy.init_latents([torch.Generator().manual_seed(b) for b in range(2)])
+    sigma = torch.tensor([0.95, 0.3])  # both sides of Wan2.2's boundary
+    emb = policy.encode_prompts(PROMPTS[:2])
+    with torch.no_grad():
+        expected = policy.velocity(x, sigma, emb)
+        with policy.reference():
+            base_v = policy.velocity(x, sigma, emb)
+        for b in range(2):
+            net = nets[policy.denoiser_index(float(sigma[b]))]
+            got = policy.runtime.forward(net, x[b : b + 1], sigma[b : b + 1], emb.index(b), None)
+            torch.testing.assert_close(got, expected[b : b + 1], rtol=0, atol=ATOL)
+            assert (expected[b] - base_v[b]).abs().max() > 1e-3  # the adapter matters
 
 
 def test_text_prompts_and_missing_images_are_refused(tmp_path):
