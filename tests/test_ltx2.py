@@ -193,6 +193,32 @@ def test_the_soundtrack_reaches_a_reward_that_reads_it(policy, tmp_path):
     assert len(heard) == 2 and heard[1].shape[1:] == (2, 15840) and evaluation.shape[1] == 2
 
 
+def test_the_plan_decodes_the_soundtrack_when_a_reward_reads_it(monkeypatch):
+    """``lean plan``'s decode term (the meta device) adds the audio VAE and vocoder when a weighted reward declares
+    reads_audio, and only then: the difference is the soundtrack decode's own FLOPs."""
+    from lean.observe.flops import FlopCounter
+    from lean.plan.meta import meta_input, meta_probe
+    from lean.rewards.base import REWARDS
+    from lean.rewards.scorer import declared_reads_audio
+
+    def loudness(images, prompts, audio=None):
+        return audio.abs().mean((1, 2)).double()
+
+    loudness.reads_audio = True
+    monkeypatch.setitem(REWARDS, "loudness", loudness)
+    base = [*FAST, f"model.family={FAMILY}", f"model.num_frames={FRAMES}"]
+    probes = {}
+    for weights in ("{color_match: 1.0}", "{color_match: 1.0, loudness: 0.5}"):
+        cfg = load_config(None, [*base, f"reward.weights={weights}"])
+        probes[declared_reads_audio(cfg.reward)] = meta_probe(meta_input(cfg, 1), 1.0)  # times counted in FLOPs
+    inp = meta_input(cfg, 1)
+    with FlopCounter() as sound:
+        inp.policy.decode_audio(inp.policy.init_latents(inp.batch.generators[: probes[True]["batch"]]))
+    assert sound.total > 0 and probes[True]["batch"] == probes[False]["batch"]
+    assert probes[True]["t_decode"] == probes[False]["t_decode"] + sound.total
+    assert probes[True]["decode_mb"] > probes[False]["decode_mb"]
+
+
 def test_a_saved_pipeline_folder_loads_as_model_pretrained(policy, tmp_path):
     """Policy.save_pretrained writes every component, the connectors and vocoder under the pipeline's own module
     (model_index.json's "ltx2", as diffusers writes it); the folder loads as model.pretrained with the same velocity."""

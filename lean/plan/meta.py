@@ -78,6 +78,7 @@ from lean.plan.cost import (
     rollout_rows,
     shard_probes,
 )
+from lean.rewards.scorer import declared_reads_audio
 from lean.run.iteration import local_batch
 from lean.sampling.rollout import Sampler, policy_step
 from lean.sampling.sde import sigma_schedule
@@ -257,16 +258,18 @@ def with_all_to_alls(measured: dict, inp: PlanInput, degree: int) -> dict:
 
 
 def decode_counts(
-    policy, latents: torch.Tensor, rows: int, memory: MetaMemory, known: dict[int, tuple[int, int]]
+    policy, latents: torch.Tensor, rows: int, memory: MetaMemory, known: dict[int, tuple[int, int]], audio: bool
 ) -> tuple[int, int]:
     """(peak bytes, FLOPs) of decoding the first ``rows`` of ``latents``, kept in ``known`` by ``rows``: counted once
-    per row count."""
+    per row count. With ``audio`` (a reward reads the soundtrack) the soundtrack is decoded too, after the frames and
+    beside them, as the rollout does (``IterationPipeline.decode_and_score``: LTX-2's audio VAE and vocoder)."""
     if rows not in known:
         with FlopCounter() as flops:
             start = memory.mark()
             images = policy.decode(latents[:rows])
+            sound = policy.decode_audio(latents[:rows]) if audio else None
             known[rows] = (memory.peak - start, flops.get_total_flops())
-        del images
+        del images, sound
     return known[rows]
 
 
@@ -307,7 +310,8 @@ def meta_probe(inp: PlanInput, flops_per_s: float, decodes: dict[int, tuple[int,
             fb, activation, transient = step(slice(0, batch), grad=True, backward=True, memory=memory)
         fb_one, activation_one, _ = step(slice(0, 1), grad=True, backward=True, memory=memory)
         rows = inp.decoded_rows(batch)  # a split decode: this process's share
-        decode, decoded_flops = decode_counts(policy, x, rows, memory, {} if decodes is None else decodes)
+        audio = declared_reads_audio(cfg.reward)
+        decode, decoded_flops = decode_counts(policy, x, rows, memory, {} if decodes is None else decodes, audio)
     trainable = sum(p.numel() * p.element_size() for p in inp.trainable)
     # the weights and AdamW's two moments; the gradients are the backward's (in its transient) and the optimizer stage's
     resident = sum(p.numel() * p.element_size() for p in policy.parameters()) + 2 * trainable

@@ -55,6 +55,17 @@ def build_reward(
     return REWARDS.get_or_raise(name)
 
 
+def declared_reads_audio(cfg: RewardConfig) -> bool:
+    """Whether a weighted reward of ``cfg`` reads the soundtrack, by what its registration declares (nothing is built:
+    ``lean plan`` counts the audio decode from it). A remote reward, a pickle server's or a VLM judge reads frames."""
+    served = {*cfg.remote, *cfg.pickle_servers, *cfg.judges}
+    registered = (MODEL_REWARDS, GROUP_REWARDS, REWARDS)
+    return any(
+        reads_audio(registry[name]) for name in cfg.weights if name not in served for registry in registered
+        if name in registry
+    )  # fmt: skip
+
+
 def weighted_sum(
     rewards: Mapping[str, RewardFn],
     weights: Mapping[str, float],
