@@ -350,3 +350,25 @@ def documented_plan_rows() -> list[dict[str, str]]:
     block = text[text.index(DOCUMENTED_PLAN) :].split("```", 1)[0]
     rows = [line.split() for line in block.splitlines()]
     return [dict(zip(PLAN_COLUMNS, r)) for r in rows if r[:1] in (["recompute"], ["retain"], ["reweight"])]
+
+
+# ---------------------------------------------------------------- what the preset and certificate tests read
+
+
+def preset_value_lines(name: str) -> list[str]:
+    """The lines of preset ``name``'s file that set a value (``key: value``, indented: not a section, not a comment)."""
+    import re
+
+    from lean.config.presets import PRESETS
+
+    return [ln for ln in PRESETS[name].read_text().splitlines() if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
+
+
+def uncited(values: list[str], *allowed: str) -> list[str]:
+    """The value lines without a comment citing their source, less those that start with one of ``allowed``."""
+    return [ln for ln in values if "#" not in ln and not (allowed and ln.strip().startswith(allowed))]
+
+
+def reference_gap(report: dict) -> float:
+    """The largest relative norm difference of an equivalence report's schedules to its float64 reference."""
+    return max(r["rel_norm_diff"] for r in report["reference"].values())

@@ -7,15 +7,13 @@ wan: tests/test_algorithms.py (every algorithm on every family)."""
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
-from helpers import tiny, tiny_preset
+from helpers import preset_value_lines, tiny, tiny_preset, uncited
 
 from lean.algorithms import build_algorithm
 from lean.config import ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.tools.equivalence import passes, run_equivalence
 from lean.train import Trainer
 
@@ -142,9 +140,8 @@ def test_what_cannot_run_awm_is_one_config_line(sets, words):
 
 @pytest.mark.timeout(120)
 def test_the_preset_cites_every_value_trains_and_moves_its_ema_policy():
-    lines = (PRESET_DIR / "awm-sd3.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and [ln for ln in values if "#" not in ln] == []
+    values = preset_value_lines("awm-sd3")
+    assert len(values) >= 40 and uncited(values) == []
     trainer = Trainer(tiny_preset("awm-sd3", "sample.num_steps=4", "algorithm.awm.draws=2"))
     pipeline, start = trainer.pipeline, [p.detach().clone() for p in trainer.params]
     assert not pipeline.algorithm.rolls_out_snapshot  # the trained weights roll out (off_policy False, :883-884)

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from helpers import preset_value_lines, uncited
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError
@@ -324,12 +325,10 @@ PRESETS = {"flowfactory-grpo-flux2": ("flux2", 32.22e9), "flowfactory-grpo-flux2
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_cite_every_value_and_plan_at_the_published_size(name, tmp_path):
-    from lean.config.presets import PRESET_DIR
     from lean.plan.cost import main as plan
 
-    lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and [ln for ln in values if "#" not in ln] == []
+    values = preset_value_lines(name)
+    assert len(values) >= 40 and uncited(values) == []
     cfg = load_config(None, [], preset=name)
     family, published = PRESETS[name]
     assert cfg.model.family == family and cfg.model.lora_rank == 64 and cfg.model.lora_ffn

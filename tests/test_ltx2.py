@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, sets, spawn
+from helpers import FAST, preset_value_lines, reference_gap, sets, spawn, uncited
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS
-from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS
 from lean.models import Guidance, build_policy, count_parameters, family_spec, time_shift
@@ -319,8 +318,7 @@ def test_float64_equivalence_passes_at_1e_10(tmp_path, capsys):
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["passes"] and "PASS" in capsys.readouterr().out
     assert set(report["reference"]) == {"recompute", "retain", "reweight"}
-    for r in report["reference"].values():
-        assert r["rel_norm_diff"] < 1e-10
+    assert reference_gap(report) < 1e-10
 
 
 def test_bfloat16_certificate_runs(tmp_path):
@@ -338,9 +336,8 @@ def test_preset_cites_every_value_and_plans_at_the_published_size(tmp_path):
     from lean.plan.cost import main as plan
     from lean.run.iteration import select_local_steps
 
-    lines = (PRESET_DIR / f"{PRESET}.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and [ln for ln in values if "#" not in ln] == []
+    values = preset_value_lines(PRESET)
+    assert len(values) >= 40 and uncited(values) == []
     cfg = load_config(None, [], preset=PRESET)
     m, s, a, t = cfg.model, cfg.sample, cfg.algorithm, cfg.train
     assert (m.family, m.size, m.resolution, m.width, m.num_frames, m.lora_rank, m.lora_alpha, m.lora_ffn) == (

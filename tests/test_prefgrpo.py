@@ -12,11 +12,10 @@ from collections import defaultdict
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import preset_value_lines, tiny, uncited
 
 from lean.algorithms import build_algorithm
 from lean.config import ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.rewards.groupwise import group_pairs, win_rates
 from lean.rewards.judge_templates import PAIRWISE_TEMPLATES, parse_verdict
@@ -88,10 +87,9 @@ def test_a_chat_judge_names_its_endpoint_in_one_line():
 
 @pytest.mark.timeout(120)
 def test_the_preset_cites_every_value_is_the_published_recipe_and_plans(tmp_path):
-    lines = (PRESET_DIR / "prefgrpo-flux.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
+    values = preset_value_lines("prefgrpo-flux")
     assert len(values) >= 50
-    assert not [ln for ln in values if "#" not in ln and not ln.strip().startswith("sde_window_max_start: null")]
+    assert not uncited(values, "sde_window_max_start: null")
     cfg = load_config(None, [], preset="prefgrpo-flux")
     published = {  # scripts/full_train/ur_think_prefgrpo_flux.sh and scripts/_common_finetune.sh at 3e787f6
         ("model", "family"): "flux",

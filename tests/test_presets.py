@@ -5,14 +5,12 @@ CPU-sized batch, keeping each preset's step count, SDE, guidance, LoRA and optim
 import functools
 import json
 import math
-import re
 
 import pytest
 import torch
-from helpers import QUICK, tiny_preset, tiny_preset_sets
+from helpers import QUICK, preset_value_lines, tiny_preset, tiny_preset_sets, uncited
 
 from lean.config import ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.config.presets import PRESETS as KNOWN_PRESETS
 from lean.configure import load_config
 
@@ -64,11 +62,10 @@ def assert_preset_sigma_grid(trainer, name: str) -> None:
 def test_presets_ship_with_a_source_for_every_value():
     assert set(PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS + REWARD_TASK_PRESETS) <= set(KNOWN_PRESETS)
     for name in PRESETS + IMAGE_MODEL_PRESETS + TREE_PRESETS + REWARD_TASK_PRESETS:
-        lines = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
-        values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
+        values = preset_value_lines(name)
         assert len(values) >= 40, name
-        uncited = [ln for ln in values if "#" not in ln and not ln.strip().startswith("sde_window_max_start: null")]
-        assert not uncited, (name, uncited)
+        bare = uncited(values, "sde_window_max_start: null")
+        assert not bare, (name, bare)
 
 
 PUBLISHED = {  # the recipes as the issue and the cited scripts state them

@@ -18,11 +18,10 @@ import re
 import pytest
 import test_models as generic
 import torch
-from helpers import FAST, renorm, sets, train_every_schedule
+from helpers import FAST, preset_value_lines, reference_gap, renorm, sets, train_every_schedule, uncited
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS, ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, sampling_settings, save_diffusers_lora
 from lean.models import Guidance, build_policy, count_parameters, family_spec, time_shift
@@ -328,8 +327,7 @@ def test_float64_equivalence_passes_at_1e_10(tmp_path, capsys):
     assert main(args) == 0
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["passes"] and "PASS" in capsys.readouterr().out
-    for r in report["reference"].values():
-        assert r["rel_norm_diff"] < 1e-10
+    assert reference_gap(report) < 1e-10
 
 
 def test_lora_folder_loads_into_the_diffusers_pipeline(perturbed, folder, tmp_path):
@@ -381,9 +379,8 @@ def test_export_and_sample(runs, folder, tmp_path):
 
 
 def test_preset_cites_every_value_and_states_the_recipe():
-    lines = (PRESET_DIR / "flowgrpo-qwen-image.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and not [ln for ln in values if "#" not in ln]
+    values = preset_value_lines("flowgrpo-qwen-image")
+    assert len(values) >= 40 and not uncited(values)
     cfg = load_config(None, [], preset="flowgrpo-qwen-image")
     m, s, a, t = cfg.model, cfg.sample, cfg.algorithm, cfg.train
     assert (m.family, m.size, m.resolution, m.lora_rank, m.lora_alpha, m.lora_ffn) == (

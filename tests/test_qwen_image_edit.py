@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import pytest
 import test_models as generic
 import torch
-from helpers import FAST, renorm, sets, train_every_schedule, write_edit_prompts
+from helpers import (
+    FAST,
+    preset_value_lines,
+    reference_gap,
+    renorm,
+    sets,
+    train_every_schedule,
+    uncited,
+    write_edit_prompts,
+)
 
 from lean.cli import main
 from lean.config import ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.config.prompts import read_prompts, reference_pixels
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, save_diffusers_lora
@@ -217,7 +224,7 @@ def test_float64_equivalence_passes_at_1e_10(tmp_path):
     assert main(args) == 0
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["passes"] and len(report["reference"]) == 3
-    assert all(r["rel_norm_diff"] < 1e-10 for r in report["reference"].values())
+    assert reference_gap(report) < 1e-10
 
 
 def test_exported_lora_loads_into_the_edit_pipeline_which_samples_edits(policy, folder, runs, tmp_path):
@@ -252,9 +259,8 @@ def test_exported_lora_loads_into_the_edit_pipeline_which_samples_edits(policy, 
 
 
 def test_preset_cites_every_value_and_states_the_recipe():
-    lines = (PRESET_DIR / "flowgrpo-qwen-image-edit.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and not [ln for ln in values if "#" not in ln]
+    values = preset_value_lines("flowgrpo-qwen-image-edit")
+    assert len(values) >= 40 and not uncited(values)
     cfg = load_config(None, [], preset="flowgrpo-qwen-image-edit")
     m, s, a, t = cfg.model, cfg.sample, cfg.algorithm, cfg.train
     assert (m.family, m.size, m.resolution, m.lora_rank, m.lora_alpha, m.lora_ffn) == (

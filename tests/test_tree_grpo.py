@@ -10,11 +10,10 @@ import re
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import preset_value_lines, tiny, uncited
 
 from lean.algorithms import build_algorithm
 from lean.config import ConfigError
-from lean.config.presets import PRESETS as PRESET_FILES
 from lean.configure import load_config
 
 PRESET = "treegrpo-sd3"
@@ -168,10 +167,9 @@ def test_what_it_cannot_run_is_one_config_line(sets, key):
 def test_the_preset_cites_every_value_and_is_the_readmes_run():
     from lean.sampling.tree import tree_shape
 
-    lines = PRESET_FILES[PRESET].read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
+    values = preset_value_lines(PRESET)
     assert len(values) >= 40
-    assert not [ln for ln in values if "#" not in ln and not ln.strip().startswith("sde_window_max_start: null")]
+    assert not uncited(values, "sde_window_max_start: null")
     cfg = load_config(None, [], preset=PRESET)
     m, s, a, t, o = cfg.model, cfg.sample, cfg.algorithm, cfg.train, cfg.optimizer
     assert (m.family, m.resolution, m.full_finetune, s.num_steps, s.noise_level, s.guidance_scale) == (

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import FAST, lean_here, sets, spawn
+from helpers import FAST, lean_here, preset_value_lines, reference_gap, sets, spawn, uncited
 
 from lean.config import ConfigError
-from lean.config.presets import PRESET_DIR
 from lean.config.prompts import read_prompts, reference_image
 from lean.configure import load_config
 from lean.models import Guidance, build_policy, build_scheduler, count_parameters, family_spec
@@ -283,7 +281,7 @@ def test_float64_certificate_passes_at_1e_10(family, tmp_path):
     lean_here("equivalence", *sets(*FAST, f"model.family={family}", "model.dtype=float64"), "--out", str(tmp_path))
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["passes"] and set(report["reference"]) == {"recompute", "retain", "reweight"}
-    assert all(r["rel_norm_diff"] < 1e-10 for r in report["reference"].values())
+    assert reference_gap(report) < 1e-10
 
 
 @pytest.mark.timeout(120)
@@ -301,9 +299,8 @@ def test_bfloat16_certificate_runs(tmp_path):
 def test_preset_cites_every_value_and_plans_at_the_published_size(family, tmp_path):
     from lean.plan.cost import main as plan
 
-    lines = (PRESET_DIR / f"{PRESETS[family]}.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and [ln for ln in values if "#" not in ln] == []
+    values = preset_value_lines(PRESETS[family])
+    assert len(values) >= 40 and uncited(values) == []
     cfg = load_config(None, [], preset=PRESETS[family])
     m, s = cfg.model, cfg.sample
     assert (m.family, m.size, m.num_frames, m.lora_rank, m.lora_alpha, m.text_max_length) == (

@@ -15,11 +15,10 @@ import re
 
 import pytest
 import torch
-from helpers import FAST, sets
+from helpers import FAST, preset_value_lines, reference_gap, sets, uncited
 
 from lean.cli import main
 from lean.config import DEFAULT_PROMPTS
-from lean.config.presets import PRESET_DIR
 from lean.configure import load_config
 from lean.export import LORA_WEIGHTS, sampling_settings
 from lean.models import Guidance, build_policy, count_parameters, family_spec, time_shift
@@ -205,8 +204,7 @@ def test_float64_equivalence_passes_at_1e_10(tmp_path, capsys):
     report = json.loads((tmp_path / "equivalence.json").read_text())
     assert report["passes"] and "PASS" in capsys.readouterr().out
     assert set(report["reference"]) == {"recompute", "retain", "reweight"}
-    for r in report["reference"].values():
-        assert r["rel_norm_diff"] < 1e-10
+    assert reference_gap(report) < 1e-10
 
 
 # ---------------------------------------------------------------- the Flow-Factory preset
@@ -215,9 +213,8 @@ def test_float64_equivalence_passes_at_1e_10(tmp_path, capsys):
 def test_preset_cites_every_value_and_plans_at_the_published_size(tmp_path):
     from lean.plan.cost import main as plan
 
-    lines = (PRESET_DIR / f"{PRESET}.yaml").read_text().splitlines()
-    values = [ln for ln in lines if re.match(r"^\s+\w+:\s*[^\s#]", ln)]
-    assert len(values) >= 40 and [ln for ln in values if "#" not in ln] == []
+    values = preset_value_lines(PRESET)
+    assert len(values) >= 40 and uncited(values) == []
     cfg = load_config(None, [], preset=PRESET)
     m, s, a, t = cfg.model, cfg.sample, cfg.algorithm, cfg.train
     assert (m.family, m.size, m.resolution, m.lora_rank, m.lora_alpha, m.lora_ffn) == (
