@@ -8,9 +8,9 @@ Peak memory
     what the region itself added. Where ``clear_refs`` is not writable we fall back to ``ru_maxrss`` (never reset).
 
 FLOPs
-    ``lean.observe.flops.FlopCounter`` (torch's formulas, as ``FlopCounterMode`` counts them, at a fifth of its cost)
-    around a region; forward and backward regions are counted separately by the caller (``FlopTally``) so that MFU
-    can count only the FLOPs an algorithm needs.
+    ``lean.observe.flops.FlopCounter`` (torch's formulas, as ``FlopCounterMode`` counts them, at a third of its
+    overhead) around a region; forward and backward regions are counted separately by the caller (``FlopTally``) so
+    that MFU can count only the FLOPs an algorithm needs.
 
 Peak FLOP/s
     CPU: measured by a calibration matmul (best of a few timed repetitions). GPU: the vendor's dense tensor-core figure

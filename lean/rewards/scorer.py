@@ -56,14 +56,16 @@ def build_reward(
 
 
 def declared_reads_audio(cfg: RewardConfig) -> bool:
-    """Whether a weighted reward of ``cfg`` reads the soundtrack, by what its registration declares (nothing is built:
-    ``lean plan`` counts the audio decode from it). A remote reward, a pickle server's or a VLM judge reads frames."""
+    """Whether a weighted reward of ``cfg`` reads the soundtrack, by what the entry :func:`build_reward` would build
+    declares (nothing is built: ``lean plan`` counts the audio decode from it). A remote reward, a pickle server's or
+    a VLM judge reads frames."""
     served = {*cfg.remote, *cfg.pickle_servers, *cfg.judges}
-    registered = (MODEL_REWARDS, GROUP_REWARDS, REWARDS)
-    return any(
-        reads_audio(registry[name]) for name in cfg.weights if name not in served for registry in registered
-        if name in registry
-    )  # fmt: skip
+    for name in cfg.weights:
+        if name not in served:
+            entry = next((r[name] for r in (MODEL_REWARDS, GROUP_REWARDS, REWARDS) if name in r), None)
+            if reads_audio(entry):
+                return True
+    return False
 
 
 def weighted_sum(
